@@ -1,0 +1,75 @@
+"""Side-by-side timing and memory of benchmark variants, each in a fresh process.
+
+A variant is a function ``setup(**kwargs) -> step`` importable as ``"module:function"``; ``step()`` runs one
+forward+backward. The child process builds the inputs, records its resident set size, runs one warm-up
+step and ``iters`` timed steps, and reports seconds per step and the peak-RSS increase over that baseline
+(VmHWM - VmRSS before the first step), so every variant's memory is measured from the same clean start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any, Dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def machine_line(threads: int) -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads, "
+            f"python {platform.python_version()}")
+
+
+def run_variant(target: str, threads: int = 2, iters: int = 3, timeout: float = 1800, **kwargs: Any) -> Dict:
+    """Run ``target`` (``"module:function"``) in a fresh process; return {"seconds", "peak_mib"} or {"error"}."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
+    payload = json.dumps({"target": target, "threads": threads, "iters": iters, "kwargs": kwargs})
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.harness", payload], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]}
+
+
+def _child(payload: str) -> None:
+    import importlib
+
+    import torch
+
+    spec = json.loads(payload)
+    torch.set_num_threads(spec["threads"])
+    module, func = spec["target"].split(":")
+    step = getattr(importlib.import_module(module), func)(**spec["kwargs"])
+    base = _status_kib("VmRSS")
+    step()  # warm-up (also counted in the peak: it allocates what every step does)
+    start = time.perf_counter()
+    for _ in range(spec["iters"]):
+        step()
+    seconds = (time.perf_counter() - start) / spec["iters"]
+    peak_mib = (_status_kib("VmHWM") - base) / 1024
+    print("RESULT " + json.dumps({"seconds": seconds, "peak_mib": peak_mib}))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

@@ -1,0 +1,214 @@
+"""Validated configuration dataclasses for every part of the model.
+
+Each dataclass checks itself in ``__post_init__`` so that a config that cannot work fails when it is
+built, with a ``ValueError`` that names the offending field and says what would fix it. Layers take
+these dataclasses; the Hugging Face config (``moe_plugin.models``) and the megatron-core specs
+(``moe_plugin.megatron``) translate to and from them, so the numbers live in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+ACTIVATIONS = ("situ", "swiglu")
+KDA_GATE_FORMS = ("k3", "kimi_linear")
+LAYER_KINDS = ("kda", "mla")
+
+
+def require(condition: bool, field_name: str, message: str) -> None:
+    """Raise ``ValueError("<field_name>: <message>")`` unless ``condition`` holds."""
+    if not condition:
+        raise ValueError(f"{field_name}: {message}")
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        require(isinstance(value, int) and value > 0, f"{type(obj).__name__}.{name}",
+                f"must be a positive integer, got {value!r}")
+
+
+@dataclass
+class KDAConfig:
+    """Kimi Delta Attention (ARCHITECTURE.md 2.1)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    conv_size: int = 4
+    gate_form: str = "k3"  # "k3": lower_bound * sigmoid(...); "kimi_linear": -exp(A_log) * softplus(...)
+    gate_lower_bound: float = -5.0
+    gate_rank: Optional[int] = None  # rank of the decay-gate projection f_a/f_b; default head_dim
+    chunk_size: int = 64
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.gate_rank is None:
+            self.gate_rank = self.head_dim
+        _positive(self, "hidden_size", "num_heads", "head_dim", "conv_size", "gate_rank", "chunk_size")
+        require(self.gate_form in KDA_GATE_FORMS, "KDAConfig.gate_form",
+                f"must be one of {KDA_GATE_FORMS}, got {self.gate_form!r}")
+        require(self.gate_lower_bound < 0, "KDAConfig.gate_lower_bound",
+                f"must be negative (a log decay), got {self.gate_lower_bound}")
+
+    @property
+    def proj_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@dataclass
+class MLAConfig:
+    """Gated multi-head latent attention with the optional DSA lightning indexer (ARCHITECTURE.md 2.2)."""
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    output_gate: bool = True
+    use_indexer: bool = True
+    index_topk: int = 2048
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        _positive(self, "hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                  "v_head_dim", "index_topk", "index_n_heads", "index_head_dim")
+        require(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0,
+                "MLAConfig.qk_rope_head_dim", f"must be a non-negative integer, got {self.qk_rope_head_dim!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass
+class MoEConfig:
+    """Stable Latent MoE (ARCHITECTURE.md 3)."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    latent_size: Optional[int] = None  # None: experts work on the full hidden (no latent projection)
+    latent_norm: bool = True
+    num_shared_experts: int = 1
+    shared_intermediate_size: Optional[int] = None  # fused width of all shared experts; default n * expert width
+    activation: str = "situ"
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    routed_scaling_factor: float = 1.0
+    renormalize: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
+    bias_update_rate: float = 1e-3
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        _positive(self, "hidden_size", "num_experts", "top_k", "expert_intermediate_size", "num_groups",
+                  "topk_groups")
+        if self.latent_size is not None:
+            _positive(self, "latent_size")
+        require(self.num_shared_experts >= 0, "MoEConfig.num_shared_experts",
+                f"must be >= 0, got {self.num_shared_experts}")
+        if self.shared_intermediate_size is None:
+            self.shared_intermediate_size = self.num_shared_experts * self.expert_intermediate_size
+        require(self.top_k <= self.num_experts, "MoEConfig.top_k",
+                f"must be <= num_experts ({self.num_experts}), got {self.top_k}")
+        require(self.activation in ACTIVATIONS, "MoEConfig.activation",
+                f"must be one of {ACTIVATIONS}, got {self.activation!r}")
+        require(self.num_experts % self.num_groups == 0, "MoEConfig.num_groups",
+                f"must divide num_experts ({self.num_experts}), got {self.num_groups}")
+        require(self.topk_groups <= self.num_groups, "MoEConfig.topk_groups",
+                f"must be <= num_groups ({self.num_groups}), got {self.topk_groups}")
+        per_group = self.num_experts // self.num_groups
+        require(self.top_k <= self.topk_groups * per_group, "MoEConfig.top_k",
+                f"must be <= topk_groups * experts per group ({self.topk_groups * per_group}), got {self.top_k}")
+
+    @property
+    def expert_dim(self) -> int:
+        """Width of the tokens the routed experts see (the latent width, or the hidden size)."""
+        return self.latent_size or self.hidden_size
+
+
+@dataclass
+class VisionConfig:
+    """ViT over 14-pixel patches with a 2x2 merge and an MLP projector (ARCHITECTURE.md 4)."""
+
+    hidden_size: int = 1024
+    num_layers: int = 27
+    num_heads: int = 16
+    intermediate_size: int = 4096
+    patch_size: int = 14
+    merge_size: int = 2
+    num_channels: int = 3
+    max_grid: int = 64  # learned 2-D position table side; interpolated to each image's grid
+    out_hidden_size: int = 7168
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        _positive(self, "hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size",
+                  "merge_size", "num_channels", "max_grid", "out_hidden_size")
+        require(self.hidden_size % self.num_heads == 0, "VisionConfig.num_heads",
+                f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}")
+        require((self.hidden_size // self.num_heads) % 4 == 0, "VisionConfig.num_heads",
+                "head dim (hidden_size / num_heads) must be a multiple of 4 for 2-D rotary positions")
+
+
+@dataclass
+class ModelConfig:
+    """The whole text model: embedding, a schedule of decoder layers, final norm and output layer."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    kda: KDAConfig
+    mla: MLAConfig
+    moe: MoEConfig
+    layer_types: Optional[List[str]] = None  # per layer "kda" or "mla"; default: every 4th layer is "mla"
+    first_k_dense: int = 1
+    dense_intermediate_size: int = 0
+    attn_res: bool = False
+    attn_res_block_size: int = 12
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    vision: Optional[VisionConfig] = None
+    image_token_id: Optional[int] = None
+
+    def __post_init__(self):
+        _positive(self, "vocab_size", "hidden_size", "num_layers", "attn_res_block_size")
+        if self.layer_types is None:
+            self.layer_types = default_layer_types(self.num_layers)
+        self.layer_types = list(self.layer_types)
+        require(len(self.layer_types) == self.num_layers, "ModelConfig.layer_types",
+                f"needs one entry per layer ({self.num_layers}), got {len(self.layer_types)}")
+        bad = sorted({t for t in self.layer_types if t not in LAYER_KINDS})
+        require(not bad, "ModelConfig.layer_types", f"entries must be in {LAYER_KINDS}, got {bad}")
+        require(0 <= self.first_k_dense <= self.num_layers, "ModelConfig.first_k_dense",
+                f"must be in [0, num_layers={self.num_layers}], got {self.first_k_dense}")
+        if self.first_k_dense:
+            _positive(self, "dense_intermediate_size")
+        for part in ("kda", "mla", "moe"):
+            sub = getattr(self, part)
+            require(sub.hidden_size == self.hidden_size, f"ModelConfig.{part}.hidden_size",
+                    f"must equal hidden_size ({self.hidden_size}), got {sub.hidden_size}")
+        if self.vision is not None:
+            require(self.vision.out_hidden_size == self.hidden_size, "ModelConfig.vision.out_hidden_size",
+                    f"must equal hidden_size ({self.hidden_size}), got {self.vision.out_hidden_size}")
+            require(self.image_token_id is not None and 0 <= self.image_token_id < self.vocab_size,
+                    "ModelConfig.image_token_id", f"must be a token id below vocab_size ({self.vocab_size})"
+                    " when vision is set")
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index >= self.first_k_dense
+
+
+def default_layer_types(num_layers: int, every: int = 4) -> List[str]:
+    """Three KDA layers to one MLA layer, with the last layer always full attention (as K3 does)."""
+    types = ["mla" if (i + 1) % every == 0 else "kda" for i in range(num_layers)]
+    types[-1] = "mla"
+    return types

@@ -1,0 +1,59 @@
+"""Argument checks shared by the ops: each failure is a ValueError naming the argument and what was expected."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def check_tensor(name: str, x: torch.Tensor, ndim: Optional[int] = None,
+                 shape: Optional[Sequence[Optional[int]]] = None, floating: bool = False) -> None:
+    """Check ``x``'s rank, its sizes (``None`` entries are free) and, optionally, that it is floating point."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions{_fmt(shape)}, got shape {tuple(x.shape)}")
+    if shape is not None:
+        for want, got in zip(shape, x.shape):
+            if want is not None and want != got:
+                raise ValueError(f"{name}: expected shape {_fmt(shape, bare=True)}, got {tuple(x.shape)}")
+    if floating and not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+
+
+def check_same_dtype(**tensors: torch.Tensor) -> None:
+    dtypes = {k: v.dtype for k, v in tensors.items() if v is not None}
+    if len(set(dtypes.values())) > 1:
+        listed = ", ".join(f"{k}={v}" for k, v in dtypes.items())
+        raise ValueError(f"dtype mismatch: {listed}; cast them to one dtype")
+
+
+def check_divides(name: str, value: int, divisor_name: str, divisor: int) -> None:
+    if divisor <= 0 or value % divisor != 0:
+        raise ValueError(f"{name}: expected a multiple of {divisor_name} ({divisor}), got {value}")
+
+
+def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], batch: int, total: int) -> None:
+    """``cu_seqlens`` (flash-linear-attention's convention) needs batch 1 and must run 0 .. total, increasing."""
+    if cu_seqlens is None:
+        return
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens: expected an int32/int64 tensor, got {cu_seqlens.dtype}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens: packed sequences need batch size 1, got batch {batch}")
+    if cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
+        raise ValueError(f"cu_seqlens: expected offsets from 0 to the sequence length {total}, "
+                         f"got {cu_seqlens.tolist()}")
+    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError(f"cu_seqlens: offsets must be non-decreasing, got {cu_seqlens.tolist()}")
+
+
+def _fmt(shape, bare: bool = False) -> str:
+    if shape is None:
+        return ""
+    text = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    return text if bare else f" {text}"
