@@ -149,14 +149,26 @@ class VisionConfig:
     max_grid: int = 64  # learned 2-D position table side; interpolated to each image's grid
     out_hidden_size: int = 7168
     norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # base of the 2-D rotary frequencies inside the ViT's attention
 
     def __post_init__(self):
         _positive(self, "hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size",
                   "merge_size", "num_channels", "max_grid", "out_hidden_size")
+        require(self.rope_theta > 0, "VisionConfig.rope_theta", f"must be positive, got {self.rope_theta}")
         require(self.hidden_size % self.num_heads == 0, "VisionConfig.num_heads",
                 f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}")
         require((self.hidden_size // self.num_heads) % 4 == 0, "VisionConfig.num_heads",
                 "head dim (hidden_size / num_heads) must be a multiple of 4 for 2-D rotary positions")
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one flattened patch, ``num_channels * patch_size**2`` (flattened as (C, ph, pw))."""
+        return self.num_channels * self.patch_size ** 2
+
+    @property
+    def merged_hidden_size(self) -> int:
+        """Width of one merged token, ``merge_size**2 * hidden_size`` (the projector's input)."""
+        return self.merge_size ** 2 * self.hidden_size
 
 
 @dataclass

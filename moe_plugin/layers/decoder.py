@@ -1,0 +1,94 @@
+"""A decoder layer: one attention kind (KDA or gated MLA/DSA) and one MLP kind (Stable Latent MoE or dense).
+
+Parameter names are K3's (ARCHITECTURE.md 7): ``input_layernorm``, ``self_attn``,
+``post_attention_layernorm``, then ``block_sparse_moe`` or ``mlp``; with Attention Residuals also
+``self_attention_res_{proj,norm}`` and ``mlp_res_{proj,norm}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .attn_res import AttnResStream, PlainStream, attn_res_point
+from .gated_dsa import GatedMLAAttention, MLACache
+from .kda import KDAAttention, KDACache
+from .mlp import GLUMLP
+from .moe import StableLatentMoE
+from .norm import RMSNorm
+
+LayerCache = Union[KDACache, MLACache]
+
+
+@dataclass
+class LayerAux:
+    """What a layer reports besides its output: the MoE load per expert ``[E]`` and the indexer KL loss."""
+
+    expert_load: Optional[torch.Tensor] = None
+    indexer_loss: Optional[torch.Tensor] = None
+
+
+def new_layer_cache(attention_type: str) -> LayerCache:
+    return KDACache() if attention_type == "kda" else MLACache()
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        if not 0 <= layer_idx < config.num_layers:
+            raise ValueError(f"layer_idx: expected 0 <= layer_idx < {config.num_layers}, got {layer_idx}")
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.attention_type = config.layer_types[layer_idx]
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.ends_block = (layer_idx + 1) % config.attn_res_block_size == 0
+        self.input_layernorm = RMSNorm(d, eps)
+        self.self_attn = KDAAttention(config.kda) if self.attention_type == "kda" else GatedMLAAttention(config.mla)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        if self.is_moe:
+            self.block_sparse_moe = StableLatentMoE(config.moe)
+        else:
+            moe = config.moe
+            self.mlp = GLUMLP(d, config.dense_intermediate_size, activation=moe.activation,
+                              situ_beta=moe.situ_beta, situ_linear_beta=moe.situ_linear_beta)
+        self.attn_res = config.attn_res
+        if config.attn_res:
+            self.self_attention_res_proj, self.self_attention_res_norm = attn_res_point(d, eps)
+            self.mlp_res_proj, self.mlp_res_norm = attn_res_point(d, eps)
+
+    def new_cache(self) -> LayerCache:
+        return new_layer_cache(self.attention_type)
+
+    def forward(self, stream: Union[PlainStream, AttnResStream], cu_seqlens: Optional[torch.Tensor] = None,
+                cache: Optional[LayerCache] = None, return_indexer_loss: bool = False) -> LayerAux:
+        """Advance ``stream`` (whose tensors are ``[B, T, D]``) through attention and MLP, in place."""
+        aux = LayerAux()
+        x = stream.read(*self._res_point("self_attention"))
+        h = self.input_layernorm(x)
+        if self.attention_type == "kda":
+            out = self.self_attn(h, cu_seqlens=cu_seqlens, cache=cache)
+        elif return_indexer_loss:
+            out, aux.indexer_loss = self.self_attn(h, cu_seqlens=cu_seqlens, cache=cache, return_indexer_loss=True)
+        else:
+            out = self.self_attn(h, cu_seqlens=cu_seqlens, cache=cache)
+        stream.add(out)
+
+        x = stream.read(*self._res_point("mlp"))
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            out, aux.expert_load = self.block_sparse_moe(h)
+        else:
+            out = self.mlp(h)
+        stream.add(out)
+        if self.attn_res and self.ends_block:
+            stream.end_block()
+        return aux
+
+    def _res_point(self, name: str):
+        if not self.attn_res:
+            return ()
+        return getattr(self, f"{name}_res_proj"), getattr(self, f"{name}_res_norm")

@@ -1,0 +1,219 @@
+"""Hugging Face model classes for the text model, composed from ``moe_plugin.layers``.
+
+Names follow K3 (ARCHITECTURE.md 7): ``model.embed_tokens``, ``model.layers.{i}``, ``model.norm``,
+``lm_head``, and with Attention Residuals ``model.output_attn_res_{proj,norm}``.
+
+Padding: the attention layers work on packed sequences, so a padded batch (an ``attention_mask`` with
+zeros, each row's real tokens contiguous) is packed into one row with ``cu_seqlens`` and unpacked after
+the last layer; the result equals running every row alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.utils import ModelOutput
+
+from ..layers.attn_res import attn_res_point, make_stream
+from ..layers.decoder import DecoderLayer
+from ..layers.norm import RMSNorm
+from .cache import HybridCache
+from .configuration import MoEPluginConfig
+
+
+@dataclass
+class MoEModelOutput(ModelOutput):
+    """last_hidden_state ``[B, T, D]``; expert_load ``[num_moe_layers, E]`` token counts; indexer_loss scalar."""
+
+    last_hidden_state: Optional[torch.Tensor] = None
+    cache: Optional[HybridCache] = None
+    expert_load: Optional[torch.Tensor] = None
+    indexer_loss: Optional[torch.Tensor] = None
+
+
+@dataclass
+class MoECausalLMOutput(ModelOutput):
+    loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    cache: Optional[HybridCache] = None
+    expert_load: Optional[torch.Tensor] = None
+    indexer_loss: Optional[torch.Tensor] = None
+
+
+def pack_padded(x: torch.Tensor, attention_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[B, T, D]`` with mask ``[B, T]`` -> (``[1, N, D]`` real tokens, ``cu_seqlens [B+1]``, flat index ``[N]``)."""
+    mask = attention_mask.bool()
+    lengths = mask.sum(1)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    first = torch.where(mask, positions, mask.shape[1]).amin(1)
+    last = torch.where(mask, positions, -1).amax(1)
+    if bool(((last - first + 1).clamp(min=0) != lengths).any()):
+        raise ValueError("attention_mask: each row's real tokens must be contiguous (left or right padding)")
+    index = mask.reshape(-1).nonzero().squeeze(1)
+    cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int64)
+    return x.reshape(-1, x.shape[-1])[index].unsqueeze(0), cu_seqlens, index
+
+
+def unpack_padded(packed: torch.Tensor, index: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    out = packed.new_zeros(batch * length, packed.shape[-1])
+    return out.index_copy(0, index, packed.squeeze(0)).view(batch, length, -1)
+
+
+class MoEPluginPreTrainedModel(PreTrainedModel):
+    config_class = MoEPluginConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DecoderLayer"]
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model builds its own HybridCache (recurrent state + latent kv)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.Linear) and module.out_features == 1:
+                nn.init.zeros_(module.weight)  # Attention-Residual projections start as a plain average
+        elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+            nn.init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif hasattr(module, "reset_extra_parameters"):
+            module.reset_extra_parameters()  # layers own the init of their non-Linear parameters
+
+
+class MoEPluginModel(MoEPluginPreTrainedModel):
+    def __init__(self, config: MoEPluginConfig):
+        super().__init__(config)
+        mc = config.to_model_config()
+        self.model_config = mc
+        self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(mc, i) for i in range(mc.num_layers))
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        if mc.attn_res:
+            self.output_attn_res_proj, self.output_attn_res_norm = attn_res_point(mc.hidden_size, mc.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def new_cache(self) -> HybridCache:
+        return HybridCache([layer.new_cache() for layer in self.layers])
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                inputs_embeds: Optional[torch.Tensor] = None, cache: Optional[HybridCache] = None,
+                use_cache: Optional[bool] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                return_indexer_loss: bool = False, **kwargs) -> MoEModelOutput:
+        """input_ids ``[B, T]`` or inputs_embeds ``[B, T, D]``; cu_seqlens ``[N+1]`` for packed rows (B = 1)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("input_ids/inputs_embeds: pass exactly one of them")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, length = x.shape[:2]
+        if use_cache and cache is None:
+            cache = self.new_cache()
+        index = None
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            if cache is not None or cu_seqlens is not None:
+                raise ValueError("attention_mask: padding cannot be combined with a cache or cu_seqlens; "
+                                 "generate one prompt at a time or pack the batch with cu_seqlens")
+            x, cu_seqlens, index = pack_padded(x, attention_mask)
+        if cu_seqlens is not None and cache is not None:
+            raise ValueError("cu_seqlens: packed sequences cannot be decoded with a cache")
+
+        stream = make_stream(x, self.model_config.attn_res)
+        loads, index_losses = [], []
+        for i, layer in enumerate(self.layers):
+            aux = layer(stream, cu_seqlens=cu_seqlens, cache=cache[i] if cache is not None else None,
+                        return_indexer_loss=return_indexer_loss)
+            if aux.expert_load is not None:
+                loads.append(aux.expert_load)
+            if aux.indexer_loss is not None:
+                index_losses.append(aux.indexer_loss)
+        if self.model_config.attn_res:
+            hidden = stream.read(self.output_attn_res_proj, self.output_attn_res_norm)
+        else:
+            hidden = stream.read()
+        hidden = self.norm(hidden)
+        if index is not None:
+            hidden = unpack_padded(hidden, index, batch, length)
+        if cache is not None:
+            cache.seq_length += length
+        return MoEModelOutput(
+            last_hidden_state=hidden, cache=cache,
+            expert_load=torch.stack(loads) if loads else None,
+            indexer_loss=torch.stack(index_losses).mean() if index_losses else None)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                   num_items_in_batch: Optional[int] = None) -> torch.Tensor:
+    """Next-token cross entropy (fp32), ignoring -100 and, for packed rows, predictions across documents.
+
+    logits ``[B, T, V]``; labels ``[B, T]`` (the input ids, not shifted). With ``num_items_in_batch`` (the
+    Hugging Face Trainer's count over all micro-batches) the sum is divided by it instead of averaged.
+    """
+    targets = labels[:, 1:].clone()
+    if cu_seqlens is not None:
+        ends = cu_seqlens[1:-1] - 1  # last token of each document but the final one
+        targets[0, ends[(ends >= 0) & (ends < targets.shape[1])]] = -100
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    if num_items_in_batch is None:
+        return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100)
+    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100, reduction="sum") / num_items_in_batch
+
+
+class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
+    def __init__(self, config: MoEPluginConfig):
+        super().__init__(config)
+        self.model = MoEPluginModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
+                cache: Optional[HybridCache] = None, use_cache: Optional[bool] = None,
+                cu_seqlens: Optional[torch.Tensor] = None, logits_to_keep: int = 0,
+                num_items_in_batch: Optional[int] = None, **kwargs) -> MoECausalLMOutput:
+        want_indexer_loss = self.training and self.config.indexer_loss_coeff > 0
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                         cache=cache, use_cache=use_cache, cu_seqlens=cu_seqlens,
+                         return_indexer_loss=want_indexer_loss)
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            if attention_mask is not None:
+                labels = labels.masked_fill(~attention_mask.bool(), -100)
+            loss = causal_lm_loss(logits, labels, cu_seqlens, num_items_in_batch)
+            if want_indexer_loss and out.indexer_loss is not None:
+                loss = loss + self.config.indexer_loss_coeff * out.indexer_loss
+        return MoECausalLMOutput(loss=loss, logits=logits, cache=out.cache, expert_load=out.expert_load,
+                                 indexer_loss=out.indexer_loss)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, cache: Optional[HybridCache] = None,
+                                      attention_mask: Optional[torch.Tensor] = None, **kwargs):
+        # after the prefill the cache holds every earlier position: feed only what it has not seen
+        seen = cache.seq_length if cache is not None else 0
+        inputs = {"input_ids": input_ids[:, seen:], "cache": cache, "use_cache": kwargs.get("use_cache", True)}
+        if seen == 0 and attention_mask is not None and not bool(attention_mask.bool().all()):
+            inputs["attention_mask"] = attention_mask
+        return inputs

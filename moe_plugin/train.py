@@ -1,0 +1,81 @@
+"""``python -m moe_plugin.train --recipe recipes/tiny_lora.json``: a LoRA fine-tune from a recipe.
+
+Single process on CPU or one GPU; the DeepSpeed launcher path builds on this entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Dict, List
+
+import torch
+
+from .models import MoEPluginForCausalLM, preset_config
+from .models.tokenizer import ByteTokenizer
+from .training.data import arithmetic_documents, batches, jsonl_documents, pack_documents
+from .training.lora import apply_lora, count_parameters
+from .training.recipe import Recipe, load_recipe
+
+
+def build_model(recipe: Recipe) -> MoEPluginForCausalLM:
+    if recipe.model.from_pretrained:
+        return MoEPluginForCausalLM.from_pretrained(recipe.model.from_pretrained)
+    return MoEPluginForCausalLM(preset_config(recipe.model.preset, **recipe.model.overrides))
+
+
+def train(recipe: Recipe) -> Dict[str, List[float]]:
+    """Run the recipe; returns the per-step losses and writes the adapter to ``train.output_dir``."""
+    cfg = recipe.train
+    torch.manual_seed(cfg.seed)
+    tokenizer = ByteTokenizer()
+    model = build_model(recipe)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"model.overrides.vocab_size: the tokenizer needs {tokenizer.vocab_size} ids, "
+                         f"the model has {model.config.vocab_size}")
+    model = apply_lora(model, recipe.lora)
+    trainable, total = count_parameters(model)
+    docs = (arithmetic_documents(recipe.data.num_documents, cfg.seed) if recipe.data.kind == "arithmetic"
+            else jsonl_documents(recipe.data.path))
+    token_docs = [[tokenizer.bos_token_id] + tokenizer.encode(d, add_special_tokens=False)
+                  + [tokenizer.eos_token_id] for d in docs]
+    data = batches(pack_documents(token_docs, recipe.data.seq_len), cfg.micro_batch_size, cfg.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    print(f"model: preset {recipe.model.preset}, {total:,} parameters, {trainable:,} trainable (LoRA r="
+          f"{recipe.lora.r} on {recipe.lora.target_modules + recipe.lora.target_parameters})")
+    losses: List[float] = []
+    model.train()
+    start = time.perf_counter()
+    tokens = 0
+    for step in range(1, cfg.steps + 1):
+        ids, cu_seqlens = next(data)
+        loss = model(input_ids=ids, labels=ids, cu_seqlens=cu_seqlens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        tokens += ids.numel()
+        if step % cfg.log_every == 0 or step == 1 or step == cfg.steps:
+            rate = tokens / (time.perf_counter() - start)
+            print(f"step {step:4d}  loss {losses[-1]:.4f}  {rate:,.0f} tokens/s")
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    model.save_pretrained(cfg.output_dir)
+    with open(os.path.join(cfg.output_dir, "losses.json"), "w") as f:
+        json.dump(losses, f)
+    print(f"done: loss {losses[0]:.4f} -> {sum(losses[-5:]) / len(losses[-5:]):.4f} (mean of last 5) in "
+          f"{cfg.steps} steps; adapter saved to {cfg.output_dir}")
+    return {"losses": losses}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--recipe", required=True, help="path to a recipe JSON (see recipes/)")
+    args = parser.parse_args(argv)
+    train(load_recipe(args.recipe))
+
+
+if __name__ == "__main__":
+    main()
