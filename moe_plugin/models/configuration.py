@@ -31,6 +31,10 @@ _HF_KEY = {
 }
 
 
+_HF_LAYER_TYPE = {"kda": "linear_attention", "mla": "full_attention"}
+_LAYER_KIND = {v: k for k, v in _HF_LAYER_TYPE.items()}
+
+
 class MoEPluginConfig(PretrainedConfig):
     model_type = "moe_plugin"
     keys_to_ignore_at_inference = ["cache"]
@@ -81,7 +85,9 @@ class MoEPluginConfig(PretrainedConfig):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
-        self.layer_types = list(layer_types) if layer_types is not None else default_layer_types(num_hidden_layers)
+        # stored with transformers' layer-type names (which it validates); "kda"/"mla" are accepted too
+        kinds = list(layer_types) if layer_types is not None else default_layer_types(num_hidden_layers)
+        self.layer_types = [_HF_LAYER_TYPE.get(k, k) for k in kinds]
         self.rms_norm_eps = rms_norm_eps
         self.hidden_act = hidden_act
         self.activation_situ_beta = activation_situ_beta
@@ -154,7 +160,8 @@ class MoEPluginConfig(PretrainedConfig):
         if self.vision_config is not None:
             vision = VisionConfig(**{"out_hidden_size": d, "norm_eps": self.rms_norm_eps, **self.vision_config})
         return ModelConfig(vocab_size=self.vocab_size, hidden_size=d, num_layers=self.num_hidden_layers,
-                           kda=kda, mla=mla, moe=moe, layer_types=self.layer_types,
+                           kda=kda, mla=mla, moe=moe,
+                           layer_types=[_LAYER_KIND.get(t, t) for t in self.layer_types],
                            first_k_dense=self.first_k_dense_replace, dense_intermediate_size=self.intermediate_size,
                            attn_res=self.attn_res, attn_res_block_size=self.attn_res_block_size,
                            rms_norm_eps=self.rms_norm_eps, tie_word_embeddings=self.tie_word_embeddings,

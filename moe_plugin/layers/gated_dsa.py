@@ -1,0 +1,164 @@
+"""Gated multi-head latent attention with DeepSeek-V3.2's lightning indexer (Gated DSA, ARCHITECTURE.md 2.2).
+
+Module names are K3's / DeepSeek's (ARCHITECTURE.md 7) so that checkpoints map one to one. There is no rotary
+embedding: the 64 "rope" channels of the query and of the shared key are used as they are (K3 has no positions
+outside KDA). With ``config.use_indexer`` each query attends only to the ``config.index_topk`` keys its
+indexer scores highest; the indexer sees detached inputs and learns only from its KL loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from ..config import MLAConfig
+from ..ops.checks import check_tensor
+from ..ops.dsa import (attention_target, dense_causal_attention, indexer_kl_loss, indexer_scores, indexer_topk,
+                       sparse_attention)
+from .norm import RMSNorm
+
+INIT_STD = 0.02
+INDEXER_KEY_NORM_EPS = 1e-6  # DeepSeek-V3.2's fixed LayerNorm eps on the index keys
+
+
+@dataclass
+class MLACache:
+    """Decoding state of one gated MLA layer; every field ``None`` while empty, the layer appends in place.
+
+    c_kv: ``[B, S, kv_lora_rank]`` compressed key/value latent before ``kv_a_layernorm``;
+    k_rope: ``[B, S, qk_rope_head_dim]`` the key part shared by all heads;
+    index_keys: ``[B, S, index_head_dim]`` the indexer's keys (only with the indexer on).
+    """
+
+    c_kv: Optional[torch.Tensor] = None
+    k_rope: Optional[torch.Tensor] = None
+    index_keys: Optional[torch.Tensor] = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.c_kv is None else self.c_kv.shape[1]
+
+
+def _append(old: Optional[torch.Tensor], new: torch.Tensor, name: str) -> torch.Tensor:
+    if old is None:
+        return new
+    if old.shape[0] != new.shape[0]:
+        raise ValueError(f"cache.{name}: holds batch {old.shape[0]}, the input has batch {new.shape[0]}")
+    return torch.cat([old, new], dim=1)
+
+
+class LightningIndexer(nn.Module):
+    """DeepSeek-V3.2's indexer projections: index queries from the q latent, one index key per token, head weights."""
+
+    def __init__(self, config: MLAConfig):
+        super().__init__()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=INDEXER_KEY_NORM_EPS)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        # V3.2 folds the dot-product scale D_I^-0.5 and the head-average H_I^-0.5 into the head weights
+        # (ReLU commutes with a positive scale).
+        self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
+
+    def forward(self, hidden_states: torch.Tensor, q_latent: torch.Tensor
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states ``[B, T, D]``, q_latent ``[B, T, q_lora_rank]`` (normed) -> q_index ``[B, T, H_I, D_I]``,
+        k_index ``[B, T, D_I]``, weights ``[B, T, H_I]``."""
+        B, T, _ = hidden_states.shape
+        q_index = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
+        k_index = self.k_norm(self.wk(hidden_states))
+        weights = self.weights_proj(hidden_states) * self.weight_scale
+        return q_index, k_index, weights
+
+
+class GatedMLAAttention(nn.Module):
+    """Gated MLA; sparse (top-k by the lightning indexer) when ``config.use_indexer``.
+
+    Set ``indexer_warmup = True`` for the warm-up phase: attention stays dense while the indexer trains
+    on the KL to the full attention; afterwards (the default) attention is sparse and the KL covers only
+    the selected keys.
+    """
+
+    def __init__(self, config: MLAConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.num_heads = c.num_heads
+        self.scale = c.qk_head_dim ** -0.5
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=c.norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=c.norm_eps)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.g_proj = nn.Linear(c.hidden_size, c.num_heads * c.v_head_dim, bias=False) if c.output_gate else None
+        self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=False)
+        self.indexer = LightningIndexer(c) if c.use_indexer else None
+        self.indexer_warmup = False
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=INIT_STD)
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                cache: Optional[MLACache] = None, return_indexer_loss: bool = False
+                ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """hidden_states ``[B, T, D]`` -> ``[B, T, D]``, or ``(out, indexer_loss)`` if ``return_indexer_loss``.
+
+        cu_seqlens: ``[N+1]`` packed-sequence boundaries (batch 1, no cache). cache: appended to in place;
+        the new tokens sit after the cached ones. indexer_loss: scalar KL (``ops.dsa.indexer_kl_loss``) whose
+        gradient reaches only the indexer; ``None`` without an indexer.
+        """
+        c = self.config
+        check_tensor("hidden_states", hidden_states, shape=(None, None, c.hidden_size), floating=True)
+        if cu_seqlens is not None and cache is not None:
+            raise ValueError("cu_seqlens: packed sequences cannot be combined with a cache")
+        B, T, _ = hidden_states.shape
+        x = hidden_states
+
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_latent).view(B, T, self.num_heads, c.qk_head_dim)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        offset = 0
+        if cache is not None:
+            offset = cache.length
+            cache.c_kv = c_kv = _append(cache.c_kv, c_kv, "c_kv")
+            cache.k_rope = k_rope = _append(cache.k_rope, k_rope, "k_rope")
+        S = c_kv.shape[1]
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, S, self.num_heads, -1)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, S, self.num_heads, c.qk_rope_head_dim)], dim=-1)
+
+        indices = index_inputs = None
+        if self.indexer is not None:
+            q_index, k_index, weights = self.indexer(x.detach(), q_latent.detach())
+            if cache is not None:
+                if offset and cache.index_keys is None:
+                    raise ValueError("cache.index_keys: the cache was filled without an indexer")
+                cache.index_keys = k_index = _append(cache.index_keys, k_index, "index_keys")
+            index_inputs = (q_index, k_index, weights)
+            if not self.indexer_warmup:
+                indices = indexer_topk(q_index, k_index, weights, c.index_topk, cu_seqlens, offset)
+
+        if indices is not None:
+            o = sparse_attention(q, k, v, indices, self.scale)
+        else:
+            o = dense_causal_attention(q, k, v, self.scale, cu_seqlens, offset)
+        o = o.reshape(B, T, self.num_heads * c.v_head_dim)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        out = self.o_proj(o)
+        if not return_indexer_loss:
+            return out
+        if index_inputs is None:
+            return out, None
+        target = attention_target(q.detach(), k.detach(), self.scale, cu_seqlens, offset)
+        scores = indexer_scores(*index_inputs, cu_seqlens=cu_seqlens, query_offset=offset)
+        return out, indexer_kl_loss(scores, target, indices)

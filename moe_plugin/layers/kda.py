@@ -1,0 +1,130 @@
+"""Kimi Delta Attention layer (ARCHITECTURE.md 2.1) with K3's parameter names, for one device.
+
+q, k = l2norm(silu(conv(W_q x or W_k x))); v = silu(conv(W_v x)); beta = sigmoid(W_b x);
+g = gate(W_f_b W_f_a x) per channel; o = KDA(q, k, v, g, beta); y = W_o(RMSNorm_head(o) * sigmoid(W_g x)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..config import KDAConfig
+from ..ops.checks import check_tensor
+from ..ops.conv import causal_conv1d
+from ..ops.kda import chunk_kda, kda_gate_k3, kda_gate_kimi_linear, l2norm, naive_recurrent_kda
+from .norm import RMSNorm
+
+
+@dataclass
+class KDACache:
+    """Decoding state of one KDA layer; every field ``None`` while empty, the layer updates it in place.
+
+    state: ``[B, H, K, V]`` recurrent state (fp32); q_conv, k_conv, v_conv: ``[B, H*K, W-1]`` the last W-1
+    projected inputs of each short convolution.
+    """
+
+    state: Optional[torch.Tensor] = None
+    q_conv: Optional[torch.Tensor] = None
+    k_conv: Optional[torch.Tensor] = None
+    v_conv: Optional[torch.Tensor] = None
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise convolution with SiLU; ``weight`` ``[C, 1, W]`` as a depthwise nn.Conv1d stores it,
+    so K3 checkpoints load unchanged."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+
+    def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x ``[B, T, C]``, state ``[B, C, W-1]`` -> (``[B, T, C]``, new state ``[B, C, W-1]`` or None)."""
+        return causal_conv1d(x, self.weight.squeeze(1), activation="silu", initial_state=state,
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+class KDAAttention(nn.Module):
+    def __init__(self, config: KDAConfig):
+        super().__init__()
+        self.config = config
+        d, proj, heads = config.hidden_size, config.proj_size, config.num_heads
+        self.q_proj = nn.Linear(d, proj, bias=False)
+        self.k_proj = nn.Linear(d, proj, bias=False)
+        self.v_proj = nn.Linear(d, proj, bias=False)
+        self.q_conv1d = ShortConvolution(proj, config.conv_size)
+        self.k_conv1d = ShortConvolution(proj, config.conv_size)
+        self.v_conv1d = ShortConvolution(proj, config.conv_size)
+        self.f_a_proj = nn.Linear(d, config.gate_rank, bias=False)
+        self.f_b_proj = nn.Linear(config.gate_rank, proj, bias=False)
+        self.b_proj = nn.Linear(d, heads, bias=False)
+        self.g_proj = nn.Linear(d, proj, bias=False)
+        # The decay parameters stay fp32 (small changes to them compound over the sequence) and, as fla marks
+        # them, take no weight decay.
+        self.A_log = nn.Parameter(torch.empty(heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(proj, dtype=torch.float32))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        self.o_norm = RMSNorm(config.head_dim, eps=config.norm_eps)
+        self.o_proj = nn.Linear(proj, d, bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Linear weights N(0, std); convs as nn.Conv1d's default; A_log = log U(1, 16) (decay rates as in
+        Mamba/fla); dt_bias = softplus^-1(dt) with dt log-uniform in [1e-3, 1e-1]; o_norm weight 1."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, ShortConvolution):
+                bound = 1.0 / math.sqrt(module.weight.shape[-1])
+                module.weight.uniform_(-bound, bound)
+        self.A_log.uniform_(1.0, 16.0).log_()
+        dt = self.dt_bias.uniform_(math.log(1e-3), math.log(1e-1)).exp_()
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.o_norm.weight.fill_(1.0)
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                cache: Optional[KDACache] = None) -> torch.Tensor:
+        """hidden_states ``[B, T, D]`` -> ``[B, T, D]``.
+
+        cu_seqlens ``[N + 1]`` (batch 1): packed sequences, state and conv windows restart at each boundary.
+        cache: read and updated in place, so a prefill followed by one-token steps equals one full pass;
+        a one-token step runs the recurrence directly (O(1) in the context length).
+        """
+        cfg = self.config
+        check_tensor("hidden_states", hidden_states, shape=(None, None, cfg.hidden_size), floating=True)
+        if cache is not None and cu_seqlens is not None:
+            raise ValueError("cu_seqlens: packed sequences cannot be decoded with a cache; pass one or the other")
+        B, T, _ = hidden_states.shape
+        heads = (B, T, cfg.num_heads, cfg.head_dim)
+        keep = cache is not None
+        x = hidden_states
+
+        q, q_conv = self.q_conv1d(self.q_proj(x), cache.q_conv if keep else None, keep, cu_seqlens)
+        k, k_conv = self.k_conv1d(self.k_proj(x), cache.k_conv if keep else None, keep, cu_seqlens)
+        v, v_conv = self.v_conv1d(self.v_proj(x), cache.v_conv if keep else None, keep, cu_seqlens)
+        q, k, v = l2norm(q.view(heads)), l2norm(k.view(heads)), v.view(heads)
+        beta = torch.sigmoid(self.b_proj(x))
+        f = self.f_b_proj(self.f_a_proj(x)).view(heads)
+        if cfg.gate_form == "k3":
+            g = kda_gate_k3(f, self.A_log, self.dt_bias, cfg.gate_lower_bound)
+        else:
+            g = kda_gate_kimi_linear(f, self.A_log, self.dt_bias)
+
+        state = cache.state if keep else None
+        if keep and T == 1:
+            o, state = naive_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+        else:
+            o, state = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=keep,
+                                 cu_seqlens=cu_seqlens, chunk_size=cfg.chunk_size)
+        if keep:
+            cache.state, cache.q_conv, cache.k_conv, cache.v_conv = state, q_conv, k_conv, v_conv
+
+        o = self.o_norm(o) * torch.sigmoid(self.g_proj(x)).view(heads)
+        return self.o_proj(o.reshape(B, T, cfg.proj_size))

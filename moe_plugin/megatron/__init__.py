@@ -1,0 +1,1 @@
+"""megatron-core integration: CPU compatibility, and the latent MoE layer on megatron's dispatcher."""

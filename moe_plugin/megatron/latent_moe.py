@@ -1,0 +1,201 @@
+"""Stable Latent MoE as a megatron-core ``MoELayer``: tokens cross the expert-parallel all-to-all at latent width.
+
+``LatentMoELayer`` is a subclass of megatron-core's ``MoELayer`` (so ``TransformerLayer.is_moe_layer`` holds
+and megatron's MoE machinery recognises it) that keeps megatron's dispatcher, its ``dispatch`` /
+``routed_experts_compute`` / ``combine`` stages and its forward, and replaces the three stages that touch
+the model's math:
+
+* ``route``: K3's router (``gate``, fp32 sigmoid scores, top-k chosen on scores + ``e_score_correction_bias``,
+  weights renormalised and scaled) through ``moe_plugin.ops.moe.route``; returned as megatron's dense
+  ``probs [N, E]`` and boolean ``routing_map [N, E]``.
+* ``preprocess``: ``routed_expert_down_proj`` (hidden -> latent) *before*
+  ``MoEAlltoAllTokenDispatcher.dispatch_preprocess``, so the dispatcher's token width is the latent width.
+* ``postprocess``: after ``combine_postprocess``, ``routed_expert_norm`` (RMSNorm) and
+  ``routed_expert_up_proj`` (latent -> hidden), plus the shared experts on the full hidden.
+
+Parameter names are ``StableLatentMoE``'s (``gate.weight``, ``gate.e_score_correction_bias``,
+``experts.w1/w2/w3`` stacked ``[E_local, ...]``, ``routed_expert_down_proj``, ``routed_expert_norm``,
+``routed_expert_up_proj``, ``shared_experts.{gate,up,down}_proj``), so a single-device state dict loads after
+slicing the experts to this rank's ``local_expert_indices``. The modules themselves are the single-device
+layer's (``moe_plugin.layers.moe``); this file only adapts them to megatron's calling conventions.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import nn
+
+from ..config import MoEConfig, require
+from ..layers.mlp import GLUMLP
+from ..layers.moe import MoERouter, StackedExperts
+from ..layers.norm import RMSNorm
+from ..ops.moe import route
+
+
+def megatron_moe_fields(moe: MoEConfig) -> dict:
+    """The ``TransformerConfig`` fields an MoE model with ``LatentMoELayer`` must set, from ``moe``.
+
+    The dispatcher reads ``num_moe_experts`` and ``moe_router_topk`` (its output size is tokens x top-k);
+    ``MoELayer`` builds shared experts only when ``moe_shared_expert_intermediate_size`` is set. megatron's
+    own ``moe_latent_size`` stays unset: it requires TransformerEngine and has no norm. The score function is
+    unused by this layer but named "sigmoid" (what ``route`` does): with "softmax" megatron rejects top-1.
+    """
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.expert_intermediate_size,
+        moe_shared_expert_intermediate_size=moe.shared_intermediate_size if moe.num_shared_experts else None,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_dtype="fp32",
+        moe_router_score_function="sigmoid",
+    )
+
+
+def check_megatron_config(config: TransformerConfig, moe: MoEConfig) -> None:
+    """Raise ValueError naming the ``TransformerConfig`` field that disagrees with ``moe``."""
+    for name, want in megatron_moe_fields(moe).items():
+        if name in ("moe_ffn_hidden_size", "moe_router_dtype", "moe_router_score_function"):
+            continue  # unused by LatentMoELayer: its experts and router take their sizes and dtype from moe
+        got = getattr(config, name)
+        require(got == want, f"TransformerConfig.{name}", f"must be {want!r} for this MoEConfig, got {got!r}")
+    require(config.hidden_size == moe.hidden_size, "TransformerConfig.hidden_size",
+            f"must equal MoEConfig.hidden_size ({moe.hidden_size}), got {config.hidden_size}")
+    require(config.moe_latent_size is None, "TransformerConfig.moe_latent_size",
+            "must be None: LatentMoELayer does the latent projection (set MoEConfig.latent_size instead)")
+    require(not config.moe_shared_expert_overlap, "TransformerConfig.moe_shared_expert_overlap",
+            "is not supported: the shared experts run on the full hidden, outside the dispatcher")
+    require(config.moe_expert_capacity_factor is None, "TransformerConfig.moe_expert_capacity_factor",
+            "must be None: LatentMoELayer is dropless")
+
+
+class MegatronStackedExperts(StackedExperts):
+    """``experts`` with megatron's experts interface: ``(tokens, tokens_per_expert, probs) -> (out, None)``.
+
+    Holds only this rank's ``num_local_experts`` experts (stacked ``[E_local, ...]``). Built by ``MoELayer``
+    through ``build_module(spec, num_local_experts, config, pg_collection=...)``.
+    """
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, moe: MoEConfig,
+                 pg_collection: Optional[ProcessGroupCollection] = None):
+        super().__init__(num_local_experts, moe.expert_dim, moe.expert_intermediate_size, moe.activation,
+                         moe.situ_beta, moe.situ_linear_beta)
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        if tracker.is_initialized():
+            # Different experts on different EP ranks must not start equal: draw them from megatron's
+            # expert-parallel RNG stream, seeded per EP rank.
+            with tracker.fork(tensor_parallel.get_expert_parallel_rng_tracker_name()):
+                self.reset_parameters()
+        for p in self.parameters():
+            # megatron's mark for expert parameters: its DDP reduces their gradients over the
+            # expert-data-parallel group instead of the whole data-parallel group.
+            p.allreduce = False
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+        """tokens: ``[M, L]`` grouped by local expert; tokens_per_expert: ``[E_local]``; probs: ``[M]``.
+
+        Returns ``(probs * E(tokens) [M, L], None)``: the weighting happens here, as in megatron's experts,
+        so that the dispatcher's unpermute only sums.
+        """
+        y = super().forward(tokens, tokens_per_expert.to(tokens.device))
+        return (y * probs.unsqueeze(-1)).to(y.dtype), None
+
+
+class MegatronSharedExperts(GLUMLP):
+    """``shared_experts``: the fused shared-expert GLU on the full hidden, built the way ``MoELayer`` builds it."""
+
+    def __init__(self, moe: MoEConfig, config: Optional[TransformerConfig] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None, gate: bool = False):
+        require(not gate, "TransformerConfig.moe_shared_expert_gate", "is not supported by LatentMoELayer")
+        super().__init__(moe.hidden_size, moe.shared_intermediate_size, moe.activation, moe.situ_beta,
+                         moe.situ_linear_beta)
+
+
+def latent_moe_submodules(moe: MoEConfig) -> MoESubmodules:
+    """megatron ``MoESubmodules`` building this project's router, stacked experts and shared experts."""
+    return MoESubmodules(
+        experts=ModuleSpec(module=MegatronStackedExperts, params={"moe": moe}),
+        shared_experts=ModuleSpec(module=MegatronSharedExperts, params={"moe": moe}),
+        router=lambda *, config, pg_collection: MoERouter(moe.hidden_size, moe.num_experts),
+    )
+
+
+def latent_moe_spec(moe: MoEConfig) -> ModuleSpec:
+    """The ``mlp`` ModuleSpec of an MoE ``TransformerLayer``."""
+    return ModuleSpec(module=LatentMoELayer, params={"moe": moe})
+
+
+class LatentMoELayer(MoELayer):
+    """Stable Latent MoE on megatron's expert parallelism (see the module docstring).
+
+    forward(hidden_states ``[S, B, hidden]``) -> ``(y [S, B, hidden], None)``, as ``MoELayer``.
+    ``config`` must agree with ``moe`` (``check_megatron_config``; ``megatron_moe_fields`` gives the fields).
+    After each forward ``last_load`` holds the ``[E]`` count of this rank's token copies per expert.
+    """
+
+    def __init__(self, config: TransformerConfig, moe: MoEConfig, submodules: Optional[MoESubmodules] = None,
+                 layer_number: Optional[int] = None, pg_collection: Optional[ProcessGroupCollection] = None):
+        check_megatron_config(config, moe)
+        self.moe = moe
+        super().__init__(config, submodules or latent_moe_submodules(moe), layer_number, pg_collection)
+        # MoELayer registers the router as "router"; the checkpoints and LoRA targets call it "gate".
+        self.gate = self._modules.pop("router")
+        if moe.latent_size is not None:
+            self.routed_expert_down_proj = nn.Linear(moe.hidden_size, moe.latent_size, bias=False)
+            self.routed_expert_norm = RMSNorm(moe.latent_size, moe.norm_eps) if moe.latent_norm else None
+            self.routed_expert_up_proj = nn.Linear(moe.latent_size, moe.hidden_size, bias=False)
+        self.last_load: Optional[torch.Tensor] = None
+
+    @property
+    def router(self) -> Optional[MoERouter]:
+        """The ``MoERouter`` behind ``gate`` (also when peft has wrapped ``gate`` in a LoRA layer)."""
+        gate = self._modules.get("gate", self._modules.get("router"))
+        return getattr(gate, "base_layer", gate)
+
+    @router.setter
+    def router(self, value) -> None:
+        # BaseMoELayer.__init__ assigns None before any router exists; the real one is registered by
+        # nn.Module.__setattr__ (a Module value never reaches this setter) and renamed to "gate".
+        if value is not None:
+            raise AttributeError("LatentMoELayer.router: assign the router to `gate`")
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+    def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """hidden_states ``[S, B, hidden]`` -> ``probs [N, E]`` fp32 (zero off the chosen experts) and
+        ``routing_map [N, E]`` bool, N = S * B. ``padding_mask`` is accepted for megatron's signature;
+        padded tokens are routed like the others."""
+        m = self.moe
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, indices, scores = route(self.gate(x).float(), m.top_k, bias=self.router.e_score_correction_bias,
+                                         renormalize=m.renormalize, scaling=m.routed_scaling_factor,
+                                         num_groups=m.num_groups, topk_groups=m.topk_groups)
+        probs = torch.zeros_like(scores).scatter(1, indices, weights)
+        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, indices, True)
+        self.last_load = routing_map.sum(0).detach().float()
+        return probs, routing_map
+
+    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        """Project to the latent width, then let the dispatcher permute: what crosses the all-to-all is
+        ``[N * top_k, latent]``."""
+        if self.moe.latent_size is not None:
+            hidden_states = self.routed_expert_down_proj(hidden_states)
+        return self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
+
+    def postprocess(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]):
+        """Un-permute the combined latent outputs ``[S, B, latent]``, normalise, project up, add shared."""
+        output = self.token_dispatcher.combine_postprocess(output)
+        if self.moe.latent_size is not None:
+            if self.routed_expert_norm is not None:
+                output = self.routed_expert_norm(output)
+            output = self.routed_expert_up_proj(output)
+        if shared_expert_output is not None:
+            output = output + shared_expert_output
+        return output

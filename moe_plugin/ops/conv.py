@@ -1,0 +1,80 @@
+"""Short causal depthwise convolution (KDA's q/k/v conv, ARCHITECTURE.md 2.1) with state carry and packing."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from moe_plugin.ops.checks import check_cu_seqlens, check_same_dtype, check_tensor
+
+ACTIVATIONS = (None, "silu")
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  activation: Optional[str] = "silu", initial_state: Optional[torch.Tensor] = None,
+                  output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None
+                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """y[t, c] = act(bias[c] + sum_w weight[c, w] x[t - (W-1) + w, c]), inputs before a sequence's start
+    taken from ``initial_state`` (zeros when None).
+
+    Args:
+        x: ``[B, T, C]``; weight: ``[C, W]``; bias: ``[C]``; activation: "silu" or None.
+        initial_state: ``[N, C, W-1]``, the last W-1 inputs before each sequence (oldest first); N = B, or
+            the number of packed sequences with ``cu_seqlens``.
+        cu_seqlens: ``[N + 1]`` offsets of packed sequences in a batch of one; the window restarts at each.
+    Returns:
+        y ``[B, T, C]`` and, if asked, the final state ``[N, C, W-1]`` (the last W-1 inputs of each sequence,
+        reaching into the initial state for sequences shorter than W-1).
+    """
+    check_tensor("x", x, ndim=3, floating=True)
+    B, T, C = x.shape
+    check_tensor("weight", weight, shape=(C, None), floating=True)
+    W = weight.shape[1]
+    if bias is not None:
+        check_tensor("bias", bias, shape=(C,), floating=True)
+    check_same_dtype(x=x, weight=weight, bias=bias)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    check_cu_seqlens(cu_seqlens, B, T)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, shape=(N, C, W - 1), floating=True)
+        initial_state = initial_state.to(x.dtype)
+
+    def tail(rows: int, seq: Optional[int] = None) -> torch.Tensor:  # [rows, W-1, C]
+        if initial_state is None:
+            return x.new_zeros(rows, W - 1, C)
+        state = initial_state if seq is None else initial_state[seq:seq + 1]
+        return state.transpose(1, 2)
+
+    if cu_seqlens is None:
+        ext = torch.cat([tail(B), x], dim=1)  # [B, W-1+T, C]
+        ends = None
+    else:
+        # Each packed sequence gets its own W-1 history in front, so no window crosses a boundary.
+        offsets = cu_seqlens.tolist()
+        pieces = []
+        for seq, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+            pieces += [tail(1, seq), x[:, start:end]]
+        ext = torch.cat(pieces, dim=1)  # [1, T + N(W-1), C]
+        ends = [end + (seq + 1) * (W - 1) for seq, end in enumerate(offsets[1:])]
+
+    length = ext.shape[1] - (W - 1)
+    y = sum(ext[:, w:w + length] * weight[:, w] for w in range(W))
+    if bias is not None:
+        y = y + bias
+    if activation == "silu":
+        y = F.silu(y)
+    final = None
+    if ends is not None:
+        # Output j of the extended row belongs to token j - seq (W-1) of sequence seq.
+        keep = torch.cat([torch.arange(start, end, device=x.device) + seq * (W - 1)
+                          for seq, (start, end) in enumerate(zip(offsets[:-1], offsets[1:]))])
+        y = y.index_select(1, keep)
+        if output_final_state:
+            final = torch.stack([ext[0, e - (W - 1):e] for e in ends]).transpose(1, 2)
+    elif output_final_state:
+        final = ext[:, ext.shape[1] - (W - 1):].transpose(1, 2)
+    return y, (final.contiguous() if final is not None else None)

@@ -1,0 +1,96 @@
+"""DeepSeek-V3.2's lightning indexer: per-query scores over the keys, and the top-k keys it selects.
+
+``I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s])``, ``-inf`` where key ``s`` is not visible to query ``t``
+(see ``masks``). Any scaling (V3.2 multiplies ``w`` by ``H_I^-0.5 * D_I^-0.5``) belongs to the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..checks import check_same_dtype, check_tensor
+from .masks import check_positions, key_segments, visible_mask, visible_range
+
+DEFAULT_QUERY_BLOCK = 256
+# Keys scored at a time inside a query block: keeps the per-head [block, H_I, chunk] ReLU terms small
+# while the [block, S] score rows are assembled.
+KEY_CHUNK = 4096
+
+
+def _check_indexer_inputs(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor) -> None:
+    check_tensor("q_index", q_index, ndim=4, floating=True)
+    B, T, Hi, Di = q_index.shape
+    check_tensor("k_index", k_index, shape=(B, None, Di), floating=True)
+    check_tensor("weights", weights, shape=(B, T, Hi), floating=True)
+    check_same_dtype(q_index=q_index, k_index=k_index, weights=weights)
+
+
+def indexer_scores(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor,
+                   cu_seqlens: Optional[torch.Tensor] = None, query_offset: int = 0) -> torch.Tensor:
+    """Dense index scores (the reference for ``indexer_topk``, and the input of the indexer loss).
+
+    q_index: ``[B, T, H_I, D_I]``; k_index: ``[B, S, D_I]``; weights: ``[B, T, H_I]``;
+    cu_seqlens: ``[N+1]`` packed boundaries over the S keys (batch 1); query t sits at ``query_offset + t``.
+    Returns ``[B, T, S]``, ``-inf`` at keys the query cannot see. Differentiable in all three inputs.
+    """
+    _check_indexer_inputs(q_index, k_index, weights)
+    B, T = q_index.shape[:2]
+    S = k_index.shape[1]
+    check_positions("query_offset", query_offset, B, T, S, cu_seqlens)
+    per_head = torch.relu(torch.einsum("btjd,bsd->btjs", q_index, k_index))
+    scores = torch.einsum("btj,btjs->bts", weights, per_head)
+    mask = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, q_index.device), q_index.device)
+    return scores.masked_fill(~mask, -math.inf)
+
+
+@torch.no_grad()
+def indexer_topk(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor, topk: int,
+                 cu_seqlens: Optional[torch.Tensor] = None, query_offset: int = 0,
+                 block_size: int = DEFAULT_QUERY_BLOCK) -> torch.Tensor:
+    """The ``topk`` visible keys of highest index score per query, scored one block of queries at a time.
+
+    Shapes as ``indexer_scores``. Returns ``[B, T, min(topk, S)]`` int64 key positions (order unspecified);
+    slots beyond a query's visible keys hold ``-1``. Memory: ``block_size * S`` scores plus
+    ``block_size * H_I * KEY_CHUNK`` per-head terms, never ``T x S``. Not differentiable (an index choice).
+    """
+    _check_indexer_inputs(q_index, k_index, weights)
+    if not isinstance(topk, int) or topk <= 0:
+        raise ValueError(f"topk: expected a positive int, got {topk!r}")
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    B, T, Hi, _ = q_index.shape
+    S = k_index.shape[1]
+    check_positions("query_offset", query_offset, B, T, S, cu_seqlens)
+    segments = key_segments(cu_seqlens, S, q_index.device)
+    k_out = min(topk, S)
+    out = torch.full((B, T, k_out), -1, dtype=torch.int64, device=q_index.device)
+    for t0 in range(0, T, block_size):
+        t1 = min(T, t0 + block_size)
+        lo, hi = visible_range(t0, t1, S, query_offset, cu_seqlens)
+        if hi <= lo:
+            continue
+        mask = visible_mask(t0, t1, lo, hi, query_offset, segments, q_index.device)
+        take = min(k_out, hi - lo)
+        for b in range(B):
+            scores = _block_scores(q_index[b, t0:t1], k_index[b, lo:hi], weights[b, t0:t1])
+            scores.masked_fill_(~mask, -math.inf)
+            values, idx = scores.topk(take, dim=-1, sorted=False)
+            out[b, t0:t1, :take] = torch.where(values == -math.inf, -1, idx + lo)
+    return out
+
+
+def _block_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``[Bq, n]`` index scores of queries q ``[Bq, H_I, D_I]`` (weights w ``[Bq, H_I]``) on keys k ``[n, D_I]``."""
+    Bq, Hi, Di = q.shape
+    n = k.shape[0]
+    scores = q.new_empty(Bq, n)
+    q_flat = q.reshape(Bq * Hi, Di)
+    w_row = w.unsqueeze(1)  # [Bq, 1, H_I]: the head sum as a batched product
+    for c0 in range(0, n, KEY_CHUNK):
+        c1 = min(n, c0 + KEY_CHUNK)
+        per_head = torch.relu_(torch.matmul(q_flat, k[c0:c1].t())).view(Bq, Hi, c1 - c0)
+        scores[:, c0:c1] = torch.bmm(w_row, per_head).squeeze(1)
+    return scores

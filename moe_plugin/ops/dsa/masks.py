@@ -1,0 +1,56 @@
+"""Which keys a query may see: causality (with a query offset for cached decoding) and packed sequences.
+
+Query ``t`` of a call sits at absolute position ``query_offset + t``; key ``s`` at position ``s``. With
+``cu_seqlens`` (flash-linear-attention's packed layout, batch 1) a key is visible only to queries of the same
+packed sequence; the boundaries are given over key positions ``0 .. S``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Optional, Tuple
+
+import torch
+
+from ..checks import check_cu_seqlens
+
+
+def check_positions(name_offset: str, query_offset: int, batch: int, num_queries: int, num_keys: int,
+                    cu_seqlens: Optional[torch.Tensor]) -> None:
+    """Validate ``query_offset`` and ``cu_seqlens`` (whose boundaries run over the ``num_keys`` key positions)."""
+    if not isinstance(query_offset, int) or query_offset < 0:
+        raise ValueError(f"{name_offset}: expected a non-negative int, got {query_offset!r}")
+    check_cu_seqlens(cu_seqlens, batch, num_keys)
+    if cu_seqlens is not None and query_offset + num_queries > num_keys:
+        raise ValueError(f"{name_offset}: with cu_seqlens the queries' positions (query_offset + T = "
+                         f"{query_offset + num_queries}) must lie inside the keys' 0 .. {num_keys}")
+
+
+def key_segments(cu_seqlens: Optional[torch.Tensor], num_keys: int, device) -> Optional[torch.Tensor]:
+    """Packed-sequence id of every key position, ``[S]`` int64; ``None`` without ``cu_seqlens``."""
+    if cu_seqlens is None:
+        return None
+    positions = torch.arange(num_keys, device=device)
+    return torch.bucketize(positions, cu_seqlens[1:].to(device=device, dtype=torch.int64), right=True)
+
+
+def visible_range(t0: int, t1: int, num_keys: int, query_offset: int,
+                  cu_seqlens: Optional[torch.Tensor]) -> Tuple[int, int]:
+    """Smallest key span ``[lo, hi)`` holding every key visible to queries ``t0 .. t1-1`` (may be empty)."""
+    hi = min(num_keys, query_offset + t1)
+    lo = 0
+    if cu_seqlens is not None:  # keys before the first query's own sequence are hidden from the whole block
+        starts = cu_seqlens.tolist()
+        lo = min(hi, starts[bisect.bisect_right(starts, query_offset + t0) - 1])
+    return lo, hi
+
+
+def visible_mask(t0: int, t1: int, lo: int, hi: int, query_offset: int,
+                 segments: Optional[torch.Tensor], device) -> torch.Tensor:
+    """``[t1-t0, hi-lo]`` bool: may query ``t`` (``t0 <= t < t1``) see key ``s`` (``lo <= s < hi``)?"""
+    q_pos = torch.arange(t0, t1, device=device) + query_offset
+    k_pos = torch.arange(lo, hi, device=device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if segments is not None:
+        mask &= segments[lo:hi][None, :] == segments[q_pos][:, None]
+    return mask

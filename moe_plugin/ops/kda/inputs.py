@@ -1,0 +1,62 @@
+"""Argument checks and sequence bookkeeping shared by the KDA ops (flash-linear-attention's layout)."""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+
+from moe_plugin.ops.checks import check_cu_seqlens, check_same_dtype, check_tensor
+
+
+class KDADims(NamedTuple):
+    batch: int
+    seq_len: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    num_seqs: int  # B without cu_seqlens, the number of packed sequences with it
+    scale: float
+
+
+def check_kda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     scale: Optional[float], initial_state: Optional[torch.Tensor],
+                     cu_seqlens: Optional[torch.Tensor]) -> KDADims:
+    """Validate q, k ``[B,T,H,K]``, v ``[B,T,H,V]``, g ``[B,T,H,K]``, beta ``[B,T,H]``, initial_state ``[N,H,K,V]``.
+
+    q, k, v and beta must share a dtype; g and the state may be wider (the gate is computed in fp32).
+    """
+    check_tensor("q", q, ndim=4, floating=True)
+    B, T, H, K = q.shape
+    check_tensor("k", k, shape=(B, T, H, K), floating=True)
+    check_tensor("v", v, shape=(B, T, H, None), floating=True)
+    check_tensor("g", g, shape=(B, T, H, K), floating=True)
+    check_tensor("beta", beta, shape=(B, T, H), floating=True)
+    check_same_dtype(q=q, k=k, v=v, beta=beta)
+    check_cu_seqlens(cu_seqlens, B, T)
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, shape=(N, H, K, V), floating=True)
+    if scale is None:
+        scale = K ** -0.5
+    elif not isinstance(scale, (int, float)) or scale <= 0:
+        raise ValueError(f"scale: expected a positive number, got {scale!r}")
+    return KDADims(B, T, H, K, V, N, float(scale))
+
+
+def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
+    """At least fp32: the state accumulates over the whole sequence and bf16 rounding compounds."""
+    dtype = torch.float32
+    for t in tensors:
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def sequence_bounds(seq_len: int, cu_seqlens: Optional[torch.Tensor]) -> List[Tuple[int, int]]:
+    """``[(start, end), ...]`` of the packed sequences, or one ``(0, T)`` covering each batch row."""
+    if cu_seqlens is None:
+        return [(0, seq_len)]
+    offsets = cu_seqlens.tolist()
+    return list(zip(offsets[:-1], offsets[1:]))

@@ -1,0 +1,1 @@
+"""Everything that knows ranks: process groups and the multi-process launcher."""

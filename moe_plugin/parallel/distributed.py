@@ -1,0 +1,81 @@
+"""Start and stop torch.distributed and megatron-core's process groups from torchrun-style env vars.
+
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK``) are read as torchrun sets
+them. The backend is ``nccl`` when CUDA is present and ``gloo`` otherwise; without CUDA the megatron-core
+CPU stand-ins (``moe_plugin.megatron.cpu_compat``) are applied before any megatron module is built.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..megatron.cpu_compat import apply_cpu_patches
+
+_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> int:
+    """Initialise the default process group from the environment (idempotent); return this rank.
+
+    ``backend``: ``None`` picks ``nccl`` with CUDA and ``gloo`` without.
+    """
+    if dist.is_initialized():
+        return dist.get_rank()
+    missing = [name for name in _REQUIRED_ENV if name not in os.environ]
+    if missing:
+        raise ValueError(f"environment: {', '.join(missing)} must be set (as torchrun does) to start "
+                         "torch.distributed")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank()
+
+
+def initialize_megatron(expert_model_parallel_size: int = 1, tensor_model_parallel_size: int = 1,
+                        seed: Optional[int] = 1234, backend: Optional[str] = None) -> None:
+    """Start torch.distributed (if needed) and megatron-core's parallel state with the given EP/TP sizes.
+
+    The world is split as megatron does: tensor-parallel groups of ``tensor_model_parallel_size``,
+    expert-parallel groups of ``expert_model_parallel_size`` (the expert-data-parallel group is the rest).
+    ``seed``: seeds megatron's RNG tracker (``model_parallel_cuda_manual_seed``), so that expert
+    initialisation differs per EP rank; ``None`` leaves the tracker alone.
+    """
+    for name, value in (("expert_model_parallel_size", expert_model_parallel_size),
+                        ("tensor_model_parallel_size", tensor_model_parallel_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+    apply_cpu_patches()
+    init_distributed(backend)
+    world = dist.get_world_size()
+    if world % (expert_model_parallel_size * tensor_model_parallel_size) != 0:
+        raise ValueError(f"expert_model_parallel_size: expert x tensor parallel size "
+                         f"({expert_model_parallel_size} x {tensor_model_parallel_size}) must divide the "
+                         f"world size {world}")
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
+                                             expert_model_parallel_size=expert_model_parallel_size)
+    if seed is not None:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's parallel state (if megatron was used) and the default process group."""
+    if "megatron.core.parallel_state" in sys.modules:
+        parallel_state = sys.modules["megatron.core.parallel_state"]
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,103 @@
+"""LatentMoELayer (Stable Latent MoE on megatron's MoELayer and alltoall dispatcher) at EP=2 vs one device.
+
+The reference is the single-device StableLatentMoE with the same global weights, run here on each rank's
+tokens. The ranks spy on MoEAlltoAllTokenDispatcher.token_dispatch to record what crosses the all-to-all.
+"""
+
+import pytest
+import torch
+from megatron_test_utils import check_result, rel_err
+
+from moe_plugin.config import MoEConfig
+from moe_plugin.layers.moe import StableLatentMoE
+
+TOL = 1e-5
+EXPERT_KEYS = ("experts.w1", "experts.w2", "experts.w3")
+
+
+def reference(ranks):
+    """StableLatentMoE outputs and parameter gradients per rank; expert gradients also summed over ranks."""
+    from ep_workers import LATENT  # the layer sizes the ranks used
+
+    layer = StableLatentMoE(MoEConfig(top_k=2, **LATENT))
+    layer.load_state_dict(ranks[0]["global_state"])
+    per_rank, expert_sum = [], {k: 0 for k in EXPERT_KEYS}
+    for r in ranks:
+        layer.zero_grad(set_to_none=True)
+        x = r["x"].clone().requires_grad_(True)
+        y, _ = layer(x)
+        (y * r["grad_out"]).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        per_rank.append({"y": y.detach(), "x_grad": x.grad, "grads": grads})
+        for k in EXPERT_KEYS:
+            expert_sum[k] = expert_sum[k] + grads[k]
+    return per_rank, expert_sum
+
+
+@pytest.mark.parametrize("scenario", ["mixed", "starved"])
+def test_latent_ep2_matches_single_device(ep_results, scenario):
+    ranks = check_result(ep_results, f"latent/{scenario}")
+    ref, expert_sum = reference(ranks)
+    for rank, (got, want) in enumerate(zip(ranks, ref)):
+        for key in ("y", "x_grad"):
+            err = rel_err(got[key], want[key])
+            assert err < TOL, f"rank {rank} {key}: rel err {err:.2e} vs StableLatentMoE"
+        assert set(got["grads"]) == set(want["grads"]), "parameter names must be StableLatentMoE's"
+        local = got["local"]
+        for name, grad in got["grads"].items():
+            # Expert weights see every rank's tokens; the rest only this rank's (no data-parallel reduction here).
+            expected = expert_sum[name][local[0]:local[-1] + 1] if name in EXPERT_KEYS else want["grads"][name]
+            err = rel_err(grad, expected)
+            assert err < TOL, f"rank {rank} grad of {name}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("scenario", ["mixed", "starved"])
+def test_dispatcher_moves_latent_width_tokens(ep_results, scenario):
+    from ep_workers import LATENT
+
+    for rank, got in enumerate(check_result(ep_results, f"latent/{scenario}")):
+        n_tokens = got["x"].shape[0] * got["x"].shape[1]
+        assert got["dispatched_shapes"] == [(n_tokens * 2, LATENT["latent_size"])], (
+            f"rank {rank}: token_dispatch should see one [tokens x top_k, latent] tensor, "
+            f"saw {got['dispatched_shapes']}")
+
+
+def test_starved_latent_expert(ep_results):
+    ranks = check_result(ep_results, "latent/starved")
+    load = sum(r["load"] for r in ranks)
+    assert load[3] == 0 and load.sum() == sum(2 * r["x"].shape[0] * r["x"].shape[1] for r in ranks), \
+        f"scenario premise broken: load {load.tolist()}"
+    assert ranks[1]["received"][0].tolist() == [int(load[2]), 0], "EP rank 1's expert 3 must receive no tokens"
+
+
+def test_state_dict_names_match_single_device_layer(ep_results):
+    got = check_result(ep_results, "latent/mixed")[0]
+    assert got["state_keys"] == sorted(got["global_state"]), "LatentMoELayer must keep StableLatentMoE's names"
+
+
+def test_latent_moe_spec_in_megatron_gpt_model(ep_results):
+    from ep_workers import LATENT
+
+    for rank, got in enumerate(check_result(ep_results, "gpt/latent")):
+        assert got["mlp_types"] == ["LatentMoELayer"] * 2 and all(got["is_moe_layer"]), got["mlp_types"]
+        assert torch.isfinite(torch.tensor(got["loss"])), f"rank {rank}: loss {got['loss']}"
+        assert got["widths"] == [LATENT["latent_size"]] * 2, f"rank {rank}: dispatched widths {got['widths']}"
+        assert got["no_grad"] == [], f"rank {rank}: parameters without gradient: {got['no_grad']}"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_moe_experts", 8), ("moe_router_topk", 3), ("moe_shared_expert_intermediate_size", None),
+    ("moe_token_dispatcher_type", "allgather"), ("hidden_size", 32), ("moe_latent_size", 8),
+])
+def test_config_mismatch_names_the_field(field, value):
+    from ep_workers import LATENT
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moe_plugin.megatron.latent_moe import check_megatron_config, megatron_moe_fields
+
+    moe = MoEConfig(top_k=2, **LATENT)
+    fields = dict(num_layers=1, hidden_size=moe.hidden_size, num_attention_heads=2, **megatron_moe_fields(moe))
+    check_megatron_config(TransformerConfig(**fields), moe)  # the fields it hands out are accepted
+    fields[field] = value
+    with pytest.raises(ValueError, match=f"TransformerConfig.{field}"):
+        check_megatron_config(TransformerConfig(**fields), moe)
