@@ -35,6 +35,12 @@ class MoERouter(nn.Linear):
         super().__init__(hidden, num_experts, bias=False, dtype=torch.float32)
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "e_score_correction_bias"):  # nn.Linear.__init__ calls this before the buffer exists
+            with torch.no_grad():
+                self.e_score_correction_bias.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[N, hidden]`` -> logits ``[N, E]`` fp32 (routing in bf16 flips near-tied choices)."""
         return F.linear(x.float(), self.weight.float())

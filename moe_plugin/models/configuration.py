@@ -17,18 +17,40 @@ from ..config import KDAConfig, MLAConfig, ModelConfig, MoEConfig, VisionConfig,
 # dataclass field -> Hugging Face key, so that errors name what the user actually wrote
 _HF_KEY = {
     "ModelConfig.num_layers": "num_hidden_layers", "ModelConfig.first_k_dense": "first_k_dense_replace",
-    "ModelConfig.dense_intermediate_size": "intermediate_size",
+    "ModelConfig.dense_intermediate_size": "intermediate_size", "ModelConfig.vision.out_hidden_size": "hidden_size",
     "KDAConfig.num_heads": "linear_attn_config.num_heads", "KDAConfig.head_dim": "linear_attn_config.head_dim",
     "KDAConfig.conv_size": "linear_attn_config.short_conv_kernel_size",
     "KDAConfig.gate_lower_bound": "linear_attn_config.gate_lower_bound",
     "KDAConfig.gate_form": "linear_attn_config.gate_form", "KDAConfig.gate_rank": "linear_attn_config.gate_rank",
-    "MLAConfig.num_heads": "num_attention_heads", "MLAConfig.index_topk": "index_topk",
+    "KDAConfig.chunk_size": "linear_attn_config.chunk_size",
+    "MLAConfig.num_heads": "num_attention_heads", "MLAConfig.output_gate": "mla_use_output_gate",
+    "MLAConfig.use_indexer": "use_dsa_indexer",
     "MoEConfig.num_experts": "num_experts", "MoEConfig.top_k": "num_experts_per_token",
     "MoEConfig.expert_intermediate_size": "moe_intermediate_size",
-    "MoEConfig.latent_size": "routed_expert_hidden_size", "MoEConfig.activation": "hidden_act",
+    "MoEConfig.latent_size": "routed_expert_hidden_size", "MoEConfig.latent_norm": "latent_moe_use_norm",
+    "MoEConfig.activation": "hidden_act", "MoEConfig.situ_beta": "activation_situ_beta",
+    "MoEConfig.situ_linear_beta": "activation_situ_linear_beta", "MoEConfig.renormalize": "moe_renormalize",
     "MoEConfig.num_groups": "num_expert_group", "MoEConfig.topk_groups": "topk_group",
-    "MoEConfig.num_shared_experts": "num_shared_experts",
 }
+# fields whose Hugging Face key has the same name (MLA's ranks and dims, the model's own sizes)
+_SAME_NAME = {"MLAConfig": ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                            "index_topk", "index_n_heads", "index_head_dim"),
+              "MoEConfig": ("num_shared_experts", "routed_scaling_factor"),
+              "ModelConfig": ("vocab_size", "layer_types", "attn_res", "attn_res_block_size", "image_token_id")}
+
+
+def hf_key(field: str) -> str:
+    """The Hugging Face key behind a dataclass field name such as ``"MoEConfig.top_k"``."""
+    owner, _, name = field.partition(".")
+    if field in _HF_KEY:
+        return _HF_KEY[field]
+    if name in _SAME_NAME.get(owner, ()):
+        return name
+    if name == "hidden_size" and owner != "VisionConfig":
+        return "hidden_size"  # every text part takes the model's hidden size
+    if owner == "VisionConfig":
+        return f"vision_config.{name}"
+    return field
 
 
 _HF_LAYER_TYPE = {"kda": "linear_attention", "mla": "full_attention"}
@@ -124,8 +146,11 @@ class MoEPluginConfig(PretrainedConfig):
         self.image_token_id = image_token_id
         self.initializer_range = initializer_range
         self.indexer_loss_coeff = indexer_loss_coeff
+        # Validate before transformers' own checks run in super().__init__, so that a config that cannot
+        # work fails when it is built with a ValueError naming our key (not a strict-dataclass error).
+        self.tie_word_embeddings = tie_word_embeddings
+        self.to_model_config()
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
-        self.to_model_config()  # validate now: a config that cannot work fails when it is built
 
     def to_model_config(self) -> ModelConfig:
         """The validated dataclasses the layers take; raises ValueError naming the Hugging Face key."""
@@ -133,7 +158,7 @@ class MoEPluginConfig(PretrainedConfig):
             return self._build_model_config()
         except ValueError as err:
             field, _, message = str(err).partition(": ")
-            key = _HF_KEY.get(field) or _HF_KEY.get(field.replace("ModelConfig.", "", 1)) or field
+            key = hf_key(field)
             raise ValueError(f"{key} ({field}): {message}" if key != field else str(err)) from None
 
     def _build_model_config(self) -> ModelConfig:

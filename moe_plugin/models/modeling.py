@@ -10,8 +10,9 @@ the last layer; the result equals running every row alone.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -64,11 +65,80 @@ def unpack_padded(packed: torch.Tensor, index: torch.Tensor, batch: int, length:
     return out.index_copy(0, index, packed.squeeze(0)).view(batch, length, -1)
 
 
+# Tensors that stay fp32 in a bf16/fp16 model: the KDA decay parameters (small errors compound over the
+# sequence) and the router with its selection bias (bf16 flips near-tied expert choices). transformers 5.24
+# matches these with re.search on the full tensor name, so they are anchored on the module path: a bare
+# "gate" would also catch gate_proj. "base_layer." is where the router weight sits once peft wraps "gate".
+FP32_TENSORS = (r"self_attn\.A_log$", r"self_attn\.dt_bias$",
+                r"block_sparse_moe\.gate\.(base_layer\.)?weight$",
+                r"block_sparse_moe\.gate\.(base_layer\.)?e_score_correction_bias$")
+_FP32_PATTERN = re.compile("|".join(FP32_TENSORS))
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# a checkpoint without the DSA indexer (K3 ships none) loads into a model with it: the indexer starts fresh
+_FRESH_OK = re.compile(r"\.self_attn\.indexer\.")
+LISTED = 10  # tensor names shown per kind in a load error
+
+
+def check_loading_info(info: dict, ignore_mismatched_sizes: bool = False) -> None:
+    """Raise ValueError naming the first tensors whose names or shapes differ between checkpoint and model.
+
+    info: transformers' loading info (``missing_keys``, ``unexpected_keys``, ``mismatched_keys`` as
+    ``(name, checkpoint_shape, model_shape)``). Missing indexer tensors are allowed (a fresh indexer).
+    """
+    problems: List[str] = []
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched and not ignore_mismatched_sizes:
+        listed = ", ".join(f"{name} (checkpoint {tuple(ckpt)}, model {tuple(model)})"
+                           for name, ckpt, model in mismatched[:LISTED])
+        problems.append(f"{len(mismatched)} with other shapes: {listed}")
+    missing = sorted(k for k in info.get("missing_keys") or () if not _FRESH_OK.search(k))
+    if missing:
+        problems.append(f"{len(missing)} missing from the checkpoint: {', '.join(missing[:LISTED])}")
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if unexpected:
+        problems.append(f"{len(unexpected)} the model does not have: {', '.join(unexpected[:LISTED])}")
+    if problems:
+        raise ValueError("checkpoint: its tensors do not match the config; " + "; ".join(problems)
+                         + " (pass strict=False to load anyway)")
+
+
 class MoEPluginPreTrainedModel(PreTrainedModel):
     config_class = MoEPluginConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
     _no_split_modules = ["DecoderLayer"]
+    _keep_in_fp32_modules_strict = list(FP32_TENSORS)
+
+    @classmethod
+    def from_pretrained(cls, *args, strict: bool = True, **kwargs):
+        """transformers' ``from_pretrained``; with ``strict`` (the default) a checkpoint whose tensor names or
+        shapes differ from the config raises a ValueError naming the first of them, instead of a warning."""
+        if not strict:
+            return super().from_pretrained(*args, **kwargs)
+        want_info = kwargs.pop("output_loading_info", False)
+        ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
+        # load with mismatches allowed so that transformers reports them all, then decide here
+        model, info = super().from_pretrained(*args, ignore_mismatched_sizes=True, output_loading_info=True,
+                                              **kwargs)
+        check_loading_info(info, ignore_mismatched)
+        return (model, info) if want_info else model
+
+    def _apply(self, fn, recurse=True):
+        # model.to(bfloat16) / .half() leave FP32_TENSORS in fp32 with their exact values: keep an alias of
+        # each fp32 tensor and put it back (on the new device) wherever the conversion lowered its precision.
+        kept = [(module, name, tensor.data) for module_name, module in self.named_modules()
+                for name, tensor in list(module._parameters.items()) + list(module._buffers.items())
+                if tensor is not None and tensor.dtype == torch.float32
+                and _FP32_PATTERN.search(f"{module_name}.{name}")]
+        super()._apply(fn, recurse)
+        for module, name, original in kept:
+            if name in module._parameters:
+                param = module._parameters[name]
+                if param is not None and param.dtype in _LOW_PRECISION:
+                    param.data = original.to(param.device)
+            elif module._buffers.get(name) is not None and module._buffers[name].dtype in _LOW_PRECISION:
+                module._buffers[name] = original.to(module._buffers[name].device)
+        return self
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

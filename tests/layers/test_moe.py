@@ -206,3 +206,43 @@ def test_shared_width_defaults_to_experts_times_width():
     assert MoEConfig(hidden_size=8, num_experts=4, top_k=1, expert_intermediate_size=6,
                      num_shared_experts=2).shared_intermediate_size == 12
     assert math.isclose(build().config.situ_beta, 4.0)
+
+
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
+def test_equals_transformers_deepseek_v3_moe(groups):
+    """Without latent and with SwiGLU the layer is DeepSeek-V3's MoE: same weights, same output."""
+    from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    e, f, d = 16, 12, 20
+    hf_cfg = DeepseekV3Config(hidden_size=d, n_routed_experts=e, num_experts_per_tok=4, moe_intermediate_size=f,
+                              n_shared_experts=1, n_group=groups[0], topk_group=groups[1], norm_topk_prob=True,
+                              routed_scaling_factor=1.5, hidden_act="silu")
+    hf_cfg._experts_implementation = "eager"
+    torch.manual_seed(6)
+    hf = DeepseekV3MoE(hf_cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+        hf.gate.e_score_correction_bias.normal_(0, 0.1)
+    ours = StableLatentMoE(MoEConfig(hidden_size=d, num_experts=e, top_k=4, expert_intermediate_size=f,
+                                     latent_size=None, num_shared_experts=1, activation="swiglu",
+                                     routed_scaling_factor=1.5, num_groups=groups[0], topk_groups=groups[1]))
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        ours.gate.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
+        ours.experts.w1.copy_(hf.experts.gate_up_proj[:, :f])
+        ours.experts.w3.copy_(hf.experts.gate_up_proj[:, f:])
+        ours.experts.w2.copy_(hf.experts.down_proj)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(ours.shared_experts, name).weight.copy_(getattr(hf.shared_experts, name).weight)
+    x = torch.randn(2, 10, d)
+    assert rel(ours(x)[0], hf(x)) < 1e-5
+
+
+def test_router_reset_zeroes_selection_bias():
+    m = build()
+    with torch.no_grad():
+        m.gate.e_score_correction_bias.fill_(3.0)
+    m.gate.reset_parameters()  # what initialising after to_empty() calls
+    assert torch.equal(m.gate.e_score_correction_bias, torch.zeros(8))

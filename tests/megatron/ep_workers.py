@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 H, E, FFN = 16, 4, 12  # hidden, experts, expert width of megatron's own MoE layer
-LATENT = dict(hidden_size=16, num_experts=4, expert_intermediate_size=12, latent_size=8, num_shared_experts=1,
-              shared_intermediate_size=20, activation="situ")
+LATENT = dict(hidden_size=16, num_experts=4, top_k=2, expert_intermediate_size=12, latent_size=8,
+              num_shared_experts=1, shared_intermediate_size=20, activation="situ")
 TOKENS = (5, 3)  # [S, B] per rank
 
 
@@ -160,7 +160,7 @@ def _latent_moe(scenario: str, seed: int) -> dict:
     from moe_plugin.layers.moe import StableLatentMoE
     from moe_plugin.megatron.latent_moe import LatentMoELayer, megatron_moe_fields
 
-    moe = MoEConfig(top_k=2, **LATENT)
+    moe = MoEConfig(**LATENT)
     torch.manual_seed(seed)  # the single-device layer draws the global weights identically on every rank
     reference = StableLatentMoE(moe)
     with torch.no_grad():
@@ -195,9 +195,9 @@ def _latent_moe(scenario: str, seed: int) -> dict:
     finally:
         MoEAlltoAllTokenDispatcher.token_dispatch = original
     grads = {name: _grad(p) for name, p in layer.named_parameters()}
-    return {"global_state": global_state, "x": x, "grad_out": grad_out, "y": y, "x_grad": x_grad, "grads": grads,
-            "local": local, "dispatched_shapes": widths, "received": received, "load": layer.last_load,
-            "state_keys": sorted(layer.state_dict())}
+    return {"moe": LATENT, "global_state": global_state, "x": x, "grad_out": grad_out, "y": y, "x_grad": x_grad,
+            "grads": grads, "local": local, "dispatched_shapes": widths, "received": received,
+            "load": layer.last_load, "state_keys": sorted(layer.state_dict())}
 
 
 def _gpt_with_latent_moe(seed: int) -> dict:
@@ -210,7 +210,7 @@ def _gpt_with_latent_moe(seed: int) -> dict:
     from moe_plugin.config import MoEConfig
     from moe_plugin.megatron.latent_moe import LatentMoELayer, latent_moe_spec, megatron_moe_fields
 
-    moe = MoEConfig(top_k=2, **LATENT)
+    moe = MoEConfig(**LATENT)
     spec = get_gpt_layer_local_spec(num_experts=moe.num_experts, normalization="RMSNorm")
     spec.submodules.mlp = latent_moe_spec(moe)
     config = TransformerConfig(num_layers=2, hidden_size=moe.hidden_size, num_attention_heads=2,
@@ -228,7 +228,7 @@ def _gpt_with_latent_moe(seed: int) -> dict:
     finally:
         MoEAlltoAllTokenDispatcher.token_dispatch = original
     layers = model.decoder.layers
-    return {"loss": loss.item(), "widths": widths,
+    return {"moe": LATENT, "loss": loss.item(), "widths": widths,
             "mlp_types": [type(layer.mlp).__name__ for layer in layers],
             "is_moe_layer": [layer.is_moe_layer for layer in layers],
             "isinstance": all(isinstance(layer.mlp, LatentMoELayer) for layer in layers),

@@ -5,7 +5,6 @@ from unittest import mock
 
 import pytest
 import torch
-from megatron_test_utils import check_result
 
 from moe_plugin.megatron import cpu_compat
 
@@ -69,8 +68,8 @@ def test_split_sizes_reach_gloo_as_host_arrays(clean):
     assert dispatcher.maybe_move_tensor_to_cpu(counts) is counts
 
 
-def test_ranks_run_with_every_patch(ep_results):
+def test_ranks_run_with_every_patch(ep_results, ep_check):
     for rank, result in enumerate(ep_results):
         assert result["patches"]["cuda"] is False
         assert result["patches"]["applied"] == list(cpu_compat.CPU_PATCH_NAMES), f"rank {rank}"
-    check_result(ep_results, "moe/mixed")
+    ep_check("moe/mixed")

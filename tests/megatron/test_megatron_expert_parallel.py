@@ -8,7 +8,6 @@ global tokens (both ranks' tokens) give it on one device.
 import pytest
 import torch
 import torch.nn.functional as F
-from megatron_test_utils import check_result, rel_err
 
 TOL = 1e-5
 SCENARIOS = ("mixed", "starved", "one_expert")
@@ -45,8 +44,8 @@ def reference(ranks, top_k):
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_ep2_matches_ep1_and_loop(ep_results, scenario):
-    ranks = check_result(ep_results, f"moe/{scenario}")
+def test_ep2_matches_ep1_and_loop(ep_check, rel_err, scenario):
+    ranks = ep_check(f"moe/{scenario}")
     ref, fc1_sum, fc2_sum = reference(ranks, TOP_K[scenario])
     for rank, (got, want) in enumerate(zip(ranks, ref)):
         for tag in ("ep", "ep1"):
@@ -65,8 +64,8 @@ def test_ep2_matches_ep1_and_loop(ep_results, scenario):
         assert err < TOL, f"rank {rank}: EP=2 output differs from EP=1 by rel err {err:.2e}"
 
 
-def test_starved_expert_gets_no_tokens_on_its_rank(ep_results):
-    ranks = check_result(ep_results, "moe/starved")
+def test_starved_expert_gets_no_tokens_on_its_rank(ep_check):
+    ranks = ep_check("moe/starved")
     sent = sum(r["ep"]["sent"] for r in ranks)
     assert sent[3] == 0 and (sent[:3] > 0).all(), f"scenario premise broken: tokens per expert {sent.tolist()}"
     received = ranks[1]["ep"]["received"]
@@ -74,8 +73,8 @@ def test_starved_expert_gets_no_tokens_on_its_rank(ep_results):
         f"EP rank 1 should compute expert 2 only, got tokens per local expert {received}"
 
 
-def test_all_tokens_to_one_expert(ep_results):
-    ranks = check_result(ep_results, "moe/one_expert")
+def test_all_tokens_to_one_expert(ep_check):
+    ranks = ep_check("moe/one_expert")
     n_tokens = sum(r["x"].shape[0] * r["x"].shape[1] for r in ranks)
     sent = sum(r["ep"]["sent"] for r in ranks)
     assert sent.tolist() == [0, 0, n_tokens, 0], f"scenario premise broken: tokens per expert {sent.tolist()}"
@@ -84,13 +83,13 @@ def test_all_tokens_to_one_expert(ep_results):
     assert float(ranks[0]["ep"]["fc1_grad"].abs().sum()) == 0.0, "experts that saw no token must get zero grads"
 
 
-def test_expert_rng_stream_differs_per_ep_rank(ep_results):
-    ranks = check_result(ep_results, "rng")
+def test_expert_rng_stream_differs_per_ep_rank(ep_check):
+    ranks = ep_check("rng")
     assert not torch.equal(ranks[0]["expert"], ranks[1]["expert"]), "expert-parallel RNG must differ per EP rank"
     assert torch.equal(ranks[0]["model"], ranks[1]["model"]), "tensor-parallel RNG must agree at TP rank 0"
     assert not torch.equal(ranks[0]["model"], ranks[0]["model_next"]), "a forked stream must advance"
 
 
-def test_ep_size_must_divide_world(ep_results):
-    for got in check_result(ep_results, "bad_ep_size"):
+def test_ep_size_must_divide_world(ep_check):
+    for got in ep_check("bad_ep_size"):
         assert got["message"] is not None and got["message"].startswith("expert_model_parallel_size"), got

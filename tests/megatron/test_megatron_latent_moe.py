@@ -6,7 +6,6 @@ tokens. The ranks spy on MoEAlltoAllTokenDispatcher.token_dispatch to record wha
 
 import pytest
 import torch
-from megatron_test_utils import check_result, rel_err
 
 from moe_plugin.config import MoEConfig
 from moe_plugin.layers.moe import StableLatentMoE
@@ -17,9 +16,7 @@ EXPERT_KEYS = ("experts.w1", "experts.w2", "experts.w3")
 
 def reference(ranks):
     """StableLatentMoE outputs and parameter gradients per rank; expert gradients also summed over ranks."""
-    from ep_workers import LATENT  # the layer sizes the ranks used
-
-    layer = StableLatentMoE(MoEConfig(top_k=2, **LATENT))
+    layer = StableLatentMoE(MoEConfig(**ranks[0]["moe"]))
     layer.load_state_dict(ranks[0]["global_state"])
     per_rank, expert_sum = [], {k: 0 for k in EXPERT_KEYS}
     for r in ranks:
@@ -35,8 +32,8 @@ def reference(ranks):
 
 
 @pytest.mark.parametrize("scenario", ["mixed", "starved"])
-def test_latent_ep2_matches_single_device(ep_results, scenario):
-    ranks = check_result(ep_results, f"latent/{scenario}")
+def test_latent_ep2_matches_single_device(ep_check, rel_err, scenario):
+    ranks = ep_check(f"latent/{scenario}")
     ref, expert_sum = reference(ranks)
     for rank, (got, want) in enumerate(zip(ranks, ref)):
         for key in ("y", "x_grad"):
@@ -52,36 +49,33 @@ def test_latent_ep2_matches_single_device(ep_results, scenario):
 
 
 @pytest.mark.parametrize("scenario", ["mixed", "starved"])
-def test_dispatcher_moves_latent_width_tokens(ep_results, scenario):
-    from ep_workers import LATENT
-
-    for rank, got in enumerate(check_result(ep_results, f"latent/{scenario}")):
+def test_dispatcher_moves_latent_width_tokens(ep_check, scenario):
+    for rank, got in enumerate(ep_check(f"latent/{scenario}")):
         n_tokens = got["x"].shape[0] * got["x"].shape[1]
-        assert got["dispatched_shapes"] == [(n_tokens * 2, LATENT["latent_size"])], (
+        want = (n_tokens * got["moe"]["top_k"], got["moe"]["latent_size"])
+        assert got["moe"]["latent_size"] < got["moe"]["hidden_size"] and got["dispatched_shapes"] == [want], (
             f"rank {rank}: token_dispatch should see one [tokens x top_k, latent] tensor, "
             f"saw {got['dispatched_shapes']}")
 
 
-def test_starved_latent_expert(ep_results):
-    ranks = check_result(ep_results, "latent/starved")
+def test_starved_latent_expert(ep_check):
+    ranks = ep_check("latent/starved")
     load = sum(r["load"] for r in ranks)
-    assert load[3] == 0 and load.sum() == sum(2 * r["x"].shape[0] * r["x"].shape[1] for r in ranks), \
-        f"scenario premise broken: load {load.tolist()}"
+    copies = sum(r["moe"]["top_k"] * r["x"].shape[0] * r["x"].shape[1] for r in ranks)
+    assert load[3] == 0 and load.sum() == copies, f"scenario premise broken: load {load.tolist()}"
     assert ranks[1]["received"][0].tolist() == [int(load[2]), 0], "EP rank 1's expert 3 must receive no tokens"
 
 
-def test_state_dict_names_match_single_device_layer(ep_results):
-    got = check_result(ep_results, "latent/mixed")[0]
+def test_state_dict_names_match_single_device_layer(ep_check):
+    got = ep_check("latent/mixed")[0]
     assert got["state_keys"] == sorted(got["global_state"]), "LatentMoELayer must keep StableLatentMoE's names"
 
 
-def test_latent_moe_spec_in_megatron_gpt_model(ep_results):
-    from ep_workers import LATENT
-
-    for rank, got in enumerate(check_result(ep_results, "gpt/latent")):
+def test_latent_moe_spec_in_megatron_gpt_model(ep_check):
+    for rank, got in enumerate(ep_check("gpt/latent")):
         assert got["mlp_types"] == ["LatentMoELayer"] * 2 and all(got["is_moe_layer"]), got["mlp_types"]
         assert torch.isfinite(torch.tensor(got["loss"])), f"rank {rank}: loss {got['loss']}"
-        assert got["widths"] == [LATENT["latent_size"]] * 2, f"rank {rank}: dispatched widths {got['widths']}"
+        assert got["widths"] == [got["moe"]["latent_size"]] * 2, f"rank {rank}: dispatched widths {got['widths']}"
         assert got["no_grad"] == [], f"rank {rank}: parameters without gradient: {got['no_grad']}"
 
 
@@ -90,12 +84,11 @@ def test_latent_moe_spec_in_megatron_gpt_model(ep_results):
     ("moe_token_dispatcher_type", "allgather"), ("hidden_size", 32), ("moe_latent_size", 8),
 ])
 def test_config_mismatch_names_the_field(field, value):
-    from ep_workers import LATENT
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from moe_plugin.megatron.latent_moe import check_megatron_config, megatron_moe_fields
 
-    moe = MoEConfig(top_k=2, **LATENT)
+    moe = MoEConfig(hidden_size=16, num_experts=4, top_k=2, expert_intermediate_size=12, latent_size=8)
     fields = dict(num_layers=1, hidden_size=moe.hidden_size, num_attention_heads=2, **megatron_moe_fields(moe))
     check_megatron_config(TransformerConfig(**fields), moe)  # the fields it hands out are accepted
     fields[field] = value

@@ -20,3 +20,10 @@ def fail_on(rank: int) -> None:
     if dist.get_rank() == rank:
         raise ValueError(f"deliberate failure on rank {rank}")
     dist.barrier()
+
+
+def sleep_forever() -> None:
+    import time
+
+    while True:
+        time.sleep(1)

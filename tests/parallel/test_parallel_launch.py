@@ -27,6 +27,11 @@ def test_a_failing_rank_raises_with_its_traceback():
     assert "ValueError: deliberate failure on rank 1" in message
 
 
+def test_timeout_stops_the_ranks():
+    with pytest.raises(TimeoutError, match="did not finish within 3 s"):
+        run_distributed(f"{WORKERS}:sleep_forever", world_size=2, timeout_s=3, init_process_group=False)
+
+
 @pytest.mark.parametrize("path, match", [
     ("no_colon_here", "worker_fn_path"),
     (f"{WORKERS}:missing_function", "missing_function"),

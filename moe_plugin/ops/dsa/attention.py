@@ -76,7 +76,7 @@ def _selected(scores: torch.Tensor, keys: BlockKeys) -> torch.Tensor:
     """The block's scores ``[H, Bq, n]`` at each query's selected keys, ``[H, Bq, k]``, -inf at empty slots."""
     n = keys.hi - keys.lo
     pos = keys.pos.clamp_max(n - 1).expand(scores.shape[0], -1, -1)
-    return scores.gather(2, pos).masked_fill_(keys.pos == n, -math.inf)
+    return scores.gather(2, pos)
 
 
 def _finite_or(x: torch.Tensor, fill: float) -> torch.Tensor:
@@ -212,7 +212,7 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     check_attention_inputs(q, k, v, scale)
     _check_block(block_size)
     S = k.shape[1]
-    check_positions("query_offset", query_offset, q.shape[0], q.shape[1], S, cu_seqlens)
+    check_positions(query_offset, q.shape[0], q.shape[1], S, cu_seqlens)
     segments = key_segments(cu_seqlens, S, q.device)
 
     def plan(b: int, t0: int, t1: int):
@@ -232,7 +232,25 @@ def sparse_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     idx = indices.long()
     allowed = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device)
     allowed.scatter_(2, torch.where(idx >= 0, idx, S), True)
-    allowed = allowed[..., :S, None].transpose(2, 3)  # [B, T, 1, S]
+    return _masked_dense_attention(q, k, v, scale, allowed[..., :S])
+
+
+def dense_causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                     cu_seqlens: Optional[torch.Tensor] = None,
+                                     query_offset: int = 0) -> torch.Tensor:
+    """Plain dense version of ``dense_causal_attention`` (one ``T x S`` masked softmax), for tests."""
+    check_attention_inputs(q, k, v, scale)
+    B, T, _, _ = q.shape
+    S = k.shape[1]
+    check_positions(query_offset, B, T, S, cu_seqlens)
+    allowed = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, q.device), q.device)
+    return _masked_dense_attention(q, k, v, scale, allowed.expand(B, T, S))
+
+
+def _masked_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax over the keys ``allowed`` ``[B, T, S]`` marks; zeros for a query with none."""
+    allowed = allowed[:, :, None, :]  # [B, T, 1, S]
     scores = torch.einsum("bthd,bshd->bths", q, k) * scale
     probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
     probs = torch.where(allowed.any(-1, keepdim=True), probs, torch.zeros_like(probs))

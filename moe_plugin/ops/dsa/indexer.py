@@ -39,7 +39,7 @@ def indexer_scores(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.
     _check_indexer_inputs(q_index, k_index, weights)
     B, T = q_index.shape[:2]
     S = k_index.shape[1]
-    check_positions("query_offset", query_offset, B, T, S, cu_seqlens)
+    check_positions(query_offset, B, T, S, cu_seqlens)
     per_head = torch.relu(torch.einsum("btjd,bsd->btjs", q_index, k_index))
     scores = torch.einsum("btj,btjs->bts", weights, per_head)
     mask = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, q_index.device), q_index.device)
@@ -63,7 +63,7 @@ def indexer_topk(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Te
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
     B, T, Hi, _ = q_index.shape
     S = k_index.shape[1]
-    check_positions("query_offset", query_offset, B, T, S, cu_seqlens)
+    check_positions(query_offset, B, T, S, cu_seqlens)
     segments = key_segments(cu_seqlens, S, q_index.device)
     k_out = min(topk, S)
     out = torch.full((B, T, k_out), -1, dtype=torch.int64, device=q_index.device)

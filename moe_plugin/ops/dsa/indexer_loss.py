@@ -29,7 +29,7 @@ def attention_target(q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens:
     check_attention_inputs(q, k, k, scale)
     B, T, H, _ = q.shape
     S = k.shape[1]
-    check_positions("query_offset", query_offset, B, T, S, cu_seqlens)
+    check_positions(query_offset, B, T, S, cu_seqlens)
     visible = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, q.device), q.device)
     total = q.new_zeros(B, T, S)
     for h in range(H):

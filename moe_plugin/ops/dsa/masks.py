@@ -15,14 +15,14 @@ import torch
 from ..checks import check_cu_seqlens
 
 
-def check_positions(name_offset: str, query_offset: int, batch: int, num_queries: int, num_keys: int,
+def check_positions(query_offset: int, batch: int, num_queries: int, num_keys: int,
                     cu_seqlens: Optional[torch.Tensor]) -> None:
     """Validate ``query_offset`` and ``cu_seqlens`` (whose boundaries run over the ``num_keys`` key positions)."""
     if not isinstance(query_offset, int) or query_offset < 0:
-        raise ValueError(f"{name_offset}: expected a non-negative int, got {query_offset!r}")
+        raise ValueError(f"query_offset: expected a non-negative int, got {query_offset!r}")
     check_cu_seqlens(cu_seqlens, batch, num_keys)
     if cu_seqlens is not None and query_offset + num_queries > num_keys:
-        raise ValueError(f"{name_offset}: with cu_seqlens the queries' positions (query_offset + T = "
+        raise ValueError(f"query_offset: with cu_seqlens the queries' positions (query_offset + T = "
                          f"{query_offset + num_queries}) must lie inside the keys' 0 .. {num_keys}")
 
 
