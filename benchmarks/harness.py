@@ -78,3 +78,16 @@ def _child(payload: str) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1])
+
+
+def write_results(section: str, lines, path: str = os.path.join(ROOT, "benchmarks", "RESULTS.md")) -> None:
+    """Replace (or add) ``## section`` in RESULTS.md with the given lines, dated."""
+    import datetime
+    import re
+
+    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
+    body = f"## {section}\n\nMeasured {datetime.date.today().isoformat()}:\n\n```\n" + "\n".join(lines) + "\n```\n"
+    pattern = re.compile(rf"^## {re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
+    text = pattern.sub(lambda _: body + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + body
+    with open(path, "w") as f:
+        f.write(text)

@@ -33,8 +33,8 @@ def _hf_layer(implementation: str = "eager", seed: int = 0):
     torch.manual_seed(seed)
     layer = DeepseekV32Attention(cfg, layer_idx=0)
     with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if p.dim() == 2:
+        for p in layer.parameters():
+            if p.dim() == 2:  # the Linear weights; norms keep their ones
                 p.normal_(0.0, 0.02)
     return layer, DeepseekV32RotaryEmbedding(cfg)
 

@@ -8,11 +8,15 @@ from .modeling_vl import MoEPluginForConditionalGeneration
 from .presets import PRESETS, preset_config
 from .processing import MoEProcessor
 from .tokenizer import ByteTokenizer
+from .k3_format import (A_LOG_PAD_MULTIPLE, a_log_padded_length, config_from_k3, config_to_k3, load_k3_checkpoint,
+                        save_k3_checkpoint, state_dict_from_k3, state_dict_to_k3)
 
 AutoConfig.register(MoEPluginConfig.model_type, MoEPluginConfig, exist_ok=True)
 AutoModelForCausalLM.register(MoEPluginConfig, MoEPluginForCausalLM, exist_ok=True)
 AutoModelForImageTextToText.register(MoEPluginConfig, MoEPluginForConditionalGeneration, exist_ok=True)
 AutoTokenizer.register(MoEPluginConfig, slow_tokenizer_class=ByteTokenizer, exist_ok=True)
 
-__all__ = ["ByteTokenizer", "MoEPluginConfig", "MoEPluginForCausalLM", "MoEPluginForConditionalGeneration",
-           "MoEPluginModel", "MoEPluginPreTrainedModel", "MoEProcessor", "PRESETS", "preset_config"]
+__all__ = ["A_LOG_PAD_MULTIPLE", "ByteTokenizer", "MoEPluginConfig", "MoEPluginForCausalLM",
+           "MoEPluginForConditionalGeneration", "MoEPluginModel", "MoEPluginPreTrainedModel", "MoEProcessor",
+           "PRESETS", "a_log_padded_length", "config_from_k3", "config_to_k3", "load_k3_checkpoint",
+           "preset_config", "save_k3_checkpoint", "state_dict_from_k3", "state_dict_to_k3"]

@@ -186,7 +186,8 @@ class MoEPluginConfig(PretrainedConfig):
             vision = VisionConfig(**{"out_hidden_size": d, "norm_eps": self.rms_norm_eps, **self.vision_config})
         return ModelConfig(vocab_size=self.vocab_size, hidden_size=d, num_layers=self.num_hidden_layers,
                            kda=kda, mla=mla, moe=moe,
-                           layer_types=[_LAYER_KIND.get(t, t) for t in self.layer_types],
+                           layer_types=[_LAYER_KIND.get(t, t) for t in self.layer_types]
+                           if self.layer_types is not None else None,
                            first_k_dense=self.first_k_dense_replace, dense_intermediate_size=self.intermediate_size,
                            attn_res=self.attn_res, attn_res_block_size=self.attn_res_block_size,
                            rms_norm_eps=self.rms_norm_eps, tie_word_embeddings=self.tie_word_embeddings,

@@ -74,27 +74,31 @@ FP32_TENSORS = (r"self_attn\.A_log$", r"self_attn\.dt_bias$",
                 r"block_sparse_moe\.gate\.(base_layer\.)?e_score_correction_bias$")
 _FP32_PATTERN = re.compile("|".join(FP32_TENSORS))
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-# a checkpoint without the DSA indexer (K3 ships none) loads into a model with it: the indexer starts fresh
-_FRESH_OK = re.compile(r"\.self_attn\.indexer\.")
+# The DSA indexer is optional on both sides: a checkpoint without it (K3 ships none) loads into a model with
+# it (the indexer starts fresh), and a model without it loads a checkpoint that has one (dense attention).
+_INDEXER = re.compile(r"\.self_attn\.indexer\.")
 LISTED = 10  # tensor names shown per kind in a load error
 
 
-def check_loading_info(info: dict, ignore_mismatched_sizes: bool = False) -> None:
+def check_loading_info(info: dict, model_order: List[str], ignore_mismatched_sizes: bool = False) -> None:
     """Raise ValueError naming the first tensors whose names or shapes differ between checkpoint and model.
 
     info: transformers' loading info (``missing_keys``, ``unexpected_keys``, ``mismatched_keys`` as
-    ``(name, checkpoint_shape, model_shape)``). Missing indexer tensors are allowed (a fresh indexer).
+    ``(name, checkpoint_shape, model_shape)``); model_order: the model's tensor names in state-dict order,
+    which is the order names are listed in. Indexer tensors may be missing or extra (see ``_INDEXER``).
     """
+    rank = {name: i for i, name in enumerate(model_order)}
+    first = lambda name: (rank.get(name, len(rank)), name)  # noqa: E731
     problems: List[str] = []
-    mismatched = sorted(info.get("mismatched_keys") or ())
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda item: first(item[0]))
     if mismatched and not ignore_mismatched_sizes:
         listed = ", ".join(f"{name} (checkpoint {tuple(ckpt)}, model {tuple(model)})"
                            for name, ckpt, model in mismatched[:LISTED])
         problems.append(f"{len(mismatched)} with other shapes: {listed}")
-    missing = sorted(k for k in info.get("missing_keys") or () if not _FRESH_OK.search(k))
+    missing = sorted((k for k in info.get("missing_keys") or () if not _INDEXER.search(k)), key=first)
     if missing:
         problems.append(f"{len(missing)} missing from the checkpoint: {', '.join(missing[:LISTED])}")
-    unexpected = sorted(info.get("unexpected_keys") or ())
+    unexpected = sorted(k for k in info.get("unexpected_keys") or () if not _INDEXER.search(k))
     if unexpected:
         problems.append(f"{len(unexpected)} the model does not have: {', '.join(unexpected[:LISTED])}")
     if problems:
@@ -120,24 +124,27 @@ class MoEPluginPreTrainedModel(PreTrainedModel):
         # load with mismatches allowed so that transformers reports them all, then decide here
         model, info = super().from_pretrained(*args, ignore_mismatched_sizes=True, output_loading_info=True,
                                               **kwargs)
-        check_loading_info(info, ignore_mismatched)
+        check_loading_info(info, list(model.state_dict()), ignore_mismatched)
         return (model, info) if want_info else model
 
     def _apply(self, fn, recurse=True):
         # model.to(bfloat16) / .half() leave FP32_TENSORS in fp32 with their exact values: keep an alias of
-        # each fp32 tensor and put it back (on the new device) wherever the conversion lowered its precision.
+        # each such tensor and put it back, on the tensor's new device, after any conversion to fp32 or lower
+        # (the router's own _apply has already cast it back to fp32 by then, but through bf16).
         kept = [(module, name, tensor.data) for module_name, module in self.named_modules()
                 for name, tensor in list(module._parameters.items()) + list(module._buffers.items())
-                if tensor is not None and tensor.dtype == torch.float32
+                if tensor is not None and tensor.dtype == torch.float32 and not tensor.is_meta
                 and _FP32_PATTERN.search(f"{module_name}.{name}")]
         super()._apply(fn, recurse)
         for module, name, original in kept:
-            if name in module._parameters:
-                param = module._parameters[name]
-                if param is not None and param.dtype in _LOW_PRECISION:
-                    param.data = original.to(param.device)
-            elif module._buffers.get(name) is not None and module._buffers[name].dtype in _LOW_PRECISION:
-                module._buffers[name] = original.to(module._buffers[name].device)
+            is_param = name in module._parameters
+            now = module._parameters[name] if is_param else module._buffers.get(name)
+            if now is None or now.dtype not in (torch.float32,) + _LOW_PRECISION:
+                continue
+            if is_param:
+                now.data = original.to(now.device)
+            else:
+                module._buffers[name] = original.to(now.device)
         return self
 
     @classmethod

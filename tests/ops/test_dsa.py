@@ -81,7 +81,8 @@ def test_sparse_equals_dense_masked_to_selection(dtype):
     q, k, v = qkv(dtype=dtype)
     indices = indexer_topk(*index_inputs(dtype=dtype), topk=5)
     ref = loop_attention(q, k, v, 0.5, selection(indices))
-    assert rel(sparse_attention(q, k, v, indices, 0.5, block_size=8), ref) < TOL[dtype]
+    for block, chunk in ((8, 8192), (3, 4), (64, 1)):  # one key chunk, several, one key at a time
+        assert rel(sparse_attention(q, k, v, indices, 0.5, block_size=block, key_chunk=chunk), ref) < TOL[dtype]
     assert rel(sparse_attention_reference(q, k, v, indices, 0.5), ref) < TOL[dtype]
 
 
@@ -121,8 +122,13 @@ def test_gradients_equal_autograd_through_reference():
     ref = torch.autograd.grad(sparse_attention_reference(q, k, v, indices, 0.6), (q, k, v), grad)
     for a, b in zip(ours, ref):
         assert rel(a, b) < 1e-12
+    chunked = torch.autograd.grad(sparse_attention(q, k, v, indices, 0.6, block_size=4, key_chunk=3), (q, k, v), grad)
+    for a, b in zip(chunked, ref):
+        assert rel(a, b) < 1e-12
     assert torch.autograd.gradcheck(lambda *t: sparse_attention(*t, indices, 0.6, block_size=4), (q, k, v))
     assert torch.autograd.gradcheck(lambda *t: dense_causal_attention(*t, 0.6, block_size=4), (q, k, v))
+    assert torch.autograd.gradcheck(lambda *t: dense_causal_attention(*t, 0.6, block_size=4, key_chunk=3),
+                                    (q, k, v))
 
 
 def test_saves_only_inputs_output_and_lse():
@@ -143,8 +149,9 @@ def test_dense_causal_with_offset_and_packing(dtype):
     q, k, v = qkv(B=1, T=12, dtype=dtype)
     cu = [0, 3, 3, 8, 12]
     ref = loop_attention(q, k, v, 0.3, lambda b, t, s: visible(t, s, cu=cu))
-    out = dense_causal_attention(q, k, v, 0.3, cu_seqlens=torch.tensor(cu), block_size=5)
-    assert rel(out, ref) < TOL[dtype]
+    for chunk in (8192, 2):
+        out = dense_causal_attention(q, k, v, 0.3, cu_seqlens=torch.tensor(cu), block_size=5, key_chunk=chunk)
+        assert rel(out, ref) < TOL[dtype]
     assert rel(dense_causal_attention_reference(q, k, v, 0.3, cu_seqlens=torch.tensor(cu)), ref) < TOL[dtype]
 
 
@@ -165,12 +172,12 @@ def test_indexer_scores_equal_loop(dtype):
                     assert out[0, t, s] == -math.inf
 
 
-@pytest.mark.parametrize("block", [1, 4, 64])
-def test_topk_equals_torch_topk_on_dense_scores(block):
+@pytest.mark.parametrize("block,chunk", [(1, 4096), (4, 3), (64, 1)])
+def test_topk_equals_torch_topk_on_dense_scores(block, chunk):
     qi, ki, w = index_inputs(B=2, T=17, dtype=torch.float64)
     dense = indexer_scores(qi, ki, w)
     for topk in (1, 5, 17, 40):
-        ours = indexer_topk(qi, ki, w, topk, block_size=block)
+        ours = indexer_topk(qi, ki, w, topk, block_size=block, key_chunk=chunk)
         assert ours.dtype == torch.int64 and ours.shape == (2, 17, min(topk, 17))
         want = dense.topk(min(topk, 17), dim=-1).values
         got = torch.where(ours >= 0, dense.gather(-1, ours.clamp_min(0)), -math.inf)
@@ -183,7 +190,6 @@ def test_topk_equals_torch_topk_on_dense_scores(block):
 
 def test_topk_respects_causality_and_packing():
     cu = [0, 5, 6, 14]
-    qi, ki, w = index_inputs(B=1, T=14, dtype=torch.float32)
     for offset, S, cus in ((0, 14, cu), (4, 14, cu), (6, 20, None)):
         qi, ki, w = index_inputs(B=1, T=14 - offset if cus else 14, S=S, dtype=torch.float32)
         T = qi.shape[1]
@@ -264,7 +270,9 @@ def test_bad_inputs_name_the_argument():
         ("indices", lambda: sparse_attention(q, k, v, idx + 10, 0.1)),
         ("indices", lambda: sparse_attention(q, k, v, torch.zeros(1, 6, 2, dtype=torch.long), 0.1)),  # repeat
         ("block_size", lambda: sparse_attention(q, k, v, idx, 0.1, block_size=0)),
+        ("key_chunk", lambda: dense_causal_attention(q, k, v, 0.1, key_chunk=0)),
         ("topk", lambda: indexer_topk(qi, ki, w, 0)),
+        ("key_chunk", lambda: indexer_topk(qi, ki, w, 2, key_chunk=-1)),
         ("q_index", lambda: indexer_topk(qi[0], ki, w, 2)),
         ("k_index", lambda: indexer_topk(qi, ki[..., :2], w, 2)),
         ("weights", lambda: indexer_scores(qi, ki, w[..., :1])),

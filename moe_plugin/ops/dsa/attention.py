@@ -1,13 +1,12 @@
 """Softmax attention over a chosen set of keys per query: DSA's sparse attention and its dense causal case.
 
-Both run through one blocked kernel. For each block of queries it takes the span of key positions the block
-uses (smallest to largest selected key, or the causally visible span) and computes the block's scores and
-outputs as dense matrix products over that span. Sparse attention then gathers each query's k selected
-scores, runs the softmax on those ``[H, Bq, k]`` values alone and scatters the probabilities back for the
-product with V. On a CPU this beats gathering k keys and values per query (a memory-bound copy of
-``T*k*H*D`` values) because every product is a GEMM and every elementwise pass but a zero fill is O(k).
-Transient memory per block: ``H * block * span`` scores, ``span <= S`` (and ``<= block * k`` keys apart
-at most when selections cluster).
+Both run through one blocked kernel. A block of queries works on the span of key positions it uses (smallest
+to largest selected key, or the causally visible span), in chunks of keys, with dense matrix products.
+Sparse attention gathers each query's k selected scores from a chunk's product, runs the softmax arithmetic
+on those ``[H, Bq, k]`` entries only and scatters the probabilities back for the product with V. On a CPU
+this beats gathering k keys and values per query (a memory-bound copy of ``T*k*H*D`` values): every product
+is a GEMM and every elementwise pass but a zero fill is O(k). Transient memory per block is a few
+``H * block * key_chunk`` matrices, whatever S is.
 
 The autograd Function saves only q, k, v, the output and the log-sum-exp, and recomputes each block's
 probabilities in backward (as flash attention does), so neither pass ever holds ``T x S`` scores.
@@ -25,6 +24,7 @@ from ..checks import check_same_dtype, check_tensor
 from .masks import check_positions, key_segments, visible_mask, visible_range
 
 DEFAULT_BLOCK = 64
+DEFAULT_KEY_CHUNK = 8192
 
 
 @dataclass
@@ -55,9 +55,9 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         raise ValueError(f"scale: expected a positive number, got {scale!r}")
 
 
-def _check_block(block_size: int) -> None:
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
 def _head_major(x: torch.Tensor) -> torch.Tensor:
@@ -65,18 +65,43 @@ def _head_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).contiguous()
 
 
-def _scatter_columns(values: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
-    """``[H, Bq, n]`` zeros holding ``values`` ``[H, Bq, k]`` at columns ``pos`` (spare column n dropped)."""
-    H, Bq, _ = values.shape
-    full = values.new_zeros(H, Bq, n + 1)
-    return full.scatter_(2, pos.expand(H, -1, -1), values)[..., :n]
+class _Chunk:
+    """Keys ``[c0, c1)`` of a block's span, and how the block's attention entries map onto their columns.
+
+    Dense plans attend to every allowed column. Sparse plans keep one entry per selected key (``[H, Bq, k]``):
+    ``select`` gathers those entries from a ``[H, Bq, c]`` matrix, ``place`` scatters them back into zeros.
+    """
+
+    def __init__(self, keys: BlockKeys, c0: int, c1: int):
+        self.width = c1 - c0
+        offset = c0 - keys.lo
+        self.cols = None
+        if keys.pos is None:
+            self.valid = keys.allowed[:, offset:offset + self.width]
+        else:
+            rel = keys.pos - offset
+            self.valid = (rel >= 0) & (rel < self.width)
+            self.cols = torch.where(self.valid, rel, self.width)  # width: a spare column, dropped by place()
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cols is None:
+            return x
+        return x.gather(2, self.cols.clamp_max(self.width - 1).expand(x.shape[0], -1, -1))
+
+    def place(self, entries: torch.Tensor) -> torch.Tensor:
+        if self.cols is None:
+            return entries
+        H, Bq, _ = entries.shape
+        full = entries.new_zeros(H, Bq, self.width + 1)
+        return full.scatter_(2, self.cols.expand(H, -1, -1), entries)[..., :self.width]
+
+    def scores(self, s: torch.Tensor) -> torch.Tensor:
+        """The entries of the score chunk ``s`` (``[H, Bq, c]``), ``-inf`` where the query has no key."""
+        return self.select(s).masked_fill_(~self.valid, -math.inf)
 
 
-def _selected(scores: torch.Tensor, keys: BlockKeys) -> torch.Tensor:
-    """The block's scores ``[H, Bq, n]`` at each query's selected keys, ``[H, Bq, k]``, -inf at empty slots."""
-    n = keys.hi - keys.lo
-    pos = keys.pos.clamp_max(n - 1).expand(scores.shape[0], -1, -1)
-    return scores.gather(2, pos)
+def _chunks(keys: BlockKeys, key_chunk: int):
+    return [_Chunk(keys, c0, min(keys.hi, c0 + key_chunk)) for c0 in range(keys.lo, keys.hi, key_chunk)]
 
 
 def _finite_or(x: torch.Tensor, fill: float) -> torch.Tensor:
@@ -84,8 +109,11 @@ def _finite_or(x: torch.Tensor, fill: float) -> torch.Tensor:
 
 
 class _BlockedAttention(torch.autograd.Function):
+    """Blocks of queries x chunks of keys. Forward finds each query's log-sum-exp over the chunks first,
+    then sums ``exp(s - lse) @ V`` chunk by chunk; backward recomputes the same probabilities."""
+
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, block: int, plan: KeyPlan):
+    def forward(ctx, q, k, v, scale: float, block: int, key_chunk: int, plan: KeyPlan):
         B, T, H, _ = q.shape
         out = q.new_zeros(B, T, H, v.shape[-1])
         lse = q.new_full((B, T, H), -math.inf)
@@ -94,67 +122,57 @@ class _BlockedAttention(torch.autograd.Function):
             for t0 in range(0, T, block):
                 t1 = min(T, t0 + block)
                 keys = plan(b, t0, t1)
-                n = keys.hi - keys.lo
-                if n <= 0:
-                    continue
-                s = torch.matmul(q_t[:, t0:t1], k_t[:, keys.lo:keys.hi].transpose(1, 2))  # [H, Bq, n]
-                if keys.pos is None:
-                    s.masked_fill_(~keys.allowed, -math.inf)
-                    m = _finite_or(s.amax(-1, keepdim=True), 0.0)  # 0 for a query that sees no key
-                    p = s.sub_(m).exp_()
-                else:
-                    s_sel = _selected(s, keys)
-                    m = _finite_or(s_sel.amax(-1, keepdim=True), 0.0)
-                    p_sel = s_sel.sub_(m).exp_()
-                    p = _scatter_columns(p_sel, keys.pos, n)
-                denom = p.sum(-1, keepdim=True)
-                o = torch.matmul(p, v_t[:, keys.lo:keys.hi]) / denom.clamp_min(torch.finfo(p.dtype).tiny)
+                q_blk = q_t[:, t0:t1]
+                chunks = _chunks(keys, key_chunk)
+                lse_blk = q.new_full((H, t1 - t0, 1), -math.inf)
+                kept = None
+                for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), chunks):
+                    sc = ch.scores(torch.matmul(q_blk, k_t[:, c0:c0 + ch.width].transpose(1, 2)))
+                    lse_blk = torch.logaddexp(lse_blk, torch.logsumexp(sc, -1, keepdim=True))
+                    kept = sc if len(chunks) == 1 else None  # one chunk: no need to recompute it
+                shift = _finite_or(lse_blk, math.inf)  # a query that sees no key: probabilities 0
+                o = q.new_zeros(H, t1 - t0, v.shape[-1])
+                for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), chunks):
+                    sc = kept if kept is not None else ch.scores(
+                        torch.matmul(q_blk, k_t[:, c0:c0 + ch.width].transpose(1, 2)))
+                    o += torch.matmul(ch.place(sc.sub_(shift).exp_()), v_t[:, c0:c0 + ch.width])
                 out[b, t0:t1] = o.transpose(0, 1)
-                lse[b, t0:t1] = (m + denom.log()).squeeze(-1).transpose(0, 1)
+                lse[b, t0:t1] = lse_blk.squeeze(-1).transpose(0, 1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.block, ctx.plan = scale, block, plan
+        ctx.scale, ctx.block, ctx.key_chunk, ctx.plan = scale, block, key_chunk, plan
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, block, plan = ctx.scale, ctx.block, ctx.plan
+        scale, block, key_chunk, plan = ctx.scale, ctx.block, ctx.key_chunk, ctx.plan
         B, T, H, _ = q.shape
         delta = (grad_out * out).sum(-1)  # [B, T, H]: sum_s p_s dp_s, the softmax Jacobian's shift
-        lse = _finite_or(lse, math.inf)  # a query that saw no key: its recomputed probabilities become 0
+        lse = _finite_or(lse, math.inf)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for b in range(B):
             q_t, k_t, v_t = _head_major(q[b] * scale), _head_major(k[b]), _head_major(v[b])
             do_t = _head_major(grad_out[b])
-            dk_t, dv_t = torch.zeros_like(k_t), torch.zeros_like(v_t)
+            dq_t, dk_t, dv_t = torch.zeros_like(q_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
             for t0 in range(0, T, block):
                 t1 = min(T, t0 + block)
                 keys = plan(b, t0, t1)
-                n = keys.hi - keys.lo
-                if n <= 0:
-                    continue
-                span = slice(keys.lo, keys.hi)
                 q_blk, do_blk = q_t[:, t0:t1], do_t[:, t0:t1]
-                lse_blk = lse[b, t0:t1].transpose(0, 1).unsqueeze(-1)
+                shift = lse[b, t0:t1].transpose(0, 1).unsqueeze(-1)
                 delta_blk = delta[b, t0:t1].transpose(0, 1).unsqueeze(-1)
-                s = torch.matmul(q_blk, k_t[:, span].transpose(1, 2))
-                dp = torch.matmul(do_blk, v_t[:, span].transpose(1, 2))
-                if keys.pos is None:
-                    s.masked_fill_(~keys.allowed, -math.inf)
-                    p = s.sub_(lse_blk).exp_()
-                    ds = dp.sub_(delta_blk).mul_(p)
-                else:
-                    p_sel = _selected(s, keys).sub_(lse_blk).exp_()
-                    dp_sel = dp.gather(2, keys.pos.clamp_max(n - 1).expand(H, -1, -1))
-                    ds = _scatter_columns(dp_sel.sub_(delta_blk).mul_(p_sel), keys.pos, n)
-                    p = _scatter_columns(p_sel, keys.pos, n)
-                dq[b, t0:t1] = torch.matmul(ds, k_t[:, span]).transpose(0, 1) * scale
-                dk_t[:, span] += torch.matmul(ds.transpose(1, 2), q_blk)
-                dv_t[:, span] += torch.matmul(p.transpose(1, 2), do_blk)
+                for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), _chunks(keys, key_chunk)):
+                    span = slice(c0, c0 + ch.width)
+                    p = ch.scores(torch.matmul(q_blk, k_t[:, span].transpose(1, 2))).sub_(shift).exp_()
+                    dp = ch.select(torch.matmul(do_blk, v_t[:, span].transpose(1, 2)))
+                    ds = ch.place(dp.sub_(delta_blk).mul_(p))
+                    dq_t[:, t0:t1] += torch.matmul(ds, k_t[:, span])
+                    dk_t[:, span] += torch.matmul(ds.transpose(1, 2), q_blk)
+                    dv_t[:, span] += torch.matmul(ch.place(p).transpose(1, 2), do_blk)
+            dq[b] = dq_t.transpose(0, 1) * scale
             dk[b] = dk_t.transpose(0, 1)
             dv[b] = dv_t.transpose(0, 1)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def check_indices(indices: torch.Tensor, batch: int, num_queries: int, num_keys: int) -> None:
@@ -186,31 +204,34 @@ def _selection_plan(indices: torch.Tensor) -> KeyPlan:
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float,
-                     block_size: int = DEFAULT_BLOCK) -> torch.Tensor:
+                     block_size: int = DEFAULT_BLOCK, key_chunk: int = DEFAULT_KEY_CHUNK) -> torch.Tensor:
     """Each query attends (softmax) over its selected keys only.
 
     q: ``[B, T, H, Dqk]``; k: ``[B, S, H, Dqk]``; v: ``[B, S, H, Dv]``; indices: ``[B, T, k]`` int key
-    positions, ``-1`` = empty slot (a repeated position counts once); scale: multiplies ``q . k``.
+    positions, ``-1`` = empty slot, no key twice in a row (ValueError); scale: multiplies ``q . k``.
     Returns ``[B, T, H, Dv]``; a query with no selected key gets zeros. Differentiable in q, k, v with
     O(T*k) saved state (inputs, output, log-sum-exp) and blocks of ``block_size`` queries recomputed in
-    backward. Causality is whatever the indices say (``indexer_topk`` only selects visible keys).
+    backward; transient memory ``O(H * block_size * key_chunk)`` in both passes. Causality is whatever the
+    indices say (``indexer_topk`` only selects visible keys).
     """
     check_attention_inputs(q, k, v, scale)
-    _check_block(block_size)
+    _check_positive("block_size", block_size)
+    _check_positive("key_chunk", key_chunk)
     check_indices(indices, q.shape[0], q.shape[1], k.shape[1])
-    return _BlockedAttention.apply(q, k, v, float(scale), block_size, _selection_plan(indices))
+    return _BlockedAttention.apply(q, k, v, float(scale), block_size, key_chunk, _selection_plan(indices))
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                            cu_seqlens: Optional[torch.Tensor] = None, query_offset: int = 0,
-                           block_size: int = DEFAULT_BLOCK) -> torch.Tensor:
+                           block_size: int = DEFAULT_BLOCK, key_chunk: int = DEFAULT_KEY_CHUNK) -> torch.Tensor:
     """Causal softmax attention (the indexer-off path), blocked like ``sparse_attention``.
 
     q: ``[B, T, H, Dqk]`` at positions ``query_offset + t``; k: ``[B, S, H, Dqk]``; v: ``[B, S, H, Dv]``;
     cu_seqlens: ``[N+1]`` packed-sequence boundaries over the S keys (batch 1). Returns ``[B, T, H, Dv]``.
     """
     check_attention_inputs(q, k, v, scale)
-    _check_block(block_size)
+    _check_positive("block_size", block_size)
+    _check_positive("key_chunk", key_chunk)
     S = k.shape[1]
     check_positions(query_offset, q.shape[0], q.shape[1], S, cu_seqlens)
     segments = key_segments(cu_seqlens, S, q.device)
@@ -219,7 +240,7 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         lo, hi = visible_range(t0, t1, S, query_offset, cu_seqlens)
         return BlockKeys(lo, hi, allowed=visible_mask(t0, t1, lo, hi, query_offset, segments, q.device))
 
-    return _BlockedAttention.apply(q, k, v, float(scale), block_size, plan)
+    return _BlockedAttention.apply(q, k, v, float(scale), block_size, key_chunk, plan)
 
 
 def sparse_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,

@@ -17,7 +17,7 @@ from .masks import check_positions, key_segments, visible_mask, visible_range
 DEFAULT_QUERY_BLOCK = 256
 # Keys scored at a time inside a query block: keeps the per-head [block, H_I, chunk] ReLU terms small
 # while the [block, S] score rows are assembled.
-KEY_CHUNK = 4096
+DEFAULT_KEY_CHUNK = 4096
 
 
 def _check_indexer_inputs(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor) -> None:
@@ -49,19 +49,20 @@ def indexer_scores(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.
 @torch.no_grad()
 def indexer_topk(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor, topk: int,
                  cu_seqlens: Optional[torch.Tensor] = None, query_offset: int = 0,
-                 block_size: int = DEFAULT_QUERY_BLOCK) -> torch.Tensor:
+                 block_size: int = DEFAULT_QUERY_BLOCK, key_chunk: int = DEFAULT_KEY_CHUNK) -> torch.Tensor:
     """The ``topk`` visible keys of highest index score per query, scored one block of queries at a time.
 
     Shapes as ``indexer_scores``. Returns ``[B, T, min(topk, S)]`` int64 key positions (order unspecified);
     slots beyond a query's visible keys hold ``-1``. Memory: ``block_size * S`` scores plus
-    ``block_size * H_I * KEY_CHUNK`` per-head terms, never ``T x S``. Not differentiable (an index choice).
+    ``block_size * H_I * key_chunk`` per-head terms, never ``T x S``. Not differentiable (an index choice).
     """
     _check_indexer_inputs(q_index, k_index, weights)
     if not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk: expected a positive int, got {topk!r}")
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
-    B, T, Hi, _ = q_index.shape
+    for name, value in (("block_size", block_size), ("key_chunk", key_chunk)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    B, T = q_index.shape[:2]
     S = k_index.shape[1]
     check_positions(query_offset, B, T, S, cu_seqlens)
     segments = key_segments(cu_seqlens, S, q_index.device)
@@ -75,22 +76,22 @@ def indexer_topk(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Te
         mask = visible_mask(t0, t1, lo, hi, query_offset, segments, q_index.device)
         take = min(k_out, hi - lo)
         for b in range(B):
-            scores = _block_scores(q_index[b, t0:t1], k_index[b, lo:hi], weights[b, t0:t1])
+            scores = _block_scores(q_index[b, t0:t1], k_index[b, lo:hi], weights[b, t0:t1], key_chunk)
             scores.masked_fill_(~mask, -math.inf)
             values, idx = scores.topk(take, dim=-1, sorted=False)
             out[b, t0:t1, :take] = torch.where(values == -math.inf, -1, idx + lo)
     return out
 
 
-def _block_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _block_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_chunk: int) -> torch.Tensor:
     """``[Bq, n]`` index scores of queries q ``[Bq, H_I, D_I]`` (weights w ``[Bq, H_I]``) on keys k ``[n, D_I]``."""
     Bq, Hi, Di = q.shape
     n = k.shape[0]
     scores = q.new_empty(Bq, n)
     q_flat = q.reshape(Bq * Hi, Di)
     w_row = w.unsqueeze(1)  # [Bq, 1, H_I]: the head sum as a batched product
-    for c0 in range(0, n, KEY_CHUNK):
-        c1 = min(n, c0 + KEY_CHUNK)
+    for c0 in range(0, n, key_chunk):
+        c1 = min(n, c0 + key_chunk)
         per_head = torch.relu_(torch.matmul(q_flat, k[c0:c1].t())).view(Bq, Hi, c1 - c0)
         scores[:, c0:c1] = torch.bmm(w_row, per_head).squeeze(1)
     return scores

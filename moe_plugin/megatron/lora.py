@@ -1,0 +1,143 @@
+"""LoRA adapters on the megatron model (and, identically, on the Hugging Face model) through peft.
+
+peft's megatron path (``LoraConfig(megatron_config=...)`` on Column/RowParallelLinear) is broken in peft 0.21
+(see CPU-NOTES), and it is not needed: the adapted modules are the single-device layers, i.e. plain
+``nn.Linear`` (``q_proj``, ``k_proj``, the router ``gate``) and the stacked expert parameters
+(``experts.w1/w2/w3``, peft ``target_parameters``: one adapter per expert, stacked). ``add_lora`` injects in
+place, so parameter names keep the model's own prefixes and map through ``weights.NAME_TABLE``.
+
+Expert adapters follow megatron's convention for expert parameters: ``allreduce = False``, so their gradients
+are reduced over the expert-data-parallel group (``moe_plugin.parallel.grad_reduce``). On an EP rank they hold
+only the local experts' adapters; peft stacks them as ``lora_A [r * E, in]`` (expert-major rows) and
+``lora_B [out, r * E]`` (expert-minor columns, ``view(out, r, E)``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Iterable
+
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+
+from ..config import ModelConfig, require
+from ..layers.moe import StackedExperts
+from .weights import expert_ranges, hf_to_megatron_name, megatron_to_hf_name
+
+__all__ = ["add_lora", "mark_expert_adapters", "expert_adapter_parameters", "slice_expert_adapter",
+           "load_hf_adapter_state", "adapter_state_to_hf"]
+
+_EXPERT_ADAPTER = re.compile(r"\.experts\.(?:base_layer\.)*lora_([AB])\.")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def add_lora(model: nn.Module, r: int, alpha: float, target_modules: Iterable[str] = ("q_proj", "k_proj", "gate"),
+             target_parameters: Iterable[str] = ()) -> nn.Module:
+    """Inject peft LoRA adapters into ``model`` in place (base frozen, adapters trainable); returns ``model``.
+
+    target_modules: ``nn.Linear`` names (K3's, ARCHITECTURE.md 7); target_parameters: e.g. ``experts.w1``.
+    """
+    require(isinstance(r, int) and r > 0, "r", f"must be a positive integer, got {r!r}")
+    modules, params = list(target_modules), list(target_parameters)
+    require(modules or params, "target_modules", "name at least one module or parameter to adapt")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules or None,
+                        target_parameters=params or None)
+    inject_adapter_in_model(config, model)
+    mark_expert_adapters(model)
+    return model
+
+
+def _innermost(module: nn.Module) -> nn.Module:
+    while hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
+
+
+def mark_expert_adapters(model: nn.Module) -> int:
+    """Set megatron's expert mark ``allreduce = False`` on every adapter parameter of a routed-expert stack;
+    returns how many were marked."""
+    marked = 0
+    for module in model.modules():
+        if hasattr(module, "lora_A") and isinstance(_innermost(module), StackedExperts):
+            for adapters in (module.lora_A, module.lora_B):
+                for p in adapters.parameters():
+                    p.allreduce = False
+                    marked += 1
+    return marked
+
+
+def expert_adapter_parameters(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The trainable parameters marked as expert parameters, by name."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad and getattr(p, "allreduce", True) is False}
+
+
+def slice_expert_adapter(name: str, value: torch.Tensor, first: int, last: int, num_experts: int) -> torch.Tensor:
+    """The experts ``first .. last - 1`` of a full expert adapter ``value`` (``lora_A [r*E, in]`` or
+    ``lora_B [out, r*E]``) -> ``[r*E_local, in]`` / ``[out, r*E_local]``; other tensors pass through."""
+    m = _EXPERT_ADAPTER.search(name)
+    if m is None:
+        return value
+    if m.group(1) == "A":
+        r = value.shape[0] // num_experts
+        return value[first * r:last * r]
+    out, rank_times_e = value.shape
+    return value.view(out, rank_times_e // num_experts, num_experts)[:, :, first:last].reshape(out, -1)
+
+
+@torch.no_grad()
+def load_hf_adapter_state(model: nn.Module, state: Dict[str, torch.Tensor], config: ModelConfig) -> int:
+    """Copy adapter tensors named as in the Hugging Face model (``model.layers.{i}...lora_A.default.weight``,
+    experts stacked over all ``E``) into megatron ``model``, slicing expert adapters to this rank's experts.
+    Every adapter of ``model`` must be given (ValueError naming the first missing); returns the count."""
+    ranges = expert_ranges(model)
+    params = dict(model.named_parameters())
+    given = {hf_to_megatron_name(k, config): (k, v) for k, v in state.items()}
+    adapters = [n for n in params if ".lora_" in n]
+    missing = [megatron_to_hf_name(n, config) for n in adapters if n not in given]
+    require(not missing, "state", f"{len(missing)} adapters of the model are missing, e.g. {missing[:5]}")
+    for name in adapters:
+        hf_name, value = given[name]
+        layer = _LAYER.match(name)
+        if _EXPERT_ADAPTER.search(name):
+            first, last = ranges[int(layer.group(1))]
+            value = slice_expert_adapter(name, value, first, last, config.moe.num_experts)
+        require(tuple(value.shape) == tuple(params[name].shape), f"state[{hf_name!r}]",
+                f"has shape {tuple(value.shape)} on this rank, the model's {name} has {tuple(params[name].shape)}")
+        params[name].copy_(value)
+    return len(adapters)
+
+
+def _gather_expert_adapter(name: str, value: torch.Tensor, num_local: int, group, size: int) -> torch.Tensor:
+    """Full-``E`` stacking of an expert adapter from the EP ranks' slices (contiguous experts, rank order)."""
+    parts = [torch.empty_like(value) for _ in range(size)]
+    dist.all_gather(parts, value.contiguous(), group=group)
+    if _EXPERT_ADAPTER.search(name).group(1) == "A":
+        return torch.cat(parts)
+    out = value.shape[0]
+    return torch.cat([p.view(out, -1, num_local) for p in parts], dim=2).reshape(out, -1)
+
+
+@torch.no_grad()
+def adapter_state_to_hf(model: nn.Module, config: ModelConfig, grads: bool = False,
+                        gather_experts: bool = True) -> Dict[str, torch.Tensor]:
+    """Adapter tensors (or, with ``grads``, their gradients; zeros where none) of megatron ``model`` under
+    Hugging Face names, as clones. gather_experts: all-gather expert adapters over the expert-parallel group
+    into the full ``E`` stacking (collective: every EP rank must call it); False keeps this rank's slice."""
+    from megatron.core import parallel_state
+
+    ep_size = parallel_state.get_expert_model_parallel_world_size() if gather_experts else 1
+    ranges = expert_ranges(model)
+    out = {}
+    for name, p in model.named_parameters():
+        if ".lora_" not in name:
+            continue
+        value = p if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
+        value = value.detach()
+        if ep_size > 1 and _EXPERT_ADAPTER.search(name):
+            first, last = ranges[int(_LAYER.match(name).group(1))]
+            value = _gather_expert_adapter(name, value, last - first,
+                                           parallel_state.get_expert_model_parallel_group(), ep_size)
+        out[megatron_to_hf_name(name, config)] = value.clone()
+    return out
