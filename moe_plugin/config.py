@@ -35,7 +35,7 @@ class KDAConfig:
 
     hidden_size: int
     num_heads: int
-    head_dim: int
+    head_dim: Optional[int] = None  # default hidden_size / num_heads
     conv_size: int = 4
     gate_form: str = "k3"  # "k3": lower_bound * sigmoid(...); "kimi_linear": -exp(A_log) * softplus(...)
     gate_lower_bound: float = -5.0
@@ -44,9 +44,14 @@ class KDAConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self):
+        _positive(self, "hidden_size", "num_heads")
+        if self.head_dim is None:
+            require(self.hidden_size % self.num_heads == 0, "KDAConfig.num_heads",
+                    f"must divide hidden_size ({self.hidden_size}) when head_dim is not given, got {self.num_heads}")
+            self.head_dim = self.hidden_size // self.num_heads
         if self.gate_rank is None:
             self.gate_rank = self.head_dim
-        _positive(self, "hidden_size", "num_heads", "head_dim", "conv_size", "gate_rank", "chunk_size")
+        _positive(self, "head_dim", "conv_size", "gate_rank", "chunk_size")
         require(self.gate_form in KDA_GATE_FORMS, "KDAConfig.gate_form",
                 f"must be one of {KDA_GATE_FORMS}, got {self.gate_form!r}")
         require(self.gate_lower_bound < 0, "KDAConfig.gate_lower_bound",
