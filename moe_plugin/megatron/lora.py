@@ -29,7 +29,7 @@ from .weights import expert_ranges, hf_to_megatron_name, megatron_to_hf_name
 __all__ = ["add_lora", "mark_expert_adapters", "expert_adapter_parameters", "slice_expert_adapter",
            "load_hf_adapter_state", "adapter_state_to_hf"]
 
-_EXPERT_ADAPTER = re.compile(r"\.experts\.(?:base_layer\.)*lora_([AB])\.")
+_EXPERT_ADAPTER = re.compile(r"(?:^|\.)experts\.(?:base_layer\.)*lora_([AB])\.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 

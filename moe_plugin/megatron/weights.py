@@ -139,9 +139,10 @@ def load_hf_checkpoint(model: nn.Module, path: str, config: ModelConfig, strict:
     require(isinstance(config, ModelConfig), "config", f"must be a ModelConfig, got {type(config).__name__}")
     weight_map = _weight_map(path)
     ranges = expert_ranges(model)
+    targets = _model_entries(model)
     wanted: Dict[str, Dict[str, str]] = {}  # shard file -> {hf name: megatron name}
     missing = []
-    for mg_name in _model_entries(model):
+    for mg_name in targets:
         hf_name = megatron_to_hf_name(mg_name, config)
         if hf_name not in weight_map:
             missing.append(hf_name)
@@ -156,7 +157,6 @@ def load_hf_checkpoint(model: nn.Module, path: str, config: ModelConfig, strict:
     require(not (strict and unexpected), "checkpoint",
             f"{len(unexpected)} tensors the model does not have: {unexpected[:10]} (strict=False to ignore)")
 
-    targets = _model_entries(model)
     for shard, names in sorted(wanted.items()):
         with safe_open(shard, framework="pt") as f:
             for hf_name, mg_name in names.items():

@@ -2,12 +2,16 @@
 
 KDA layers keep a fixed-size recurrent state and conv tails; MLA layers keep the compressed kv latent and
 the indexer keys. Both are updated in place by their layers, so the cache object itself only needs to
-know how many positions it holds (to slice the prompt and place new queries).
+know how many positions it holds (to slice the prompt and place new queries) and how to follow the beams
+of a beam search.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List
+
+import torch
 
 from ..layers.decoder import LayerCache
 
@@ -25,3 +29,14 @@ class HybridCache:
 
     def __getitem__(self, index: int) -> LayerCache:
         return self.layers[index]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep, for every row of the batch, the cache of row ``beam_idx[row]`` (beam search); in place.
+
+        beam_idx: ``[B]``; every cached tensor has the batch first (``[B, ...]``).
+        """
+        for layer in self.layers:
+            for field in dataclasses.fields(layer):
+                tensor = getattr(layer, field.name)
+                if tensor is not None:
+                    setattr(layer, field.name, tensor.index_select(0, beam_idx.to(tensor.device)))

@@ -164,7 +164,7 @@ class MoEPluginConfig(PretrainedConfig):
     def _build_model_config(self) -> ModelConfig:
         d = self.hidden_size
         lin = self.linear_attn_config
-        kda = KDAConfig(hidden_size=d, num_heads=lin["num_heads"], head_dim=lin["head_dim"],
+        kda = KDAConfig(hidden_size=d, num_heads=lin["num_heads"], head_dim=lin.get("head_dim"),
                         conv_size=lin["short_conv_kernel_size"], gate_form=lin.get("gate_form", "k3"),
                         gate_lower_bound=lin["gate_lower_bound"], gate_rank=lin.get("gate_rank"),
                         chunk_size=lin.get("chunk_size", 64), norm_eps=self.rms_norm_eps)

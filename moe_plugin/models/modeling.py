@@ -6,6 +6,10 @@ Names follow K3 (ARCHITECTURE.md 7): ``model.embed_tokens``, ``model.layers.{i}`
 Padding: the attention layers work on packed sequences, so a padded batch (an ``attention_mask`` with
 zeros, each row's real tokens contiguous) is packed into one row with ``cu_seqlens`` and unpacked after
 the last layer; the result equals running every row alone.
+
+Precision: ``FP32_TENSORS`` (KDA's ``A_log``/``dt_bias``, the router and its selection bias) stay fp32 through
+``model.to(bfloat16)`` and ``from_pretrained(dtype=bfloat16)``. Loading is strict: a checkpoint that does not
+fit the config raises a ValueError naming the first tensors that differ (``strict=False`` to skip that).
 """
 
 from __future__ import annotations
@@ -133,7 +137,7 @@ class MoEPluginPreTrainedModel(PreTrainedModel):
         # (the router's own _apply has already cast it back to fp32 by then, but through bf16).
         kept = [(module, name, tensor.data) for module_name, module in self.named_modules()
                 for name, tensor in list(module._parameters.items()) + list(module._buffers.items())
-                if tensor is not None and tensor.dtype == torch.float32 and not tensor.is_meta
+                if tensor is not None and tensor.dtype == torch.float32
                 and _FP32_PATTERN.search(f"{module_name}.{name}")]
         super()._apply(fn, recurse)
         for module, name, original in kept:
@@ -141,10 +145,14 @@ class MoEPluginPreTrainedModel(PreTrainedModel):
             now = module._parameters[name] if is_param else module._buffers.get(name)
             if now is None or now.dtype not in (torch.float32,) + _LOW_PRECISION:
                 continue
-            if is_param:
-                now.data = original.to(now.device)
+            if original.is_meta and not now.is_meta:
+                restored = now.float()  # materialised from meta (to_empty): there are no values to keep
             else:
-                module._buffers[name] = original.to(now.device)
+                restored = original.to(now.device)
+            if is_param:
+                now.data = restored
+            else:
+                module._buffers[name] = restored
         return self
 
     @classmethod
@@ -251,6 +259,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: Optio
 
 
 class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # used when tie_word_embeddings
+
     def __init__(self, config: MoEPluginConfig):
         super().__init__(config)
         self.model = MoEPluginModel(config)
@@ -291,6 +301,8 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
         # after the prefill the cache holds every earlier position: feed only what it has not seen
         seen = cache.seq_length if cache is not None else 0
         inputs = {"input_ids": input_ids[:, seen:], "cache": cache, "use_cache": kwargs.get("use_cache", True)}
+        if kwargs.get("logits_to_keep"):
+            inputs["logits_to_keep"] = kwargs["logits_to_keep"]  # the prefill needs the last position only
         if seen == 0 and attention_mask is not None and not bool(attention_mask.bool().all()):
             inputs["attention_mask"] = attention_mask
         return inputs

@@ -30,6 +30,10 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
         self.patch_merger = PatchMerger(vision)
         self.mm_projector = MultimodalProjector(vision)
         self.post_init()
+        if self.generation_config is not None:
+            # A generated placeholder would be an image slot without an image on the next step: never emit one.
+            suppressed = set(self.generation_config.suppress_tokens or ()) | {config.image_token_id}
+            self.generation_config.suppress_tokens = sorted(suppressed)
 
     def get_input_embeddings(self):
         return self.language_model.get_input_embeddings()

@@ -104,6 +104,8 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
 
     model = build_gpt_model(config)
     out["layer_types"] = [(type(l.self_attention).__name__, type(l.mlp).__name__) for l in model.decoder.layers]
+    if extras:  # before the real load: strict=False loads the broken checkpoint's weights
+        out["load_errors"] = _load_errors(model, os.path.join(case_dir, "broken"), config)
     counts, restore = _count_reads(weights)
     try:
         stats = weights.load_hf_checkpoint(model, path, config)
@@ -152,6 +154,21 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
         with torch.no_grad():
             out["packed_logits"] = model(setup["packed"][rank], None, None, packed_seq_params=params)
     return out
+
+
+def _load_errors(model, broken_dir: str, config) -> dict:
+    """The ValueError messages of loading broken checkpoints (None where it loaded)."""
+    from moe_plugin.megatron.weights import load_hf_checkpoint
+
+    def message(name, **kwargs):
+        try:
+            load_hf_checkpoint(model, os.path.join(broken_dir, name), config, **kwargs)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    return {"missing": message("missing"), "unexpected": message("unexpected"),
+            "unexpected_not_strict": message("unexpected", strict=False)}
 
 
 def _spy_received(model) -> list:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from moe_plugin.megatron.lora import add_lora
 from moe_plugin.models.modeling import MoEPluginForCausalLM, causal_lm_loss
@@ -72,6 +72,11 @@ def case(tmp_path_factory):
         torch.save({"lora": LORA, "adapters": adapters, "batches": batches, "packed": packed,
                     "packed_cu_seqlens": PACKED_CU}, root / scenario / "setup.pt")
         models[scenario] = model
+    state = {k: v.detach().clone().contiguous() for k, v in build_reference("mixed").state_dict().items()}
+    for name, broken in (("missing", {k: v for k, v in state.items() if k != "model.norm.weight"}),
+                         ("unexpected", state | {"model.layers.9.self_attn.q_proj.weight": torch.zeros(1)})):
+        (root / "broken" / name).mkdir(parents=True)
+        save_file(broken, str(root / "broken" / name / "model.safetensors"))
     return {"root": root, "models": models, "batches": batches, "packed": packed}
 
 
@@ -238,3 +243,11 @@ def test_packed_sequences_match_hf_cu_seqlens(case, world2):
         got = result["mixed/ep2"]["packed_logits"]
         assert _rel(got, want) <= TOL, f"rank {rank}: packed logits rel err {_rel(got, want):.2e}"
         assert _rel(unpacked, want) > 1e-3, "premise: document boundaries must change the logits"
+
+
+def test_load_errors_name_the_checkpoint_problem(world2):
+    got = world2[0][0]["mixed/ep2"]["load_errors"]
+    assert got["missing"].startswith("checkpoint: 1 tensors of the model are missing") and "model.norm.weight" in \
+        got["missing"], got
+    assert got["unexpected"].startswith("checkpoint: 1 tensors the model does not have"), got
+    assert got["unexpected_not_strict"] is None, "strict=False must load past extra tensors"

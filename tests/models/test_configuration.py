@@ -73,6 +73,7 @@ def test_model_follows_config(overrides, check):
 
 @pytest.mark.parametrize("overrides, key", [
     (dict(vision_config=dict(hidden_size=30, num_layers=1, num_heads=4, intermediate_size=8)), "vision_config.num_heads"),
+    (dict(linear_attn_config=dict(num_heads=3, head_dim=None)), "linear_attn_config.num_heads"),
     (dict(num_experts_per_token=9), "num_experts_per_token"),
     (dict(num_expert_group=3), "num_expert_group"),
     (dict(hidden_size=-64), "hidden_size"),
@@ -133,9 +134,10 @@ def test_tiny_preset_lora_step_is_fast():
 
     step()  # the first step pays one-time costs (allocator, kernel choice)
     times = []
-    for _ in range(3):
+    for _ in range(5):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    # measured about 30 ms on 2 cores; a generous bound for a shared machine
-    assert min(times) < 0.5, times
+    # "well under a second": measured about 30 ms on 2 idle cores; the best of five steps, because the
+    # machine the tests run on may be shared
+    assert min(times) < 1.0, times

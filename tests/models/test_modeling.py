@@ -1,0 +1,184 @@
+"""The Hugging Face models: Auto classes, sharded save/load, strict loading, fp32 islands in bf16, padding."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+import moe_plugin
+from moe_plugin.models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
+from moe_plugin.models.cache import HybridCache
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return MoEPluginForCausalLM(moe_plugin.preset_config("tiny")).eval()
+
+
+def _shards(path):
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        return set(json.load(f)["weight_map"].values())
+
+
+def test_causal_lm_round_trip_through_auto_class_with_shards(tiny_model, tmp_path):
+    tiny_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(_shards(tmp_path)) > 1
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is MoEPluginForCausalLM
+    ids = torch.randint(0, 384, (2, 40))
+    for name, tensor in tiny_model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    # identical weights; the outputs agree to rounding (kernels may vectorise differently on other addresses)
+    with torch.no_grad():
+        assert rel(loaded(input_ids=ids).logits, tiny_model(input_ids=ids).logits) < 1e-6
+
+
+def test_image_text_model_round_trip_through_auto_class(tmp_path):
+    torch.manual_seed(1)
+    model = MoEPluginForConditionalGeneration(moe_plugin.preset_config("tiny")).eval()
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
+    assert len(_shards(tmp_path)) > 1
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    assert type(loaded) is MoEPluginForConditionalGeneration
+    image_id = model.config.image_token_id
+    ids = torch.tensor([[1, 2] + [image_id] * 6 + [3, 4]])
+    patches, grid = torch.randn(24, 3 * 14 * 14), torch.tensor([[4, 6]])
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with torch.no_grad():
+        ours = model(input_ids=ids, pixel_patches=patches, grid_hw=grid).logits
+        assert rel(loaded(input_ids=ids, pixel_patches=patches, grid_hw=grid).logits, ours) < 1e-6
+
+
+def test_forward_returns_its_own_cache(tiny_model):
+    ids = torch.randint(0, 384, (1, 9))
+    with torch.no_grad():
+        out = tiny_model(input_ids=ids, use_cache=True)
+    assert isinstance(out.cache, HybridCache)
+    assert out.cache.get_seq_length() == 9 and len(out.cache) == 4
+
+
+def test_mismatched_checkpoint_names_the_tensors(tiny_model, tmp_path):
+    tiny_model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.block_sparse_moe\.gate\.weight \(checkpoint \(8, 64\), "
+                                         r"model \(4, 64\)\)"):
+        MoEPluginForCausalLM.from_pretrained(tmp_path, num_experts=4, num_experts_per_token=2)
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: model\.layers\.4\.input_layernorm\.weight"):
+        MoEPluginForCausalLM.from_pretrained(tmp_path, num_hidden_layers=5, layer_types=None)
+    with pytest.raises(ValueError, match=r"with other shapes: model\.layers\.0\.self_attn\.A_log "
+                                         r"\(checkpoint \(2,\), model \(3,\)\)"):
+        MoEPluginForCausalLM.from_pretrained(tmp_path, linear_attn_config=dict(
+            tiny_model.config.linear_attn_config, num_heads=3))
+    # strict=False keeps transformers' own behaviour: reinitialise what does not fit
+    model = MoEPluginForCausalLM.from_pretrained(tmp_path, num_experts=4, num_experts_per_token=2, strict=False,
+                                                 ignore_mismatched_sizes=True)
+    assert model.model.layers[1].block_sparse_moe.experts.w1.shape[0] == 4
+
+
+def test_indexer_is_optional_when_loading(tmp_path):
+    torch.manual_seed(2)
+    MoEPluginForCausalLM(moe_plugin.preset_config("tiny", use_dsa_indexer=False)).save_pretrained(tmp_path)
+    model = MoEPluginForCausalLM.from_pretrained(tmp_path, use_dsa_indexer=True)
+    assert model.model.layers[3].self_attn.indexer is not None
+
+
+FP32_NAMES = ("A_log", "dt_bias", "gate.weight", "gate.e_score_correction_bias")
+
+
+def _is_kept_fp32(name):
+    return name.endswith(FP32_NAMES) and "gate_proj" not in name
+
+
+def test_to_bf16_keeps_decay_and_router_in_exact_fp32(tiny_model):
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    reference = dict(tiny_model.named_parameters()) | dict(tiny_model.named_buffers())
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    kept = [n for n in tensors if _is_kept_fp32(n)]
+    assert len(kept) == 3 * 2 + 3 * 2  # A_log, dt_bias on 3 KDA layers; router weight and bias on 3 MoE layers
+    for name, tensor in tensors.items():
+        if _is_kept_fp32(name):
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, reference[name]), name
+        else:
+            assert tensor.dtype == torch.bfloat16, name
+    with torch.no_grad():
+        logits = model(input_ids=torch.randint(0, 384, (1, 16))).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_from_pretrained_bf16_keeps_decay_and_router_in_fp32(tiny_model, tmp_path):
+    tiny_model.save_pretrained(tmp_path)
+    model = MoEPluginForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    reference = tiny_model.state_dict()
+    for name, tensor in model.state_dict().items():
+        expected = torch.float32 if _is_kept_fp32(name) else torch.bfloat16
+        assert tensor.dtype == expected, name
+        if expected == torch.float32:
+            assert torch.equal(tensor, reference[name]), name
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_equals_each_row_alone(tiny_model, side):
+    lengths, width = [7, 40, 3, 33], 40  # 40 > the tiny chunk size of 32: several chunks per row
+    ids = torch.randint(0, 384, (len(lengths), width))
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, width - n:] = 1 if side == "left" else 0
+        if side == "right":
+            mask[row, :n] = 1
+    with torch.no_grad():
+        batched = tiny_model(input_ids=ids, attention_mask=mask).logits
+        for row, n in enumerate(lengths):
+            real = mask[row].bool()
+            alone = tiny_model(input_ids=ids[row, real].unsqueeze(0)).logits[0]
+            assert rel(batched[row, real], alone) < 1e-5, (row, rel(batched[row, real], alone))
+
+
+def test_padded_loss_ignores_padding(tiny_model):
+    ids = torch.randint(0, 384, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    with torch.no_grad():
+        loss = tiny_model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        logits = [tiny_model(input_ids=ids[:1]).logits[0], tiny_model(input_ids=ids[1:, :12]).logits[0]]
+    # a plain next-token cross entropy over the real tokens of both rows
+    targets = [ids[0, 1:], ids[1, 1:12]]
+    expected = torch.nn.functional.cross_entropy(torch.cat([logits[0][:-1], logits[1][:-1]]), torch.cat(targets))
+    assert rel(loss, expected) < 1e-5
+
+
+def test_padding_that_is_not_contiguous_is_refused(tiny_model):
+    ids = torch.randint(0, 384, (1, 6))
+    with pytest.raises(ValueError, match="attention_mask"):
+        tiny_model(input_ids=ids, attention_mask=torch.tensor([[1, 0, 1, 1, 0, 0]]))
+
+
+def test_k3_format_through_the_package_exports(tiny_model, tmp_path):
+    from moe_plugin.models import load_k3_checkpoint, save_k3_checkpoint
+
+    save_k3_checkpoint(tiny_model, tmp_path, max_shard_size="100KB")
+    loaded = load_k3_checkpoint(tmp_path, dtype=torch.bfloat16)
+    reference = tiny_model.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        if _is_kept_fp32(name):  # exact fp32 values after the model was cast to bf16 before loading
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, reference[name]), name
+        else:
+            assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, reference[name].bfloat16()), name
+
+
+@pytest.mark.parametrize("cls", [MoEPluginForCausalLM, MoEPluginForConditionalGeneration])
+@pytest.mark.parametrize("tie", [True, False])
+def test_tied_embeddings_follow_the_config_through_save_and_load(cls, tie, tmp_path):
+    model = cls(moe_plugin.preset_config("tiny", tie_word_embeddings=tie))
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tie
+    model.save_pretrained(tmp_path)
+    loaded = cls.from_pretrained(tmp_path)
+    assert (loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight) == tie
+    assert torch.equal(loaded.get_output_embeddings().weight, model.get_output_embeddings().weight)
