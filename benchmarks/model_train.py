@@ -123,6 +123,25 @@ def train_step(model_name: str = "ours", mode: str = "full", seed: int = 0, **sh
     return step
 
 
+def tiny_lora_step(seq: int = 256):
+    """``setup``: one LoRA training step (seed targets) of the ``tiny`` preset on ``seq`` tokens."""
+    import moe_plugin
+    from moe_plugin.training.lora import apply_lora
+    from moe_plugin.training.recipe import LoraSection
+
+    torch.manual_seed(0)
+    model = apply_lora(moe_plugin.MoEPluginForCausalLM(moe_plugin.preset_config("tiny")), LoraSection())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ids = torch.randint(0, 256, (1, seq))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def main(threads: int = 2, iters: int = 3, **shape) -> List[str]:
     from benchmarks.harness import machine_line, run_variant
 
@@ -146,10 +165,15 @@ def main(threads: int = 2, iters: int = 3, **shape) -> List[str]:
                      f" (hidden {kw['hidden']}, 3 KDA + 1 MLA, {kw['heads']}x{kw['head_dim']} heads, "
                      f"{kw['experts']} experts top-{kw['top_k']} width {kw['width']} + 1 shared, vocab "
                      f"{kw['vocab']}, batch {kw['batch']}x{kw['seq']}, fp32)")
+    tiny = run_variant("benchmarks.model_train:tiny_lora_step", threads=threads, iters=max(iters, 5))
+    lines.append(f"tiny preset, LoRA step (q_proj, k_proj, gate) on 256 tokens: {tiny['seconds'] * 1e3:.0f} ms "
+                 f"(goal: well under 1 s)")
     for line in lines:
         print(line)
     return lines
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.harness import write_results
+
+    write_results("model training step (benchmarks/model_train.py)", main())

@@ -116,28 +116,3 @@ def test_k3_preset_counts_published_parameters_on_meta():
     moe_rest = count(layer1.block_sparse_moe) - count(layer1.block_sparse_moe.experts) + 896
     assert moe_rest == 189_927_808
     assert count(model.model.embed_tokens) == count(model.lm_head) == 1_174_405_120
-
-
-def test_tiny_preset_lora_step_is_fast():
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    model = get_peft_model(MoEPluginForCausalLM(moe_plugin.preset_config("tiny")),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "gate"]))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    ids = torch.randint(0, 256, (1, 256))
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    step()  # the first step pays one-time costs (allocator, kernel choice)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    # "well under a second": measured about 30 ms on 2 idle cores; the best of five steps, because the
-    # machine the tests run on may be shared
-    assert min(times) < 1.0, times
