@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Dict
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -81,8 +81,8 @@ def train_worker(shape: Dict[str, int], ep: int, threads: int, iters: int = 3, s
     return {"seconds": (time.perf_counter() - start) / iters, "loss": loss}
 
 
-def run(shape: Dict[str, int] = SHAPE, iters: int = 3) -> float:
-    """Run both layouts; print one line each and the ratio line; return throughput(EP=2) / throughput(EP=1)."""
+def run(shape: Dict[str, int] = SHAPE, iters: int = 3) -> List[str]:
+    """Run both layouts; print and return one line each and the ratio line throughput(EP=2) / throughput(EP=1)."""
     from moe_plugin.parallel.launch import run_distributed
 
     from .harness import machine_line
@@ -93,13 +93,14 @@ def run(shape: Dict[str, int] = SHAPE, iters: int = 3) -> float:
     seconds_ep2 = max(r["seconds"] for r in ep2)
     seconds_ep1 = ep1[0]["seconds"]
     tokens = shape["global_batch"] * shape["seq"]
-    print(machine_line(2))
-    print(f"shape: {shape}")
-    print(f"EP=1, 1 process x 2 threads:  {seconds_ep1:.3f} s/step, {tokens / seconds_ep1:.0f} tokens/s")
-    print(f"EP=2, 2 processes x 1 thread: {seconds_ep2:.3f} s/step, {tokens / seconds_ep2:.0f} tokens/s")
     ratio = seconds_ep1 / seconds_ep2
-    print(f"ratio EP=2 / EP=1 throughput: {ratio:.2f} (goal >= 0.7)")
-    return ratio
+    lines = [machine_line(2), f"shape: {shape}",
+             f"EP=1, 1 process x 2 threads:  {seconds_ep1:.3f} s/step, {tokens / seconds_ep1:.0f} tokens/s",
+             f"EP=2, 2 processes x 1 thread: {seconds_ep2:.3f} s/step, {tokens / seconds_ep2:.0f} tokens/s",
+             f"ratio EP=2 / EP=1 throughput: {ratio:.2f} (goal >= 0.7)"]
+    for line in lines:
+        print(line)
+    return lines
 
 
 if __name__ == "__main__":
@@ -107,4 +108,8 @@ if __name__ == "__main__":
     parser.add_argument("--tiny", action="store_true", help="a seconds-long check at tiny sizes")
     parser.add_argument("--iters", type=int, default=3)
     args = parser.parse_args()
-    run(TINY if args.tiny else SHAPE, args.iters)
+    result_lines = run(TINY if args.tiny else SHAPE, args.iters)
+    if not args.tiny:
+        from benchmarks.harness import write_results
+
+        write_results("expert parallelism (benchmarks/megatron_ep.py)", result_lines)
