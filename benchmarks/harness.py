@@ -2,7 +2,7 @@
 
 A variant is a function ``setup(**kwargs) -> step`` importable as ``"module:function"``; ``step()`` runs one
 forward+backward. The child process builds the inputs, records its resident set size, runs one warm-up
-step and ``iters`` timed steps, and reports seconds per step and the peak-RSS increase over that baseline
+step and ``iters`` timed steps, and reports the median seconds per step and the peak-RSS increase over that baseline
 (VmHWM - VmRSS before the first step), so every variant's memory is measured from the same clean start.
 """
 
@@ -68,10 +68,12 @@ def _child(payload: str) -> None:
         pass
     base = _status_kib("VmRSS")
     step()  # warm-up (also counted in the peak: it allocates what every step does)
-    start = time.perf_counter()
+    times = []
     for _ in range(spec["iters"]):
+        start = time.perf_counter()
         step()
-    seconds = (time.perf_counter() - start) / spec["iters"]
+        times.append(time.perf_counter() - start)
+    seconds = sorted(times)[len(times) // 2]  # the median: robust to a stray busy moment of the machine
     peak_mib = (_status_kib("VmHWM") - base) / 1024
     print("RESULT " + json.dumps({"seconds": seconds, "peak_mib": peak_mib}))
 

@@ -24,7 +24,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     lines = []
     lines += ops_kda.main(T=args.kda_T, threads=args.threads, iters=args.iters)
-    lines += ops_moe.main(threads=args.threads, iters=args.iters)
+    lines += ops_moe.main(threads=args.threads, iters=max(args.iters, 15))  # ~0.1 s steps: more samples
     lines += ops_dsa.main(threads=args.threads, iters=args.iters, T=args.dsa_T)
     if not args.no_write:
         write_results("ops (benchmarks/ops.py)", lines)
