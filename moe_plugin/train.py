@@ -27,7 +27,8 @@ def build_model(recipe: Recipe) -> MoEPluginForCausalLM:
 
 
 def train(recipe: Recipe) -> Dict[str, List[float]]:
-    """Run the recipe; returns the per-step losses and writes the adapter to ``train.output_dir``."""
+    """Run the recipe; returns the per-step losses and writes the adapter (or, with ``"lora": null``, the
+    whole model) and the tokenizer to ``train.output_dir``."""
     cfg = recipe.train
     torch.manual_seed(cfg.seed)
     tokenizer = ByteTokenizer()
@@ -35,17 +36,20 @@ def train(recipe: Recipe) -> Dict[str, List[float]]:
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"model.overrides.vocab_size: the tokenizer needs {tokenizer.vocab_size} ids, "
                          f"the model has {model.config.vocab_size}")
-    model = apply_lora(model, recipe.lora)
+    if recipe.lora is not None:
+        model = apply_lora(model, recipe.lora)
     trainable, total = count_parameters(model)
-    docs = (arithmetic_documents(recipe.data.num_documents, cfg.seed) if recipe.data.kind == "arithmetic"
-            else jsonl_documents(recipe.data.path))
+    docs = (arithmetic_documents(recipe.data.num_documents, cfg.seed, recipe.data.operation)
+            if recipe.data.kind == "arithmetic" else jsonl_documents(recipe.data.path))
     token_docs = [[tokenizer.bos_token_id] + tokenizer.encode(d, add_special_tokens=False)
                   + [tokenizer.eos_token_id] for d in docs]
     data = batches(pack_documents(token_docs, recipe.data.seq_len), cfg.micro_batch_size, cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    print(f"model: preset {recipe.model.preset}, {total:,} parameters, {trainable:,} trainable (LoRA r="
-          f"{recipe.lora.r} on {recipe.lora.target_modules + recipe.lora.target_parameters})")
+    source = recipe.model.from_pretrained or f"preset {recipe.model.preset}"
+    what = ("every parameter" if recipe.lora is None else
+            f"LoRA r={recipe.lora.r} on {recipe.lora.target_modules + recipe.lora.target_parameters}")
+    print(f"model: {source}, {total:,} parameters, {trainable:,} trainable ({what})")
     losses: List[float] = []
     model.train()
     start = time.perf_counter()
@@ -62,11 +66,12 @@ def train(recipe: Recipe) -> Dict[str, List[float]]:
             rate = tokens / (time.perf_counter() - start)
             print(f"step {step:4d}  loss {losses[-1]:.4f}  {rate:,.0f} tokens/s")
     os.makedirs(cfg.output_dir, exist_ok=True)
-    model.save_pretrained(cfg.output_dir)
+    model.save_pretrained(cfg.output_dir)  # the adapter alone with LoRA, the whole model without
+    tokenizer.save_pretrained(cfg.output_dir)
     with open(os.path.join(cfg.output_dir, "losses.json"), "w") as f:
         json.dump(losses, f)
     print(f"done: loss {losses[0]:.4f} -> {sum(losses[-5:]) / len(losses[-5:]):.4f} (mean of last 5) in "
-          f"{cfg.steps} steps; adapter saved to {cfg.output_dir}")
+          f"{cfg.steps} steps; {'adapter' if recipe.lora is not None else 'model'} saved to {cfg.output_dir}")
     return {"losses": losses}
 
 

@@ -14,13 +14,18 @@ from typing import Iterator, List, Tuple
 import torch
 
 
-def arithmetic_documents(count: int, seed: int = 0) -> List[str]:
-    """Short sums in words and digits: learnable by a tiny model, so a falling loss means something."""
+_OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def arithmetic_documents(count: int, seed: int = 0, operation: str = "+") -> List[str]:
+    """Short questions on two-digit numbers: learnable by a tiny model, so a falling loss means something."""
+    if operation not in _OPERATIONS:
+        raise ValueError(f"operation: expected one of {sorted(_OPERATIONS)}, got {operation!r}")
     rng = random.Random(seed)
     docs = []
     for _ in range(count):
         a, b = rng.randint(0, 99), rng.randint(0, 99)
-        docs.append(f"Q: {a} + {b} = ? A: {a + b}.")
+        docs.append(f"Q: {a} {operation} {b} = ? A: {_OPERATIONS[operation](a, b)}.")
     return docs
 
 

@@ -37,6 +37,7 @@ class LoraSection:
 @dataclass
 class DataSection:
     kind: str = "arithmetic"  # "arithmetic" (generated, no files) or "jsonl" (one {"text": ...} per line)
+    operation: str = "+"  # arithmetic only: "+", "-" or "*"
     path: Optional[str] = None
     num_documents: int = 2000
     seq_len: int = 256
@@ -45,6 +46,8 @@ class DataSection:
         require(self.kind in ("arithmetic", "jsonl"), "data.kind",
                 f"must be 'arithmetic' or 'jsonl', got {self.kind!r}")
         require(self.kind != "jsonl" or bool(self.path), "data.path", "is required when data.kind is 'jsonl'")
+        require(self.operation in ("+", "-", "*"), "data.operation",
+                f"must be '+', '-' or '*', got {self.operation!r}")
         require(self.seq_len > 1, "data.seq_len", f"must be > 1, got {self.seq_len}")
 
 
@@ -68,7 +71,7 @@ class TrainSection:
 @dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
-    lora: LoraSection = field(default_factory=LoraSection)
+    lora: Optional[LoraSection] = field(default_factory=LoraSection)  # None: train every parameter
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
 
@@ -89,7 +92,11 @@ def recipe_from_dict(values: Dict[str, Any]) -> Recipe:
     sections = {"model": ModelSection, "lora": LoraSection, "data": DataSection, "train": TrainSection}
     unknown = sorted(set(values) - set(sections))
     require(not unknown, unknown[0] if unknown else "recipe", f"unknown section; allowed are {sorted(sections)}")
-    return Recipe(**{name: _section(cls, name, values.get(name, {})) for name, cls in sections.items()})
+    built = {name: _section(cls, name, values.get(name, {})) for name, cls in sections.items()
+             if not (name == "lora" and "lora" in values and values["lora"] is None)}
+    if "lora" not in built:
+        built["lora"] = None  # "lora": null asks for full-parameter training
+    return Recipe(**built)
 
 
 def load_recipe(path: str) -> Recipe:
