@@ -217,7 +217,17 @@ def test_gpu_kernel_used_when_on_cuda(monkeypatch):
     assert looked_up == [("fla.ops.kda", "chunk_kda")]
     assert calls["q"] is q and calls["k"] is k and calls["v"] is v and calls["g"] is g and calls["beta"] is beta
     assert calls["scale"] == 0.5 and calls["initial_state"] is h0 and calls["output_final_state"] is True
-    assert calls["cu_seqlens"] is cu
+    assert calls["cu_seqlens"] is cu and calls["use_qk_l2norm_in_kernel"] is False
+
+
+def test_l2norm_in_kernel_flag_equals_normalising_first():
+    torch.manual_seed(3)
+    q, k = torch.randn(2, 2, 37, 3, 16, dtype=torch.float64).unbind(0)
+    _, _, v, g, beta, h0 = make_inputs(T=37)
+    for fn in (chunk_kda, naive_recurrent_kda):
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o_ref, s_ref = fn(l2norm(q), l2norm(k), v, g, beta, initial_state=h0, output_final_state=True)
+        assert rel(o, o_ref) <= 1e-12 and rel(s, s_ref) <= 1e-12
 
 
 def test_gpu_kernel_never_chosen_on_cpu(monkeypatch):

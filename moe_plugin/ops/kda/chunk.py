@@ -18,13 +18,15 @@ from typing import List, Optional, Tuple
 import torch
 
 from moe_plugin.ops.backend import gpu_kernel
+from moe_plugin.ops.kda.gate import l2norm
 from moe_plugin.ops.kda.inputs import check_kda_inputs, compute_dtype, sequence_bounds
 from moe_plugin.ops.kda.intra import intra_chunk_scores, unit_lower_inverse
 
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
               output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
-              chunk_size: int = 64) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+              chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False
+              ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Kimi Delta Attention in chunks; same arguments and results as ``naive_recurrent_kda``.
 
     Args:
@@ -34,6 +36,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         initial_state: ``[N, H, K, V]`` (N = B, or the number of packed sequences with ``cu_seqlens``).
         cu_seqlens: ``[N + 1]`` offsets of packed sequences in a batch of one; the state restarts at each.
         chunk_size: tokens per chunk on the torch path (a multiple of 16 keeps it fast); any T works.
+        use_qk_l2norm_in_kernel: L2-normalise q and k first (flash-linear-attention's flag of that name).
     Returns:
         o ``[B, T, H, V]`` in v's dtype, and the final state ``[N, H, K, V]`` (fp32 or wider) or None.
 
@@ -45,7 +48,10 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     kernel = gpu_kernel("fla.ops.kda", "chunk_kda", q, k, v, g, beta, initial_state)
     if kernel is not None:
         return kernel(q=q, k=k, v=v, g=g, beta=beta, scale=dims.scale, initial_state=initial_state,
-                      output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
 
     dtype = compute_dtype(q, g, initial_state)
     layout = _ChunkLayout(dims.seq_len, chunk_size, cu_seqlens, q.device)

@@ -6,13 +6,14 @@ from typing import Optional, Tuple
 
 import torch
 
+from moe_plugin.ops.kda.gate import l2norm
 from moe_plugin.ops.kda.inputs import check_kda_inputs, compute_dtype, sequence_bounds
 
 
 def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
-                        output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None
-                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                        output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+                        use_qk_l2norm_in_kernel: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Kimi Delta Attention one token at a time (ARCHITECTURE.md 2.1); q and k arrive L2-normalised.
 
     Per head, with state S ``[K, V]``: S <- exp(g_t) * S (row-wise); S <- S + beta_t k_t (v_t - S^T k_t)^T;
@@ -23,10 +24,13 @@ def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         scale: multiplies q; default ``K ** -0.5``.
         initial_state: ``[N, H, K, V]`` (N = B, or the number of packed sequences with ``cu_seqlens``).
         cu_seqlens: ``[N + 1]`` offsets of packed sequences in a batch of one; the state restarts at each.
+        use_qk_l2norm_in_kernel: L2-normalise q and k first (flash-linear-attention's flag of that name).
     Returns:
         o ``[B, T, H, V]`` in v's dtype, and the final state ``[N, H, K, V]`` (fp32 or wider) or None.
     """
     dims = check_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
     dtype = compute_dtype(q, g, initial_state)
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     q = q * dims.scale
