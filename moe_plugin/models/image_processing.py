@@ -20,6 +20,7 @@ from PIL import Image
 from transformers import BatchFeature
 
 from ..config import require
+from ..fileio import write_json_atomic
 
 CONFIG_NAME = "preprocessor_config.json"
 ImageInput = Union[Image.Image, np.ndarray]
@@ -134,8 +135,7 @@ class ImageProcessor:
     def save_pretrained(self, save_directory: str) -> List[str]:
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, CONFIG_NAME)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2)
+        write_json_atomic(path, self.to_dict())
         return [path]
 
     @classmethod

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.utils.hub import convert_file_size_to_int
 
+from ..fileio import atomic_directory
 from .configuration import MoEPluginConfig
 from .k3_config import config_from_k3, config_to_k3
 from .modeling import MoEPluginForCausalLM
@@ -317,9 +318,16 @@ def save_k3_checkpoint(model: nn.Module, path: Union[str, os.PathLike],
                        max_shard_size: Union[int, str] = "5GB") -> List[str]:
     """Write ``model`` in K3's layout: ``config.json`` and safetensors shards of at most ``max_shard_size``
     (bytes, or a string such as "5GB"; a tensor larger than that gets a shard of its own), with
-    ``model.safetensors.index.json`` when there is more than one shard. Returns the files written."""
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
+    ``model.safetensors.index.json`` when there is more than one shard. Returns the files written.
+
+    ``path`` is replaced as a whole and only once every file is written (``fileio.atomic_directory``): a
+    failed save leaves the previous checkpoint there intact, and no stale shard of it survives.
+    """
+    with atomic_directory(path) as tmp:
+        return _write_k3_checkpoint(model, tmp, max_shard_size)
+
+
+def _write_k3_checkpoint(model: nn.Module, path: str, max_shard_size: Union[int, str]) -> List[str]:
     multimodal = isinstance(model, MoEPluginForConditionalGeneration)
     k3_config = config_to_k3(model.config, multimodal=multimodal)
     k3_config["torch_dtype"] = str(model.get_input_embeddings().weight.dtype).replace("torch.", "")
