@@ -25,19 +25,26 @@ def check_tensor(name: str, x: torch.Tensor, ndim: Optional[int] = None,
 
 
 def check_same_dtype(**tensors: torch.Tensor) -> None:
+    """Tensors of any shapes, passed by name (``None`` ignored), must share one dtype."""
     dtypes = {k: v.dtype for k, v in tensors.items() if v is not None}
     if len(set(dtypes.values())) > 1:
         listed = ", ".join(f"{k}={v}" for k, v in dtypes.items())
         raise ValueError(f"dtype mismatch: {listed}; cast them to one dtype")
 
 
-def check_divides(name: str, value: int, divisor_name: str, divisor: int) -> None:
-    if divisor <= 0 or value % divisor != 0:
-        raise ValueError(f"{name}: expected a multiple of {divisor_name} ({divisor}), got {value}")
+def check_ids(name: str, ids: torch.Tensor, low: int, high: int, what: str = "ids") -> None:
+    """``ids`` (any shape) must be an int32/int64 tensor with every entry in ``[low, high)``."""
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected an int32/int64 tensor, got {ids.dtype}")
+    if ids.numel():
+        lo, hi = (int(m) for m in torch.aminmax(ids))
+        if lo < low or hi >= high:
+            raise ValueError(f"{name}: expected {what} in [{low}, {high}), got values in [{lo}, {hi}]")
 
 
 def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], batch: int, total: int) -> None:
-    """``cu_seqlens`` (flash-linear-attention's convention) needs batch 1 and must run 0 .. total, increasing."""
+    """cu_seqlens: ``[N+1]`` int32/int64 offsets of N packed sequences (flash-linear-attention's convention);
+    needs batch 1 and must run 0 .. total, non-decreasing."""
     if cu_seqlens is None:
         return
     check_tensor("cu_seqlens", cu_seqlens, ndim=1)

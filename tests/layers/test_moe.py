@@ -246,3 +246,23 @@ def test_router_reset_zeroes_selection_bias():
         m.gate.e_score_correction_bias.fill_(3.0)
     m.gate.reset_parameters()  # what initialising after to_empty() calls
     assert torch.equal(m.gate.e_score_correction_bias, torch.zeros(8))
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"activation": "swiglu", "routed_scaling_factor": 1.5, "renormalize": False, "num_groups": 2, "topk_groups": 1},
+])
+def test_layer_without_latent_or_shared_equals_moe_forward_op(kw):
+    from moe_plugin.ops.moe import moe_forward
+
+    m = build(seed=3, latent_size=None, num_shared_experts=0, **kw)
+    c = m.config
+    x = torch.randn(2, 9, c.hidden_size)
+    y, load = m(x)
+    y_op, tokens_per_expert = moe_forward(
+        x.reshape(-1, c.hidden_size), m.gate.weight, m.experts.w1, m.experts.w3, m.experts.w2, c.top_k,
+        bias=m.gate.e_score_correction_bias, activation=c.activation, renormalize=c.renormalize,
+        scaling=c.routed_scaling_factor, num_groups=c.num_groups, topk_groups=c.topk_groups,
+        beta=c.situ_beta, linear_beta=c.situ_linear_beta)
+    assert rel(y.reshape(-1, c.hidden_size), y_op) < 1e-6
+    assert torch.equal(load, tokens_per_expert.float())

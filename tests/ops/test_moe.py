@@ -259,6 +259,16 @@ def test_sequence_aux_loss_equals_formula():
     (lambda: update_bias_sign(torch.zeros(4), torch.ones(3), 0.1), "load"),
     (lambda: sequence_aux_loss(torch.rand(2, 3, 4), torch.zeros(2, 4, 1, dtype=torch.long), 0.1), "indices"),
     (lambda: expert_load(torch.tensor([[0, 5]]), 3), "indices"),
+    (lambda: expert_load(torch.tensor([[0, -1]]), 3), "indices"),
+    (lambda: expert_load(torch.tensor([[0.0, 1.0]]), 3), "indices"),
+    (lambda: sequence_aux_loss(torch.rand(2, 3, 4), torch.full((2, 3, 1), 4), 0.1), "indices"),
+    (lambda: sequence_aux_loss(torch.rand(2, 3, 4), torch.full((2, 3, 1), -1), 0.1), "indices"),
+    (lambda: sequence_aux_loss(torch.rand(2, 3, 4), torch.zeros(2, 3, 1), 0.1), "indices"),
+    (lambda: unpermute(torch.randn(8, 5), torch.arange(8) + 1, torch.rand(4, 2)), "order"),
+    (lambda: unpermute(torch.randn(8, 5), torch.arange(8.0), torch.rand(4, 2)), "order"),
+    (lambda: update_bias_sign(torch.zeros(4), torch.ones(4), "a"), "rate"),
+    (lambda: update_bias_sign(torch.zeros(4), torch.ones(4), -0.1), "rate"),
+    (lambda: moe_forward(torch.randn(4, 8), torch.randn(5, 8), *make_experts(4, 6, 8), 2), "router_weight"),
 ])
 def test_bad_input_names_the_argument(call, name):
     with pytest.raises(ValueError, match=f"^{name}:"):

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..checks import check_same_dtype, check_tensor
+from ..checks import check_ids, check_same_dtype, check_tensor
 from .masks import check_positions, key_segments, visible_mask, visible_range
 
 DEFAULT_BLOCK = 64
@@ -46,6 +46,7 @@ KeyPlan = Callable[[int, int, int], BlockKeys]  # (batch row b, t0, t1) -> the k
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+    """q: ``[B, T, H, Dqk]``; k: ``[B, S, H, Dqk]``; v: ``[B, S, H, Dv]``, all one floating dtype; scale > 0."""
     check_tensor("q", q, ndim=4, floating=True)
     B, _, H, D = q.shape
     check_tensor("k", k, shape=(B, None, H, D), floating=True)
@@ -176,12 +177,12 @@ class _BlockedAttention(torch.autograd.Function):
 
 
 def check_indices(indices: torch.Tensor, batch: int, num_queries: int, num_keys: int) -> None:
+    """indices: ``[batch, num_queries, k]`` int32/int64 key positions in ``[0, num_keys)``, ``-1`` = empty slot.
+
+    Repeats are not checked here (that would cost a sort); sparse_attention's plan rejects them per block.
+    """
     check_tensor("indices", indices, shape=(batch, num_queries, None))
-    if indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"indices: expected an int32/int64 tensor, got {indices.dtype}")
-    if indices.numel() and (int(indices.min()) < -1 or int(indices.max()) >= num_keys):
-        raise ValueError(f"indices: expected key positions in [0, {num_keys}) or -1, got values in "
-                         f"[{int(indices.min())}, {int(indices.max())}]")
+    check_ids("indices", indices, -1, num_keys, "key positions (-1 = empty slot)")
 
 
 def _selection_plan(indices: torch.Tensor) -> KeyPlan:

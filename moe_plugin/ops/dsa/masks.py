@@ -17,7 +17,7 @@ from ..checks import check_cu_seqlens
 
 def check_positions(query_offset: int, batch: int, num_queries: int, num_keys: int,
                     cu_seqlens: Optional[torch.Tensor]) -> None:
-    """Validate ``query_offset`` and ``cu_seqlens`` (whose boundaries run over the ``num_keys`` key positions)."""
+    """Validate ``query_offset`` and cu_seqlens: ``[N+1]`` int offsets, 0 .. ``num_keys``, over the key positions."""
     if not isinstance(query_offset, int) or query_offset < 0:
         raise ValueError(f"query_offset: expected a non-negative int, got {query_offset!r}")
     check_cu_seqlens(cu_seqlens, batch, num_keys)

@@ -10,12 +10,10 @@ from moe_plugin.ops.checks import check_cu_seqlens, check_same_dtype, check_tens
 
 
 class KDADims(NamedTuple):
-    batch: int
     seq_len: int
     heads: int
     key_dim: int
     value_dim: int
-    num_seqs: int  # B without cu_seqlens, the number of packed sequences with it
     scale: float
 
 
@@ -42,7 +40,7 @@ def check_kda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         scale = K ** -0.5
     elif not isinstance(scale, (int, float)) or scale <= 0:
         raise ValueError(f"scale: expected a positive number, got {scale!r}")
-    return KDADims(B, T, H, K, V, N, float(scale))
+    return KDADims(T, H, K, V, float(scale))
 
 
 def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:

@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_tensor
+from ..checks import check_ids, check_tensor
 
 
 def expert_load(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """indices: ``[..., k]`` chosen expert ids -> ``[E]`` int64 number of token copies each expert received."""
     check_tensor("indices", indices)
-    if indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"indices: expected an int32/int64 tensor, got {indices.dtype}")
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts: expected a positive integer, got {num_experts!r}")
-    counts = torch.bincount(indices.reshape(-1).long(), minlength=num_experts)
-    if counts.numel() != num_experts:
-        raise ValueError(f"indices: expected expert ids below num_experts ({num_experts}), got {counts.numel() - 1}")
-    return counts
+    check_ids("indices", indices, 0, num_experts, "expert ids")
+    return torch.bincount(indices.reshape(-1).long(), minlength=num_experts)
 
 
 def update_bias_sign(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
@@ -31,6 +27,8 @@ def update_bias_sign(bias: torch.Tensor, load: torch.Tensor, rate: float) -> tor
     """
     check_tensor("bias", bias, ndim=1, floating=True)
     check_tensor("load", load, shape=(bias.shape[0],))
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
+        raise ValueError(f"rate: expected a non-negative number, got {rate!r}")
     load = load.float()
     return (bias.float() + rate * torch.sign(load.mean() - load)).to(bias.dtype)
 
@@ -75,6 +73,7 @@ def sequence_aux_loss(scores: torch.Tensor, indices: torch.Tensor, alpha: float)
     check_tensor("scores", scores, ndim=3, floating=True)
     b, t, e = scores.shape
     check_tensor("indices", indices, shape=(b, t, None))
+    check_ids("indices", indices, 0, e, "expert ids")
     k = indices.shape[2]
     counts = torch.zeros(b, e, device=scores.device, dtype=torch.float32)
     counts.scatter_add_(1, indices.reshape(b, -1).long(), torch.ones(b, t * k, device=scores.device))

@@ -1,7 +1,9 @@
-"""Routing, dispatch, experts and combine in one call, for callers that do not need the stages apart.
+"""Routing, dispatch, experts and combine in one call: the routed-expert path as one pure function.
 
-The MoE layer calls the stages itself, because expert parallelism inserts an all-to-all between
-``permute`` and the experts; this composition is the single-device contract both must equal.
+It is what ``StableLatentMoE`` computes with ``latent_size=None`` and no shared experts, for callers that
+want the routed path without a module and for tests (tests/ops checks it against a per-token loop,
+tests/layers/test_moe.py checks the layer equals it). The layer calls the stages itself, because expert
+parallelism puts an all-to-all between ``permute`` and the experts.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, 
     """
     check_tensor("x", x, ndim=2, floating=True)
     check_tensor("router_weight", router_weight, shape=(None, x.shape[1]), floating=True)
+    check_tensor("w1", w1, ndim=3, floating=True)
+    if router_weight.shape[0] != w1.shape[0]:
+        raise ValueError(f"router_weight: expected one row per expert of w1 ({w1.shape[0]}), "
+                         f"got {router_weight.shape[0]} rows")
     logits = F.linear(x.float(), router_weight.float())
     weights, indices, _ = route(logits, top_k, bias=bias, renormalize=renormalize, scaling=scaling,
                                 num_groups=num_groups, topk_groups=topk_groups)

@@ -12,7 +12,7 @@ from typing import Tuple
 
 import torch
 
-from ..checks import check_tensor
+from ..checks import check_ids, check_tensor
 
 
 def permute(x: torch.Tensor, indices: torch.Tensor, num_experts: int
@@ -26,14 +26,10 @@ def permute(x: torch.Tensor, indices: torch.Tensor, num_experts: int
     """
     check_tensor("x", x, ndim=2, floating=True)
     check_tensor("indices", indices, shape=(x.shape[0], None))
-    if indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"indices: expected an int32/int64 tensor, got {indices.dtype}")
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts: expected a positive integer, got {num_experts!r}")
+    check_ids("indices", indices, 0, num_experts, "expert ids")
     flat = indices.reshape(-1).long()
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise ValueError(f"indices: expected expert ids in [0, num_experts={num_experts}), "
-                         f"got range [{int(flat.min())}, {int(flat.max())}]")
     order = torch.sort(flat, stable=True).indices
     tokens_per_expert = torch.bincount(flat, minlength=num_experts)
     x_sorted = _ReplicateRows.apply(x, order, indices.shape[1])
@@ -50,6 +46,8 @@ def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     check_tensor("y_sorted", y_sorted, ndim=2, floating=True)
     check_tensor("weights", weights, ndim=2, floating=True)
     check_tensor("order", order, shape=(y_sorted.shape[0],))
+    # Range only (one min/max): a repeated position is not caught; permute's order never has one.
+    check_ids("order", order, 0, y_sorted.shape[0], "row positions")
     if weights.numel() != y_sorted.shape[0]:
         raise ValueError(f"weights: expected N*k = y_sorted rows ({y_sorted.shape[0]}) entries, "
                          f"got shape {tuple(weights.shape)}")
