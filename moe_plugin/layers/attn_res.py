@@ -14,7 +14,7 @@ two forms of the stream:
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -36,11 +36,20 @@ def attn_res_mix(candidates: Sequence[torch.Tensor], proj_weight: torch.Tensor, 
     return (weights.unsqueeze(-1) * values).sum(0).to(candidates[0].dtype)
 
 
-def attn_res_point(dim: int, eps: float):
-    """One mixing point's ``(proj, norm)``; proj starts at zero so the first mixes are plain averages."""
-    proj = nn.Linear(dim, 1, bias=False)
-    nn.init.zeros_(proj.weight)
-    return proj, RMSNorm(dim, eps)
+class AttnResProjection(nn.Linear):
+    """A mixing point's learned query, ``weight [1, D]``; it starts at zero so the first mixes are plain
+    averages. Its own class so that model-wide initialisation can tell it from other one-output Linears."""
+
+    def __init__(self, dim: int):
+        super().__init__(dim, 1, bias=False)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
+def attn_res_point(dim: int, eps: float) -> Tuple[AttnResProjection, RMSNorm]:
+    """One mixing point's ``(proj, norm)``: a zero ``AttnResProjection`` and an ``RMSNorm(dim)``."""
+    return AttnResProjection(dim), RMSNorm(dim, eps)
 
 
 class PlainStream:
@@ -50,9 +59,11 @@ class PlainStream:
         self.hidden = embeddings
 
     def read(self, proj: Optional[nn.Linear] = None, norm: Optional[RMSNorm] = None) -> torch.Tensor:
+        """The residual ``[B, T, D]``; proj and norm are accepted (and unused) so layers call both forms alike."""
         return self.hidden
 
     def add(self, out: torch.Tensor) -> None:
+        """out: a sublayer's output ``[B, T, D]``, added to the residual ``[B, T, D]``."""
         self.hidden = self.hidden + out
 
     def end_block(self) -> None:
@@ -70,9 +81,12 @@ class AttnResStream:
         return self.blocks + ([self.partial] if self.partial is not None else [])
 
     def read(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
+        """The sublayer input ``[B, T, D]``: the candidates mixed by proj (``weight [1, D]``) and norm."""
         return attn_res_mix(self.candidates(), proj.weight, norm.weight, norm.eps)
 
     def add(self, out: torch.Tensor) -> None:
+        """out: a sublayer's output ``[B, T, D]``, added to the current block's partial sum ``[B, T, D]``
+        (which it starts when the block has none yet)."""
         self.partial = out if self.partial is None else self.partial + out
 
     def end_block(self) -> None:
@@ -81,5 +95,7 @@ class AttnResStream:
             self.partial = None
 
 
-def make_stream(embeddings: torch.Tensor, attn_res: bool):
+def make_stream(embeddings: torch.Tensor, attn_res: bool) -> Union[PlainStream, AttnResStream]:
+    """A residual stream over the embeddings ``[B, T, D]``: an ``AttnResStream`` with Attention Residuals,
+    else a ``PlainStream``; every tensor it later reads or is given is ``[B, T, D]`` too."""
     return AttnResStream(embeddings) if attn_res else PlainStream(embeddings)

@@ -19,6 +19,8 @@ from ..ops.conv import causal_conv1d
 from ..ops.kda import chunk_kda, kda_gate_k3, kda_gate_kimi_linear, l2norm, naive_recurrent_kda
 from .norm import RMSNorm
 
+LINEAR_INIT_STD = 0.02  # the projections' N(0, std) when the layer is built on its own
+
 
 @dataclass
 class KDACache:
@@ -41,6 +43,13 @@ class ShortConvolution(nn.Module):
     def __init__(self, channels: int, kernel_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Conv1d's default for a depthwise kernel: uniform in +-1/sqrt(kernel_size)."""
+        bound = 1.0 / math.sqrt(self.weight.shape[-1])
+        nn.init.uniform_(self.weight, -bound, bound)
 
     def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None, output_final_state: bool = False,
                 cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -72,22 +81,18 @@ class KDAAttention(nn.Module):
         self.dt_bias._no_weight_decay = True
         self.o_norm = RMSNorm(config.head_dim, eps=config.norm_eps)
         self.o_proj = nn.Linear(proj, d, bias=False)
-        self.init_weights()
+        for linear in (m for m in self.modules() if isinstance(m, nn.Linear)):
+            nn.init.normal_(linear.weight, 0.0, LINEAR_INIT_STD)
+        self.reset_parameters()
 
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
-        """Linear weights N(0, std); convs as nn.Conv1d's default; A_log = log U(1, 16) (decay rates as in
-        Mamba/fla); dt_bias = softplus^-1(dt) with dt log-uniform in [1e-3, 1e-1]; o_norm weight 1."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.normal_(0.0, std)
-            elif isinstance(module, ShortConvolution):
-                bound = 1.0 / math.sqrt(module.weight.shape[-1])
-                module.weight.uniform_(-bound, bound)
+    def reset_parameters(self) -> None:
+        """The layer's own decay parameters (its submodules initialise theirs; __init__ draws the projections
+        from N(0, LINEAR_INIT_STD)): A_log = log U(1, 16) (decay rates as in Mamba/fla); dt_bias = softplus^-1(dt), dt log-uniform in
+        [1e-3, 1e-1]."""
         self.A_log.uniform_(1.0, 16.0).log_()
         dt = self.dt_bias.uniform_(math.log(1e-3), math.log(1e-1)).exp_()
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-        self.o_norm.weight.fill_(1.0)
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
                 cache: Optional[KDACache] = None) -> torch.Tensor:

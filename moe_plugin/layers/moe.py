@@ -46,13 +46,21 @@ class MoERouter(nn.Linear):
         return F.linear(x.float(), self.weight.float())
 
     def _apply(self, fn, recurse=True):
-        # Keep the router in fp32 through model.to(bfloat16) / .half(), as K3 does.
+        # Keep the router in exact fp32 through model.to(bfloat16) / .half(), as K3 does: a cast back after the
+        # conversion would have rounded the values through bf16, so the fp32 originals are kept and put back
+        # on the tensors' new device.
+        originals = {"weight": self.weight.data, "e_score_correction_bias": self.e_score_correction_bias}
         super()._apply(fn, recurse)
-        if self.weight.is_floating_point() and self.weight.dtype != torch.float32:
-            self.weight.data = self.weight.data.float()
-        bias = self.e_score_correction_bias
-        if bias.is_floating_point() and bias.dtype != torch.float32:
-            self.e_score_correction_bias = bias.float()
+        for name, original in originals.items():
+            now = self.weight.data if name == "weight" else self.e_score_correction_bias
+            if not now.is_floating_point() or now.dtype == torch.float32:
+                continue
+            # materialised from meta (to_empty) there are no values to keep, only the dtype
+            kept = now.float() if original.is_meta and not now.is_meta else original.float().to(now.device)
+            if name == "weight":
+                self.weight.data = kept
+            else:
+                self.e_score_correction_bias = kept
         return self
 
 

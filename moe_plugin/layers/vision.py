@@ -33,6 +33,7 @@ from .norm import RMSNorm
 Segments = List[Tuple[torch.Tensor, int, int]]
 # (cos, sin) of the rotary angles, each [N, head_dim / 2] fp32: computed once per forward, used by every layer.
 Rotary = Tuple[torch.Tensor, torch.Tensor]
+POS_EMBED_INIT_STD = 0.02
 
 
 def check_grid_hw(grid_hw: torch.Tensor, merge_size: int, total_patches: int) -> None:
@@ -191,12 +192,17 @@ class VisionTower(nn.Module):
         super().__init__()
         self.config = config
         self.patch_embed = PatchEmbed(config)
-        self.pos_embed = nn.Parameter(torch.randn(config.max_grid, config.max_grid, config.hidden_size) * 0.02)
+        self.pos_embed = nn.Parameter(torch.empty(config.max_grid, config.max_grid, config.hidden_size))
+        self.reset_parameters()
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.num_layers))
         self.final_norm = RMSNorm(config.hidden_size, config.norm_eps)
         # When set (by hand or by transformers' gradient_checkpointing_enable), training recomputes each
         # block in the backward pass instead of keeping its activations.
         self.gradient_checkpointing = False
+
+    def reset_parameters(self) -> None:
+        """The tower's own parameter: the position table ``[max_grid, max_grid, hidden]`` from N(0, 0.02)."""
+        nn.init.normal_(self.pos_embed, 0.0, POS_EMBED_INIT_STD)
 
     def position_embeddings(self, grid_hw: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Learned table resampled to each image's grid, read at each patch's (row, col): -> [N, hidden]."""

@@ -24,9 +24,13 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from ..layers.attn_res import attn_res_point, make_stream
+from ..layers.attn_res import AttnResProjection, attn_res_point, make_stream
 from ..layers.decoder import DecoderLayer
+from ..layers.kda import KDAAttention, ShortConvolution
+from ..layers.moe import MoERouter, StackedExperts
 from ..layers.norm import RMSNorm
+from ..layers.vision import VisionTower
+from ..ops.checks import check_ids, check_tensor
 from .cache import HybridCache
 from .configuration import MoEPluginConfig
 
@@ -65,8 +69,47 @@ def pack_padded(x: torch.Tensor, attention_mask: torch.Tensor) -> Tuple[torch.Te
 
 
 def unpack_padded(packed: torch.Tensor, index: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Inverse of ``pack_padded``: packed ``[1, N, D]`` real tokens and their flat index ``[N]`` into
+    ``batch * length`` -> ``[batch, length, D]``, zeros at the padded positions."""
     out = packed.new_zeros(batch * length, packed.shape[-1])
     return out.index_copy(0, index, packed.squeeze(0)).view(batch, length, -1)
+
+
+def check_inputs(input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor],
+                 attention_mask: Optional[torch.Tensor], vocab_size: int, hidden_size: int,
+                 past_length: int = 0) -> Tuple[int, int]:
+    """Check the model inputs before any work, each failure a ValueError naming the argument; returns (B, T).
+
+    Exactly one of input_ids ``[B, T]`` int32/int64 in ``[0, vocab_size)`` or inputs_embeds ``[B, T, D]``
+    float; attention_mask ``[B, T]``, or ``[B, past_length + T]`` (the Hugging Face form that also covers
+    the tokens a cache already holds).
+    """
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("input_ids/inputs_embeds: pass exactly one of them")
+    if input_ids is not None:
+        check_tensor("input_ids", input_ids, ndim=2)
+        check_ids("input_ids", input_ids, 0, vocab_size, "token ids")  # one aminmax
+        batch, length = input_ids.shape
+    else:
+        check_tensor("inputs_embeds", inputs_embeds, shape=(None, None, hidden_size), floating=True)
+        batch, length = inputs_embeds.shape[:2]
+    if attention_mask is not None:
+        check_tensor("attention_mask", attention_mask, ndim=2)
+        if attention_mask.shape[0] != batch or attention_mask.shape[1] not in (length, past_length + length):
+            raise ValueError(f"attention_mask: expected shape [{batch}, {length}] like the input ids"
+                             + (f" (or [{batch}, {past_length + length}] with the cached tokens)"
+                                if past_length else "") + f", got {tuple(attention_mask.shape)}")
+    return batch, length
+
+
+def check_labels(labels: torch.Tensor, batch: int, length: int, vocab_size: int, logits_to_keep: int) -> None:
+    """labels ``[B, T]`` int with entries in ``[0, vocab_size)`` or -100; ValueError naming what is wrong."""
+    if logits_to_keep:
+        raise ValueError(f"logits_to_keep: the loss needs the logits of every position, got logits_to_keep="
+                         f"{logits_to_keep} with labels; pass one or the other")
+    check_tensor("labels", labels, shape=(batch, length))
+    ignored = labels == -100
+    check_ids("labels", labels.masked_fill(ignored, 0), 0, vocab_size, "token ids (or -100 to ignore)")
 
 
 # Tensors that stay fp32 in a bf16/fp16 model: the KDA decay parameters (small errors compound over the
@@ -110,6 +153,28 @@ def check_loading_info(info: dict, model_order: List[str], ignore_mismatched_siz
                          + " (pass strict=False to load anyway)")
 
 
+# Modules whose reset_parameters() initialises their own tensors that are not plain Linear/Embedding/norm
+# weights (decay parameters, convolutions, stacked experts, position table) or that must not be drawn like
+# a Linear (the AttnRes projections start at zero).
+SELF_INITIALISED = (AttnResProjection, KDAAttention, ShortConvolution, StackedExperts, VisionTower)
+
+
+@torch.no_grad()
+def reset_unloaded(module: nn.Module) -> None:
+    """``module.reset_parameters()`` for the module's own tensors, keeping those transformers has loaded.
+
+    transformers marks loaded tensors ``_is_hf_initialized`` and guards ``nn.init`` with it, but the layers'
+    init also uses plain tensor ops (``log_``, ``copy_``), so loaded values are saved and put back here.
+    """
+    own = [t for t in list(module._parameters.values()) + list(module._buffers.values()) if t is not None]
+    loaded = [(t, t.detach().clone()) for t in own if getattr(t, "_is_hf_initialized", False)]
+    if len(loaded) == len(own):
+        return
+    module.reset_parameters()
+    for tensor, value in loaded:
+        tensor.detach().copy_(value)
+
+
 class MoEPluginPreTrainedModel(PreTrainedModel):
     config_class = MoEPluginConfig
     base_model_prefix = "model"
@@ -134,7 +199,7 @@ class MoEPluginPreTrainedModel(PreTrainedModel):
     def _apply(self, fn, recurse=True):
         # model.to(bfloat16) / .half() leave FP32_TENSORS in fp32 with their exact values: keep an alias of
         # each such tensor and put it back, on the tensor's new device, after any conversion to fp32 or lower
-        # (the router's own _apply has already cast it back to fp32 by then, but through bf16).
+        # (MoERouter does the same for itself; the KDA decay parameters rely on this).
         kept = [(module, name, tensor.data) for module_name, module in self.named_modules()
                 for name, tensor in list(module._parameters.items()) + list(module._buffers.items())
                 if tensor is not None and tensor.dtype == torch.float32
@@ -162,18 +227,18 @@ class MoEPluginPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, SELF_INITIALISED):
+            reset_unloaded(module)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
-            if isinstance(module, nn.Linear) and module.out_features == 1:
-                nn.init.zeros_(module.weight)  # Attention-Residual projections start as a plain average
+            if isinstance(module, MoERouter):
+                nn.init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, (RMSNorm, nn.LayerNorm)):
             nn.init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
-        elif hasattr(module, "reset_extra_parameters"):
-            module.reset_extra_parameters()  # layers own the init of their non-Linear parameters
 
 
 class MoEPluginModel(MoEPluginPreTrainedModel):
@@ -201,11 +266,12 @@ class MoEPluginModel(MoEPluginPreTrainedModel):
                 inputs_embeds: Optional[torch.Tensor] = None, cache: Optional[HybridCache] = None,
                 use_cache: Optional[bool] = None, cu_seqlens: Optional[torch.Tensor] = None,
                 return_indexer_loss: bool = False, **kwargs) -> MoEModelOutput:
-        """input_ids ``[B, T]`` or inputs_embeds ``[B, T, D]``; cu_seqlens ``[N+1]`` for packed rows (B = 1)."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("input_ids/inputs_embeds: pass exactly one of them")
+        """input_ids ``[B, T]`` or inputs_embeds ``[B, T, D]``; attention_mask ``[B, T]`` (1 real, 0 padding);
+        cu_seqlens ``[N+1]`` for packed rows (B = 1). Bad input raises a ValueError naming the argument."""
+        mc = self.model_config
+        batch, length = check_inputs(input_ids, inputs_embeds, attention_mask, mc.vocab_size, mc.hidden_size,
+                                     cache.seq_length if cache is not None else 0)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        batch, length = x.shape[:2]
         if use_cache and cache is None:
             cache = self.new_cache()
         index = None
@@ -278,6 +344,22 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
                 cache: Optional[HybridCache] = None, use_cache: Optional[bool] = None,
                 cu_seqlens: Optional[torch.Tensor] = None, logits_to_keep: int = 0,
                 num_items_in_batch: Optional[int] = None, **kwargs) -> MoECausalLMOutput:
+        """Logits ``[B, T, V]`` (``[B, logits_to_keep, V]``) and, with labels, the next-token loss.
+
+        input_ids ``[B, T]`` int (or inputs_embeds ``[B, T, D]``); attention_mask ``[B, T]``, 1 for real tokens
+        and 0 for padding (each row's real tokens contiguous). labels ``[B, T]``: the input ids themselves,
+        NOT shifted (position t is scored against label t+1), -100 where no loss is wanted; padding is
+        ignored on its own. logits_to_keep: if > 0, only the last that many positions get logits (for
+        generation; an error together with labels, since the loss needs every position). cu_seqlens ``[N+1]``
+        int: boundaries of N documents packed into one row (B = 1); no prediction crosses a boundary.
+        num_items_in_batch: the number of label tokens over all micro-batches of an optimizer step (as the
+        Hugging Face Trainer passes it): the loss is then summed and divided by it instead of averaged.
+        """
+        if labels is not None:  # fail before the forward, not inside the loss
+            mc = self.model.model_config
+            batch, length = check_inputs(input_ids, inputs_embeds, attention_mask, mc.vocab_size, mc.hidden_size,
+                                         cache.seq_length if cache is not None else 0)
+            check_labels(labels, batch, length, mc.vocab_size, logits_to_keep)
         want_indexer_loss = self.training and self.config.indexer_loss_coeff > 0
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                          cache=cache, use_cache=use_cache, cu_seqlens=cu_seqlens,

@@ -14,7 +14,8 @@ from transformers import GenerationMixin
 from ..layers.vision import MultimodalProjector, PatchMerger, VisionTower
 from .cache import HybridCache
 from .configuration import MoEPluginConfig
-from .modeling import MoECausalLMOutput, MoEPluginForCausalLM, MoEPluginPreTrainedModel
+from .modeling import (MoECausalLMOutput, MoEPluginForCausalLM, MoEPluginPreTrainedModel, check_inputs,
+                       check_labels)
 
 
 class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixin):
@@ -64,8 +65,13 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
                 labels: Optional[torch.LongTensor] = None, cache: Optional[HybridCache] = None,
                 use_cache: Optional[bool] = None, cu_seqlens: Optional[torch.Tensor] = None,
                 logits_to_keep: int = 0, num_items_in_batch: Optional[int] = None, **kwargs) -> MoECausalLMOutput:
-        """input_ids ``[B, T]``; pixel_patches ``[N, 3*14*14]``; grid_hw ``[num_images, 2]``."""
+        """input_ids ``[B, T]``; pixel_patches ``[N, 3*14*14]``; grid_hw ``[num_images, 2]``; the other arguments
+        as ``MoEPluginForCausalLM.forward`` (labels ``[B, T]`` unshifted, image placeholders never scored)."""
+        mc = self.language_model.model.model_config
+        batch, length = check_inputs(input_ids, None, attention_mask, mc.vocab_size, mc.hidden_size,
+                                     cache.seq_length if cache is not None else 0)
         if labels is not None:
+            check_labels(labels, batch, length, mc.vocab_size, logits_to_keep)
             labels = labels.masked_fill(input_ids == self.config.image_token_id, -100)
         return self.language_model(
             inputs_embeds=self.embed(input_ids, pixel_patches, grid_hw), attention_mask=attention_mask,

@@ -2,7 +2,8 @@
 
 import torch
 
-from moe_plugin.layers.attn_res import AttnResStream, PlainStream, attn_res_mix
+from moe_plugin.layers.attn_res import (AttnResProjection, AttnResStream, PlainStream, attn_res_mix, attn_res_point,
+                                       make_stream)
 
 
 def _reference_mix(cands, proj, norm_w, eps):
@@ -71,3 +72,18 @@ def test_plain_stream_is_the_usual_residual():
     s.add(a)
     s.add(b)
     assert torch.equal(s.read(), emb + a + b)
+
+
+def test_projection_starts_at_zero_and_resets_to_zero():
+    proj, norm = attn_res_point(8, 1e-5)
+    assert isinstance(proj, AttnResProjection) and proj.weight.shape == (1, 8)
+    assert torch.equal(proj.weight, torch.zeros(1, 8)) and torch.equal(norm.weight, torch.ones(8))
+    with torch.no_grad():
+        proj.weight.fill_(1.0)
+    proj.reset_parameters()
+    assert torch.equal(proj.weight, torch.zeros(1, 8))
+
+
+def test_make_stream_picks_the_form():
+    emb = torch.randn(1, 2, 4)
+    assert isinstance(make_stream(emb, True), AttnResStream) and isinstance(make_stream(emb, False), PlainStream)

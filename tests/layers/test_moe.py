@@ -145,17 +145,62 @@ def test_names_state_dict_and_fp32_router():
     assert not any(k.startswith(("routed_expert", "shared")) for k in no_latent.state_dict())
 
 
-def test_lora_on_router_gate():
+def test_lora_on_router_gate_changes_routing_in_fp32_and_leaves_the_bias_frozen():
     from peft import LoraConfig, get_peft_model
 
-    m = build(seed=4)
-    x = torch.randn(1, 6, 16)
-    y0, _ = m(x)
-    peft_model = get_peft_model(torch.nn.Sequential(m), LoraConfig(r=2, target_modules=["gate"]))
+    m = build(seed=4).to(torch.bfloat16)  # the router stays fp32, the input arrives in bf16
+    x = torch.randn(24, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        _, base_chosen, _ = m.route(x)
+    peft_model = get_peft_model(torch.nn.Sequential(m), LoraConfig(r=2, lora_alpha=4, target_modules=["gate"]))
     inner = peft_model.base_model.model[0]
-    y1, _ = inner(x)
-    assert rel(y1, y0) < 1e-6  # LoRA B starts at zero
-    assert inner.router.e_score_correction_bias is m.router.e_score_correction_bias
+    lora_a, lora_b = inner.gate.lora_A["default"].weight, inner.gate.lora_B["default"].weight
+    with torch.no_grad():
+        lora_b.normal_(0.0, 1.0)  # peft starts B at zero; a trained adapter does not
+    bias = inner.router.e_score_correction_bias
+    bias_before = bias.clone()
+
+    logits = inner.gate(x)
+    assert logits.dtype == torch.float32
+    xd = x.double()  # W x + (alpha / r) B A x, by hand
+    expected = xd @ inner.router.weight.double().T + 2.0 * (xd @ lora_a.double().T) @ lora_b.double().T
+    assert rel(logits, expected) < 1e-6
+    with torch.no_grad():
+        _, chosen, _ = inner.route(x)
+    assert not torch.equal(chosen.sort(-1).values, base_chosen.sort(-1).values)
+
+    assert not any("e_score_correction_bias" in name for name, _ in peft_model.named_parameters())
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    assert {id(p) for p in trainable} == {id(lora_a), id(lora_b)}
+    opt = torch.optim.SGD(trainable, lr=1.0)
+    y, _ = inner(x.view(1, 24, 16))
+    y.float().square().sum().backward()
+    opt.step()
+    assert lora_a.grad is not None and lora_a.grad.abs().sum() > 0
+    assert torch.equal(bias, bias_before) and bias is inner.router.e_score_correction_bias
+
+
+def test_to_bf16_keeps_router_weight_and_bias_bit_identical():
+    m = build(seed=5)
+    weight, bias = m.gate.weight.detach().clone(), m.gate.e_score_correction_bias.clone()
+    # values that bf16 cannot hold, so a round trip through it would show
+    assert not torch.equal(weight.bfloat16().float(), weight)
+    assert not torch.equal(bias.bfloat16().float(), bias)
+    m.to(torch.bfloat16)
+    assert m.gate.weight.dtype == torch.float32 and torch.equal(m.gate.weight, weight)
+    assert m.gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(m.gate.e_score_correction_bias, bias)
+    assert isinstance(m.gate.weight, torch.nn.Parameter) and m.experts.w1.dtype == torch.bfloat16
+    m.half()
+    assert torch.equal(m.gate.weight, weight) and torch.equal(m.gate.e_score_correction_bias, bias)
+
+
+def test_router_materialised_from_meta_is_fp32():
+    with torch.device("meta"):
+        m = StableLatentMoE(MoEConfig(hidden_size=16, num_experts=8, top_k=3, expert_intermediate_size=12))
+    m.to(torch.bfloat16).to_empty(device="cpu")
+    assert m.gate.weight.device.type == "cpu" and m.gate.weight.dtype == torch.float32
+    assert m.gate.e_score_correction_bias.dtype == torch.float32 and m.experts.w1.dtype == torch.bfloat16
 
 
 def test_glu_mlp_matches_formula():

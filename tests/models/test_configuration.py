@@ -1,7 +1,5 @@
 """MoEPluginConfig: what it carries, how the built model follows it, presets, and configs that cannot work."""
 
-import time
-
 import pytest
 import torch
 from transformers import AutoConfig
@@ -96,11 +94,8 @@ def test_unknown_preset():
 
 
 def test_k3_preset_counts_published_parameters_on_meta():
-    start = time.perf_counter()
     with torch.device("meta"):
         model = MoEPluginForCausalLM(moe_plugin.preset_config("k3"))
-    elapsed = time.perf_counter() - start
-    assert elapsed < 60, f"building K3 on meta took {elapsed:.1f} s"
     # ARCHITECTURE.md 1 counts the routing selection bias (a buffer here) with the parameters
     total = sum(p.numel() for p in model.parameters())
     total += sum(b.numel() for name, b in model.named_buffers() if name.endswith("e_score_correction_bias"))

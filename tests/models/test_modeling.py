@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 import moe_plugin
 from moe_plugin.models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
 from moe_plugin.models.cache import HybridCache
+from moe_plugin.models.presets import tiny
 
 
 def rel(a, b):
@@ -182,3 +183,106 @@ def test_tied_embeddings_follow_the_config_through_save_and_load(cls, tie, tmp_p
     loaded = cls.from_pretrained(tmp_path)
     assert (loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight) == tie
     assert torch.equal(loaded.get_output_embeddings().weight, model.get_output_embeddings().weight)
+
+
+def test_init_zeroes_only_the_attn_res_projections():
+    """One-output Linears that are not AttnRes projections (one KDA head's b_proj, a one-head indexer's
+    weights_proj) are drawn like every other Linear; the AttnRes projections start at zero."""
+    torch.manual_seed(3)
+    kda = dict(tiny()["linear_attn_config"], num_heads=1)
+    model = MoEPluginForCausalLM(moe_plugin.preset_config("tiny", linear_attn_config=kda, index_n_heads=1))
+    layers = model.model.layers
+    assert layers[0].self_attn.b_proj.out_features == 1 and layers[3].self_attn.indexer.weights_proj.out_features == 1
+    for weight in (layers[0].self_attn.b_proj.weight, layers[3].self_attn.indexer.weights_proj.weight):
+        assert abs(weight.std().item() - model.config.initializer_range) < 0.01
+    projections = [p for n, p in model.named_parameters() if n.endswith("_res_proj.weight")]
+    assert len(projections) == 2 * 4 + 1
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in projections)
+
+
+def _check_fresh_init(model):
+    """Every tensor finite, and the layers' own tensors in the ranges their init draws from."""
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        assert torch.isfinite(tensor).all(), name
+    for layer in model.model.layers[:3]:
+        attn = layer.self_attn
+        decay = attn.A_log.exp()
+        assert ((decay > 1.0) & (decay <= 16.0)).all() and decay.unique().numel() == decay.numel()
+        dt = torch.nn.functional.softplus(attn.dt_bias)
+        assert ((dt > 0.999e-3) & (dt < 1.001e-1)).all()
+        bound = 1.0 / 2.0  # conv kernel 4
+        assert (attn.q_conv1d.weight.abs() <= bound).all() and attn.q_conv1d.weight.std() > 0.1
+    experts = model.model.layers[1].block_sparse_moe.experts
+    assert (experts.w1.abs() <= 32 ** -0.5 + 1e-6).all() and experts.w1.std() > 0.05  # fan_in 32
+
+
+def test_initialize_weights_after_materialising_from_meta():
+    with torch.device("meta"):
+        model = MoEPluginForConditionalGeneration(moe_plugin.preset_config("tiny"))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            tensor.fill_(float("nan"))
+    model.initialize_weights()
+    _check_fresh_init(model.language_model)
+    pos = model.vision_tower.pos_embed
+    assert abs(pos.std().item() - 0.02) < 0.002
+    assert torch.equal(model.language_model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias,
+                       torch.zeros(8))
+
+
+def test_missing_tensors_are_initialised_and_loaded_ones_kept(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tiny_model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    dropped = ("model.layers.0.self_attn.A_log", "model.layers.0.self_attn.q_conv1d.weight",
+               "model.layers.1.block_sparse_moe.experts.w1")
+    for name in dropped:
+        del state[name]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = MoEPluginForCausalLM.from_pretrained(tmp_path, strict=False)
+    _check_fresh_init(model)
+    reference = tiny_model.state_dict()
+    for name, tensor in model.state_dict().items():
+        if name not in dropped:
+            assert torch.equal(tensor, reference[name]), name  # loaded neighbours untouched by the init
+    assert not torch.equal(model.model.layers[0].self_attn.A_log, tiny_model.model.layers[0].self_attn.A_log)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(input_ids=torch.randint(0, 384, (5,))), r"^input_ids: expected 2 dimensions"),
+    (dict(input_ids=torch.tensor([[1, 2, 384]])), r"^input_ids: expected token ids in \[0, 384\)"),
+    (dict(input_ids=torch.tensor([[1, -1, 3]])), r"^input_ids: expected token ids in \[0, 384\)"),
+    (dict(input_ids=torch.ones(1, 3)), r"^input_ids: expected an int32/int64 tensor"),
+    (dict(inputs_embeds=torch.randn(1, 3, 32)), r"^inputs_embeds: expected shape"),
+    (dict(input_ids=torch.ones(2, 6, dtype=torch.long), attention_mask=torch.ones(2, 5)),
+     r"^attention_mask: expected shape \[2, 6\]"),
+    (dict(input_ids=torch.ones(2, 6, dtype=torch.long), labels=torch.ones(2, 5, dtype=torch.long)),
+     r"^labels: expected shape \[2, 6\]"),
+    (dict(input_ids=torch.ones(2, 6, dtype=torch.long), labels=torch.full((2, 6), 384)),
+     r"^labels: expected token ids \(or -100 to ignore\) in \[0, 384\)"),
+    (dict(input_ids=torch.ones(2, 6, dtype=torch.long), labels=torch.ones(2, 6, dtype=torch.long),
+          logits_to_keep=1), r"^logits_to_keep: the loss needs the logits of every position"),
+])
+def test_bad_inputs_name_the_argument(tiny_model, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        tiny_model(**kwargs)
+
+
+def test_bad_inputs_to_the_image_text_model_name_the_argument():
+    model = MoEPluginForConditionalGeneration(moe_plugin.preset_config("tiny"))
+    with pytest.raises(ValueError, match=r"^input_ids: expected token ids in \[0, 384\)"):
+        model(input_ids=torch.tensor([[1, 400]]))
+    with pytest.raises(ValueError, match=r"^labels: expected shape \[1, 2\]"):
+        model(input_ids=torch.tensor([[1, 2]]), labels=torch.tensor([[1, 2, 3]]))
+
+
+def test_labels_with_ignored_positions_are_accepted(tiny_model):
+    ids = torch.randint(0, 384, (1, 8))
+    labels = ids.masked_fill(torch.arange(8) < 3, -100)
+    with torch.no_grad():
+        loss = tiny_model(input_ids=ids, labels=labels).loss
+        logits = tiny_model(input_ids=ids).logits[0]
+    expected = torch.nn.functional.cross_entropy(logits[2:-1], ids[0, 3:])
+    assert rel(loss, expected) < 1e-5
