@@ -80,6 +80,8 @@ def train(recipe: Recipe) -> Dict[str, List[float]]:
         tokens += ids.numel()
         if step % cfg.log_every == 0 or step == 1 or step == cfg.steps:
             line = f"step {step:4d}  loss {losses[-1]:.4f}  {tokens / (time.perf_counter() - start):,.0f} tokens/s"
+            if out.indexer_loss is not None:
+                line += f"  (indexer KL {out.indexer_loss.item():.4f} included)"
             if imbalance is not None:
                 line += f"  expert load max/mean {imbalance:.2f}"
             routing_drift = drift.pop()

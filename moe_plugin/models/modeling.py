@@ -360,7 +360,9 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
             batch, length = check_inputs(input_ids, inputs_embeds, attention_mask, mc.vocab_size, mc.hidden_size,
                                          cache.seq_length if cache is not None else 0)
             check_labels(labels, batch, length, mc.vocab_size, logits_to_keep)
-        want_indexer_loss = self.training and self.config.indexer_loss_coeff > 0
+        # the indexer learns only from its KL loss (its inputs are detached): compute it when it can learn
+        want_indexer_loss = (self.training and self.config.indexer_loss_coeff > 0
+                             and any(p.requires_grad for p in self.indexer_parameters()))
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                          cache=cache, use_cache=use_cache, cu_seqlens=cu_seqlens,
                          return_indexer_loss=want_indexer_loss)
@@ -377,6 +379,10 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
                 loss = loss + self.config.indexer_loss_coeff * out.indexer_loss
         return MoECausalLMOutput(loss=loss, logits=logits, cache=out.cache, expert_load=out.expert_load,
                                  indexer_loss=out.indexer_loss)
+
+    def indexer_parameters(self):
+        """The DSA lightning indexers' parameters (trained by the indexer KL loss alone)."""
+        return (p for name, p in self.named_parameters() if ".self_attn.indexer." in name)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, cache: Optional[HybridCache] = None,
                                       attention_mask: Optional[torch.Tensor] = None, **kwargs):

@@ -22,7 +22,7 @@ def tiny(**overrides: Any) -> Dict[str, Any]:
                                 gate_form="k3", gate_rank=16, chunk_size=32),
         num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, mla_use_output_gate=True, use_dsa_indexer=True, index_topk=64, index_n_heads=2,
-        index_head_dim=16, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
+        index_head_dim=16, indexer_loss_coeff=1.0, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
         moe_intermediate_size=32, routed_expert_hidden_size=32, first_k_dense_replace=1, intermediate_size=128,
         vision_config=dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_grid=16),
         image_token_id=259,

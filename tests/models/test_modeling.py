@@ -286,3 +286,22 @@ def test_labels_with_ignored_positions_are_accepted(tiny_model):
         logits = tiny_model(input_ids=ids).logits[0]
     expected = torch.nn.functional.cross_entropy(logits[2:-1], ids[0, 3:])
     assert rel(loss, expected) < 1e-5
+
+
+def test_indexer_loss_enters_training_only_while_the_indexer_can_learn():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = MoEPluginForCausalLM(moe_plugin.preset_config("tiny", vision_config=None, image_token_id=None))
+    ids = torch.randint(0, 272, (1, 96))  # longer than index_topk (64): the selection matters
+    model.train()
+    out = model(input_ids=ids, labels=ids)
+    lm_only = out.loss - model.config.indexer_loss_coeff * out.indexer_loss
+    out.loss.backward()
+    indexer_grads = [p.grad for p in model.indexer_parameters()]
+    assert indexer_grads and all(g is not None and g.abs().sum() > 0 for g in indexer_grads)
+    assert out.indexer_loss > 0 and lm_only < out.loss
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    lora.train()
+    out = lora(input_ids=ids, labels=ids)
+    assert out.indexer_loss is None  # frozen indexer: no dense KL target is computed
