@@ -290,3 +290,16 @@ def test_bad_inputs_name_the_argument():
     for pattern, call in cases:
         with pytest.raises(ValueError, match=pattern):
             call()
+
+
+def test_indexer_scores_gradients_equal_the_plain_formula():
+    """The head-at-a-time autograd Function against autograd through the plain per-head einsum."""
+    torch.manual_seed(5)
+    q = torch.randn(2, 9, 3, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 9, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 9, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: indexer_scores(*a).clamp_min(-1e9), (q, k, w))
+    ref = torch.einsum("btj,btjs->bts", w, torch.relu(torch.einsum("btjd,bsd->btjs", q, k)))
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    ours = indexer_scores(q, k, w)
+    assert torch.allclose(ours[:, causal], ref[:, causal]) and bool(torch.isinf(ours[:, ~causal]).all())

@@ -40,10 +40,39 @@ def indexer_scores(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.
     B, T = q_index.shape[:2]
     S = k_index.shape[1]
     check_positions(query_offset, B, T, S, cu_seqlens)
-    per_head = torch.relu(torch.einsum("btjd,bsd->btjs", q_index, k_index))
-    scores = torch.einsum("btj,btjs->bts", weights, per_head)
+    scores = _WeightedReluScores.apply(q_index, k_index, weights)
     mask = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, q_index.device), q_index.device)
     return scores.masked_fill(~mask, -math.inf)
+
+
+class _WeightedReluScores(torch.autograd.Function):
+    """``sum_j w[:, :, j] * ReLU(q[:, :, j] @ k^T)`` one index head at a time, in both passes.
+
+    The plain einsum form keeps a ``[B, T, H_I, S]`` tensor for backward (17 GiB per layer at T = S = 8192
+    with 64 fp32 heads); here only q, k and w are saved and each head's ``[B, T, S]`` product is recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, w):
+        ctx.save_for_backward(q, k, w)
+        kt = k.transpose(1, 2)
+        out = q.new_zeros(q.shape[0], q.shape[1], k.shape[1])
+        for j in range(q.shape[2]):
+            out.addcmul_(torch.relu(torch.bmm(q[:, :, j], kt)), w[:, :, j, None])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, w = ctx.saved_tensors
+        kt = k.transpose(1, 2)
+        dq, dk, dw = torch.empty_like(q), torch.zeros_like(k), torch.empty_like(w)
+        for j in range(q.shape[2]):
+            r = torch.bmm(q[:, :, j], kt).relu_()  # [B, T, S]
+            dw[:, :, j] = (grad * r).sum(-1)
+            d_r = (grad * w[:, :, j, None]).masked_fill_(r == 0, 0.0)  # ReLU's gradient: 0 where q.k <= 0
+            dq[:, :, j] = torch.bmm(d_r, k)
+            dk += torch.bmm(d_r.transpose(1, 2), q[:, :, j])
+        return dq, dk, dw
 
 
 @torch.no_grad()
