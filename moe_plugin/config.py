@@ -8,7 +8,7 @@ these dataclasses; the Hugging Face config (``moe_plugin.models``) and the megat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional
 
 ACTIVATIONS = ("situ", "swiglu")

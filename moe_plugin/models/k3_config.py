@@ -22,7 +22,7 @@ Keys K3 has and the model does not need (``architectures``, ``max_position_embed
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping
 
 from .configuration import MoEPluginConfig
 

@@ -14,8 +14,8 @@ from transformers import GenerationMixin
 from ..layers.vision import MultimodalProjector, PatchMerger, VisionTower
 from .cache import HybridCache
 from .configuration import MoEPluginConfig
-from .modeling import (MoECausalLMOutput, MoEPluginForCausalLM, MoEPluginPreTrainedModel, check_inputs,
-                       check_labels)
+from .inputs import check_inputs, check_labels
+from .modeling import MoECausalLMOutput, MoEPluginForCausalLM, MoEPluginPreTrainedModel
 
 
 class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixin):

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_plugin.megatron.lora import add_lora
-from moe_plugin.models.modeling import MoEPluginForCausalLM, causal_lm_loss
+from moe_plugin.models.inputs import causal_lm_loss
+from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config
 from moe_plugin.parallel.launch import run_distributed
 

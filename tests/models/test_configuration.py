@@ -8,7 +8,7 @@ import moe_plugin
 from moe_plugin.layers.gated_dsa import GatedMLAAttention
 from moe_plugin.layers.kda import KDAAttention
 from moe_plugin.models import MoEPluginConfig, MoEPluginForCausalLM
-from moe_plugin.models.presets import k3, tiny
+from moe_plugin.models.presets import tiny
 
 
 def test_default_schedule_is_three_kda_to_one_full_attention():
