@@ -21,6 +21,28 @@ from .mlp import GLUMLP
 from .norm import RMSNorm
 
 BIAS_METHODS = ("sign", "quantile")
+_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (layer seed, expert) pairs over the seed space
+
+
+def route_logits(config: MoEConfig, logits: torch.Tensor, bias: Optional[torch.Tensor]
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ops.moe.route`` with ``config``'s routing options: logits ``[N, E]``, bias ``[E]`` -> weights ``[N, k]``
+    fp32, indices ``[N, k]`` int64, unbiased scores ``[N, E]`` fp32."""
+    return route(logits.float(), config.top_k, bias=bias, renormalize=config.renormalize,
+                 scaling=config.routed_scaling_factor, num_groups=config.num_groups, topk_groups=config.topk_groups)
+
+
+def expert_load(indices: torch.Tensor, num_experts: int, padding_mask: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+    """indices: ``[N, k]`` chosen experts; padding_mask: ``[N]`` bool, True = padding (megatron's GPTModel
+    convention) -> ``[E]`` float count of the non-padded token copies each expert received (detached)."""
+    indices = indices.detach()
+    if padding_mask is not None:
+        if padding_mask.numel() != indices.shape[0]:
+            raise ValueError(f"padding_mask: expected {indices.shape[0]} entries (one per token), got "
+                             f"{tuple(padding_mask.shape)}")
+        indices = indices[~padding_mask.reshape(-1).bool().to(indices.device)]
+    return torch.bincount(indices.reshape(-1), minlength=num_experts).float()
 
 
 class MoERouter(nn.Linear):
@@ -65,24 +87,43 @@ class MoERouter(nn.Linear):
 
 
 class StackedExperts(nn.Module):
-    """``experts``: all routed experts' GLU weights stacked, ``w1``/``w3`` ``[E, F, L]`` and ``w2`` ``[E, L, F]``."""
+    """``experts``: routed experts' GLU weights stacked, ``w1``/``w3`` ``[E, F, L]`` and ``w2`` ``[E, L, F]``.
+
+    seed: None draws the initial weights from torch's global generator (one device). Otherwise stacked expert
+    j is global expert ``first_expert + j`` and is drawn from its own generator seeded by (seed, global
+    index), so an expert starts the same whichever expert-parallel rank holds it (EP=n equals EP=1).
+    """
 
     def __init__(self, num_experts: int, dim: int, intermediate: int, activation: str = "situ",
-                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None, seed: Optional[int] = None, first_expert: int = 0):
         super().__init__()
         self.activation = activation
         self.situ_beta = situ_beta
         self.situ_linear_beta = situ_linear_beta
-        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, intermediate))
+        self.seed, self.first_expert = seed, first_expert
+        kw = dict(dtype=dtype, device=device)
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, dim, **kw))
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, dim, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, intermediate, **kw))
         self.reset_parameters()
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
         # nn.Linear's default scale per expert: uniform in +-1/sqrt(fan_in).
-        for w in (self.w1, self.w3, self.w2):
-            bound = 1.0 / math.sqrt(w.shape[2])
-            nn.init.uniform_(w, -bound, bound)
+        if self.seed is None:
+            for w in (self.w1, self.w3, self.w2):
+                bound = 1.0 / math.sqrt(w.shape[2])
+                nn.init.uniform_(w, -bound, bound)
+            return
+        if self.w1.is_meta:
+            return
+        for j in range(self.w1.shape[0]):
+            g = torch.Generator(device=self.w1.device)
+            g.manual_seed((self.seed + (self.first_expert + j) * _SEED_MIX) % 2 ** 63)
+            for w in (self.w1, self.w3, self.w2):
+                bound = 1.0 / math.sqrt(w.shape[2])
+                w[j].uniform_(-bound, bound, generator=g)
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x_sorted: ``[M, L]`` rows grouped by expert; tokens_per_expert: ``[E]`` -> ``[M, L]``."""
@@ -94,7 +135,87 @@ class StackedExperts(nn.Module):
         return f"num_experts={e}, dim={dim}, intermediate={f}, activation={self.activation!r}"
 
 
-class StableLatentMoE(nn.Module):
+class LatentMoEMixin:
+    """What the single-device ``StableLatentMoE`` and megatron's ``LatentMoELayer`` share: the latent
+    down/norm/up modules, routing with the config's options, the expert load and selection-bias balancing.
+
+    The host is an ``nn.Module`` with ``moe_config`` (``MoEConfig``), a ``gate`` and a ``router`` property
+    (the ``MoERouter`` behind ``gate``). ``moe_plugin.training.routing.moe_layers`` finds MoE layers by this class.
+
+    Load: ``last_load`` ``[E]`` sums the token copies per expert over every forward run with gradients enabled
+    (so evaluation and the no-grad first pass of full activation recomputation do not count) since the last
+    ``pop_load`` / ``reset_load``, i.e. over all micro-batches of a step. It is this process's count: with data or
+    expert parallelism the training loop sums ``pop_load()`` over the data-parallel group (expert-parallel ranks
+    route different tokens over all ``E`` experts, so that group spans them) before ``update_routing_bias``,
+    and every rank applies the same update so the replicated bias stays equal.
+    """
+
+    moe_config: MoEConfig
+    last_load: Optional[torch.Tensor] = None
+
+    def _build_latent_modules(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
+                              ) -> None:
+        c = self.moe_config
+        if c.latent_size is None:
+            return
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.routed_expert_down_proj = nn.Linear(c.hidden_size, c.latent_size, **kw)
+        norm = RMSNorm(c.latent_size, c.norm_eps) if c.latent_norm else None
+        if norm is not None and (dtype is not None or device is not None):
+            norm = norm.to(device=device, dtype=dtype)
+        self.routed_expert_norm = norm
+        self.routed_expert_up_proj = nn.Linear(c.latent_size, c.hidden_size, **kw)
+
+    def route_tokens(self, x_flat: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x_flat: ``[N, hidden]`` -> weights ``[N, k]`` fp32, indices ``[N, k]`` int64, scores ``[N, E]`` fp32."""
+        return route_logits(self.moe_config, self.gate(x_flat), self.router.e_score_correction_bias)
+
+    def to_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[..., hidden]`` -> ``[..., expert_dim]`` (the tokens the experts, and the all-to-all, see)."""
+        if self.moe_config.latent_size is None:
+            return x
+        return self.routed_expert_down_proj(x)
+
+    def from_latent(self, u: torch.Tensor) -> torch.Tensor:
+        """u: ``[..., expert_dim]`` combined expert outputs -> ``[..., hidden]``."""
+        if self.moe_config.latent_size is None:
+            return u
+        if self.routed_expert_norm is not None:
+            u = self.routed_expert_norm(u)
+        return self.routed_expert_up_proj(u)
+
+    def _record_load(self, load: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            self.last_load = load if self.last_load is None else self.last_load + load
+
+    def pop_load(self) -> Optional[torch.Tensor]:
+        """The ``[E]`` load summed since the last call (None if no counted forward ran), and reset it."""
+        load, self.last_load = self.last_load, None
+        return load
+
+    def reset_load(self) -> None:
+        self.last_load = None
+
+    @torch.no_grad()
+    def update_routing_bias(self, load_or_scores: torch.Tensor, method: str = "sign") -> torch.Tensor:
+        """Move ``gate.e_score_correction_bias`` toward balance, in place; returns the new ``[E]`` bias.
+
+        method "sign": load_or_scores is the ``[E]`` load of a global batch (summed over micro-batches and
+        data-parallel ranks, see the class docstring); rate ``moe_config.bias_update_rate``.
+        method "quantile": load_or_scores is ``[m, E]`` unbiased scores (``route``'s third output) of the batch.
+        """
+        bias = self.router.e_score_correction_bias
+        if method == "sign":
+            new = update_bias_sign(bias, load_or_scores.to(bias.device), self.moe_config.bias_update_rate)
+        elif method == "quantile":
+            new = quantile_balance_bias(load_or_scores.to(bias.device), bias, self.moe_config.top_k)
+        else:
+            raise ValueError(f"method: expected one of {BIAS_METHODS}, got {method!r}")
+        bias.copy_(new)
+        return bias.detach().clone()
+
+
+class StableLatentMoE(LatentMoEMixin, nn.Module):
     """Routed experts in a latent space with an RMSNorm on their combined output, plus shared experts.
 
     ``y = up(RMSNorm(sum_k w_k E_k(down(x)))) + shared(x)``; without ``latent_size`` the experts work on
@@ -103,16 +224,13 @@ class StableLatentMoE(nn.Module):
 
     def __init__(self, config: MoEConfig):
         super().__init__()
-        self.config = config
+        self.config = self.moe_config = config
         c = config
         self.num_experts, self.top_k = c.num_experts, c.top_k
         self.gate = MoERouter(c.hidden_size, c.num_experts)
         self.experts = StackedExperts(c.num_experts, c.expert_dim, c.expert_intermediate_size, c.activation,
                                       c.situ_beta, c.situ_linear_beta)
-        if c.latent_size is not None:
-            self.routed_expert_down_proj = nn.Linear(c.hidden_size, c.latent_size, bias=False)
-            self.routed_expert_norm = RMSNorm(c.latent_size, c.norm_eps) if c.latent_norm else None
-            self.routed_expert_up_proj = nn.Linear(c.latent_size, c.hidden_size, bias=False)
+        self._build_latent_modules()
         if c.num_shared_experts > 0:
             self.shared_experts = GLUMLP(c.hidden_size, c.shared_intermediate_size, c.activation,
                                          c.situ_beta, c.situ_linear_beta)
@@ -124,24 +242,7 @@ class StableLatentMoE(nn.Module):
 
     def route(self, x_flat: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x_flat: ``[N, hidden]`` -> weights ``[N, k]`` fp32, indices ``[N, k]`` int64, scores ``[N, E]`` fp32."""
-        c = self.config
-        return route(self.gate(x_flat).float(), c.top_k, bias=self.router.e_score_correction_bias,
-                     renormalize=c.renormalize, scaling=c.routed_scaling_factor, num_groups=c.num_groups,
-                     topk_groups=c.topk_groups)
-
-    def to_latent(self, x_flat: torch.Tensor) -> torch.Tensor:
-        """x_flat: ``[N, hidden]`` -> ``[N, expert_dim]`` (the tokens the experts, and the all-to-all, see)."""
-        if self.config.latent_size is None:
-            return x_flat
-        return self.routed_expert_down_proj(x_flat)
-
-    def from_latent(self, u: torch.Tensor) -> torch.Tensor:
-        """u: ``[N, expert_dim]`` combined expert outputs -> ``[N, hidden]``."""
-        if self.config.latent_size is None:
-            return u
-        if self.routed_expert_norm is not None:
-            u = self.routed_expert_norm(u)
-        return self.routed_expert_up_proj(u)
+        return self.route_tokens(x_flat)
 
     def shared_path(self, x_flat: torch.Tensor) -> Optional[torch.Tensor]:
         """x_flat: ``[N, hidden]`` -> ``[N, hidden]``, or None without shared experts."""
@@ -151,7 +252,7 @@ class StableLatentMoE(nn.Module):
         """hidden_states: ``[B, T, hidden]`` -> ``(y [B, T, hidden], load [E])``.
 
         load is the detached float count of token copies each expert received in this call, to be summed
-        over a global batch for ``update_routing_bias``.
+        over a global batch for ``update_routing_bias`` (``last_load`` also accumulates it, see the mixin).
         """
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
@@ -162,22 +263,6 @@ class StableLatentMoE(nn.Module):
         shared = self.shared_path(x)
         if shared is not None:
             y = y + shared
-        return y.view(shape), tokens_per_expert.detach().float()
-
-    @torch.no_grad()
-    def update_routing_bias(self, load_or_scores: torch.Tensor, method: str = "sign") -> torch.Tensor:
-        """Move ``gate.e_score_correction_bias`` toward balance, in place; returns the new ``[E]`` bias.
-
-        method "sign": load_or_scores is the ``[E]`` load of a global batch (sum ``forward``'s loads over
-        steps and data-parallel ranks first); rate ``config.bias_update_rate``.
-        method "quantile": load_or_scores is ``[m, E]`` unbiased scores (``route``'s third output) of the batch.
-        """
-        bias = self.router.e_score_correction_bias
-        if method == "sign":
-            new = update_bias_sign(bias, load_or_scores, self.config.bias_update_rate)
-        elif method == "quantile":
-            new = quantile_balance_bias(load_or_scores, bias, self.top_k)
-        else:
-            raise ValueError(f"method: expected one of {BIAS_METHODS}, got {method!r}")
-        bias.copy_(new)
-        return bias.detach().clone()
+        load = tokens_per_expert.detach().float()
+        self._record_load(load)
+        return y.view(shape), load

@@ -25,18 +25,33 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from torch import nn
+from megatron.core.utils import get_pg_rank
 
 from ..config import MoEConfig, require
 from ..layers.mlp import GLUMLP
-from ..layers.moe import MoERouter, StackedExperts
-from ..layers.norm import RMSNorm
-from ..ops.moe import route
+from ..layers.moe import LatentMoEMixin, MoERouter, StackedExperts, expert_load
+
+# megatron routing/balancing options that LatentMoELayer's route never reads: each must keep its default, and
+# the MoEConfig field (or mechanism) that does the job instead is named in the error.
+UNREAD_ROUTER_FIELDS = {
+    "moe_aux_loss_coeff": (0.0, "no auxiliary loss: balance with the selection bias (update_routing_bias, "
+                                "MoEConfig.bias_update_rate)"),
+    "moe_z_loss_coeff": (None, "no z-loss on this router"),
+    "moe_router_padding_for_quantization": (False, "no routing-map padding (the experts are not quantized)"),
+    "moe_router_padding_for_fp8": (False, "no routing-map padding (the experts are not quantized)"),
+    "moe_router_force_load_balancing": (False, "set the selection bias instead (gate.e_score_correction_bias)"),
+    "moe_router_num_groups": (None, "set MoEConfig.num_groups"),
+    "moe_router_group_topk": (None, "set MoEConfig.topk_groups"),
+    "moe_router_topk_scaling_factor": (None, "set MoEConfig.routed_scaling_factor"),
+    "moe_router_enable_expert_bias": (False, "the selection bias is always on (gate.e_score_correction_bias, "
+                                             "MoEConfig.bias_update_rate)"),
+    "moe_input_jitter_eps": (None, "no input jitter on this router"),
+}
 
 
 def megatron_moe_fields(moe: MoEConfig) -> dict:
@@ -73,25 +88,42 @@ def check_megatron_config(config: TransformerConfig, moe: MoEConfig) -> None:
             "is not supported: the shared experts run on the full hidden, outside the dispatcher")
     require(config.moe_expert_capacity_factor is None, "TransformerConfig.moe_expert_capacity_factor",
             "must be None: LatentMoELayer is dropless")
+    for name, (default, instead) in UNREAD_ROUTER_FIELDS.items():
+        got = getattr(config, name)
+        require(got == default, f"TransformerConfig.{name}",
+                f"must be {default!r} (LatentMoELayer's router does not read it; {instead}), got {got!r}")
+
+
+def _param_device(config: TransformerConfig) -> torch.device:
+    """Where megatron's own layers allocate parameters: the current CUDA device unless CPU init is asked for."""
+    if torch.cuda.is_available() and not config.use_cpu_initialization:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class MegatronStackedExperts(StackedExperts):
     """``experts`` with megatron's experts interface: ``(tokens, tokens_per_expert, probs) -> (out, None)``.
 
-    Holds only this rank's ``num_local_experts`` experts (stacked ``[E_local, ...]``). Built by ``MoELayer``
+    Holds only this rank's ``num_local_experts`` experts (stacked ``[E_local, ...]``), global experts
+    ``ep_rank * E_local ..``, in ``config.params_dtype`` on ``_param_device(config)``. Built by ``MoELayer``
     through ``build_module(spec, num_local_experts, config, pg_collection=...)``.
+
+    Initialisation is expert-parallel invariant: one layer seed is drawn from torch's default CPU generator
+    (which must agree across ranks, as after megatron's seeding; every rank builds the same layers in the same
+    order) and each expert from a generator seeded by (layer seed, global expert index). An EP=n model thus
+    starts equal to the EP=1 model, and no two experts start equal. megatron's expert-parallel RNG stream is
+    not used: it differs per EP rank, so it makes the experts depend on the layout (and on CPU it was drawn
+    by every rank from the same state).
     """
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, moe: MoEConfig,
                  pg_collection: Optional[ProcessGroupCollection] = None):
+        ep_group = pg_collection.ep if pg_collection is not None else parallel_state.get_expert_model_parallel_group()
+        seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
         super().__init__(num_local_experts, moe.expert_dim, moe.expert_intermediate_size, moe.activation,
-                         moe.situ_beta, moe.situ_linear_beta)
-        tracker = tensor_parallel.get_cuda_rng_tracker()
-        if tracker.is_initialized():
-            # Different experts on different EP ranks must not start equal: draw them from megatron's
-            # expert-parallel RNG stream, seeded per EP rank.
-            with tracker.fork(tensor_parallel.get_expert_parallel_rng_tracker_name()):
-                self.reset_parameters()
+                         moe.situ_beta, moe.situ_linear_beta, dtype=config.params_dtype,
+                         device=_param_device(config), seed=seed,
+                         first_expert=get_pg_rank(ep_group) * num_local_experts)
         for p in self.parameters():
             # megatron's mark for expert parameters: its DDP reduces their gradients over the
             # expert-data-parallel group instead of the whole data-parallel group.
@@ -115,6 +147,8 @@ class MegatronSharedExperts(GLUMLP):
         require(not gate, "TransformerConfig.moe_shared_expert_gate", "is not supported by LatentMoELayer")
         super().__init__(moe.hidden_size, moe.shared_intermediate_size, moe.activation, moe.situ_beta,
                          moe.situ_linear_beta)
+        if config is not None:
+            self.to(device=_param_device(config), dtype=config.params_dtype)
 
 
 def latent_moe_submodules(moe: MoEConfig) -> MoESubmodules:
@@ -131,12 +165,17 @@ def latent_moe_spec(moe: MoEConfig) -> ModuleSpec:
     return ModuleSpec(module=LatentMoELayer, params={"moe": moe})
 
 
-class LatentMoELayer(MoELayer):
+class LatentMoELayer(LatentMoEMixin, MoELayer):
     """Stable Latent MoE on megatron's expert parallelism (see the module docstring).
 
-    forward(hidden_states ``[S, B, hidden]``) -> ``(y [S, B, hidden], None)``, as ``MoELayer``.
-    ``config`` must agree with ``moe`` (``check_megatron_config``; ``megatron_moe_fields`` gives the fields).
-    After each forward ``last_load`` holds the ``[E]`` count of this rank's token copies per expert.
+    forward(hidden_states ``[S, B, hidden]``, padding_mask ``[B, S]`` bool, True = padding) ->
+    ``(y [S, B, hidden], None)``, as ``MoELayer``. ``config`` must agree with ``moe`` (``check_megatron_config``;
+    ``megatron_moe_fields`` gives the fields).
+
+    Balancing is ``LatentMoEMixin``'s (shared with ``StableLatentMoE``): ``last_load`` ``[E]`` accumulates this
+    rank's non-padded token copies per (global) expert over the micro-batches until ``pop_load``; the training
+    loop all-reduces it (SUM) over ``parallel_state.get_data_parallel_group()``, which spans the expert-parallel
+    ranks, and then calls ``update_routing_bias`` (or ``training.routing.balance_experts``) on every rank.
     """
 
     def __init__(self, config: TransformerConfig, moe: MoEConfig, submodules: Optional[MoESubmodules] = None,
@@ -144,13 +183,11 @@ class LatentMoELayer(MoELayer):
         check_megatron_config(config, moe)
         self.moe = moe
         super().__init__(config, submodules or latent_moe_submodules(moe), layer_number, pg_collection)
+        self.moe_config = moe
         # MoELayer registers the router as "router"; the checkpoints and LoRA targets call it "gate".
-        self.gate = self._modules.pop("router")
-        if moe.latent_size is not None:
-            self.routed_expert_down_proj = nn.Linear(moe.hidden_size, moe.latent_size, bias=False)
-            self.routed_expert_norm = RMSNorm(moe.latent_size, moe.norm_eps) if moe.latent_norm else None
-            self.routed_expert_up_proj = nn.Linear(moe.latent_size, moe.hidden_size, bias=False)
-        self.last_load: Optional[torch.Tensor] = None
+        self.gate = self._modules.pop("router").to(_param_device(config))  # the router stays fp32
+        self._build_latent_modules(dtype=config.params_dtype, device=_param_device(config))
+        self.last_load = None
 
     @property
     def router(self) -> Optional[MoERouter]:
@@ -169,33 +206,25 @@ class LatentMoELayer(MoELayer):
         self.layer_number = layer_number
 
     def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """hidden_states ``[S, B, hidden]`` -> ``probs [N, E]`` fp32 (zero off the chosen experts) and
-        ``routing_map [N, E]`` bool, N = S * B. ``padding_mask`` is accepted for megatron's signature;
-        padded tokens are routed like the others."""
-        m = self.moe
+        """hidden_states ``[S, B, hidden]``, padding_mask ``[S, B]`` bool (True = padding; ``MoELayer.forward``
+        has transposed the caller's ``[B, S]``) -> ``probs [N, E]`` fp32 (zero off the chosen experts) and
+        ``routing_map [N, E]`` bool, N = S * B. Padded tokens are still routed (the dispatcher's sizes are
+        fixed by N) but are left out of ``last_load``, as megatron's router leaves them out of its counts."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        weights, indices, scores = route(self.gate(x).float(), m.top_k, bias=self.router.e_score_correction_bias,
-                                         renormalize=m.renormalize, scaling=m.routed_scaling_factor,
-                                         num_groups=m.num_groups, topk_groups=m.topk_groups)
+        weights, indices, scores = self.route_tokens(x)
         probs = torch.zeros_like(scores).scatter(1, indices, weights)
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, indices, True)
-        self.last_load = routing_map.sum(0).detach().float()
+        self._record_load(expert_load(indices, self.moe.num_experts, padding_mask))
         return probs, routing_map
 
     def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
         """Project to the latent width, then let the dispatcher permute: what crosses the all-to-all is
         ``[N * top_k, latent]``."""
-        if self.moe.latent_size is not None:
-            hidden_states = self.routed_expert_down_proj(hidden_states)
-        return self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
+        return self.token_dispatcher.dispatch_preprocess(self.to_latent(hidden_states), routing_map, probs)
 
     def postprocess(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]):
         """Un-permute the combined latent outputs ``[S, B, latent]``, normalise, project up, add shared."""
-        output = self.token_dispatcher.combine_postprocess(output)
-        if self.moe.latent_size is not None:
-            if self.routed_expert_norm is not None:
-                output = self.routed_expert_norm(output)
-            output = self.routed_expert_up_proj(output)
+        output = self.from_latent(self.token_dispatcher.combine_postprocess(output))
         if shared_expert_output is not None:
             output = output + shared_expert_output
         return output

@@ -6,7 +6,9 @@ layers). Routed experts are stored stacked ``[E, ...]`` in both (``...experts.w1
 ``[E_local, ...]``, the contiguous slice ``local_expert_indices`` of its MoE layers.
 
 Loading reads sharded safetensors with ``safe_open`` and takes expert tensors through ``get_slice``, so a rank
-never materialises the experts of other ranks. Load the base weights before adding LoRA adapters.
+never materialises the experts of other ranks. Both directions see a model with LoRA adapters by its base
+tensors under their pre-LoRA names (peft's ``base_layer.`` segments removed, ``lora_`` tensors left out; the
+adapters have ``lora.load_hf_adapter_state`` / ``adapter_state_to_hf``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from torch import nn
 
 from ..config import ModelConfig, require
 
-__all__ = ["NAME_TABLE", "hf_to_megatron_name", "megatron_to_hf_name", "is_expert_tensor", "expert_ranges",
-           "LoadStats", "load_hf_checkpoint", "megatron_to_hf_state_dict"]
+__all__ = ["NAME_TABLE", "hf_to_megatron_name", "megatron_to_hf_name", "base_name", "is_expert_tensor",
+           "expert_ranges", "LoadStats", "load_hf_checkpoint", "megatron_to_hf_state_dict"]
 
 # (Hugging Face prefix, megatron prefix, layers the row applies to: None = every layer, "moe" or "dense").
 # "{i}" is the 0-based layer index on both sides.
@@ -43,6 +45,7 @@ NAME_TABLE: Tuple[Tuple[str, str, Optional[str]], ...] = (
 NOT_TEXT = ("vision_tower.", "mm_projector.")
 _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.w[123]$")
 _EXTRA_STATE = "_extra_state"
+_PEFT_WRAPPER = ".base_layer."  # peft's wrappers insert this segment before the wrapped module's names
 
 
 def _compile(prefix: str) -> re.Pattern:
@@ -124,8 +127,18 @@ def _weight_map(path: str) -> Dict[str, str]:
         return {k: single for k in f.keys()}
 
 
+def base_name(name: str) -> str:
+    """A model entry's name without peft's ``base_layer.`` segments: ``...mlp.experts.base_layer.base_layer.w1``
+    -> ``...mlp.experts.w1`` (what the name was before ``add_lora``)."""
+    while _PEFT_WRAPPER in name:
+        name = name.replace(_PEFT_WRAPPER, ".")
+    return name
+
+
 def _model_entries(model: nn.Module) -> Dict[str, torch.Tensor]:
-    return {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith(_EXTRA_STATE)}
+    """The base model's tensors under their pre-LoRA names (adapter tensors left out)."""
+    return {base_name(k): v for k, v in model.state_dict(keep_vars=True).items()
+            if not k.endswith(_EXTRA_STATE) and ".lora_" not in k}
 
 
 @torch.no_grad()

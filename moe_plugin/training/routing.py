@@ -13,20 +13,22 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from ..layers.moe import StableLatentMoE
-from ..ops.moe import route
+from ..layers.moe import LatentMoEMixin, route_logits
 
 
-def moe_layers(model: nn.Module) -> List[StableLatentMoE]:
-    """The model's MoE layers in forward order (the order of the rows of ``expert_load``)."""
-    return [m for m in model.modules() if isinstance(m, StableLatentMoE)]
+def moe_layers(model: nn.Module) -> List[LatentMoEMixin]:
+    """The model's MoE layers in forward order (the order of the rows of ``expert_load``): the single-device
+    ``StableLatentMoE`` and megatron's ``LatentMoELayer`` alike (both are ``LatentMoEMixin``s)."""
+    return [m for m in model.modules() if isinstance(m, LatentMoEMixin)]
 
 
 @torch.no_grad()
 def balance_experts(model: nn.Module, expert_load: torch.Tensor, method: str = "sign") -> float:
     """Update each MoE layer's selection bias from its row of ``expert_load`` ``[num_moe_layers, E]``.
 
-    Sum the loads of a whole global batch (all micro-batches and data-parallel ranks) before calling.
+    Sum the loads of a whole global batch (all micro-batches and data-parallel ranks) before calling; on a
+    megatron model the rows are the layers' ``pop_load()``, all-reduced over the data-parallel group (see
+    ``LatentMoEMixin``), and every rank calls this with the same rows.
     Returns the worst max/mean load ratio over the layers before the update (1.0 is perfect balance).
     """
     layers = moe_layers(model)
@@ -56,14 +58,11 @@ class RoutingDriftMonitor:
     def active(self) -> bool:
         return bool(self._handles)
 
-    def _hook(self, layer: StableLatentMoE):
-        c = layer.config
-
+    def _hook(self, layer: LatentMoEMixin):
         @torch.no_grad()
         def hook(gate, inputs, logits):
             def choice(x):
-                _, idx, _ = route(x.float(), c.top_k, bias=layer.router.e_score_correction_bias,
-                                  num_groups=c.num_groups, topk_groups=c.topk_groups)
+                _, idx, _ = route_logits(layer.moe_config, x, layer.router.e_score_correction_bias)
                 return idx.sort(-1).values
 
             adapted, base = choice(logits), choice(gate.base_layer(inputs[0]))

@@ -10,6 +10,7 @@ all experts computes for the same tokens.
 
 from __future__ import annotations
 
+import sys
 import traceback
 
 import torch
@@ -42,12 +43,15 @@ def run_all_checks(ep_size: int = 2, seed: int = 0) -> dict:
     checks += [(f"moe/{name}", lambda name=name: _megatron_moe(name, seed)) for name in MOE_SCENARIOS]
     checks += [(f"latent/{name}", lambda name=name: _latent_moe(name, seed)) for name in LATENT_SCENARIOS]
     checks.append(("gpt/latent", lambda: _gpt_with_latent_moe(seed)))
+    checks.append(("latent/init", lambda: _expert_init(seed)))
+    checks.append(("latent/balance", lambda: _balance(seed)))
     checks.append(("bad_ep_size", _bad_ep_size))
     for name, check in checks:
         try:
             results[name] = check()
         except Exception:
             results[name] = {"error": traceback.format_exc()}
+            print(f"rank {dist.get_rank()} check {name}: {results[name]['error']}", file=sys.stderr, flush=True)
         dist.barrier()  # a failed check must not leave the other rank inside a collective of the next one
     return results
 
@@ -233,6 +237,71 @@ def _gpt_with_latent_moe(seed: int) -> dict:
             "is_moe_layer": [layer.is_moe_layer for layer in layers],
             "isinstance": all(isinstance(layer.mlp, LatentMoELayer) for layer in layers),
             "no_grad": [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]}
+
+
+def _latent_config(moe, **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moe_plugin.megatron.latent_moe import megatron_moe_fields
+
+    return TransformerConfig(num_layers=1, hidden_size=moe.hidden_size, num_attention_heads=2, add_bias_linear=False,
+                             use_cpu_initialization=True, **megatron_moe_fields(moe), **overrides)
+
+
+def _expert_init(seed: int) -> dict:
+    """LatentMoELayer's initial experts at EP=world, at EP=1 and in bf16, from the same default-RNG state."""
+    from moe_plugin.config import MoEConfig
+    from moe_plugin.megatron.latent_moe import LatentMoELayer
+
+    moe = MoEConfig(**LATENT)
+    out = {}
+    for tag, pgs, overrides in (("ep", None, {}), ("ep1", _single_rank_groups(), {}),
+                                ("bf16", None, dict(params_dtype=torch.bfloat16, bf16=True))):
+        torch.manual_seed(seed + 11)  # what megatron's seeding leaves behind: equal on every rank
+        layer = LatentMoELayer(_latent_config(moe, **overrides), moe, pg_collection=pgs)
+        out[tag] = {"local": layer.local_expert_indices,
+                    "dtypes": {n: p.dtype for n, p in layer.named_parameters()},
+                    **{k: getattr(layer.experts, k).detach().clone() for k in ("w1", "w2", "w3")}}
+    return out
+
+
+def _balance(seed: int) -> dict:
+    """Two micro-batches with padding, one no-grad forward, then the global load and one sign update."""
+    from megatron.core import parallel_state
+    from torch import nn
+
+    from moe_plugin.config import MoEConfig
+    from moe_plugin.megatron.latent_moe import LatentMoELayer
+    from moe_plugin.training.routing import balance_experts, moe_layers
+
+    moe = MoEConfig(**LATENT)
+    layer = LatentMoELayer(_latent_config(moe), moe)
+    g = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        layer.gate.weight.copy_(_router_weight(g, moe.hidden_size))
+        layer.gate.e_score_correction_bias.copy_(0.05 * torch.randn(moe.num_experts, generator=g))
+    bias_before = layer.router.e_score_correction_bias.clone()
+    batches, masks = [], []
+    for micro in range(2):
+        x, _ = _rank_tokens(seed + 10 * micro, moe.hidden_size, None)  # [S, B, H]
+        mask = torch.zeros(x.shape[1], x.shape[0], dtype=torch.bool)  # [B, S], True = padding
+        mask[micro % x.shape[1], 2 + micro:] = True
+        layer(x, padding_mask=mask)[0].sum().backward()
+        batches.append(x)
+        masks.append(mask)
+    with torch.no_grad():
+        layer(batches[0])  # evaluation: not counted
+    model = nn.ModuleList([layer])
+    local = layer.pop_load()
+    after_pop = layer.last_load
+    total = local.clone()
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    ratio = balance_experts(model, total.unsqueeze(0))
+    return {"x": batches, "padding_mask": masks, "router": layer.router.weight.detach().clone(),
+            "bias_before": bias_before, "local_load": local, "after_pop": after_pop, "global_load": total,
+            "bias_after": layer.router.e_score_correction_bias.clone(), "ratio": ratio,
+            "found": [type(m).__name__ for m in moe_layers(model)], "top_k": moe.top_k,
+            "rate": moe.bias_update_rate}
 
 
 def _rank_tokens(seed: int, hidden: int, rule):

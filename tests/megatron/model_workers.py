@@ -11,6 +11,7 @@ parent, which compares them with the Hugging Face model on the concatenated batc
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 
 import torch
@@ -35,6 +36,7 @@ def _guarded(check) -> dict:
         out = check()
     except Exception:
         out = {"error": traceback.format_exc()}
+        print(f"rank {dist.get_rank()}: {out['error']}", file=sys.stderr, flush=True)  # visible if a peer hangs
     dist.barrier()  # a failed check must not leave a peer inside a collective of the next one
     return out
 
@@ -121,6 +123,7 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
     load_hf_adapter_state(model, setup["adapters"], config)
     if extras:
         out["adapter_roundtrip"] = adapter_state_to_hf(model, config)
+        out["roundtrip_after_lora"] = weights.megatron_to_hf_state_dict(model, config)
 
     widths, original = [], MoEAlltoAllTokenDispatcher.token_dispatch
 
@@ -130,6 +133,7 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
 
     MoEAlltoAllTokenDispatcher.token_dispatch = spy
     received = _spy_received(model)
+    groups_used = _spy_groups_used(model, config.moe.num_groups)
     try:
         tokens = setup["batches"][rank]
         logits = model(tokens, None, None)
@@ -138,7 +142,8 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
     finally:
         MoEAlltoAllTokenDispatcher.token_dispatch = original
     out["widths"] = widths
-    out["loads"] = [l.mlp.last_load.clone() for l in model.decoder.layers if l.is_moe_layer]
+    out["loads"] = [l.mlp.pop_load() for l in model.decoder.layers if l.is_moe_layer]
+    out["groups_used"] = groups_used
     out["received"] = [r[0] for r in received]
     out["counts"] = vars(reduce_gradients(model))
     out["logits"], out["loss"] = logits.detach(), loss.detach()
@@ -169,6 +174,24 @@ def _load_errors(model, broken_dir: str, config) -> dict:
 
     return {"missing": message("missing"), "unexpected": message("unexpected"),
             "unexpected_not_strict": message("unexpected", strict=False)}
+
+
+def _spy_groups_used(model, num_groups: int) -> list:
+    """Per MoE layer forward, the set of distinct counts of expert groups a token's choices fall in."""
+    seen = []
+    for layer in model.decoder.layers:
+        if not layer.is_moe_layer:
+            continue
+        route = layer.mlp.route
+
+        def recording(hidden_states, padding_mask=None, route=route):
+            probs, routing_map = route(hidden_states, padding_mask)
+            per_group = routing_map.view(routing_map.shape[0], num_groups, -1).any(-1).sum(-1)
+            seen.extend(sorted(set(per_group.tolist())))
+            return probs, routing_map
+
+        layer.mlp.route = recording
+    return seen
 
 
 def _spy_received(model) -> list:

@@ -94,3 +94,81 @@ def test_config_mismatch_names_the_field(field, value):
     fields[field] = value
     with pytest.raises(ValueError, match=f"TransformerConfig.{field}"):
         check_megatron_config(TransformerConfig(**fields), moe)
+
+
+def test_experts_start_equal_to_the_ep1_slice_and_distinct(ep_check):
+    ranks = ep_check("latent/init")
+    for rank, got in enumerate(ranks):
+        local = got["ep"]["local"]
+        assert got["ep1"]["local"] == [0, 1, 2, 3] and local == [2 * rank, 2 * rank + 1]
+        for k in ("w1", "w2", "w3"):
+            assert torch.equal(got["ep"][k], got["ep1"][k][local[0]:local[-1] + 1]), \
+                f"rank {rank} {k}: EP=2 experts must equal experts {local} of the EP=1 layer"
+            full = got["ep1"][k]
+            for i in range(full.shape[0]):
+                for j in range(i):
+                    assert rel_err_plain(full[i], full[j]) > 0.5, f"{k}: experts {i} and {j} start alike"
+        assert all(dt == torch.float32 for dt in got["ep"]["dtypes"].values())
+        bf16 = got["bf16"]["dtypes"]
+        assert bf16["gate.weight"] == torch.float32, "the router stays fp32"
+        assert all(dt == torch.bfloat16 for n, dt in bf16.items() if n != "gate.weight"), bf16
+    assert not torch.equal(ranks[0]["ep"]["w1"], ranks[1]["ep"]["w1"]), "EP ranks hold different experts"
+
+
+def rel_err_plain(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def loop_load(x, mask, router, bias, top_k):
+    """Per non-padded token (x ``[S, B, H]``, mask ``[B, S]`` True = padding): count its top-k experts."""
+    load = torch.zeros(router.shape[0])
+    for s in range(x.shape[0]):
+        for b in range(x.shape[1]):
+            if mask[b, s]:
+                continue
+            choice = torch.sigmoid(router @ x[s, b]) + bias
+            for e in torch.topk(choice, top_k).indices.tolist():
+                load[e] += 1
+    return load
+
+
+def test_latent_load_accumulates_skips_padding_and_balances_globally(ep_check):
+    ranks = ep_check("latent/balance")
+    total = 0
+    for rank, got in enumerate(ranks):
+        want = sum(loop_load(x, m, got["router"], got["bias_before"], got["top_k"])
+                   for x, m in zip(got["x"], got["padding_mask"]))
+        assert torch.equal(got["local_load"], want), f"rank {rank}: load {got['local_load']} vs loop {want}"
+        assert got["after_pop"] is None, "pop_load must reset the count"
+        assert got["found"] == ["LatentMoELayer"]
+        total = total + want
+    padded = sum(int(m.sum()) for m in ranks[0]["padding_mask"])
+    assert padded > 0 and total.sum() == ranks[0]["top_k"] * sum(
+        x.shape[0] * x.shape[1] - int(m.sum()) for r in ranks for x, m in zip(r["x"], r["padding_mask"]))
+    want_bias = ranks[0]["bias_before"] + ranks[0]["rate"] * torch.sign(total.mean() - total)
+    for rank, got in enumerate(ranks):
+        assert torch.equal(got["global_load"], total), f"rank {rank}: the load must be summed over the ranks"
+        assert rel_err_plain(got["bias_after"], want_bias) < 1e-6, f"rank {rank}: bias {got['bias_after']}"
+        assert got["ratio"] == pytest.approx(float(total.max() / total.mean()))
+
+
+@pytest.mark.parametrize("field, value, instead", [
+    ("moe_aux_loss_coeff", 0.01, "bias_update_rate"), ("moe_z_loss_coeff", 0.001, "z-loss"),
+    ("moe_router_padding_for_quantization", True, "padding"), ("moe_router_padding_for_fp8", True, "padding"),
+    ("moe_router_force_load_balancing", True, "e_score_correction_bias"),
+    ("moe_router_num_groups", 2, "MoEConfig.num_groups"), ("moe_router_group_topk", 1, "MoEConfig.topk_groups"),
+    ("moe_router_topk_scaling_factor", 2.0, "MoEConfig.routed_scaling_factor"),
+    ("moe_router_enable_expert_bias", True, "e_score_correction_bias"), ("moe_input_jitter_eps", 0.01, "jitter"),
+])
+def test_unread_megatron_router_options_are_refused(field, value, instead):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moe_plugin.megatron.latent_moe import check_megatron_config, megatron_moe_fields
+
+    moe = MoEConfig(hidden_size=16, num_experts=4, top_k=2, expert_intermediate_size=12, latent_size=8)
+    fields = dict(num_layers=1, hidden_size=moe.hidden_size, num_attention_heads=2, **megatron_moe_fields(moe))
+    config = TransformerConfig(**fields)
+    setattr(config, field, value)  # after __post_init__: megatron's own cross-field checks are not under test
+    with pytest.raises(ValueError, match=f"TransformerConfig.{field}") as info:
+        check_megatron_config(config, moe)
+    assert instead in str(info.value)

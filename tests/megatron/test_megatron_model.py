@@ -4,7 +4,8 @@ Two launches (rank code in model_workers.py): world 2 with EP=1 and EP=2 (data-p
 world 4 with EP=1, 2 and 4. Every rank gets its own micro-batch; the reference is the Hugging Face model with the
 same checkpoint and LoRA adapters on the concatenated batch, computed here. Scenarios: "mixed" (free routing
 except expert 1, which the selection bias keeps empty) and "one_expert" (top-1, every token on expert 6, so
-some EP ranks receive nothing).
+some EP ranks receive nothing); at world 4 also "grouped" (top-4 of 8 experts in 4 groups, best 2 groups
+eligible: more choices per token than experts per EP=4 rank).
 """
 
 from pathlib import Path
@@ -24,7 +25,10 @@ WORKERS = Path(__file__).with_name("model_workers.py")
 LORA = dict(r=4, alpha=8, target_modules=["q_proj", "k_proj", "gate"],
             target_parameters=["experts.w1", "experts.w2", "experts.w3"])
 SCENARIOS = {"mixed": ({}, ("avoid", 1)),
-             "one_expert": (dict(num_experts_per_token=1, moe_renormalize=False), ("force", 6))}
+             "one_expert": (dict(num_experts_per_token=1, moe_renormalize=False), ("force", 6)),
+             # top_k (4) above the experts per rank at EP=4 (2), group-limited: 4 groups of 2, best 2 eligible
+             "grouped": (dict(num_experts_per_token=4, num_expert_group=4, topk_group=2), None)}
+WORLD2_SCENARIOS, WORLD4_SCENARIOS = ["mixed", "one_expert"], ["mixed", "grouped"]
 BATCH, SEQ, WORLD_MAX = 2, 16, 4
 PACKED_CU = torch.tensor([0, 5, 11, 16])
 
@@ -35,7 +39,7 @@ def hf_config(**overrides):
 
 def build_reference(scenario: str, seed: int = 0) -> MoEPluginForCausalLM:
     """The tiny model with well-separated router scores and the scenario's selection bias (no LoRA yet)."""
-    overrides, (kind, expert) = SCENARIOS[scenario]
+    overrides, rule = SCENARIOS[scenario]
     torch.manual_seed(seed)
     model = MoEPluginForCausalLM(hf_config(**overrides))
     with torch.no_grad():
@@ -44,7 +48,9 @@ def build_reference(scenario: str, seed: int = 0) -> MoEPluginForCausalLM:
                 gate = layer.block_sparse_moe.gate
                 gate.weight.normal_(0.0, 0.3)  # routing far from ties: no flips from rounding differences
                 gate.e_score_correction_bias.normal_(0.0, 0.05)
-                gate.e_score_correction_bias[expert] = -10.0 if kind == "avoid" else 10.0
+                if rule is not None:
+                    kind, expert = rule
+                    gate.e_score_correction_bias[expert] = -10.0 if kind == "avoid" else 10.0
     return model
 
 
@@ -105,15 +111,15 @@ def _launch(case, world, layouts, scenarios, extras):
 
 @pytest.fixture(scope="module")
 def world2(case):
-    results = _launch(case, 2, [1, 2], list(SCENARIOS), extras=True)
-    refs = {s: _reference(case["models"][s], case["batches"][:2]) for s in SCENARIOS}
+    results = _launch(case, 2, [1, 2], WORLD2_SCENARIOS, extras=True)
+    refs = {s: _reference(case["models"][s], case["batches"][:2]) for s in WORLD2_SCENARIOS}
     return results, refs
 
 
 @pytest.fixture(scope="module")
 def world4(case):
-    results = _launch(case, 4, [1, 2, 4], ["mixed"], extras=False)
-    return results, {"mixed": _reference(case["models"]["mixed"], case["batches"][:4])}
+    results = _launch(case, 4, [1, 2, 4], WORLD4_SCENARIOS, extras=False)
+    return results, {s: _reference(case["models"][s], case["batches"][:4]) for s in WORLD4_SCENARIOS}
 
 
 def _rel(a, b):
@@ -128,7 +134,7 @@ def _compare_grads(got, want, where):
         assert err <= TOL, f"{where}: grad of {name}: rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", WORLD2_SCENARIOS)
 def test_ep1_matches_hf_logits_and_lora_grads(world2, scenario):
     results, refs = world2
     ref = refs[scenario]
@@ -143,7 +149,7 @@ def test_ep1_matches_hf_logits_and_lora_grads(world2, scenario):
 
 
 @pytest.mark.parametrize("world, ep, scenario", [(2, 2, "mixed"), (2, 2, "one_expert"), (4, 2, "mixed"),
-                                                 (4, 4, "mixed")])
+                                                 (4, 4, "mixed"), (4, 2, "grouped"), (4, 4, "grouped")])
 def test_expert_parallel_matches_ep1_and_hf(world2, world4, world, ep, scenario):
     results, refs = world2 if world == 2 else world4
     ref = refs[scenario]
@@ -191,11 +197,24 @@ def test_all_tokens_on_one_expert(world2):
     assert all(r.tolist() == [0, 0, tokens, 0] for r in results[1]["one_expert/ep2"]["received"])
 
 
+def test_grouped_routing_premise(world4):
+    """Each token's 4 experts lie in exactly 2 of the 4 groups (at EP=4, 2 ranks), and the groups vary."""
+    results, _ = world4
+    tokens = 4 * BATCH * SEQ
+    load = sum(torch.stack(r["grouped/ep1"]["loads"]) for r in results)
+    assert (load.sum(1) == 4 * tokens).all(), f"premise: {load}"
+    assert ((load > 0).sum(1) >= 6).all(), f"premise: routing must spread over the groups, got {load}"
+    for rank, result in enumerate(results):
+        for ep in (1, 4):
+            groups = result[f"grouped/ep{ep}"]["groups_used"]
+            assert groups == [2] * len(groups), f"rank {rank} EP={ep}: groups per token {groups}"
+
+
 def test_dispatcher_moves_latent_width_tokens_through_the_model(world2):
     results, _ = world2
     latent, hidden = 32, 64
     for rank, result in enumerate(results):
-        for scenario in SCENARIOS:
+        for scenario in WORLD2_SCENARIOS:
             top_k = 1 if scenario == "one_expert" else 2
             widths = result[f"{scenario}/ep2"]["widths"]
             assert widths == [(BATCH * SEQ * top_k, latent)] * 3, f"rank {rank} {scenario}: {widths} (hidden {hidden})"
@@ -233,6 +252,9 @@ def test_state_dict_round_trip(case, world2):
         assert all(torch.equal(got["roundtrip"][k], v) for k, v in ckpt.items())
         assert set(got["adapter_roundtrip"]) == set(adapters)
         assert all(torch.equal(got["adapter_roundtrip"][k], v) for k, v in adapters.items())
+        # After add_lora the base export still has the full stacked experts under the checkpoint's names.
+        assert set(got["roundtrip_after_lora"]) == set(ckpt)
+        assert all(torch.equal(got["roundtrip_after_lora"][k], v) for k, v in ckpt.items())
 
 
 def test_packed_sequences_match_hf_cu_seqlens(case, world2):

@@ -53,3 +53,17 @@ def test_drift_is_zero_for_a_fresh_adapter_and_grows_when_it_moves():
 def test_no_monitor_without_a_router_adapter():
     model = get_peft_model(_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
     assert not RoutingDriftMonitor(model).active
+
+
+def test_last_load_accumulates_over_micro_batches_until_popped():
+    model = _model()
+    layers = moe_layers(model)
+    ids = [torch.randint(0, 272, (1, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    per_call = [model(input_ids=x).expert_load for x in ids]
+    with torch.no_grad():
+        model(input_ids=ids[0])  # evaluation is not counted
+    for row, layer in enumerate(layers):
+        want = per_call[0][row] + per_call[1][row]
+        assert torch.equal(layer.last_load, want), f"layer {row}: {layer.last_load} vs {want}"
+        assert torch.equal(layer.pop_load(), want) and layer.last_load is None
+        assert layer.pop_load() is None
