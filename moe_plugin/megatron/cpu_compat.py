@@ -19,7 +19,9 @@ Supported versions: megatron-core 0.16.1, tested on Python 3.11 with torch 2.13 
 target exists and is left out (not listed in ``cpu_patches_applied()``) when it does not, so a newer
 version degrades to the patches that still apply. Re-test the list when the version moves.
 
-With CUDA present ``apply_cpu_patches()`` does nothing: the GPU paths stay exactly upstream.
+With CUDA present ``apply_cpu_patches()`` does nothing: the GPU paths stay exactly upstream. A CPU run on a
+machine with GPUs hides them from its processes (``CUDA_VISIBLE_DEVICES=""``, as
+``moe_plugin.parallel.launch.run_distributed`` does for ``gloo``) so that the stand-ins apply there too.
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ class _TorchCudaOnCpu(types.ModuleType):
 
     @staticmethod
     def current_device() -> torch.device:
+        """The CPU device. Upstream returns the CUDA device's index (an int), but every caller in the patched
+        modules passes it on as a device (``device=``, ``.to(...)``), where an int would mean ``cuda:N``; the
+        one place that indexes with it (``random._get/_set_cuda_rng_state``) is replaced as a whole."""
         return torch.device("cpu")
 
     @staticmethod
@@ -110,6 +115,11 @@ class _TorchCudaOnCpu(types.ModuleType):
     # The CPU generator plays the device generator: megatron's RNG tracker seeds and snapshots it.
     @staticmethod
     def manual_seed(seed: int) -> None:
+        """Seeds torch's global CPU generator. ``model_parallel_cuda_manual_seed(seed)`` calls this with the
+        same seed on every rank, so on CPU everything initialised from the default generator afterwards is
+        identical across ranks. Upstream on GPU seeds only the CUDA generator and leaves the CPU one as the
+        caller left it: a GPU run gets rank-identical CPU-initialised weights only if the caller also calls
+        ``torch.manual_seed`` (``moe_plugin.parallel.distributed.initialize_megatron`` does)."""
         torch.manual_seed(seed)
 
     @staticmethod
@@ -144,6 +154,11 @@ def _replace(owner: Any, attr: str, value: Any) -> None:
     setattr(owner, attr, value)
 
 
+def _record(owner: Any, attr: str) -> None:
+    """Remember ``owner.attr`` without changing it, for an attribute that upstream fills in later."""
+    _ORIGINALS.append((owner, attr, getattr(owner, attr)))
+
+
 def _module(name: str) -> Optional[types.ModuleType]:
     try:
         return importlib.import_module(name)
@@ -156,6 +171,10 @@ def _give_cpu_cuda(module_name: str) -> bool:
     if module is None or getattr(module, "torch", None) is not torch:
         return False
     _replace(module, "torch", _TORCH_ON_CPU)
+    for class_name, attr in CUDA_OBJECT_CACHES.get(module_name, ()):
+        owner = getattr(module, class_name, None)
+        if owner is not None and hasattr(owner, attr):
+            _record(owner, attr)
     return True
 
 
@@ -187,6 +206,14 @@ CPU_DEVICE_MODULES: Dict[str, str] = {
         "score buffer, via parallel_state.get_global_memory_buffer)",
     "megatron.core.models.common.embeddings.rotary_pos_embedding":
         "torch.cuda.current_device() in RotaryEmbedding when use_cpu_initialization=False",
+}
+
+
+# Class attributes that upstream fills once per process with a torch.cuda object (while patched: a null
+# stand-in, which would outlive the patch and be used on GPU after removal). SharedExpertMLP's ``stream``
+# is set per instance, so it goes with the module that holds it.
+CUDA_OBJECT_CACHES: Dict[str, Tuple[Tuple[str, str], ...]] = {
+    "megatron.core.transformer.moe.token_dispatcher": (("MoEAlltoAllTokenDispatcher", "cuda_dtoh_stream"),),
 }
 
 
@@ -342,7 +369,12 @@ def apply_cpu_patches() -> List[str]:
 
 
 def remove_cpu_patches() -> None:
-    """Restore every replaced attribute (for tests, and for switching a process back to upstream)."""
+    """Restore every replaced attribute of megatron-core, and the class-level stream caches of
+    ``CUDA_OBJECT_CACHES`` (so the next dispatcher built makes a real stream again); meant for tests.
+
+    It does not convert state built while patched: megatron's RNG tracker keeps the CPU generator states it
+    was seeded with (call ``model_parallel_cuda_manual_seed`` again), and modules constructed under the
+    patches keep their CPU buffers and null streams (build them again)."""
     while _ORIGINALS:
         owner, attr, original = _ORIGINALS.pop()
         if attr == _FILTER_MARK:

@@ -1,8 +1,10 @@
-"""Start and stop torch.distributed and megatron-core's process groups from torchrun-style env vars.
+"""Start and stop torch.distributed and megatron-core's process groups.
 
-``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK``) are read as torchrun sets
-them. The backend is ``nccl`` when CUDA is present and ``gloo`` otherwise; without CUDA the megatron-core
-CPU stand-ins (``moe_plugin.megatron.cpu_compat``) are applied before any megatron module is built.
+The rank and world come from torchrun's ``RANK`` and ``WORLD_SIZE`` (and ``LOCAL_RANK``). The ranks meet at
+``MOE_PLUGIN_DIST_INIT_METHOD`` when it is set (``moe_plugin.parallel.launch`` sets a ``file://`` rendezvous
+there) and otherwise at torchrun's ``MASTER_ADDR``/``MASTER_PORT``. The backend is ``nccl`` when CUDA is
+present and ``gloo`` otherwise; without CUDA the megatron-core CPU stand-ins
+(``moe_plugin.megatron.cpu_compat``) are applied before any megatron module is built.
 """
 
 from __future__ import annotations
@@ -17,17 +19,21 @@ import torch.distributed as dist
 
 from ..megatron.cpu_compat import apply_cpu_patches
 
-_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+INIT_METHOD_ENV = "MOE_PLUGIN_DIST_INIT_METHOD"  # a torch.distributed init_method URL (file://...)
+TIMEOUT_ENV = "MOE_PLUGIN_DIST_TIMEOUT_S"  # the process-group timeout in seconds
+_DEFAULT_TIMEOUT_S = 300.0
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> int:
+def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> int:
     """Initialise the default process group from the environment (idempotent); return this rank.
 
     ``backend``: ``None`` picks ``nccl`` with CUDA and ``gloo`` without.
+    ``timeout_s``: the timeout of every collective; ``None`` reads ``MOE_PLUGIN_DIST_TIMEOUT_S``, else 300 s.
     """
     if dist.is_initialized():
         return dist.get_rank()
-    missing = [name for name in _REQUIRED_ENV if name not in os.environ]
+    rendezvous = (INIT_METHOD_ENV,) if os.environ.get(INIT_METHOD_ENV) else ("MASTER_ADDR", "MASTER_PORT")
+    missing = [name for name in ("RANK", "WORLD_SIZE") + rendezvous if name not in os.environ]
     if missing:
         raise ValueError(f"environment: {', '.join(missing)} must be set (as torchrun does) to start "
                          "torch.distributed")
@@ -35,9 +41,15 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s: must be positive, got {timeout_s!r}")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=backend, init_method=os.environ.get(INIT_METHOD_ENV) or "env://",
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank()
 
 
@@ -47,8 +59,10 @@ def initialize_megatron(expert_model_parallel_size: int = 1, tensor_model_parall
 
     The world is split as megatron does: tensor-parallel groups of ``tensor_model_parallel_size``,
     expert-parallel groups of ``expert_model_parallel_size`` (the expert-data-parallel group is the rest).
-    ``seed``: seeds megatron's RNG tracker (``model_parallel_cuda_manual_seed``), so that expert
-    initialisation differs per EP rank; ``None`` leaves the tracker alone.
+    ``seed``: seeds torch's default (CPU) generator and megatron's RNG tracker
+    (``model_parallel_cuda_manual_seed``), as megatron's own training setup does: everything initialised
+    from the default generator afterwards (dense weights, plain torch modules) is the same on every rank,
+    on GPU as on CPU, and expert initialisation differs per EP rank. ``None`` leaves both alone.
     """
     for name, value in (("expert_model_parallel_size", expert_model_parallel_size),
                         ("tensor_model_parallel_size", tensor_model_parallel_size)):
@@ -68,6 +82,8 @@ def initialize_megatron(expert_model_parallel_size: int = 1, tensor_model_parall
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
                                              expert_model_parallel_size=expert_model_parallel_size)
     if seed is not None:
+        # upstream seeds only the CUDA generator; on CPU the stand-in reseeds this same generator anyway
+        torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

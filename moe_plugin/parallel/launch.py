@@ -1,12 +1,24 @@
 """Run one function on N local processes joined by torch.distributed, and collect what each returns.
 
 ``run_distributed("pkg.module:function", world_size=2, **kwargs)`` starts ``world_size`` Python processes
-the way torchrun would (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free
-port, one OpenMP thread each), initialises the default process group in each (gloo without CUDA), calls
-``function(**kwargs)`` and returns the per-rank return values, ordered by rank. Values travel through
-``torch.save`` files, so tensors, dicts and lists come back as they are. A rank that raises makes
-``run_distributed`` raise ``RuntimeError`` with that rank's traceback; the other ranks are stopped rather
-than left waiting in a collective. The function may also be given as ``"path/to/file.py:function"``.
+with torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` and one OpenMP thread each, initialises the
+default process group in each, calls ``function(**kwargs)`` and returns the per-rank return values, ordered
+by rank. Values travel through ``torch.save`` files, so tensors, dicts and lists come back as they are.
+The function may also be given as ``"path/to/file.py:function"``.
+
+The ranks meet through a file in the run's own temporary directory (``file://`` rendezvous, named by the
+``MOE_PLUGIN_DIST_INIT_METHOD`` variable that ``init_distributed`` reads), not on a TCP port: a port picked
+free by the parent could be taken by a concurrent job before rank 0 binds it.
+
+``backend="gloo"`` (the default) is a CPU run: the children see no GPU (``CUDA_VISIBLE_DEVICES=""``), so
+``torch.cuda.is_available()`` is False there and megatron-core gets its CPU stand-ins
+(``moe_plugin.megatron.cpu_compat``) also on a machine with GPUs. ``backend="nccl"`` leaves the GPUs visible.
+
+Failures: a rank that raises makes ``run_distributed`` raise ``RuntimeError`` with that rank's traceback and
+every rank's output tail; the other ranks are stopped rather than left waiting in a collective. The
+children's process-group timeout (``process_group_timeout_s``) is kept below the launcher's ``timeout_s``, so
+a rank stuck in a collective fails there with its own traceback before the launcher gives up with
+``TimeoutError`` (which also carries every rank's output tail).
 
 Starting processes costs seconds (importing torch and megatron-core), so callers should run several
 checks inside one launch and assert on the returned values in the parent.
@@ -17,7 +29,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,15 +39,11 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from .distributed import INIT_METHOD_ENV, TIMEOUT_ENV
+
 _PACKAGE_ROOT = Path(os.path.abspath(__file__)).parents[2]  # the directory holding moe_plugin/
 _ERROR_TAIL = 4000
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+_BACKENDS = ("gloo", "nccl")
 
 
 def resolve_function(path: str) -> Callable[..., Any]:
@@ -59,21 +66,41 @@ def resolve_function(path: str) -> Callable[..., Any]:
     return fn
 
 
+def default_process_group_timeout(timeout_s: float) -> float:
+    """The children's process-group timeout for a launcher timeout of ``timeout_s``: three quarters of it,
+    so that a collective that never completes raises in the ranks (with their tracebacks) well before the
+    launcher stops them."""
+    return 0.75 * timeout_s
+
+
 def run_distributed(worker_fn_path: str, world_size: int, timeout_s: float = 300.0,
-                    init_process_group: bool = True, **kwargs: Any) -> List[Any]:
+                    init_process_group: bool = True, backend: str = "gloo",
+                    process_group_timeout_s: Optional[float] = None, **kwargs: Any) -> List[Any]:
     """Run ``worker_fn_path`` on ``world_size`` processes; return the list of per-rank return values.
 
     ``init_process_group``: initialise the default process group before calling the function (and
-    destroy it after); set False for functions that start torch.distributed themselves.
+    destroy it after); set False for functions that start torch.distributed themselves (``init_distributed``
+    and ``initialize_megatron`` find the rendezvous and the timeout in the environment).
+    ``backend``: ``"gloo"`` runs on CPU with the GPUs hidden from the children; ``"nccl"`` keeps them.
+    ``process_group_timeout_s``: the children's collective timeout; ``None`` is
+    ``default_process_group_timeout(timeout_s)``; it must be below ``timeout_s``.
     Raises ``RuntimeError`` (a rank failed, with its traceback) or ``TimeoutError`` (after ``timeout_s``).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: must be a positive integer, got {world_size!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    if process_group_timeout_s is None:
+        process_group_timeout_s = default_process_group_timeout(timeout_s)
+    if not 0 < process_group_timeout_s < timeout_s:
+        raise ValueError(f"process_group_timeout_s: must be positive and below timeout_s={timeout_s}, got "
+                         f"{process_group_timeout_s!r}")
     resolve_function(worker_fn_path)  # fail here, not N times in the children
     with tempfile.TemporaryDirectory(prefix="moe_plugin_dist_") as tmp:
         work = Path(tmp)
-        torch.save({"worker": worker_fn_path, "kwargs": kwargs, "init": init_process_group}, work / "call.pt")
-        env = _child_env(world_size)
+        torch.save({"worker": worker_fn_path, "kwargs": kwargs, "init": init_process_group, "backend": backend},
+                   work / "call.pt")
+        env = _child_env(world_size, work, backend, process_group_timeout_s)
         procs: List[subprocess.Popen] = []
         try:
             for rank in range(world_size):
@@ -88,11 +115,17 @@ def run_distributed(worker_fn_path: str, world_size: int, timeout_s: float = 300
         return [torch.load(work / f"rank{rank}.result.pt", weights_only=False) for rank in range(world_size)]
 
 
-def _child_env(world_size: int) -> dict:
+def _child_env(world_size: int, work: Path, backend: str, process_group_timeout_s: float) -> dict:
     env = dict(os.environ)
+    # a rendezvous inherited from a parent started by torchrun belongs to the parent's job, not this one
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
     paths = [str(_PACKAGE_ROOT), os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env.update(WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths))
+    env.update({"WORLD_SIZE": str(world_size), INIT_METHOD_ENV: f"file://{work / 'rendezvous'}",
+                TIMEOUT_ENV: repr(float(process_group_timeout_s)), "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)})
+    if backend == "gloo":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
@@ -102,13 +135,11 @@ def _wait(procs: List[subprocess.Popen], work: Path, timeout_s: float) -> None:
         codes = [p.poll() for p in procs]
         if any(code not in (None, 0) for code in codes):
             time.sleep(1.0)  # let the other ranks report their own errors before they are stopped
-            codes = [p.poll() for p in procs]
-            raise RuntimeError(_failure_report(work, codes))
+            raise RuntimeError(_report(work, [p.poll() for p in procs]))
         if all(code == 0 for code in codes):
             return
         if time.monotonic() > deadline:
-            logs = "\n".join(f"--- rank {r} log tail ---\n{_tail(work / f'rank{r}.log')}" for r in range(len(procs)))
-            raise TimeoutError(f"distributed run did not finish within {timeout_s:.0f} s\n{logs}")
+            raise TimeoutError(f"distributed run did not finish within {timeout_s:.0f} s\n{_report(work, codes)}")
         time.sleep(0.05)
 
 
@@ -120,17 +151,21 @@ def _stop(procs: List[subprocess.Popen]) -> None:
         p.wait()
 
 
-def _failure_report(work: Path, codes: List[Optional[int]]) -> str:
-    """Every failed rank's traceback, the earliest first: a rank that raises makes its peers' collectives
-    fail a moment later, and the first error is the cause."""
-    failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
-    errors = {r: work / f"rank{r}.error" for r in failed}
-    failed.sort(key=lambda r: errors[r].stat().st_mtime if errors[r].exists() else float("inf"))
+def _report(work: Path, codes: List[Optional[int]]) -> str:
+    """Every rank's state, traceback (if it raised) and output tail. Ranks that raised come first, the
+    earliest first: a rank that raises makes its peers' collectives fail a moment later, and the first
+    error is the cause."""
+    errors = [work / f"rank{r}.error" for r in range(len(codes))]
+    raised_at = [e.stat().st_mtime if e.exists() else float("inf") for e in errors]
     parts = []
-    for r in failed:
-        error = errors[r].read_text() if errors[r].exists() else "(no Python traceback; the process died)"
-        parts.append(f"rank {r} exited with code {codes[r]}:\n{error}\n--- rank {r} log tail ---\n"
-                     f"{_tail(work / f'rank{r}.log')}")
+    for r in sorted(range(len(codes)), key=lambda r: (raised_at[r], codes[r] in (None, 0), r)):
+        code = codes[r]
+        part = f"rank {r} " + ("was still running" if code is None else f"exited with code {code}")
+        if errors[r].exists():
+            part += f":\n{errors[r].read_text()}"
+        elif code not in (None, 0):
+            part += ":\n(no Python traceback; the process died)"
+        parts.append(f"{part}\n--- rank {r} output tail ---\n{_tail(work / f'rank{r}.log')}")
     return "\n".join(parts)
 
 
@@ -149,7 +184,7 @@ def _child_main(work_dir: str, rank: str) -> int:
 
     try:
         if call["init"]:
-            init_distributed()
+            init_distributed(call["backend"])
         result = resolve_function(call["worker"])(**call["kwargs"])
         torch.save(result, work / f"rank{rank}.result.pt")
         return 0

@@ -1,4 +1,7 @@
-"""moe_plugin.megatron.cpu_compat: applied only without CUDA, idempotent, every patch listed and undoable."""
+"""moe_plugin.megatron.cpu_compat: applied only without CUDA, idempotent, every patch listed and undoable.
+
+The in-process tests decide "CUDA or not" by mocking ``torch.cuda.is_available``, and the ranks of the launch
+run with their GPUs hidden, so the suite means the same on a machine with GPUs."""
 
 import importlib
 from unittest import mock
@@ -56,6 +59,25 @@ def test_apply_is_idempotent_and_removable(clean):
     assert all(t is torch for t in _upstream_state()[0].values())
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     assert not hasattr(moe_utils, "te_general_gemm"), "removal must restore 0.16.1's missing name"
+
+
+def test_removal_restores_the_dispatcher_stream_cache(clean):
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    cls = dispatcher.MoEAlltoAllTokenDispatcher
+    before = cls.cuda_dtoh_stream
+    with mock.patch("torch.cuda.is_available", return_value=False):
+        cpu_compat.apply_cpu_patches()
+    cls.cuda_dtoh_stream = dispatcher.torch.cuda.Stream()  # what the first dispatcher's __init__ does
+    cpu_compat.remove_cpu_patches()
+    assert cls.cuda_dtoh_stream is before, "a null stream must not outlive the patches"
+
+
+def test_current_device_serves_as_an_allocation_device(clean):
+    with mock.patch("torch.cuda.is_available", return_value=False):
+        cpu_compat.apply_cpu_patches()
+    for name in MODULES:  # upstream callers pass it on as ``device=``
+        seen = importlib.import_module(name).torch
+        assert torch.empty(2, device=seen.cuda.current_device()).device.type == "cpu", name
 
 
 def test_split_sizes_reach_gloo_as_host_arrays(clean):

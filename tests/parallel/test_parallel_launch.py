@@ -1,11 +1,14 @@
-"""moe_plugin.parallel.launch.run_distributed: per-rank results in rank order, failures surfaced, bad input."""
+"""moe_plugin.parallel.launch.run_distributed: per-rank results in rank order, CPU runs with GPUs hidden, a
+file rendezvous, failures and stalls surfaced with every rank's output, bad input."""
 
+import socket
 from pathlib import Path
 
 import pytest
 import torch
 
-from moe_plugin.parallel.launch import resolve_function, run_distributed
+from moe_plugin.parallel import launch
+from moe_plugin.parallel.launch import default_process_group_timeout, resolve_function, run_distributed
 
 WORKERS = Path(__file__).with_name("launch_workers.py")
 
@@ -19,17 +22,59 @@ def test_results_come_back_in_rank_order():
     assert all(torch.equal(r["tensor"], torch.full((2,), float(i))) for i, r in enumerate(results))
 
 
-def test_a_failing_rank_raises_with_its_traceback():
+def test_gloo_run_hides_gpus_and_times_out_collectives_before_the_launcher(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # as on a GPU runner: the children must not see it
+    results = run_distributed(f"{WORKERS}:report", world_size=2, timeout_s=120)
+    for r in results:
+        assert r["backend"] == "gloo" and r["cuda"] is False and r["visible_gpus"] == ""
+        assert r["group_timeout_s"] == pytest.approx(default_process_group_timeout(120))
+    assert default_process_group_timeout(300) < 300
+
+
+def test_nccl_run_keeps_gpus_visible(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert launch._child_env(2, tmp_path, "nccl", 10.0)["CUDA_VISIBLE_DEVICES"] == "0"
+    assert launch._child_env(2, tmp_path, "gloo", 10.0)["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_a_port_taken_by_another_job_does_not_matter(monkeypatch):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # the parent's own torchrun rendezvous, and the port a free-port probe would have handed out
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        monkeypatch.setattr(launch, "free_port", lambda: port, raising=False)
+        results = run_distributed(f"{WORKERS}:report", world_size=2, timeout_s=120, offset=1)
+    assert [r["sum"] for r in results] == [3.0, 3.0]
+
+
+def test_a_failing_rank_raises_with_its_traceback_and_every_output():
     with pytest.raises(RuntimeError) as info:
         run_distributed(f"{WORKERS}:fail_on", world_size=2, timeout_s=120, rank=1)
     message = str(info.value)
     assert message.startswith("rank 1 exited"), "the rank that raised first must be reported first"
     assert "ValueError: deliberate failure on rank 1" in message
+    assert "rank 0 was still running" in message and "rank 0 started" in message, \
+        "the other ranks' state and output must be in the report"
 
 
-def test_timeout_stops_the_ranks():
-    with pytest.raises(TimeoutError, match="did not finish within 3 s"):
-        run_distributed(f"{WORKERS}:sleep_forever", world_size=2, timeout_s=3, init_process_group=False)
+def test_a_rank_stuck_in_a_collective_fails_with_its_traceback():
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(f"{WORKERS}:stall_on", world_size=2, timeout_s=100, process_group_timeout_s=2, rank=0)
+    message = str(info.value)
+    assert message.startswith("rank 1 exited"), message
+    assert "dist.barrier()" in message, "the waiting rank's traceback must show where it waited"
+    assert "rank 0 stalls" in message
+
+
+def test_timeout_stops_the_ranks_and_reports_their_output():
+    # long enough for both children to import torch and print on a busy machine
+    with pytest.raises(TimeoutError, match="did not finish within 10 s") as info:
+        run_distributed(f"{WORKERS}:sleep_forever", world_size=2, timeout_s=10, init_process_group=False)
+    message = str(info.value)
+    assert "rank 0 sleeps" in message and "rank 1 sleeps" in message
 
 
 @pytest.mark.parametrize("path, match", [
@@ -42,6 +87,12 @@ def test_bad_worker_path(path, match):
         resolve_function(path)
 
 
-def test_bad_world_size():
-    with pytest.raises(ValueError, match="world_size"):
-        run_distributed(f"{WORKERS}:report", world_size=0)
+@pytest.mark.parametrize("kwargs, match", [
+    ({"world_size": 0}, "world_size"),
+    ({"world_size": 2, "backend": "mpi"}, "backend"),
+    ({"world_size": 2, "timeout_s": 10, "process_group_timeout_s": 10}, "process_group_timeout_s"),
+    ({"world_size": 2, "process_group_timeout_s": 0}, "process_group_timeout_s"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        run_distributed(f"{WORKERS}:report", **kwargs)
