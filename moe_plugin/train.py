@@ -20,7 +20,7 @@ from .models.tokenizer import ByteTokenizer
 from .training.data import arithmetic_documents, batches, jsonl_documents, pack_documents
 from .training.lora import apply_lora, count_parameters
 from .training.recipe import Recipe, load_recipe
-from .training.routing import RoutingDriftMonitor, balance_experts
+from .training.routing import RoutingDriftMonitor, balance_experts, moe_layers
 
 
 def build_model(recipe: Recipe) -> MoEPluginForCausalLM:
@@ -74,8 +74,10 @@ def train(recipe: Recipe) -> Dict[str, List[float]]:
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        # the selection bias is a base weight: balanced only when the base trains (frozen under LoRA)
-        imbalance = balance_experts(model, out.expert_load) if full and out.expert_load is not None else None
+        # the loads the MoE layers summed over this step's forwards; the selection bias is a base weight,
+        # balanced only when the base trains (frozen under LoRA)
+        loads = [layer.pop_load() for layer in moe_layers(model)]
+        imbalance = balance_experts(model, torch.stack(loads)) if full and loads and loads[0] is not None else None
         losses.append(out.loss.item())
         tokens += ids.numel()
         if step % cfg.log_every == 0 or step == 1 or step == cfg.steps:
