@@ -64,23 +64,30 @@ class DecoderLayer(nn.Module):
         return new_layer_cache(self.attention_type)
 
     def forward(self, stream: Union[PlainStream, AttnResStream], cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[LayerCache] = None, return_indexer_loss: bool = False) -> LayerAux:
-        """Advance ``stream`` (whose tensors are ``[B, T, D]``) through attention and MLP, in place."""
+                cache: Optional[LayerCache] = None, return_indexer_loss: bool = False,
+                token_mask: Optional[torch.Tensor] = None) -> LayerAux:
+        """Advance ``stream`` (whose tensors are ``[B, T, D]``) through attention and MLP, in place.
+
+        token_mask ``[B, T]`` bool, False = padding (a left-padded prompt): the attention layers keep padded
+        tokens out of their state / keys, and the MoE load counts real tokens only.
+        """
         aux = LayerAux()
         x = stream.read(*self._res_point("self_attention"))
         h = self.input_layernorm(x)
         if self.attention_type == "kda":
-            out = self.self_attn(h, cu_seqlens=cu_seqlens, cache=cache)
+            out = self.self_attn(h, cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
         elif return_indexer_loss:
-            out, aux.indexer_loss = self.self_attn(h, cu_seqlens=cu_seqlens, cache=cache, return_indexer_loss=True)
+            out, aux.indexer_loss = self.self_attn(h, cu_seqlens=cu_seqlens, cache=cache, return_indexer_loss=True,
+                                                   token_mask=token_mask)
         else:
-            out = self.self_attn(h, cu_seqlens=cu_seqlens, cache=cache)
+            out = self.self_attn(h, cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
         stream.add(out)
 
         x = stream.read(*self._res_point("mlp"))
         h = self.post_attention_layernorm(x)
         if self.is_moe:
-            out, aux.expert_load = self.block_sparse_moe(h)
+            padding = None if token_mask is None else ~token_mask.bool()
+            out, aux.expert_load = self.block_sparse_moe(h, padding_mask=padding)
         else:
             out = self.mlp(h)
         stream.add(out)

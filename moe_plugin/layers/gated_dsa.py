@@ -30,12 +30,14 @@ class MLACache:
 
     c_kv: ``[B, S, kv_lora_rank]`` compressed key/value latent before ``kv_a_layernorm``;
     k_rope: ``[B, S, qk_rope_head_dim]`` the key part shared by all heads;
-    index_keys: ``[B, S, index_head_dim]`` the indexer's keys (only with the indexer on).
+    index_keys: ``[B, S, index_head_dim]`` the indexer's keys (only with the indexer on);
+    key_mask: ``[B, S]`` bool, False at padded positions (set once a call passes a ``token_mask``).
     """
 
     c_kv: Optional[torch.Tensor] = None
     k_rope: Optional[torch.Tensor] = None
     index_keys: Optional[torch.Tensor] = None
+    key_mask: Optional[torch.Tensor] = None
 
     @property
     def length(self) -> int:
@@ -48,6 +50,23 @@ def _append(old: Optional[torch.Tensor], new: torch.Tensor, name: str) -> torch.
     if old.shape[0] != new.shape[0]:
         raise ValueError(f"cache.{name}: holds batch {old.shape[0]}, the input has batch {new.shape[0]}")
     return torch.cat([old, new], dim=1)
+
+
+def _key_mask(cache: Optional[MLACache], token_mask: Optional[torch.Tensor], offset: int, B: int, T: int,
+              device) -> Optional[torch.Tensor]:
+    """The ``[B, offset + T]`` mask of all keys (cached ones first), or None when every key is real; kept in
+    ``cache.key_mask`` so that padded prompt keys stay hidden in every later decoding step."""
+    old = cache.key_mask if cache is not None else None
+    if token_mask is None and old is None:
+        return None
+    if token_mask is None:
+        token_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    if old is None and offset:
+        old = torch.ones(B, offset, dtype=torch.bool, device=device)
+    mask = token_mask if old is None else _append(old, token_mask, "key_mask")
+    if cache is not None:
+        cache.key_mask = mask
+    return mask
 
 
 class LightningIndexer(nn.Module):
@@ -108,12 +127,16 @@ class GatedMLAAttention(nn.Module):
                 nn.init.normal_(module.weight, std=INIT_STD)
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[MLACache] = None, return_indexer_loss: bool = False
+                cache: Optional[MLACache] = None, return_indexer_loss: bool = False,
+                token_mask: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """hidden_states ``[B, T, D]`` -> ``[B, T, D]``, or ``(out, indexer_loss)`` if ``return_indexer_loss``.
 
         cu_seqlens: ``[N+1]`` packed-sequence boundaries (batch 1, no cache). cache: appended to in place;
-        the new tokens sit after the cached ones. indexer_loss: scalar KL (``ops.dsa.indexer_kl_loss``) whose
+        the new tokens sit after the cached ones. token_mask: ``[B, T]`` bool, False = padding: such keys are
+        never attended or selected, now or (through ``cache.key_mask``) later; a query with no real key
+        before it (a pad of a left-padded row) gets zeros. There are no positions, so left padding changes
+        nothing else for the real tokens. indexer_loss: scalar KL (``ops.dsa.indexer_kl_loss``) whose
         gradient reaches only the indexer; ``None`` without an indexer.
         """
         c = self.config
@@ -121,6 +144,11 @@ class GatedMLAAttention(nn.Module):
         if cu_seqlens is not None and cache is not None:
             raise ValueError("cu_seqlens: packed sequences cannot be combined with a cache")
         B, T, _ = hidden_states.shape
+        if token_mask is not None:
+            check_tensor("token_mask", token_mask, shape=(B, T))
+            if cu_seqlens is not None:
+                raise ValueError("token_mask: padding cannot be combined with cu_seqlens (pack only real tokens)")
+            token_mask = token_mask.bool()
         x = hidden_states
 
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
@@ -132,6 +160,7 @@ class GatedMLAAttention(nn.Module):
             cache.c_kv = c_kv = _append(cache.c_kv, c_kv, "c_kv")
             cache.k_rope = k_rope = _append(cache.k_rope, k_rope, "k_rope")
         S = c_kv.shape[1]
+        key_mask = _key_mask(cache, token_mask, offset, B, T, x.device)
         kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, S, self.num_heads, -1)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, S, self.num_heads, c.qk_rope_head_dim)], dim=-1)
@@ -145,12 +174,13 @@ class GatedMLAAttention(nn.Module):
                 cache.index_keys = k_index = _append(cache.index_keys, k_index, "index_keys")
             index_inputs = (q_index, k_index, weights)
             if not self.indexer_warmup:
-                indices = indexer_topk(q_index, k_index, weights, c.index_topk, cu_seqlens, offset)
+                indices = indexer_topk(q_index, k_index, weights, c.index_topk, cu_seqlens, offset,
+                                       key_mask=key_mask)
 
         if indices is not None:
             o = sparse_attention(q, k, v, indices, self.scale)
         else:
-            o = dense_causal_attention(q, k, v, self.scale, cu_seqlens, offset)
+            o = dense_causal_attention(q, k, v, self.scale, cu_seqlens, offset, key_mask=key_mask)
         o = o.reshape(B, T, self.num_heads * c.v_head_dim)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))
@@ -159,6 +189,6 @@ class GatedMLAAttention(nn.Module):
             return out
         if index_inputs is None:
             return out, None
-        target = attention_target(q.detach(), k.detach(), self.scale, cu_seqlens, offset)
-        scores = indexer_scores(*index_inputs, cu_seqlens=cu_seqlens, query_offset=offset)
+        target = attention_target(q.detach(), k.detach(), self.scale, cu_seqlens, offset, key_mask)
+        scores = indexer_scores(*index_inputs, cu_seqlens=cu_seqlens, query_offset=offset, key_mask=key_mask)
         return out, indexer_kl_loss(scores, target, indices)

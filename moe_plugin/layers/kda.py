@@ -95,25 +95,39 @@ class KDAAttention(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[KDACache] = None) -> torch.Tensor:
+                cache: Optional[KDACache] = None, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden_states ``[B, T, D]`` -> ``[B, T, D]``.
 
         cu_seqlens ``[N + 1]`` (batch 1): packed sequences, state and conv windows restart at each boundary.
         cache: read and updated in place, so a prefill followed by one-token steps equals one full pass;
         a one-token step runs the recurrence directly (O(1) in the context length).
+        token_mask ``[B, T]`` bool, False = padding, which must come before a row's real tokens (left padding,
+        with nothing cached for that row yet): padded tokens feed zeros into the convolutions (as the empty
+        conv state does) and get beta = 0, g = 0 (no write, no decay), so the real tokens' outputs and the
+        cache equal those of the unpadded row. The outputs at padded positions are meaningless.
         """
         cfg = self.config
         check_tensor("hidden_states", hidden_states, shape=(None, None, cfg.hidden_size), floating=True)
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens: packed sequences cannot be decoded with a cache; pass one or the other")
         B, T, _ = hidden_states.shape
+        real = None
+        if token_mask is not None:
+            check_tensor("token_mask", token_mask, shape=(B, T))
+            if cu_seqlens is not None:
+                raise ValueError("token_mask: padding cannot be combined with cu_seqlens (pack only real tokens)")
+            real = token_mask.bool().unsqueeze(-1)  # [B, T, 1]
         heads = (B, T, cfg.num_heads, cfg.head_dim)
         keep = cache is not None
         x = hidden_states
 
-        q, q_conv = self.q_conv1d(self.q_proj(x), cache.q_conv if keep else None, keep, cu_seqlens)
-        k, k_conv = self.k_conv1d(self.k_proj(x), cache.k_conv if keep else None, keep, cu_seqlens)
-        v, v_conv = self.v_conv1d(self.v_proj(x), cache.v_conv if keep else None, keep, cu_seqlens)
+        def conv_input(proj: nn.Linear) -> torch.Tensor:
+            y = proj(x)
+            return y if real is None else y.masked_fill(~real, 0.0)
+
+        q, q_conv = self.q_conv1d(conv_input(self.q_proj), cache.q_conv if keep else None, keep, cu_seqlens)
+        k, k_conv = self.k_conv1d(conv_input(self.k_proj), cache.k_conv if keep else None, keep, cu_seqlens)
+        v, v_conv = self.v_conv1d(conv_input(self.v_proj), cache.v_conv if keep else None, keep, cu_seqlens)
         q, k, v = l2norm(q.view(heads)), l2norm(k.view(heads)), v.view(heads)
         beta = torch.sigmoid(self.b_proj(x))
         f = self.f_b_proj(self.f_a_proj(x)).view(heads)
@@ -121,6 +135,9 @@ class KDAAttention(nn.Module):
             g = kda_gate_k3(f, self.A_log, self.dt_bias, cfg.gate_lower_bound)
         else:
             g = kda_gate_kimi_linear(f, self.A_log, self.dt_bias)
+        if real is not None:
+            beta = beta.masked_fill(~real, 0.0)
+            g = g.masked_fill(~real.unsqueeze(-1), 0.0)
 
         state = cache.state if keep else None
         if keep and T == 1:

@@ -248,11 +248,13 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         """x_flat: ``[N, hidden]`` -> ``[N, hidden]``, or None without shared experts."""
         return self.shared_experts(x_flat) if self.config.num_shared_experts > 0 else None
 
-    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
         """hidden_states: ``[B, T, hidden]`` -> ``(y [B, T, hidden], load [E])``.
 
         load is the detached float count of token copies each expert received in this call, to be summed
         over a global batch for ``update_routing_bias`` (``last_load`` also accumulates it, see the mixin).
+        padding_mask: ``[B, T]`` bool, True = padding: such tokens are routed (harmless) but not counted.
         """
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
@@ -263,6 +265,9 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         shared = self.shared_path(x)
         if shared is not None:
             y = y + shared
-        load = tokens_per_expert.detach().float()
+        if padding_mask is None:
+            load = tokens_per_expert.detach().float()
+        else:
+            load = expert_load(indices, self.num_experts, padding_mask)
         self._record_load(load)
         return y.view(shape), load

@@ -34,6 +34,25 @@ def unpack_padded(packed: torch.Tensor, index: torch.Tensor, batch: int, length:
     return out.index_copy(0, index, packed.squeeze(0)).view(batch, length, -1)
 
 
+def left_padding_mask(attention_mask: torch.Tensor, length: int, past_length: int) -> Optional[torch.Tensor]:
+    """The ``[B, length]`` bool mask (True = real) of the new tokens of a cached forward, or None if all are real.
+
+    attention_mask: ``[B, length]`` or ``[B, past_length + length]``. With a cache, padding may only come
+    before a row's real tokens in the prompt (left padding, as ``generate`` pads); the padding of earlier
+    steps is remembered by the cache itself. Anything else raises a ValueError naming attention_mask.
+    """
+    new = attention_mask[:, -length:].bool()
+    if bool(new.all()):
+        return None
+    if past_length:
+        raise ValueError("attention_mask: with a cache, padding may only be in the prompt (left padding); "
+                         "tokens fed after it must all be real (1)")
+    if bool((new[:, 1:] < new[:, :-1]).any()):
+        raise ValueError("attention_mask: with a cache only left padding is supported (pad before the real "
+                         "tokens, e.g. tokenizer(..., padding_side='left')); right padding needs use_cache=False")
+    return new
+
+
 def check_inputs(input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor],
                  attention_mask: Optional[torch.Tensor], vocab_size: int, hidden_size: int,
                  past_length: int = 0) -> Tuple[int, int]:

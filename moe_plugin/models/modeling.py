@@ -5,7 +5,9 @@ Names follow K3 (ARCHITECTURE.md 7): ``model.embed_tokens``, ``model.layers.{i}`
 
 Padding: the attention layers work on packed sequences, so a padded batch (an ``attention_mask`` with
 zeros, each row's real tokens contiguous) is packed into one row with ``cu_seqlens`` and unpacked after
-the last layer; the result equals running every row alone (``inputs.py``).
+the last layer; the result equals running every row alone (``inputs.py``). With a cache (generation) the
+batch stays padded instead: only left padding is allowed, and the layers keep padded tokens out of their
+state and keys (``token_mask``), so every row generates what it would alone.
 
 Precision: ``FP32_TENSORS`` (KDA's ``A_log``/``dt_bias``, the router and its selection bias) stay fp32 through
 ``model.to(bfloat16)`` and ``from_pretrained(dtype=bfloat16)``. Loading is strict: a checkpoint that does not
@@ -31,7 +33,7 @@ from ..layers.norm import RMSNorm
 from ..layers.vision import VisionTower
 from .cache import HybridCache
 from .configuration import MoEPluginConfig
-from .inputs import causal_lm_loss, check_inputs, check_labels, pack_padded, unpack_padded
+from .inputs import causal_lm_loss, check_inputs, check_labels, left_padding_mask, pack_padded, unpack_padded
 
 
 @dataclass
@@ -215,12 +217,15 @@ class MoEPluginModel(MoEPluginPreTrainedModel):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache and cache is None:
             cache = self.new_cache()
-        index = None
+        index = token_mask = None
         if attention_mask is not None and not bool(attention_mask.bool().all()):
-            if cache is not None or cu_seqlens is not None:
-                raise ValueError("attention_mask: padding cannot be combined with a cache or cu_seqlens; "
-                                 "generate one prompt at a time or pack the batch with cu_seqlens")
-            x, cu_seqlens, index = pack_padded(x, attention_mask)
+            if cu_seqlens is not None:
+                raise ValueError("attention_mask: padding cannot be combined with cu_seqlens; pack only real "
+                                 "tokens")
+            if cache is not None:  # left padding, masked inside the layers (nothing to pack one step at a time)
+                token_mask = left_padding_mask(attention_mask, length, cache.seq_length)
+            else:
+                x, cu_seqlens, index = pack_padded(x, attention_mask)
         if cu_seqlens is not None and cache is not None:
             raise ValueError("cu_seqlens: packed sequences cannot be decoded with a cache")
 
@@ -228,7 +233,7 @@ class MoEPluginModel(MoEPluginPreTrainedModel):
         loads, index_losses = [], []
         for i, layer in enumerate(self.layers):
             aux = layer(stream, cu_seqlens=cu_seqlens, cache=cache[i] if cache is not None else None,
-                        return_indexer_loss=return_indexer_loss)
+                        return_indexer_loss=return_indexer_loss, token_mask=token_mask)
             if aux.expert_load is not None:
                 loads.append(aux.expert_load)
             if aux.indexer_loss is not None:
@@ -315,6 +320,6 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
         inputs = {"input_ids": input_ids[:, seen:], "cache": cache, "use_cache": kwargs.get("use_cache", True)}
         if kwargs.get("logits_to_keep"):
             inputs["logits_to_keep"] = kwargs["logits_to_keep"]  # the prefill needs the last position only
-        if seen == 0 and attention_mask is not None and not bool(attention_mask.bool().all()):
+        if attention_mask is not None:  # every step: a left-padded prompt needs it in the prefill and after
             inputs["attention_mask"] = attention_mask
         return inputs

@@ -141,3 +141,45 @@ def test_bad_input():
     attn(x, cache=cache)
     with pytest.raises(ValueError, match="cache.c_kv"):
         attn(hidden(B=2, T=1), cache=cache)
+
+
+@pytest.mark.parametrize("use_indexer", [True, False])
+def test_left_padded_prefill_equals_each_row_alone(use_indexer):
+    """Padded keys are never attended or selected (top-k 3 < every prompt), in the prefill and later steps."""
+    attn = layer(use_indexer=use_indexer)
+    lengths, T, steps = (9, 4, 6), 9, 3
+    x = hidden(B=3, T=T + steps)
+    mask = torch.zeros(3, T, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        mask[row, T - n:] = True
+    cache = MLACache()
+    padded = [attn(x[:, :T], cache=cache, token_mask=mask)]
+    padded += [attn(x[:, t:t + 1], cache=cache) for t in range(T, T + steps)]
+    padded = torch.cat(padded, 1)
+    assert cache.key_mask.shape == (3, T + steps) and torch.equal(cache.key_mask[:, :T], mask)
+    assert cache.key_mask[:, T:].all()
+    for row, n in enumerate(lengths):
+        alone_cache = MLACache()
+        alone = [attn(x[row:row + 1, T - n:T], cache=alone_cache)]
+        alone += [attn(x[row:row + 1, t:t + 1], cache=alone_cache) for t in range(T, T + steps)]
+        alone = torch.cat(alone, 1)
+        assert alone_cache.key_mask is None  # nothing padded: no mask kept
+        assert rel(padded[row:row + 1, T - n:], alone) <= 1e-12, row
+        assert rel(cache.c_kv[row:row + 1, T - n:], alone_cache.c_kv) <= 1e-12
+
+
+def test_left_padded_indexer_loss_ignores_padded_keys():
+    attn = layer()
+    x = hidden(B=2, T=8)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, :5] = False
+    _, loss = attn(x, cache=MLACache(), token_mask=mask, return_indexer_loss=True)
+    assert torch.isfinite(loss)
+
+
+def test_bad_token_mask_is_refused_by_name():
+    attn, x = layer(), hidden(B=2, T=5)
+    with pytest.raises(ValueError, match="^token_mask:"):
+        attn(x, token_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="^token_mask:"):
+        attn(x[:1], token_mask=torch.ones(1, 5, dtype=torch.bool), cu_seqlens=torch.tensor([0, 2, 5]))

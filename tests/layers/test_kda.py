@@ -131,3 +131,35 @@ def test_equals_transformers_kimi_linear_layer():
         ours.g_proj.weight.copy_(theirs.g_b_proj.weight @ theirs.g_a_proj.weight)
         x = torch.randn(2, 70, 32)
         assert rel(ours(x), theirs(x)) <= 1e-5
+
+
+@pytest.mark.parametrize("gate_form", ["k3", "kimi_linear"])
+def test_left_padded_prefill_equals_each_row_alone(gate_form):
+    """Padded tokens leave the state and conv tails as for the unpadded prompt, in the prefill and after."""
+    layer = tiny(gate_form)
+    lengths, T, steps = (20, 2, 13), 20, 3  # 2 < conv_size - 1: the conv tail keeps zeros of the empty state
+    x = torch.randn(3, T + steps, 32)
+    mask = torch.zeros(3, T, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        mask[row, T - n:] = True
+    with torch.no_grad():
+        cache = KDACache()
+        padded = [layer(x[:, :T], cache=cache, token_mask=mask)]
+        padded += [layer(x[:, t:t + 1], cache=cache) for t in range(T, T + steps)]
+        padded = torch.cat(padded, 1)
+        for row, n in enumerate(lengths):
+            alone_cache = KDACache()
+            alone = [layer(x[row:row + 1, T - n:T], cache=alone_cache)]
+            alone += [layer(x[row:row + 1, t:t + 1], cache=alone_cache) for t in range(T, T + steps)]
+            alone = torch.cat(alone, 1)
+            assert rel(padded[row:row + 1, T - n:], alone) <= 1e-5, row
+            for name in ("state", "q_conv", "k_conv", "v_conv"):
+                assert rel(getattr(cache, name)[row:row + 1], getattr(alone_cache, name)) <= 1e-5, (row, name)
+
+
+def test_bad_token_mask_is_refused_by_name():
+    layer = tiny()
+    with pytest.raises(ValueError, match="^token_mask:"):
+        layer(torch.randn(2, 5, 32), token_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="^token_mask:"):
+        layer(torch.randn(1, 4, 32), token_mask=torch.ones(1, 4, dtype=torch.bool), cu_seqlens=torch.tensor([0, 2, 4]))

@@ -109,12 +109,13 @@ def test_image_text_generate_two_images_per_prompt(vl_model, processor):
     check_cached_equals_recomputed(vl_model, **inputs)
 
 
-def test_padded_prompts_with_cache_are_refused_by_name():
+def test_right_padded_prompts_with_cache_are_refused_by_name():
+    """Left padding is generate's layout and is supported (below); right padding with a cache is refused."""
     torch.manual_seed(0)
     model = MoEPluginForCausalLM(moe_plugin.preset_config("tiny")).eval()
     ids = torch.randint(3, 256, (2, 8))
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0
+    mask[0, -3:] = 0
     with pytest.raises(ValueError, match="attention_mask"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
 
@@ -126,3 +127,62 @@ def test_beam_search_with_cache_equals_recompute():
     beams = [model.generate(prompt, max_new_tokens=NEW_TOKENS, num_beams=3, do_sample=False, use_cache=use_cache,
                             pad_token_id=0) for use_cache in (True, False)]
     assert torch.equal(beams[0], beams[1])
+
+
+def left_pad(prompts, pad_id=0):
+    """Prompts (1-D id tensors) -> (input_ids [B, T], attention_mask [B, T]) padded on the left."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, length - len(p):] = p
+        mask[row, length - len(p):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(index_topk=8),  # top-k smaller than the prompts: sparse selection must skip the pad keys
+    dict(use_dsa_indexer=False, attn_res=False),  # dense MLA attention
+])
+def test_left_padded_batch_generates_each_prompt_as_alone(overrides):
+    torch.manual_seed(5)
+    model = MoEPluginForCausalLM(moe_plugin.preset_config("tiny", **overrides)).eval()
+    # lengths across the KDA chunk (32) and below the conv window, so padding shifts chunk boundaries
+    prompts = [torch.randint(3, 256, (n,)) for n in (37, 2, 19)]
+    ids, mask = left_pad(prompts)
+    batched, batched_scores = greedy(model, True, input_ids=ids, attention_mask=mask)
+    for row, prompt in enumerate(prompts):
+        alone, alone_scores = greedy(model, True, input_ids=prompt[None])
+        assert torch.equal(batched[row, ids.shape[1]:], alone[0, len(prompt):]), row
+        assert rel(batched_scores[row], alone_scores[0]) < 1e-5, row
+        with torch.no_grad():
+            last = model(input_ids=prompt[None]).logits[0, -1]
+        assert rel(batched_scores[row, 0], last) <= 1e-5, row  # the first step's logits
+    # the packed path (no cache) on the same padded batch gives the same tokens
+    recomputed, recomputed_scores = greedy(model, False, input_ids=ids, attention_mask=mask)
+    assert torch.equal(batched, recomputed)
+    assert rel(batched_scores, recomputed_scores) < 1e-5
+
+
+def test_left_padded_expert_load_counts_real_tokens_only():
+    torch.manual_seed(6)
+    model = MoEPluginForCausalLM(moe_plugin.preset_config("tiny")).eval()
+    prompts = [torch.randint(3, 256, (n,)) for n in (9, 4)]
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask, use_cache=True).expert_load
+        alone = sum(model(input_ids=p[None], use_cache=True).expert_load for p in prompts)
+    assert torch.equal(padded, alone)
+    assert padded.sum(1).eq(13 * model.config.num_experts_per_token).all()
+
+
+def test_left_padded_image_text_generate_as_alone(vl_model, processor):
+    texts = ["<|image|> what is it?", "a much longer question without an image but many words in it"]
+    alone = [processor(texts[0], images=[image(28, 28, 4)]), processor(texts[1])]
+    ids, mask = left_pad([a["input_ids"][0] for a in alone], pad_id=0)
+    batched, batched_scores = greedy(vl_model, True, input_ids=ids, attention_mask=mask,
+                                     pixel_patches=alone[0]["pixel_patches"], grid_hw=alone[0]["grid_hw"])
+    for row, inputs in enumerate(alone):
+        tokens, scores = greedy(vl_model, True, **inputs)
+        assert torch.equal(batched[row, ids.shape[1]:], tokens[0, inputs["input_ids"].shape[1]:]), row
+        assert rel(batched_scores[row], scores[0]) < 1e-5, row

@@ -303,3 +303,73 @@ def test_indexer_scores_gradients_equal_the_plain_formula():
     causal = torch.ones(9, 9, dtype=torch.bool).tril()
     ours = indexer_scores(q, k, w)
     assert torch.allclose(ours[:, causal], ref[:, causal]) and bool(torch.isinf(ours[:, ~causal]).all())
+
+
+# ---- optional key mask (left-padded batches) ---------------------------------------------------------------
+
+def key_mask(B=2, S=19, seed=2):
+    """A random bool [B, S] mask with at least one real key per row."""
+    mask = torch.rand(B, S, generator=torch.Generator().manual_seed(seed)) > 0.4
+    mask[:, -1] = True
+    return mask
+
+
+@pytest.mark.parametrize("offset", [0, 4])
+def test_dense_causal_with_key_mask_equals_loop(offset):
+    q, k, v = qkv(T=15, S=19)
+    mask = key_mask()
+    allowed = lambda b, t, s: visible(t, s, offset) and bool(mask[b, s])  # noqa: E731
+    want = loop_attention(q, k, v, 0.3, allowed)
+    for out in (dense_causal_attention(q, k, v, 0.3, query_offset=offset, key_mask=mask, block_size=4, key_chunk=5),
+                dense_causal_attention_reference(q, k, v, 0.3, query_offset=offset, key_mask=mask)):
+        assert rel(out, want) <= 1e-12
+
+
+def test_index_scores_and_topk_never_pick_masked_keys():
+    qi, ki, w = index_inputs(T=19)
+    mask = key_mask()
+    scores = indexer_scores(qi, ki, w, key_mask=mask)
+    plain = indexer_scores(qi, ki, w)
+    for b in range(2):
+        for t in range(19):
+            for s in range(19):
+                want = plain[b, t, s] if mask[b, s] else -math.inf
+                assert scores[b, t, s] == want
+    for topk in (3, 8):
+        idx = indexer_topk(qi, ki, w, topk, key_mask=mask, block_size=5, key_chunk=4)
+        for b in range(2):
+            for t in range(19):
+                chosen = sorted(int(i) for i in idx[b, t] if i >= 0)
+                real = [s for s in range(t + 1) if mask[b, s]]
+                best = sorted(real, key=lambda s: (-float(plain[b, t, s]), -s))[:topk]  # ties: latest
+                assert chosen == sorted(best), (b, t)
+
+
+def test_topk_ties_go_to_the_latest_keys():
+    # all index scores exactly 0 (the ReLU of negative products): every key ties
+    qi, ki, w = index_inputs(B=1, T=9)
+    ki = ki.abs()
+    qi = -qi.abs()
+    idx = indexer_topk(qi, ki, w, 3, query_offset=0)
+    for t in range(9):
+        want = set(range(max(0, t - 2), t + 1))
+        assert set(int(i) for i in idx[0, t] if i >= 0) == want, t
+
+
+def test_attention_target_with_key_mask_puts_no_mass_on_masked_keys():
+    q, k, _ = qkv(T=11)
+    mask = key_mask(S=11)
+    target = attention_target(q, k, 0.3, key_mask=mask)
+    assert torch.all(target[~mask[:, None, :].expand_as(target)] == 0)
+    has_key = (torch.tril(torch.ones(11, 11, dtype=torch.bool)) & mask[:, None, :]).any(-1)
+    assert torch.allclose(target.sum(-1)[has_key], torch.ones(()).double())
+
+
+def test_bad_key_mask_is_refused_by_name():
+    q, k, v = qkv(T=6)
+    qi, ki, w = index_inputs(T=6)
+    for bad in (torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 6)):
+        with pytest.raises(ValueError, match="^key_mask:"):
+            dense_causal_attention(q, k, v, 0.3, key_mask=bad)
+        with pytest.raises(ValueError, match="^key_mask:"):
+            indexer_topk(qi, ki, w, 2, key_mask=bad)

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from ..checks import check_ids, check_same_dtype, check_tensor
-from .masks import check_positions, key_segments, visible_mask, visible_range
+from .masks import check_key_mask, check_positions, key_segments, visible_mask, visible_range
 
 DEFAULT_BLOCK = 64
 DEFAULT_KEY_CHUNK = 8192
@@ -224,22 +224,28 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                            cu_seqlens: Optional[torch.Tensor] = None, query_offset: int = 0,
-                           block_size: int = DEFAULT_BLOCK, key_chunk: int = DEFAULT_KEY_CHUNK) -> torch.Tensor:
+                           block_size: int = DEFAULT_BLOCK, key_chunk: int = DEFAULT_KEY_CHUNK,
+                           key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal softmax attention (the indexer-off path), blocked like ``sparse_attention``.
 
     q: ``[B, T, H, Dqk]`` at positions ``query_offset + t``; k: ``[B, S, H, Dqk]``; v: ``[B, S, H, Dv]``;
-    cu_seqlens: ``[N+1]`` packed-sequence boundaries over the S keys (batch 1). Returns ``[B, T, H, Dv]``.
+    cu_seqlens: ``[N+1]`` packed-sequence boundaries over the S keys (batch 1); key_mask: ``[B, S]`` bool,
+    False = a key no query sees (padding). Returns ``[B, T, H, Dv]``; a query that sees no key gets zeros.
     """
     check_attention_inputs(q, k, v, scale)
     _check_positive("block_size", block_size)
     _check_positive("key_chunk", key_chunk)
     S = k.shape[1]
     check_positions(query_offset, q.shape[0], q.shape[1], S, cu_seqlens)
+    check_key_mask(key_mask, q.shape[0], S)
     segments = key_segments(cu_seqlens, S, q.device)
 
     def plan(b: int, t0: int, t1: int):
         lo, hi = visible_range(t0, t1, S, query_offset, cu_seqlens)
-        return BlockKeys(lo, hi, allowed=visible_mask(t0, t1, lo, hi, query_offset, segments, q.device))
+        allowed = visible_mask(t0, t1, lo, hi, query_offset, segments, q.device)
+        if key_mask is not None:
+            allowed &= key_mask[b, lo:hi].to(q.device)
+        return BlockKeys(lo, hi, allowed=allowed)
 
     return _BlockedAttention.apply(q, k, v, float(scale), block_size, key_chunk, plan)
 
@@ -259,14 +265,19 @@ def sparse_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def dense_causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                      cu_seqlens: Optional[torch.Tensor] = None,
-                                     query_offset: int = 0) -> torch.Tensor:
+                                     query_offset: int = 0, key_mask: Optional[torch.Tensor] = None
+                                     ) -> torch.Tensor:
     """Plain dense version of ``dense_causal_attention`` (one ``T x S`` masked softmax), for tests."""
     check_attention_inputs(q, k, v, scale)
     B, T, _, _ = q.shape
     S = k.shape[1]
     check_positions(query_offset, B, T, S, cu_seqlens)
+    check_key_mask(key_mask, B, S)
     allowed = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, q.device), q.device)
-    return _masked_dense_attention(q, k, v, scale, allowed.expand(B, T, S))
+    allowed = allowed.expand(B, T, S)
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, :]
+    return _masked_dense_attention(q, k, v, scale, allowed)
 
 
 def _masked_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -1,7 +1,7 @@
 """DeepSeek-V3.2's lightning indexer: per-query scores over the keys, and the top-k keys it selects.
 
 ``I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s])``, ``-inf`` where key ``s`` is not visible to query ``t``
-(see ``masks``). Any scaling (V3.2 multiplies ``w`` by ``H_I^-0.5 * D_I^-0.5``) belongs to the caller.
+(see ``masks``) or is masked out by the optional ``key_mask`` (padding: never selected). Any scaling (V3.2 multiplies ``w`` by ``H_I^-0.5 * D_I^-0.5``) belongs to the caller.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..checks import check_same_dtype, check_tensor
-from .masks import check_positions, key_segments, visible_mask, visible_range
+from .masks import check_key_mask, check_positions, key_segments, visible_mask, visible_range
 
 DEFAULT_QUERY_BLOCK = 256
 # Keys scored at a time inside a query block: keeps the per-head [block, H_I, chunk] ReLU terms small
@@ -29,19 +29,24 @@ def _check_indexer_inputs(q_index: torch.Tensor, k_index: torch.Tensor, weights:
 
 
 def indexer_scores(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor,
-                   cu_seqlens: Optional[torch.Tensor] = None, query_offset: int = 0) -> torch.Tensor:
+                   cu_seqlens: Optional[torch.Tensor] = None, query_offset: int = 0,
+                   key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dense index scores (the reference for ``indexer_topk``, and the input of the indexer loss).
 
     q_index: ``[B, T, H_I, D_I]``; k_index: ``[B, S, D_I]``; weights: ``[B, T, H_I]``;
-    cu_seqlens: ``[N+1]`` packed boundaries over the S keys (batch 1); query t sits at ``query_offset + t``.
+    cu_seqlens: ``[N+1]`` packed boundaries over the S keys (batch 1); query t sits at ``query_offset + t``;
+    key_mask: ``[B, S]`` bool, False = a key never seen (padding).
     Returns ``[B, T, S]``, ``-inf`` at keys the query cannot see. Differentiable in all three inputs.
     """
     _check_indexer_inputs(q_index, k_index, weights)
     B, T = q_index.shape[:2]
     S = k_index.shape[1]
     check_positions(query_offset, B, T, S, cu_seqlens)
+    check_key_mask(key_mask, B, S)
     scores = _WeightedReluScores.apply(q_index, k_index, weights)
     mask = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, q_index.device), q_index.device)
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, :]
     return scores.masked_fill(~mask, -math.inf)
 
 
@@ -78,10 +83,12 @@ class _WeightedReluScores(torch.autograd.Function):
 @torch.no_grad()
 def indexer_topk(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor, topk: int,
                  cu_seqlens: Optional[torch.Tensor] = None, query_offset: int = 0,
-                 block_size: int = DEFAULT_QUERY_BLOCK, key_chunk: int = DEFAULT_KEY_CHUNK) -> torch.Tensor:
+                 block_size: int = DEFAULT_QUERY_BLOCK, key_chunk: int = DEFAULT_KEY_CHUNK,
+                 key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The ``topk`` visible keys of highest index score per query, scored one block of queries at a time.
 
-    Shapes as ``indexer_scores``. Returns ``[B, T, min(topk, S)]`` int64 key positions (order unspecified);
+    Shapes as ``indexer_scores`` (masked-out keys of ``key_mask`` are never selected). Ties at the k-th
+    score go to the latest keys. Returns ``[B, T, min(topk, S)]`` int64 key positions (order unspecified);
     slots beyond a query's visible keys hold ``-1``. Memory: ``block_size * S`` scores plus
     ``block_size * H_I * key_chunk`` per-head terms, never ``T x S``. Not differentiable (an index choice).
     """
@@ -94,6 +101,7 @@ def indexer_topk(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Te
     B, T = q_index.shape[:2]
     S = k_index.shape[1]
     check_positions(query_offset, B, T, S, cu_seqlens)
+    check_key_mask(key_mask, B, S)
     segments = key_segments(cu_seqlens, S, q_index.device)
     k_out = min(topk, S)
     out = torch.full((B, T, k_out), -1, dtype=torch.int64, device=q_index.device)
@@ -106,10 +114,33 @@ def indexer_topk(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Te
         take = min(k_out, hi - lo)
         for b in range(B):
             scores = _block_scores(q_index[b, t0:t1], k_index[b, lo:hi], weights[b, t0:t1], key_chunk)
-            scores.masked_fill_(~mask, -math.inf)
-            values, idx = scores.topk(take, dim=-1, sorted=False)
-            out[b, t0:t1, :take] = torch.where(values == -math.inf, -1, idx + lo)
+            scores.masked_fill_(~(mask if key_mask is None else mask & key_mask[b, lo:hi]), -math.inf)
+            idx = _topk_latest_on_ties(scores, take)
+            out[b, t0:t1, :take] = torch.where(scores.gather(1, idx) == -math.inf, -1, idx + lo)
     return out
+
+
+def _topk_latest_on_ties(scores: torch.Tensor, take: int) -> torch.Tensor:
+    """Columns ``[Bq, take]`` of the ``take`` highest scores of each row of ``scores`` ``[Bq, n]``; among keys
+    tied at the k-th score, the latest win.
+
+    torch.topk breaks ties in no promised order, and ties are common here (ReLU makes many scores exactly 0).
+    A fixed rule that depends only on the keys' order keeps the choice the same wherever a row's keys start,
+    e.g. for a left-padded row and the same prompt alone.
+    """
+    values, idx = scores.topk(take, dim=-1, sorted=False)
+    kth = values.amin(-1, keepdim=True)
+    tied = scores == kth
+    # ambiguous only where more keys tie at a finite k-th score than there are slots left for them
+    # (a tie at -inf fills slots that become -1 anyway)
+    ambiguous = ((values > kth).sum(-1, keepdim=True) + tied.sum(-1, keepdim=True) > take) & (kth > -math.inf)
+    if not bool(ambiguous.any()):
+        return idx
+    above = scores > kth
+    tied_from_end = tied.flip(-1).cumsum(-1).flip(-1)  # tied keys at this column or later
+    wanted = take - above.sum(-1, keepdim=True)
+    chosen = above | (tied & (tied_from_end <= wanted))
+    return chosen.to(scores.dtype).topk(take, dim=-1, sorted=False).indices  # exactly `take` chosen per row
 
 
 def _block_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_chunk: int) -> torch.Tensor:

@@ -15,22 +15,26 @@ import torch
 
 from ..checks import check_tensor
 from .attention import check_indices, check_attention_inputs
-from .masks import check_positions, key_segments, visible_mask
+from .masks import check_key_mask, check_positions, key_segments, visible_mask
 
 
 @torch.no_grad()
 def attention_target(q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: Optional[torch.Tensor] = None,
-                     query_offset: int = 0) -> torch.Tensor:
+                     query_offset: int = 0, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dense causal attention probabilities summed over heads and L1-normalised per query.
 
-    q: ``[B, T, H, D]``; k: ``[B, S, H, D]`` (detached: this is a target). Returns ``[B, T, S]`` (rows sum to
-    1; 0 at invisible keys). Heads are accumulated one at a time, so memory is ``B * T * S``.
+    q: ``[B, T, H, D]``; k: ``[B, S, H, D]`` (detached: this is a target); key_mask: ``[B, S]`` bool, False =
+    a key never seen (padding). Returns ``[B, T, S]`` (rows sum to 1, or are 0 for a query that sees no key;
+    0 at invisible keys). Heads are accumulated one at a time, so memory is ``B * T * S``.
     """
     check_attention_inputs(q, k, k, scale)
     B, T, H, _ = q.shape
     S = k.shape[1]
     check_positions(query_offset, B, T, S, cu_seqlens)
+    check_key_mask(key_mask, B, S)
     visible = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, q.device), q.device)
+    if key_mask is not None:
+        visible = visible & key_mask[:, None, :]
     total = q.new_zeros(B, T, S)
     for h in range(H):
         scores = torch.matmul(q[:, :, h], k[:, :, h].transpose(1, 2)) * scale

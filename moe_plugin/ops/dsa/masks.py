@@ -1,4 +1,5 @@
-"""Which keys a query may see: causality (with a query offset for cached decoding) and packed sequences.
+"""Which keys a query may see: causality (with a query offset for cached decoding), packed sequences and,
+optionally, a per-key mask (keys at padded positions of a left-padded batch are never seen).
 
 Query ``t`` of a call sits at absolute position ``query_offset + t``; key ``s`` at position ``s``. With
 ``cu_seqlens`` (flash-linear-attention's packed layout, batch 1) a key is visible only to queries of the same
@@ -12,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..checks import check_cu_seqlens
+from ..checks import check_cu_seqlens, check_tensor
 
 
 def check_positions(query_offset: int, batch: int, num_queries: int, num_keys: int,
@@ -54,3 +55,11 @@ def visible_mask(t0: int, t1: int, lo: int, hi: int, query_offset: int,
     if segments is not None:
         mask &= segments[lo:hi][None, :] == segments[q_pos][:, None]
     return mask
+
+
+def check_key_mask(key_mask: Optional[torch.Tensor], batch: int, num_keys: int) -> None:
+    """key_mask: ``None`` or ``[batch, num_keys]`` bool, True = a real key that may be seen."""
+    if key_mask is not None:
+        check_tensor("key_mask", key_mask, shape=(batch, num_keys))
+        if key_mask.dtype != torch.bool:
+            raise ValueError(f"key_mask: expected a bool tensor (True = a real key), got dtype {key_mask.dtype}")
