@@ -128,19 +128,26 @@ def _topk_latest_on_ties(scores: torch.Tensor, take: int) -> torch.Tensor:
     A fixed rule that depends only on the keys' order keeps the choice the same wherever a row's keys start,
     e.g. for a left-padded row and the same prompt alone.
     """
-    values, idx = scores.topk(take, dim=-1, sorted=False)
-    kth = values.amin(-1, keepdim=True)
-    tied = scores == kth
-    # ambiguous only where more keys tie at a finite k-th score than there are slots left for them
-    # (a tie at -inf fills slots that become -1 anyway)
-    ambiguous = ((values > kth).sum(-1, keepdim=True) + tied.sum(-1, keepdim=True) > take) & (kth > -math.inf)
+    n = scores.shape[-1]
+    if take >= n:  # every key is chosen: nothing to break
+        return scores.topk(take, dim=-1, sorted=False).indices
+    # One extra slot tells whether a row is ambiguous at all: only where the (k+1)-th score equals the k-th
+    # (and is finite: a tie at -inf fills slots that become -1 anyway) do tied keys compete for slots.
+    values, idx = scores.topk(take + 1, dim=-1, sorted=False)
+    low, low_at = values.min(-1, keepdim=True)
+    keep = torch.ones_like(idx, dtype=torch.bool).scatter_(-1, low_at, False)
+    best = idx[keep].view(idx.shape[0], take)  # the top k, the (k+1)-th dropped
+    ambiguous = ((values == low).sum(-1) > 1) & (low.squeeze(-1) > -math.inf)
     if not bool(ambiguous.any()):
-        return idx
-    above = scores > kth
+        return best
+    rows = ambiguous.nonzero().squeeze(-1)
+    sub = scores[rows]
+    kth = sub.topk(take, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above, tied = sub > kth, sub == kth
     tied_from_end = tied.flip(-1).cumsum(-1).flip(-1)  # tied keys at this column or later
-    wanted = take - above.sum(-1, keepdim=True)
-    chosen = above | (tied & (tied_from_end <= wanted))
-    return chosen.to(scores.dtype).topk(take, dim=-1, sorted=False).indices  # exactly `take` chosen per row
+    chosen = above | (tied & (tied_from_end <= take - above.sum(-1, keepdim=True)))
+    best[rows] = chosen.to(sub.dtype).topk(take, dim=-1, sorted=False).indices  # exactly `take` per row
+    return best
 
 
 def _block_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_chunk: int) -> torch.Tensor:
