@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from ..checks import check_ids, check_same_dtype, check_tensor
-from .masks import check_key_mask, check_positions, key_segments, visible_mask, visible_range
+from .masks import check_key_mask, check_positions, key_segments, visible_mask, visible_range, visible_keys
 
 DEFAULT_BLOCK = 64
 DEFAULT_KEY_CHUNK = 8192
@@ -273,10 +273,7 @@ def dense_causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.
     S = k.shape[1]
     check_positions(query_offset, B, T, S, cu_seqlens)
     check_key_mask(key_mask, B, S)
-    allowed = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, q.device), q.device)
-    allowed = allowed.expand(B, T, S)
-    if key_mask is not None:
-        allowed = allowed & key_mask[:, None, :]
+    allowed = visible_keys(T, S, query_offset, cu_seqlens, key_mask, q.device).expand(B, T, S)
     return _masked_dense_attention(q, k, v, scale, allowed)
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..checks import check_same_dtype, check_tensor
-from .masks import check_key_mask, check_positions, key_segments, visible_mask, visible_range
+from .masks import check_key_mask, check_positions, key_segments, visible_mask, visible_range, visible_keys
 
 DEFAULT_QUERY_BLOCK = 256
 # Keys scored at a time inside a query block: keeps the per-head [block, H_I, chunk] ReLU terms small
@@ -44,10 +44,7 @@ def indexer_scores(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.
     check_positions(query_offset, B, T, S, cu_seqlens)
     check_key_mask(key_mask, B, S)
     scores = _WeightedReluScores.apply(q_index, k_index, weights)
-    mask = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, q_index.device), q_index.device)
-    if key_mask is not None:
-        mask = mask & key_mask[:, None, :]
-    return scores.masked_fill(~mask, -math.inf)
+    return scores.masked_fill(~visible_keys(T, S, query_offset, cu_seqlens, key_mask, q_index.device), -math.inf)
 
 
 class _WeightedReluScores(torch.autograd.Function):

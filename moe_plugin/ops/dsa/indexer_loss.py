@@ -15,7 +15,7 @@ import torch
 
 from ..checks import check_tensor
 from .attention import check_indices, check_attention_inputs
-from .masks import check_key_mask, check_positions, key_segments, visible_mask
+from .masks import check_key_mask, check_positions, visible_keys
 
 
 @torch.no_grad()
@@ -32,9 +32,7 @@ def attention_target(q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens:
     S = k.shape[1]
     check_positions(query_offset, B, T, S, cu_seqlens)
     check_key_mask(key_mask, B, S)
-    visible = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, q.device), q.device)
-    if key_mask is not None:
-        visible = visible & key_mask[:, None, :]
+    visible = visible_keys(T, S, query_offset, cu_seqlens, key_mask, q.device)
     total = q.new_zeros(B, T, S)
     for h in range(H):
         scores = torch.matmul(q[:, :, h], k[:, :, h].transpose(1, 2)) * scale

@@ -57,6 +57,14 @@ def visible_mask(t0: int, t1: int, lo: int, hi: int, query_offset: int,
     return mask
 
 
+def visible_keys(T: int, S: int, query_offset: int, cu_seqlens: Optional[torch.Tensor],
+                 key_mask: Optional[torch.Tensor], device) -> torch.Tensor:
+    """``[T, S]`` (or ``[B, T, S]`` with key_mask ``[B, S]``) bool over a whole sequence: may query ``t`` see key
+    ``s`` (causal, same packed sequence, and not padding)?"""
+    mask = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, device), device)
+    return mask if key_mask is None else mask & key_mask[:, None, :]
+
+
 def check_key_mask(key_mask: Optional[torch.Tensor], batch: int, num_keys: int) -> None:
     """key_mask: ``None`` or ``[batch, num_keys]`` bool, True = a real key that may be seen."""
     if key_mask is not None:
