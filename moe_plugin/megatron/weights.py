@@ -5,6 +5,9 @@ Names differ only in their prefixes; ``NAME_TABLE`` is the whole mapping (the re
 layers). Routed experts are stored stacked ``[E, ...]`` in both (``...experts.w1/w2/w3``); an EP rank holds
 ``[E_local, ...]``, the contiguous slice ``local_expert_indices`` of its MoE layers.
 
+``load_k3_checkpoint_per_rank`` reads the published K3 layout instead (one tensor per expert, padded ``A_log``,
+``[C, 1, K]`` convs, optional ``language_model.`` prefix), with ``models.k3_format``'s name and tensor conversion.
+
 Loading reads sharded safetensors with ``safe_open`` and takes expert tensors through ``get_slice``, so a rank
 never materialises the experts of other ranks. Both directions see a model with LoRA adapters by its base
 tensors under their pre-LoRA names (peft's ``base_layer.`` segments removed, ``lora_`` tensors left out; the
@@ -25,9 +28,12 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import ModelConfig, require
+from ..models.k3_format import (TEXT_PREFIX, VISION_PREFIXES, is_indexer_tensor, k3_tensor_names, strip_text_prefix,
+                                tensor_from_k3)
 
 __all__ = ["NAME_TABLE", "hf_to_megatron_name", "megatron_to_hf_name", "base_name", "is_expert_tensor",
-           "expert_ranges", "LoadStats", "load_hf_checkpoint", "megatron_to_hf_state_dict"]
+           "expert_ranges", "LoadStats", "load_hf_checkpoint", "load_k3_checkpoint_per_rank",
+           "megatron_to_hf_state_dict"]
 
 # (Hugging Face prefix, megatron prefix, layers the row applies to: None = every layer, "moe" or "dense").
 # "{i}" is the 0-based layer index on both sides.
@@ -186,6 +192,83 @@ def load_hf_checkpoint(model: nn.Module, path: str, config: ModelConfig, strict:
                 target.copy_(value)
                 stats.tensors += 1
                 stats.elements += value.numel()
+    return stats
+
+
+def _k3_plan(model: nn.Module, config: ModelConfig, weight_map: Dict[str, str]
+             ) -> Tuple[Dict[str, List[str]], List[str], List[str], str]:
+    """({megatron name: the K3 names this rank reads for it}, missing, unknown, text prefix) of a K3 checkpoint.
+
+    Missing and unknown are in the checkpoint's names and cover every expert, not only this rank's."""
+    prefix = TEXT_PREFIX if any(k.startswith(TEXT_PREFIX) for k in weight_map) else ""
+    ranges = expert_ranges(model)
+    has_indexer = any(is_indexer_tensor(k) for k in weight_map)
+    reads: Dict[str, List[str]] = {}
+    known, missing = set(), []
+    for mg_name, target in _model_entries(model).items():
+        hf_name = megatron_to_hf_name(mg_name, config)
+        expert = _EXPERT.match(mg_name)
+        every = range(config.moe.num_experts) if expert else None
+        names = [prefix + n for n in k3_tensor_names(hf_name, tuple(target.shape), every)]
+        if config.tie_word_embeddings and hf_name == "lm_head.weight" and prefix + hf_name not in weight_map:
+            names = [prefix + "model.embed_tokens.weight"]  # K3 stores a tied embedding once
+        known.update(names)
+        absent = [n for n in names if n not in weight_map]
+        if absent and is_indexer_tensor(hf_name) and not has_indexer:
+            continue  # K3 has no indexer: it stays freshly initialised, as load_k3_checkpoint leaves it
+        missing += absent
+        if expert:
+            first, last = ranges[int(expert.group(1))]
+            names = names[first:last]
+        reads[mg_name] = names
+    unknown = sorted(k for k in weight_map if k not in known and not k.startswith(VISION_PREFIXES))
+    return reads, sorted(missing), unknown, prefix
+
+
+@torch.no_grad()
+def load_k3_checkpoint_per_rank(model: nn.Module, path: str, config: ModelConfig, strict: bool = True
+                                ) -> LoadStats:
+    """Copy a K3-layout checkpoint (``save_k3_checkpoint``'s directory) into megatron ``model`` on this rank.
+
+    Routed experts are read one per-expert tensor ``[F, L]`` / ``[L, F]`` at a time, only for this rank's
+    ``[first, last)``, and stacked into ``[E_local, ...]``; ``A_log`` is unpadded and conv weights reshaped as
+    ``load_k3_checkpoint`` does. A checkpoint without the DSA indexer leaves the model's indexer as it is.
+    Missing tensors, and with ``strict`` unknown text-model tensors (vision ones are ignored), raise one
+    ValueError listing both; a tensor whose shape differs from the model's raises ValueError naming it.
+    """
+    require(isinstance(config, ModelConfig), "config", f"must be a ModelConfig, got {type(config).__name__}")
+    weight_map = _weight_map(path)
+    reads, missing, unknown, prefix = _k3_plan(model, config, weight_map)
+    problems = [f"{len(missing)} tensors of the model are missing: {missing[:10]}"] if missing else []
+    if strict and unknown:
+        problems.append(f"{len(unknown)} tensors the model does not have: {unknown[:10]} (strict=False to ignore)")
+    require(not problems, "checkpoint", "; ".join(problems))
+    stats = LoadStats(ignored=sorted(k for k in weight_map if k.startswith(VISION_PREFIXES)))
+    targets = _model_entries(model)
+    by_shard: Dict[str, List[str]] = {}
+    for names in reads.values():
+        for name in names:
+            by_shard.setdefault(weight_map[name], []).append(name)
+    stored: Dict[str, torch.Tensor] = {}
+    for shard, names in sorted(by_shard.items()):
+        with safe_open(shard, framework="pt") as f:
+            stored.update((name, f.get_tensor(name)) for name in names)
+    for mg_name, names in reads.items():
+        target = targets[mg_name]
+        if _EXPERT.match(mg_name):
+            for name in names:
+                require(tuple(stored[name].shape) == tuple(target.shape[1:]), f"checkpoint[{name!r}]",
+                        f"has shape {tuple(stored[name].shape)}, one expert of the model's {mg_name} has "
+                        f"{tuple(target.shape[1:])}")
+            value = torch.stack([stored[name] for name in names])
+            stats.expert_elements += value.numel()
+        else:
+            value = tensor_from_k3(strip_text_prefix(names[0]), stored[names[0]], tuple(target.shape))
+        require(tuple(value.shape) == tuple(target.shape), f"checkpoint[{names[0]!r}]",
+                f"has shape {tuple(value.shape)} on this rank, the model's {mg_name} has {tuple(target.shape)}")
+        target.copy_(value)
+        stats.tensors += len(names)
+        stats.elements += value.numel()
     return stats
 
 

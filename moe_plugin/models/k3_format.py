@@ -44,7 +44,8 @@ from .modeling import MoEPluginForCausalLM
 from .modeling_vl import MoEPluginForConditionalGeneration
 
 __all__ = ["A_LOG_PAD_MULTIPLE", "config_from_k3", "config_to_k3", "state_dict_from_k3", "state_dict_to_k3",
-           "load_k3_checkpoint", "save_k3_checkpoint", "a_log_padded_length"]
+           "load_k3_checkpoint", "save_k3_checkpoint", "a_log_padded_length", "k3_tensor_names",
+           "tensor_from_k3", "strip_text_prefix", "is_indexer_tensor"]
 
 A_LOG_PAD_MULTIPLE = 128  # K3: 96 heads stored as 128 entries
 TEXT_PREFIX = "language_model."
@@ -98,12 +99,21 @@ def expected_shapes(config: MoEPluginConfig, model_cls: Type[nn.Module] = MoEPlu
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def _k3_names(name: str, shape: Tuple[int, ...]) -> List[str]:
-    """The K3 tensor names that hold the model tensor ``name`` of ``shape``."""
+def k3_tensor_names(name: str, shape: Tuple[int, ...], experts: Optional[range] = None) -> List[str]:
+    """The K3 tensor names that hold the model tensor ``name`` of ``shape``.
+
+    For a stacked expert tensor ``[E, ...]`` that is one name per expert, of ``experts`` (default
+    ``range(E)``; an expert-parallel rank passes its own ``range(first, last)``)."""
     match = _EXPERT_OURS.match(name)
     if match and len(shape) == 3:
-        return [f"{match['prefix']}.{e}.{match['kind']}.weight" for e in range(shape[0])]
+        experts = range(shape[0]) if experts is None else experts
+        return [f"{match['prefix']}.{e}.{match['kind']}.weight" for e in experts]
     return [name]
+
+
+def is_indexer_tensor(name: str) -> bool:
+    """Whether ``name`` belongs to the DSA indexer, which K3 checkpoints do not have."""
+    return _INDEXER in name
 
 
 def _a_log_from_k3(name: str, stored: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
@@ -114,7 +124,7 @@ def _a_log_from_k3(name: str, stored: torch.Tensor, shape: Tuple[int, ...]) -> t
     return stored.reshape(-1)[:heads].reshape(shape)
 
 
-def _to_model_tensor(name: str, stored: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
+def tensor_from_k3(name: str, stored: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
     """One K3 tensor in the model's layout (A_log unpadded, conv weights reshaped); shape left to the check."""
     if name.endswith(".A_log"):
         return _a_log_from_k3(name, stored, shape)
@@ -140,7 +150,7 @@ def _convert_from_k3(tensors: Mapping[str, torch.Tensor], config: MoEPluginConfi
         else:
             if ignore_mtp and _is_mtp(k3_name, num_layers):
                 continue
-            name = prefix + _strip_text_prefix(k3_name)
+            name = prefix + strip_text_prefix(k3_name)
         match = _EXPERT_K3.match(name)
         if match and f"{match['prefix']}.{match['kind']}" in shapes:
             experts[f"{match['prefix']}.{match['kind']}"][int(match["index"])] = (k3_name, tensor)
@@ -148,14 +158,14 @@ def _convert_from_k3(tensors: Mapping[str, torch.Tensor], config: MoEPluginConfi
         if name not in shapes:
             unknown.append(k3_name)
             continue
-        out[name] = _to_model_tensor(k3_name, tensor, shapes[name])
+        out[name] = tensor_from_k3(k3_name, tensor, shapes[name])
         source[name] = k3_name
 
     missing: List[str] = []
     for name, per_expert in experts.items():
         count = shapes[name][0]
         unknown += [k3 for e, (k3, _) in per_expert.items() if e >= count]
-        missing += [n for e, n in enumerate(_k3_names(name, shapes[name])) if e not in per_expert]
+        missing += [n for e, n in enumerate(k3_tensor_names(name, shapes[name])) if e not in per_expert]
     if config.tie_word_embeddings and prefix + "lm_head.weight" not in out:
         embed = out.get(prefix + "model.embed_tokens.weight")
         if embed is not None:
@@ -165,7 +175,7 @@ def _convert_from_k3(tensors: Mapping[str, torch.Tensor], config: MoEPluginConfi
     for name, shape in shapes.items():
         if name in out or name in experts or (_INDEXER in name and not has_indexer):
             continue  # a K3 checkpoint has no indexer: it stays freshly initialised
-        missing += _k3_names(name, shape)
+        missing += k3_tensor_names(name, shape)
     if unknown or missing:
         raise ValueError("tensors: the checkpoint does not match the model: "
                          + "; ".join(_listing(kind, sorted(names)) for kind, names in
@@ -188,13 +198,13 @@ def _convert_from_k3(tensors: Mapping[str, torch.Tensor], config: MoEPluginConfi
     return out
 
 
-def _strip_text_prefix(k3_name: str) -> str:
+def strip_text_prefix(k3_name: str) -> str:
     return k3_name[len(TEXT_PREFIX):] if k3_name.startswith(TEXT_PREFIX) else k3_name
 
 
 def _is_mtp(k3_name: str, num_layers: int) -> bool:
     """Whether ``k3_name`` belongs to a multi-token-prediction layer (K3 numbers them after the decoder's)."""
-    layer = _LAYER.match(_strip_text_prefix(k3_name))
+    layer = _LAYER.match(strip_text_prefix(k3_name))
     return bool(layer) and int(layer.group(1)) >= num_layers
 
 

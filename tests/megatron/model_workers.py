@@ -28,6 +28,8 @@ def run_model_checks(case_dir: str, layouts, scenarios, extras: bool = False, se
         initialize_megatron(expert_model_parallel_size=ep, seed=seed + 1)
         for scenario in scenarios:
             results[f"{scenario}/ep{ep}"] = _guarded(lambda: _train_step(case_dir, scenario, extras and ep > 1))
+        if extras and ep > 1:
+            results[f"k3/ep{ep}"] = _guarded(lambda: _k3_forward(case_dir))
     return results
 
 
@@ -43,7 +45,7 @@ def _guarded(check) -> dict:
 
 def _count_reads(weights_module):
     """Wrap ``safe_open`` as seen by moe_plugin.megatron.weights: count what is read of expert tensors."""
-    counts = {"expert_elements": 0, "expert_full_reads": 0, "tensors": 0}
+    counts = {"expert_elements": 0, "expert_full_reads": 0, "tensors": 0, "expert_names": set()}
     original = weights_module.safe_open
 
     class Slice:
@@ -54,6 +56,7 @@ def _count_reads(weights_module):
             value = self.inner[index]
             if ".experts." in self.name:
                 counts["expert_elements"] += value.numel()
+                counts["expert_names"].add(self.name)
             counts["tensors"] += 1
             return value
 
@@ -76,6 +79,7 @@ def _count_reads(weights_module):
             if ".experts." in name:
                 counts["expert_full_reads"] += 1
                 counts["expert_elements"] += value.numel()
+                counts["expert_names"].add(name)
             counts["tensors"] += 1
             return value
 
@@ -159,6 +163,37 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
         with torch.no_grad():
             out["packed_logits"] = model(setup["packed"][rank], None, None, packed_seq_params=params)
     return out
+
+
+def _k3_forward(case_dir: str) -> dict:
+    """Load the K3-layout checkpoint into GPTModel on this rank's experts only; logits of this rank's batch.
+
+    Also the ValueError message of a K3 checkpoint with one expert tensor missing and one unknown tensor."""
+    import json
+
+    from moe_plugin.megatron import weights
+    from moe_plugin.megatron.specs import build_gpt_model
+    from moe_plugin.models.k3_config import config_from_k3
+
+    path = os.path.join(case_dir, "k3")
+    with open(os.path.join(path, "config.json")) as f:
+        config = config_from_k3(json.load(f)).to_model_config()
+    model = build_gpt_model(config)
+    counts, restore = _count_reads(weights)
+    try:
+        stats = weights.load_k3_checkpoint_per_rank(model, path, config)
+    finally:
+        restore()
+    tokens = torch.load(os.path.join(case_dir, "mixed", "setup.pt"))["batches"][dist.get_rank()]
+    with torch.no_grad():
+        logits = model(tokens, None, None)
+    try:
+        weights.load_k3_checkpoint_per_rank(model, os.path.join(case_dir, "broken", "k3"), config)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"read": counts, "stats": vars(stats), "local": weights.expert_ranges(model), "logits": logits,
+            "broken_error": error}
 
 
 def _load_errors(model, broken_dir: str, config) -> dict:

@@ -5,16 +5,19 @@ world 4 with EP=1, 2 and 4. Every rank gets its own micro-batch; the reference i
 same checkpoint and LoRA adapters on the concatenated batch, computed here. Scenarios: "mixed" (free routing
 except expert 1, which the selection bias keeps empty) and "one_expert" (top-1, every token on expert 6, so
 some EP ranks receive nothing); at world 4 also "grouped" (top-4 of 8 experts in 4 groups, best 2 groups
-eligible: more choices per token than experts per EP=4 rank).
+eligible: more choices per token than experts per EP=4 rank). The world-2 launch also loads a K3-layout checkpoint
+(``save_k3_checkpoint``: per-expert tensors, padded ``A_log``) per EP=2 rank with ``load_k3_checkpoint_per_rank``.
 """
 
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from moe_plugin.megatron.lora import add_lora
+from moe_plugin.models.k3_format import load_k3_checkpoint, save_k3_checkpoint
 from moe_plugin.models.inputs import causal_lm_loss
 from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config
@@ -37,11 +40,12 @@ def hf_config(**overrides):
     return preset_config("tiny", attn_res=False, vision_config=None, image_token_id=None, **overrides)
 
 
-def build_reference(scenario: str, seed: int = 0) -> MoEPluginForCausalLM:
-    """The tiny model with well-separated router scores and the scenario's selection bias (no LoRA yet)."""
+def build_reference(scenario: str, seed: int = 0, **extra) -> MoEPluginForCausalLM:
+    """The tiny model with well-separated router scores and the scenario's selection bias (no LoRA yet);
+    ``extra``: more config overrides."""
     overrides, rule = SCENARIOS[scenario]
     torch.manual_seed(seed)
-    model = MoEPluginForCausalLM(hf_config(**overrides))
+    model = MoEPluginForCausalLM(hf_config(**overrides, **extra))
     with torch.no_grad():
         for layer in model.model.layers:
             if layer.is_moe:
@@ -79,10 +83,18 @@ def case(tmp_path_factory):
         torch.save({"lora": LORA, "adapters": adapters, "batches": batches, "packed": packed,
                     "packed_cu_seqlens": PACKED_CU}, root / scenario / "setup.pt")
         models[scenario] = model
+    save_k3_checkpoint(build_reference("mixed", seed=3, use_dsa_indexer=False), root / "k3", max_shard_size="100KB")
+    k3 = {}
+    for f in sorted((root / "k3").glob("*.safetensors")):
+        k3.update(load_file(str(f)))
+    k3.pop("model.layers.2.block_sparse_moe.experts.5.w2.weight")
+    k3["model.layers.2.block_sparse_moe.experts.8.w1.weight"] = torch.zeros(1)  # an expert the model lacks
+    (root / "broken" / "k3").mkdir(parents=True)
+    save_file(k3, str(root / "broken" / "k3" / "model.safetensors"))
     state = {k: v.detach().clone().contiguous() for k, v in build_reference("mixed").state_dict().items()}
     for name, broken in (("missing", {k: v for k, v in state.items() if k != "model.norm.weight"}),
                          ("unexpected", state | {"model.layers.9.self_attn.q_proj.weight": torch.zeros(1)})):
-        (root / "broken" / name).mkdir(parents=True)
+        (root / "broken" / name).mkdir()
         save_file(broken, str(root / "broken" / name / "model.safetensors"))
     return {"root": root, "models": models, "batches": batches, "packed": packed}
 
@@ -274,3 +286,34 @@ def test_load_errors_name_the_checkpoint_problem(world2):
         got["missing"], got
     assert got["unexpected"].startswith("checkpoint: 1 tensors the model does not have"), got
     assert got["unexpected_not_strict"] is None, "strict=False must load past extra tensors"
+
+
+def test_k3_checkpoint_loads_per_rank_reading_only_local_experts(case, world2):
+    path = case["root"] / "k3"
+    shards = sorted(path.glob("*.safetensors"))
+    assert len(shards) > 1, "premise: the K3 checkpoint is sharded"
+    expert_sizes = {}
+    for f in shards:
+        with safe_open(str(f), framework="pt") as handle:
+            expert_sizes.update((k, handle.get_slice(k).get_shape()) for k in handle.keys() if ".experts." in k)
+    reference = load_k3_checkpoint(path)
+    for rank, result in enumerate(world2[0]):
+        got = result["k3/ep2"]
+        with torch.no_grad():
+            want = reference(input_ids=case["batches"][rank]).logits
+        err = _rel(got["logits"], want)
+        assert err <= TOL, f"rank {rank}: logits rel err {err:.2e} vs load_k3_checkpoint's model"
+        first = 4 * rank
+        assert set(got["local"].values()) == {(first, first + 4)}, got["local"]
+        own = {k for k in expert_sizes if first <= int(k.split(".experts.")[1].split(".")[0]) < first + 4}
+        assert len(own) == 3 * 3 * 4, "premise: 3 MoE layers x w1/w2/w3 x 4 local experts"
+        assert got["read"]["expert_names"] == own, sorted(got["read"]["expert_names"] ^ own)[:4]
+        elements = sum(torch.Size(expert_sizes[k]).numel() for k in own)
+        assert got["read"]["expert_elements"] == elements == got["stats"]["expert_elements"]
+
+
+def test_k3_load_lists_missing_and_unknown_tensors_in_one_error(world2):
+    got = world2[0][0]["k3/ep2"]["broken_error"]
+    assert got is not None and got.startswith("checkpoint: 1 tensors of the model are missing"), got
+    assert "model.layers.2.block_sparse_moe.experts.5.w2.weight" in got, got
+    assert "1 tensors the model does not have: ['model.layers.2.block_sparse_moe.experts.8.w1.weight']" in got, got
