@@ -48,16 +48,22 @@ def _ours(hidden, heads, head_dim, experts, top_k, width, vocab, **_):
     return MoEPluginForCausalLM(config)
 
 
-def _kimi_linear(hidden, heads, head_dim, experts, top_k, width, vocab, **_):
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM
-
-    config = KimiLinearConfig(
+def _peer_config(hidden, heads, head_dim, top_k, width, vocab):
+    """The keys KimiLinear and Glm5Next spell alike, at the benchmark's shape (their expert-count key differs)."""
+    return dict(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=4, layer_types=LAYER_TYPES,
         mlp_layer_types=["sparse"] * 4, num_attention_heads=heads, num_key_value_heads=heads,
         linear_num_heads=heads, linear_head_dim=head_dim, q_lora_rank=64, kv_lora_rank=64,
-        qk_nope_head_dim=head_dim, qk_rope_head_dim=0, v_head_dim=head_dim, num_local_experts=experts,
-        num_experts_per_tok=top_k, n_shared_experts=1, moe_intermediate_size=width, n_group=1, topk_group=1,
-        routed_scaling_factor=1.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        qk_nope_head_dim=head_dim, qk_rope_head_dim=0, v_head_dim=head_dim, num_experts_per_tok=top_k,
+        n_shared_experts=1, moe_intermediate_size=width, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        pad_token_id=0)
+
+
+def _kimi_linear(hidden, heads, head_dim, experts, top_k, width, vocab, **_):
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    config = KimiLinearConfig(**_peer_config(hidden, heads, head_dim, top_k, width, vocab),
+                              num_local_experts=experts, bos_token_id=1, eos_token_id=2)
     return KimiLinearForCausalLM(config)
 
 
@@ -80,13 +86,8 @@ def _glm5_next(hidden, heads, head_dim, experts, top_k, width, vocab, **_):
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
 
-    config = Glm5NextTextConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=4, layer_types=LAYER_TYPES,
-        mlp_layer_types=["sparse"] * 4, num_attention_heads=heads, num_key_value_heads=heads,
-        linear_num_heads=heads, linear_head_dim=head_dim, q_lora_rank=64, kv_lora_rank=64,
-        qk_nope_head_dim=head_dim, qk_rope_head_dim=0, v_head_dim=head_dim, n_routed_experts=experts,
-        num_experts_per_tok=top_k, n_shared_experts=1, moe_intermediate_size=width, n_group=1, topk_group=1,
-        routed_scaling_factor=1.0, index_n_heads=heads, index_head_dim=head_dim, hc_mult=1, pad_token_id=0)
+    config = Glm5NextTextConfig(**_peer_config(hidden, heads, head_dim, top_k, width, vocab),
+                                n_routed_experts=experts, index_n_heads=heads, index_head_dim=head_dim, hc_mult=1)
     return _Glm5NextWithHead(Glm5NextTextModel(config), hidden, vocab)
 
 

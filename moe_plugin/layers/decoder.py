@@ -74,13 +74,11 @@ class DecoderLayer(nn.Module):
         aux = LayerAux()
         x = stream.read(*self._res_point("self_attention"))
         h = self.input_layernorm(x)
-        if self.attention_type == "kda":
-            out = self.self_attn(h, cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
-        elif return_indexer_loss:
-            out, aux.indexer_loss = self.self_attn(h, cu_seqlens=cu_seqlens, cache=cache, return_indexer_loss=True,
-                                                   token_mask=token_mask)
+        attn_kwargs = dict(cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
+        if return_indexer_loss and self.attention_type == "mla":  # only MLA layers have an indexer
+            out, aux.indexer_loss = self.self_attn(h, return_indexer_loss=True, **attn_kwargs)
         else:
-            out = self.self_attn(h, cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
+            out = self.self_attn(h, **attn_kwargs)
         stream.add(out)
 
         x = stream.read(*self._res_point("mlp"))
