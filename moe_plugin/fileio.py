@@ -48,3 +48,30 @@ def write_json_atomic(path: str | os.PathLike, value: Any) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+SAFETENSORS_SINGLE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_weight_map(path: str | os.PathLike) -> dict:
+    """``{tensor name: shard file path}`` of a checkpoint directory: ``model.safetensors.index.json`` with its
+    shards, or a single ``model.safetensors``. ValueError (naming ``path``) if neither is there or the index
+    lists shard files that are missing."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = {name: os.path.join(path, file) for name, file in json.load(f)["weight_map"].items()}
+        absent = sorted({file for file in weight_map.values() if not os.path.isfile(file)})
+        if absent:
+            raise ValueError(f"path: {SAFETENSORS_INDEX} lists shard files that are not in {path}: "
+                             f"{[os.path.basename(f) for f in absent][:10]}")
+        return weight_map
+    single = os.path.join(path, SAFETENSORS_SINGLE)
+    if not os.path.isfile(single):
+        raise ValueError(f"path: {path} holds neither {SAFETENSORS_INDEX} nor {SAFETENSORS_SINGLE}")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}

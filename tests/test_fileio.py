@@ -55,3 +55,13 @@ def test_k3_resave_with_fewer_shards_loads_the_new_weights(tmp_path):
     loaded = load_k3_checkpoint(tmp_path / "k3")
     for (name, a), b in zip(second.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_weight_map_names_the_path_when_there_is_no_checkpoint(tmp_path):
+    from moe_plugin.fileio import safetensors_weight_map
+
+    with pytest.raises(ValueError, match="^path: .* holds neither"):
+        safetensors_weight_map(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "shard-1.safetensors"}}))
+    with pytest.raises(ValueError, match=r"^path: .*shard-1\.safetensors"):
+        safetensors_weight_map(tmp_path)

@@ -16,8 +16,6 @@ adapters have ``lora.load_hf_adapter_state`` / ``adapter_state_to_hf``).
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -28,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import ModelConfig, require
+from ..fileio import safetensors_weight_map
 from ..models.k3_format import (TEXT_PREFIX, VISION_PREFIXES, is_indexer_tensor, k3_tensor_names, strip_text_prefix,
                                 tensor_from_k3)
 
@@ -122,17 +121,6 @@ class LoadStats:
     ignored: List[str] = field(default_factory=list)  # checkpoint tensors outside the text model
 
 
-def _weight_map(path: str) -> Dict[str, str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-    single = os.path.join(path, "model.safetensors")
-    require(os.path.exists(single), "path", f"{path!r} holds neither model.safetensors.index.json nor model.safetensors")
-    with safe_open(single, framework="pt") as f:
-        return {k: single for k in f.keys()}
-
-
 def base_name(name: str) -> str:
     """A model entry's name without peft's ``base_layer.`` segments: ``...mlp.experts.base_layer.base_layer.w1``
     -> ``...mlp.experts.w1`` (what the name was before ``add_lora``)."""
@@ -156,7 +144,7 @@ def load_hf_checkpoint(model: nn.Module, path: str, config: ModelConfig, strict:
     ValueError (vision-side tensors are ignored). Missing or misshapen tensors always raise ValueError.
     """
     require(isinstance(config, ModelConfig), "config", f"must be a ModelConfig, got {type(config).__name__}")
-    weight_map = _weight_map(path)
+    weight_map = safetensors_weight_map(path)
     ranges = expert_ranges(model)
     targets = _model_entries(model)
     wanted: Dict[str, Dict[str, str]] = {}  # shard file -> {hf name: megatron name}
@@ -237,7 +225,7 @@ def load_k3_checkpoint_per_rank(model: nn.Module, path: str, config: ModelConfig
     ValueError listing both; a tensor whose shape differs from the model's raises ValueError naming it.
     """
     require(isinstance(config, ModelConfig), "config", f"must be a ModelConfig, got {type(config).__name__}")
-    weight_map = _weight_map(path)
+    weight_map = safetensors_weight_map(path)
     reads, missing, unknown, prefix = _k3_plan(model, config, weight_map)
     problems = [f"{len(missing)} tensors of the model are missing: {missing[:10]}"] if missing else []
     if strict and unknown:

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.utils.hub import convert_file_size_to_int
 
-from ..fileio import atomic_directory
+from ..fileio import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, atomic_directory, safetensors_weight_map
 from .configuration import MoEPluginConfig
 from .k3_config import config_from_k3, config_to_k3
 from .modeling import MoEPluginForCausalLM
@@ -51,8 +51,7 @@ A_LOG_PAD_MULTIPLE = 128  # K3: 96 heads stored as 128 entries
 TEXT_PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 CONFIG_NAME = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+
 LISTED = 20  # names shown per category in an error
 
 _EXPERT_K3 = re.compile(r"^(?P<prefix>.*\.block_sparse_moe\.experts)\.(?P<index>\d+)\.(?P<kind>w[123])\.weight$")
@@ -256,29 +255,18 @@ def state_dict_to_k3(state_dict: Mapping[str, torch.Tensor], config: MoEPluginCo
 
 
 def _read_tensors(path: str) -> Dict[str, torch.Tensor]:
-    index_path = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map: Mapping[str, str] = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-        absent = [name for name in files if not os.path.isfile(os.path.join(path, name))]
-        if absent:
-            raise ValueError(f"path: {INDEX_FILE} lists shard files that are not in {path}: {absent[:LISTED]}")
-    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
-        weight_map, files = {}, [SINGLE_FILE]
-    else:
-        raise ValueError(f"path: {path} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+    weight_map = safetensors_weight_map(path)
     tensors: Dict[str, torch.Tensor] = {}
-    for file_name in files:
-        with safe_open(os.path.join(path, file_name), framework="pt") as shard:
+    for file_path in sorted(set(weight_map.values())):
+        with safe_open(file_path, framework="pt") as shard:
             for name in shard.keys():
-                if weight_map and weight_map.get(name) != file_name:
-                    raise ValueError(f"path: tensor {name} is in {file_name} but {INDEX_FILE} maps it to "
-                                     f"{weight_map.get(name)}")
+                if weight_map.get(name) != file_path:
+                    raise ValueError(f"path: tensor {name} is in {os.path.basename(file_path)} but {SAFETENSORS_INDEX} "
+                                     f"maps it to {weight_map.get(name)}")
                 tensors[name] = shard.get_tensor(name)
     not_found = sorted(set(weight_map) - set(tensors))
     if not_found:
-        raise ValueError(f"path: {INDEX_FILE} lists tensors no shard holds: " + _listing("absent", not_found))
+        raise ValueError(f"path: {SAFETENSORS_INDEX} lists tensors no shard holds: " + _listing("absent", not_found))
     return tensors
 
 
@@ -348,7 +336,7 @@ def _write_k3_checkpoint(model: nn.Module, path: str, max_shard_size: Union[int,
     written = [CONFIG_NAME]
     weight_map: Dict[str, str] = {}
     for number, shard in enumerate(shards, start=1):
-        file_name = SINGLE_FILE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        file_name = SAFETENSORS_SINGLE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         # clone: safetensors refuses tensors that share storage, as the per-expert views do
         save_file({name: t.contiguous().clone() for name, t in shard}, os.path.join(path, file_name),
                   metadata={"format": "pt"})
@@ -356,7 +344,7 @@ def _write_k3_checkpoint(model: nn.Module, path: str, max_shard_size: Union[int,
         written.append(file_name)
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for _, t in items)
-        with open(os.path.join(path, INDEX_FILE), "w") as f:
+        with open(os.path.join(path, SAFETENSORS_INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-        written.append(INDEX_FILE)
+        written.append(SAFETENSORS_INDEX)
     return written
