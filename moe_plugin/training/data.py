@@ -1,26 +1,86 @@
-"""Training data without downloads: generated arithmetic, or a local JSONL file, packed into rows.
+"""Training data without downloads: generated arithmetic, plain text or chat (SFT) files, packed into rows.
 
-Documents are tokenized (``<|bos|> text <|eos|>``), concatenated and cut into windows of ``seq_len``
-tokens; each window remembers where its documents start, so the model resets its state there
-(``cu_seqlens``) and the loss skips predictions across documents.
+Every source becomes a list of ``Example`` (token ids plus labels, -100 where no loss is wanted). Labels
+follow the Hugging Face convention of ``moe_plugin.models.inputs.causal_lm_loss``: the input's shape, not
+shifted (position t is scored against label t + 1). ``pack_examples`` places whole examples into rows of
+exactly ``seq_len`` tokens, recording each example's boundaries in ``cu_seqlens`` so that the model resets
+its state there and the loss skips predictions across examples. ``StepBatches`` hands every data-parallel
+rank its share of each optimizer step, deterministically and resumably.
+
+Files: ``.jsonl`` is read line by line (errors name the file and the 1-based line); ``.parquet``, ``.csv``
+and ``.json`` go through ``datasets.load_dataset`` (errors name the file and the 1-based row).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
-from typing import Iterator, List, Tuple
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
+from ..config import require
 
 _OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+_ROLES = ("system", "user", "assistant")
+_DATASETS_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}
+IGNORE = -100
 
+
+@dataclass
+class Example:
+    """One tokenized document: ``input_ids`` and ``labels`` of the same length, labels -100 where untrained."""
+
+    input_ids: List[int]
+    labels: List[int]
+
+    def __post_init__(self):
+        require(len(self.input_ids) == len(self.labels) > 0, "Example.labels",
+                f"must be as long as input_ids and non-empty, got {len(self.labels)} labels for "
+                f"{len(self.input_ids)} ids")
+
+
+@dataclass
+class Row:
+    """One training row: ``input_ids``/``labels`` ``[seq_len]``; ``cu_seqlens`` ``[n+1]`` from 0 to seq_len,
+    the tail padding (if any) its own last segment."""
+
+    input_ids: torch.LongTensor
+    labels: torch.LongTensor
+    cu_seqlens: torch.LongTensor
+
+
+@dataclass
+class MicroBatch:
+    """Rows concatenated into one packed row: ``input_ids``/``labels`` ``[1, rows * seq_len]``,
+    ``cu_seqlens`` ``[n+1]``."""
+
+    input_ids: torch.LongTensor
+    labels: torch.LongTensor
+    cu_seqlens: torch.LongTensor
+
+
+def _default_tokenizer(tokenizer):
+    if tokenizer is not None:
+        return tokenizer
+    from ..models.tokenizer import ByteTokenizer  # imported late: transformers is slow to import
+    return ByteTokenizer()
+
+
+def _encode(tokenizer, text: str) -> List[int]:
+    # the callers add bos/eos (or the chat template does): nothing may be added twice
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+# ----------------------------------------------------------------------------------------------- sources
 
 def arithmetic_documents(count: int, seed: int = 0, operation: str = "+") -> List[str]:
     """Short questions on two-digit numbers: learnable by a tiny model, so a falling loss means something."""
-    if operation not in _OPERATIONS:
-        raise ValueError(f"operation: expected one of {sorted(_OPERATIONS)}, got {operation!r}")
+    require(operation in _OPERATIONS, "data.operation", f"expected one of {sorted(_OPERATIONS)}, got {operation!r}")
     rng = random.Random(seed)
     docs = []
     for _ in range(count):
@@ -29,50 +89,314 @@ def arithmetic_documents(count: int, seed: int = 0, operation: str = "+") -> Lis
     return docs
 
 
-def jsonl_documents(path: str) -> List[str]:
-    docs = []
-    with open(path) as f:
+def _document_example(tokenizer, text: str) -> Example:
+    ids = [tokenizer.bos_token_id] + _encode(tokenizer, text) + [tokenizer.eos_token_id]
+    return Example(ids, list(ids))
+
+
+def arithmetic_examples(count: int, seed: int = 0, operation: str = "+", tokenizer=None) -> List[Example]:
+    """``<|bos|>Q: a - b = ? A: c.<|eos|>`` per document, loss on every token."""
+    tokenizer = _default_tokenizer(tokenizer)
+    return [_document_example(tokenizer, doc) for doc in arithmetic_documents(count, seed, operation)]
+
+
+def _records(path: str) -> Iterator[Tuple[str, object]]:
+    """(where, record) per record of ``path``; ``where`` names the file and the 1-based line or row."""
+    require(isinstance(path, str) and bool(path), "data.path", f"must name a data file, got {path!r}")
+    require(os.path.isfile(path), "data.path", f"no such file: {path}")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in _DATASETS_BUILDERS:
+        import datasets  # imported late: only these formats need it
+        table = datasets.load_dataset(_DATASETS_BUILDERS[suffix], data_files=path, split="train")
+        for row_no, record in enumerate(table, 1):
+            yield f"row {row_no} of {path}", record
+        return
+    require(suffix == ".jsonl", "data.path",
+            f"{path}: unsupported file type {suffix!r}; use .jsonl (one JSON object per line), .json, .csv "
+            f"or .parquet")
+    with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f"data.path: line {line_no} of {path} needs a string field 'text'")
-            docs.append(record["text"])
-    return docs
+            where = f"line {line_no} of {path}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"data.path: {where}: invalid JSON ({e.msg} at column {e.colno}); each line "
+                                 f"must be one JSON object") from None
+            yield where, record
 
 
-def pack_documents(token_docs: List[List[int]], seq_len: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """Concatenate documents and cut windows: a list of (ids ``[seq_len]``, cu_seqlens ``[n+1]``)."""
-    stream: List[int] = []
-    starts: List[int] = []
-    for doc in token_docs:
-        starts.append(len(stream))
-        stream.extend(doc)
-    windows = []
-    start_set = sorted(starts)
-    for begin in range(0, len(stream) - seq_len + 1, seq_len):
-        inside = [s - begin for s in start_set if begin < s < begin + seq_len]
-        cu = torch.tensor([0] + inside + [seq_len], dtype=torch.int64)
-        windows.append((torch.tensor(stream[begin:begin + seq_len], dtype=torch.int64), cu))
-    return windows
+def text_examples(path: str, tokenizer=None) -> List[Example]:
+    """One ``{"text": ...}`` record per document, tokenized as ``<|bos|> text <|eos|>``, loss on every token."""
+    tokenizer = _default_tokenizer(tokenizer)
+    examples = []
+    for where, record in _records(path):
+        require(isinstance(record, dict) and isinstance(record.get("text"), str), "data.path",
+                f"{where}: needs an object with a string field 'text', got {_describe(record)}")
+        examples.append(_document_example(tokenizer, record["text"]))
+    return examples
 
 
-def batches(windows: List[Tuple[torch.Tensor, torch.Tensor]], micro_batch_size: int, seed: int
-            ) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-    """Endless shuffled micro-batches, each packed into one row: (ids ``[1, B*seq_len]``, cu_seqlens)."""
-    if len(windows) < micro_batch_size:
-        raise ValueError(f"data: {len(windows)} windows are fewer than train.micro_batch_size "
-                         f"({micro_batch_size}); add documents or shorten data.seq_len")
-    rng = random.Random(seed)
-    order = list(range(len(windows)))
-    while True:
-        rng.shuffle(order)
-        for i in range(0, len(order) - micro_batch_size + 1, micro_batch_size):
-            chosen = [windows[j] for j in order[i:i + micro_batch_size]]
-            ids = torch.cat([w[0] for w in chosen]).unsqueeze(0)
-            offsets, cu = 0, [torch.zeros(1, dtype=torch.int64)]
-            for w_ids, w_cu in chosen:
-                cu.append(w_cu[1:] + offsets)
-                offsets += w_ids.numel()
-            yield ids, torch.cat(cu)
+def _describe(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _checked_messages(where: str, record) -> List[dict]:
+    """The record's messages, each ``{"role", "content"}`` with content a string or a list of text items."""
+    require(isinstance(record, dict), "data.path",
+            f"{where}: must be a JSON object with a 'messages' list, got {_describe(record)}")
+    messages = record.get("messages")
+    require(isinstance(messages, list) and len(messages) > 0, "data.path",
+            f"{where}: needs a non-empty 'messages' list, got {_describe(messages)}")
+    checked = []
+    for i, message in enumerate(messages):
+        at = f"{where}: messages[{i}]"
+        require(isinstance(message, dict) and "role" in message and "content" in message, "data.path",
+                f"{at} needs both 'role' and 'content', got {_describe(message)}")
+        role, content = message["role"], message["content"]
+        require(role in _ROLES, "data.path", f"{at}.role must be one of {list(_ROLES)}, got {role!r}")
+        if isinstance(content, list):
+            items = []
+            for j, item in enumerate(content):
+                kind = item.get("type") if isinstance(item, dict) else None
+                # Image items will pass through to the processor here once data.kind 'sft' takes images.
+                require(kind != "image", "data.path",
+                        f"{at}.content[{j}]: images are not supported by data.kind 'sft' yet; "
+                        f"keep only text items")
+                require(kind == "text" and isinstance(item.get("text"), str), "data.path",
+                        f"{at}.content[{j}] must be {{\"type\": \"text\", \"text\": <string>}}, "
+                        f"got {_describe(item)}")
+                items.append({"type": "text", "text": item["text"]})
+            content = items
+        else:
+            # datasets infers one column type for all rows and may coerce mixed contents (e.g. "2." to 2.0)
+            hint = ("; a file read through datasets needs the same content form (all strings or all lists) "
+                    "in every message, .jsonl has no such limit") if where.startswith("row ") else ""
+            require(isinstance(content, str), "data.path",
+                    f"{at}.content must be a string or a list of {{\"type\": \"text\", ...}} items, "
+                    f"got {_describe(content)}{hint}")
+        checked.append({"role": role, "content": content})
+    require(any(m["role"] == "assistant" for m in checked), "data.path",
+            f"{where}: has no assistant turn, so nothing would be trained; add an assistant message")
+    return checked
+
+
+def _render(tokenizer, messages: List[dict], add_generation_prompt: bool = False) -> List[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return _encode(tokenizer, text)
+
+
+def chat_example(messages: List[dict], tokenizer=None, where: str = "messages") -> Example:
+    """The chat rendered with the tokenizer's template, loss only on each assistant turn's content and its
+    closing ``<|im_end|>``.
+
+    The spans come from rendering prefixes of the conversation: turn i's content starts after the rendering
+    of ``messages[:i]`` with the generation prompt and ends with the rendering of ``messages[:i+1]``, less
+    what the template writes after ``<|im_end|>``. A template whose prefixes do not render as prefixes of
+    the whole conversation cannot be masked this way and raises a ValueError.
+    """
+    tokenizer = _default_tokenizer(tokenizer)
+    ids = _render(tokenizer, messages)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    labels = [IGNORE] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        through = _render(tokenizer, messages[:i + 1])
+        require(ids[:len(before)] == before and ids[:len(through)] == through, "data.path",
+                f"{where}: the chat template does not render a prefix of the conversation as a prefix of the "
+                f"whole, so the assistant turns cannot be located; use a ChatML-like template")
+        span = through[len(before):]
+        # the turn ends at its last <|im_end|>; the newline the template writes after it is not trained
+        end = len(before) + (len(span) - span[::-1].index(im_end) if im_end in span else len(span))
+        labels[len(before):end] = ids[len(before):end]
+    return Example(ids, labels)
+
+
+def sft_examples(path: str, tokenizer=None) -> List[Example]:
+    """One ``{"messages": [{"role", "content"}, ...]}`` conversation per record, loss only on assistant turns."""
+    tokenizer = _default_tokenizer(tokenizer)
+    return [chat_example(_checked_messages(where, record), tokenizer, where) for where, record in _records(path)]
+
+
+# ------------------------------------------------------------------------------------------------- split
+
+def _held_out_score(example: Example) -> float:
+    """A number in [0, 1) fixed by the example's content alone, so the split survives reordered or added lines."""
+    content = ",".join(map(str, example.input_ids)) + "|" + ",".join(map(str, example.labels))
+    return int.from_bytes(hashlib.blake2b(content.encode(), digest_size=8).digest(), "big") / 2.0 ** 64
+
+
+def split_examples(examples: List[Example], eval_fraction: float) -> Tuple[List[Example], List[Example]]:
+    """(train, held_out): an example is held out when its content hash falls below ``eval_fraction``, so about
+    that fraction is held out and identical examples always land on the same side."""
+    require(isinstance(eval_fraction, (int, float)) and 0 <= eval_fraction <= 0.5, "data.eval_fraction",
+            f"must be a number in [0, 0.5], got {eval_fraction!r}")
+    train, held_out = [], []
+    for example in examples:
+        (held_out if _held_out_score(example) < eval_fraction else train).append(example)
+    return train, held_out
+
+
+def load_examples(section, seed: int = 0, tokenizer=None) -> Tuple[List[Example], List[Example]]:
+    """(train, held_out) examples for the recipe's data section (duck-typed: ``kind``, ``path``, ``operation``,
+    ``num_documents``, ``eval_fraction``); ``seed`` draws the arithmetic questions."""
+    kind = section.kind
+    if kind == "arithmetic":
+        examples = arithmetic_examples(section.num_documents, seed, section.operation, tokenizer)
+    elif kind in ("sft", "text"):
+        require(bool(section.path), "data.path", f"is required when data.kind is {kind!r}")
+        examples = (sft_examples if kind == "sft" else text_examples)(section.path, tokenizer)
+    else:
+        raise ValueError(f"data.kind: must be 'arithmetic', 'sft' or 'text', got {kind!r}")
+    require(len(examples) > 0, "data.num_documents" if kind == "arithmetic" else "data.path",
+            f"must be positive to generate examples, got {section.num_documents}" if kind == "arithmetic"
+            else f"{section.path} holds no examples; add records")
+    fraction = getattr(section, "eval_fraction", 0.0)
+    train, held_out = split_examples(examples, fraction)
+    require(len(train) > 0, "data.eval_fraction", f"{fraction} holds out all {len(examples)} examples; lower it")
+    require(fraction == 0 or len(held_out) > 0, "data.eval_fraction",
+            f"{fraction} of {len(examples)} examples selects none for the held-out split; raise it, add "
+            f"examples, or set it to 0")
+    return train, held_out
+
+
+# ------------------------------------------------------------------------------------------------ packing
+
+def label_token_count(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> int:
+    """The label tokens ``causal_lm_loss`` scores in a packed row: labels ``[T]`` or ``[1, T]`` other than
+    -100, excluding each segment's first position (no prediction reaches it)."""
+    flat = labels.reshape(-1)
+    scored = flat != IGNORE
+    scored[cu_seqlens[:-1]] = False
+    return int(scored.sum())
+
+
+def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_id: int = 256) -> List[Row]:
+    """Rows of exactly ``seq_len`` tokens: whole examples placed greedily into the first row with room (in
+    order), or one example per row with ``pack=False``; the rest is ``pad_id`` with labels -100 and forms
+    the last segment, so no real token attends to it. An example longer than ``seq_len`` is cut to it (one
+    warning with the count). ``pad_id`` defaults to the byte tokenizer's ``<|pad|>``."""
+    require(isinstance(seq_len, int) and seq_len > 1, "data.seq_len", f"must be an integer > 1, got {seq_len!r}")
+    bins: List[List[Example]] = []
+    room: List[int] = []
+    truncated = 0
+    for example in examples:
+        if len(example.input_ids) > seq_len:
+            truncated += 1
+            example = Example(example.input_ids[:seq_len], example.labels[:seq_len])
+        size = len(example.input_ids)
+        target = next((i for i, free in enumerate(room) if free >= size), None) if pack else None
+        if target is None:
+            bins.append([])
+            room.append(seq_len)
+            target = len(bins) - 1
+        bins[target].append(example)
+        room[target] -= size
+    if truncated:
+        warnings.warn(f"data.seq_len: {truncated} of {len(examples)} examples are longer than {seq_len} tokens "
+                      f"and were truncated to it; raise data.seq_len to keep them whole")
+    rows = []
+    for members, free in zip(bins, room):
+        ids = [t for e in members for t in e.input_ids] + [pad_id] * free
+        labels = [t for e in members for t in e.labels] + [IGNORE] * free
+        bounds = [0]
+        for e in members:
+            bounds.append(bounds[-1] + len(e.input_ids))
+        if free:
+            bounds.append(seq_len)
+        rows.append(Row(torch.tensor(ids, dtype=torch.int64), torch.tensor(labels, dtype=torch.int64),
+                        torch.tensor(bounds, dtype=torch.int64)))
+    return rows
+
+
+def _micro_batch(rows: List[Row]) -> MicroBatch:
+    """Rows ``[seq_len]`` each -> one packed row ``[1, len(rows) * seq_len]`` with shifted boundaries."""
+    cu, offset = [torch.zeros(1, dtype=torch.int64)], 0
+    for row in rows:
+        cu.append(row.cu_seqlens[1:] + offset)
+        offset += row.input_ids.numel()
+    return MicroBatch(torch.cat([r.input_ids for r in rows]).unsqueeze(0),
+                      torch.cat([r.labels for r in rows]).unsqueeze(0), torch.cat(cu))
+
+
+class StepBatches:
+    """Each data-parallel rank's micro-batches of every optimizer step, with no communication.
+
+    A step takes ``dp_size * accumulation * micro_batch_size`` rows from a shuffle of all rows (seeded with
+    ``seed + epoch``, a new shuffle each epoch; rows left over at an epoch's end wait for the next shuffle).
+    Micro-batch m of rank r holds the step's rows ``[(m * dp_size + r) * mb, +mb)``, so micro-batch m of all
+    ranks together is micro-batch m of one process with ``dp_size * mb`` rows: the same rows per step, and
+    the loss (a sum over tokens divided by the step's count) does not depend on the layout. Every rank keeps
+    its own instance, built with the same arguments, and calls ``next_step`` once per step.
+    """
+
+    def __init__(self, rows: List[Row], micro_batch_size: int, accumulation: int, dp_size: int, seed: int):
+        for name, value in (("train.micro_batch_size", micro_batch_size),
+                            ("train.gradient_accumulation", accumulation), ("parallel.dp_size", dp_size)):
+            require(isinstance(value, int) and value > 0, name, f"must be a positive integer, got {value!r}")
+        self.rows, self.seed = rows, seed
+        self.micro_batch_size, self.accumulation, self.dp_size = micro_batch_size, accumulation, dp_size
+        self.rows_per_step = dp_size * accumulation * micro_batch_size
+        require(len(rows) >= self.rows_per_step, "train.micro_batch_size",
+                f"a step takes dp_size * accumulation * micro_batch_size = {self.rows_per_step} rows but the "
+                f"data has only {len(rows)}; add examples, shorten data.seq_len or take smaller steps")
+        self._row_tokens = [label_token_count(r.labels, r.cu_seqlens) for r in rows]
+        self.epoch, self.index = 0, 0
+        self._order = self._shuffle(0)
+
+    def _shuffle(self, epoch: int) -> List[int]:
+        order = list(range(len(self.rows)))
+        random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def next_step(self, dp_rank: int) -> Tuple[List[MicroBatch], int]:
+        """This rank's ``accumulation`` micro-batches of the next step, and the label tokens of the whole step
+        (all ranks, all micro-batches: what ``causal_lm_loss`` counts), for ``num_items_in_batch``."""
+        require(isinstance(dp_rank, int) and 0 <= dp_rank < self.dp_size, "dp_rank",
+                f"must be in [0, {self.dp_size}), got {dp_rank!r}")
+        if self.index + self.rows_per_step > len(self.rows):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._shuffle(self.epoch)
+        step = self._order[self.index:self.index + self.rows_per_step]
+        self.index += self.rows_per_step
+        mb = self.micro_batch_size
+        micro_batches = []
+        for m in range(self.accumulation):
+            first = (m * self.dp_size + dp_rank) * mb
+            micro_batches.append(_micro_batch([self.rows[i] for i in step[first:first + mb]]))
+        return micro_batches, sum(self._row_tokens[i] for i in step)
+
+    def state_dict(self) -> dict:
+        """Where the next step starts (JSON-serialisable), with what it must be resumed on."""
+        return {"epoch": self.epoch, "index": self.index, "num_rows": len(self.rows), "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume exactly where ``state_dict`` was taken; a state from other data raises a ValueError."""
+        require(isinstance(state, dict) and all(isinstance(state.get(k), int) for k in
+                                                ("epoch", "index", "num_rows", "seed")),
+                "data state", f"needs integer 'epoch', 'index', 'num_rows' and 'seed', got {_describe(state)}")
+        require(state["num_rows"] == len(self.rows), "data state",
+                f"was saved with {state['num_rows']} rows but this run has {len(self.rows)}; resume with the "
+                f"same data, data.seq_len and data.pack")
+        require(state["seed"] == self.seed, "data state",
+                f"was saved with seed {state['seed']} but this run has {self.seed}; resume with the same seed")
+        require(state["epoch"] >= 0 and 0 <= state["index"] <= len(self.rows), "data state",
+                f"epoch {state['epoch']}, index {state['index']} is not a position in {len(self.rows)} rows")
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._shuffle(self.epoch)
+
+
+def eval_batches(rows: List[Row], micro_batch_size: int, count: Optional[int] = None) -> List[MicroBatch]:
+    """The first ``count`` (default: all) micro-batches of ``rows`` in order, the last possibly shorter."""
+    require(isinstance(micro_batch_size, int) and micro_batch_size > 0, "train.micro_batch_size",
+            f"must be a positive integer, got {micro_batch_size!r}")
+    require(count is None or (isinstance(count, int) and count >= 0), "eval batch count",
+            f"must be a non-negative integer, got {count!r}")
+    starts = range(0, len(rows), micro_batch_size)
+    if count is not None:
+        starts = starts[:count]
+    return [_micro_batch(rows[s:s + micro_batch_size]) for s in starts]
