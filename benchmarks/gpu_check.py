@@ -109,14 +109,13 @@ def check_moe(lines: List[str]) -> None:
 
 def check_training_step(lines: List[str]) -> None:
     from moe_plugin import MoEPluginForCausalLM, preset_config
-    from moe_plugin.training.lora import apply_lora
-    from moe_plugin.training.recipe import LoraSection
+    from moe_plugin.lora import add_lora, lora_config
 
     cfg = preset_config("tiny", hidden_size=1024, linear_attn_config=dict(num_heads=8, head_dim=128),
                         num_attention_heads=8, num_experts=64, num_experts_per_token=8,
                         moe_intermediate_size=512, routed_expert_hidden_size=512, intermediate_size=4096,
                         vocab_size=32768, index_topk=1024, vision_config=None, image_token_id=None)
-    model = apply_lora(MoEPluginForCausalLM(cfg), LoraSection()).cuda()
+    model = add_lora(MoEPluginForCausalLM(cfg), lora_config(), wrap=True).cuda()
     ids = torch.randint(0, 32768, (1, 8192), device="cuda")
     cu = torch.tensor([0, 2048, 4096, 8192], device="cuda")
 

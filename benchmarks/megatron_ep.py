@@ -45,7 +45,7 @@ def model_config(shape: Dict[str, int]):
 
 def train_worker(shape: Dict[str, int], ep: int, threads: int, iters: int = 3, seed: int = 0) -> dict:
     """Rank code: seconds per LoRA training step of this layout (after one warm-up step), and the last loss."""
-    from moe_plugin.megatron.lora import add_lora
+    from moe_plugin.lora import add_lora, lora_config
     from moe_plugin.megatron.specs import build_gpt_model
     from moe_plugin.parallel.distributed import initialize_megatron
     from moe_plugin.parallel.grad_reduce import reduce_gradients
@@ -55,7 +55,7 @@ def train_worker(shape: Dict[str, int], ep: int, threads: int, iters: int = 3, s
     config = model_config(shape)
     torch.manual_seed(seed)  # same non-expert weights on every rank
     model = build_gpt_model(config)
-    add_lora(model, 8, 16, **LORA_TARGETS)
+    add_lora(model, lora_config(8, 16, **LORA_TARGETS))
     adapters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(adapters, lr=1e-3)
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -127,11 +127,10 @@ def train_step(model_name: str = "ours", mode: str = "full", seed: int = 0, **sh
 def tiny_lora_step(seq: int = 256):
     """``setup``: one LoRA training step (seed targets) of the ``tiny`` preset on ``seq`` tokens."""
     import moe_plugin
-    from moe_plugin.training.lora import apply_lora
-    from moe_plugin.training.recipe import LoraSection
+    from moe_plugin.lora import add_lora, lora_config
 
     torch.manual_seed(0)
-    model = apply_lora(moe_plugin.MoEPluginForCausalLM(moe_plugin.preset_config("tiny")), LoraSection())
+    model = add_lora(moe_plugin.MoEPluginForCausalLM(moe_plugin.preset_config("tiny")), lora_config(), wrap=True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     ids = torch.randint(0, 256, (1, seq))
 

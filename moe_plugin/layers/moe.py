@@ -131,7 +131,8 @@ class StackedExperts(nn.Module):
                            beta=self.situ_beta, linear_beta=self.situ_linear_beta)
 
     def extra_repr(self) -> str:
-        e, f, dim = self.w1.shape
+        # a ZeRO-3 partitioned parameter's own shape is (0,): its full shape is ds_shape
+        e, f, dim = getattr(self.w1, "ds_shape", self.w1.shape)
         return f"num_experts={e}, dim={dim}, intermediate={f}, activation={self.activation!r}"
 
 

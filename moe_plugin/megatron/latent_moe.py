@@ -30,11 +30,12 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import get_pg_rank
+from megatron.core.utils import get_pg_rank, get_pg_size
 
 from ..config import MoEConfig, require
 from ..layers.mlp import GLUMLP
 from ..layers.moe import LatentMoEMixin, MoERouter, StackedExperts, expert_load
+from ..parallel.zero3_ep import tag_expert_parameter
 
 # megatron routing/balancing options that LatentMoELayer's route never reads: each must keep its default, and
 # the MoEConfig field (or mechanism) that does the job instead is named in the error.
@@ -118,16 +119,21 @@ class MegatronStackedExperts(StackedExperts):
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, moe: MoEConfig,
                  pg_collection: Optional[ProcessGroupCollection] = None):
-        ep_group = pg_collection.ep if pg_collection is not None else parallel_state.get_expert_model_parallel_group()
+        if pg_collection is not None:
+            ep_group, expert_dp_group = pg_collection.ep, pg_collection.expt_dp
+        else:
+            ep_group = parallel_state.get_expert_model_parallel_group()
+            expert_dp_group = parallel_state.get_expert_data_parallel_group()
         seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
         super().__init__(num_local_experts, moe.expert_dim, moe.expert_intermediate_size, moe.activation,
                          moe.situ_beta, moe.situ_linear_beta, dtype=config.params_dtype,
                          device=_param_device(config), seed=seed,
                          first_expert=get_pg_rank(ep_group) * num_local_experts)
         for p in self.parameters():
-            # megatron's mark for expert parameters: its DDP reduces their gradients over the
-            # expert-data-parallel group instead of the whole data-parallel group.
-            p.allreduce = False
+            # megatron's mark for expert parameters (its DDP reduces their gradients over the
+            # expert-data-parallel group), and ZeRO-3's placement within that group: set here, inside
+            # __init__, so that deepspeed.zero.Init partitions them within their group as they are built
+            tag_expert_parameter(p, get_pg_size(ep_group), expert_dp_group)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         """tokens: ``[M, L]`` grouped by local expert; tokens_per_expert: ``[E_local]``; probs: ``[M]``.

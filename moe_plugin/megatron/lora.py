@@ -1,10 +1,7 @@
-"""LoRA adapters on the megatron model (and, identically, on the Hugging Face model) through peft.
+"""LoRA adapter state of the megatron model under Hugging Face names, per expert-parallel rank.
 
-peft's megatron path (``LoraConfig(megatron_config=...)`` on Column/RowParallelLinear) is broken in peft 0.21
-(see CPU-NOTES), and it is not needed: the adapted modules are the single-device layers, i.e. plain
-``nn.Linear`` (``q_proj``, ``k_proj``, the router ``gate``) and the stacked expert parameters
-(``experts.w1/w2/w3``, peft ``target_parameters``: one adapter per expert, stacked). ``add_lora`` injects in
-place, so parameter names keep the model's own prefixes and map through ``weights.NAME_TABLE``.
+Adapters are added by the project's one LoRA entry point, ``moe_plugin.lora.add_lora`` (in place on the
+megatron model, so parameter names keep the model's own prefixes and map through ``weights.NAME_TABLE``).
 
 Expert adapters follow megatron's convention for expert parameters: ``allreduce = False``, so their gradients
 are reduced over the expert-data-parallel group (``moe_plugin.parallel.grad_reduce``). On an EP rank they hold
@@ -15,57 +12,19 @@ only the local experts' adapters; peft stacks them as ``lora_A [r * E, in]`` (ex
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable
+from typing import Dict
 
 import torch
 import torch.distributed as dist
-from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from ..config import ModelConfig, require
-from ..layers.moe import StackedExperts
 from .weights import expert_ranges, hf_to_megatron_name, megatron_to_hf_name
 
-__all__ = ["add_lora", "mark_expert_adapters", "expert_adapter_parameters", "slice_expert_adapter",
-           "load_hf_adapter_state", "adapter_state_to_hf"]
+__all__ = ["expert_adapter_parameters", "slice_expert_adapter", "load_hf_adapter_state", "adapter_state_to_hf"]
 
 _EXPERT_ADAPTER = re.compile(r"(?:^|\.)experts\.(?:base_layer\.)*lora_([AB])\.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def add_lora(model: nn.Module, r: int, alpha: float, target_modules: Iterable[str] = ("q_proj", "k_proj", "gate"),
-             target_parameters: Iterable[str] = ()) -> nn.Module:
-    """Inject peft LoRA adapters into ``model`` in place (base frozen, adapters trainable); returns ``model``.
-
-    target_modules: ``nn.Linear`` names (K3's, ARCHITECTURE.md 7); target_parameters: e.g. ``experts.w1``.
-    """
-    require(isinstance(r, int) and r > 0, "r", f"must be a positive integer, got {r!r}")
-    modules, params = list(target_modules), list(target_parameters)
-    require(modules or params, "target_modules", "name at least one module or parameter to adapt")
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules or None,
-                        target_parameters=params or None)
-    inject_adapter_in_model(config, model)
-    mark_expert_adapters(model)
-    return model
-
-
-def _innermost(module: nn.Module) -> nn.Module:
-    while hasattr(module, "base_layer"):
-        module = module.base_layer
-    return module
-
-
-def mark_expert_adapters(model: nn.Module) -> int:
-    """Set megatron's expert mark ``allreduce = False`` on every adapter parameter of a routed-expert stack;
-    returns how many were marked."""
-    marked = 0
-    for module in model.modules():
-        if hasattr(module, "lora_A") and isinstance(_innermost(module), StackedExperts):
-            for adapters in (module.lora_A, module.lora_B):
-                for p in adapters.parameters():
-                    p.allreduce = False
-                    marked += 1
-    return marked
 
 
 def expert_adapter_parameters(model: nn.Module) -> Dict[str, torch.Tensor]:

@@ -1,0 +1,80 @@
+"""The one LoRA entry point, for the Hugging Face model and the megatron-core model alike (through peft).
+
+The adapted modules are the single-device layers on both faces: plain ``nn.Linear`` (``q_proj``, ``k_proj``,
+the router ``gate``, ...) and the stacked routed experts (``experts.w1/w2/w3``, peft ``target_parameters``:
+one adapter per expert, stacked ``lora_A [r * E, in]``, ``lora_B [out, r * E]``). peft's own megatron path is
+not used (it is broken in peft 0.21, see docs/cpu.md) and not needed.
+
+Expert adapters carry megatron's expert mark ``allreduce = False`` like the experts themselves, so every
+gradient reduction (megatron's, ``moe_plugin.parallel.grad_reduce``, DeepSpeed ZeRO-3 through
+``moe_plugin.parallel.zero3_ep``) treats them as expert parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+from peft import LoraConfig, get_peft_model, inject_adapter_in_model
+from torch import nn
+
+from .config import require
+from .layers.moe import StackedExperts
+
+__all__ = ["SEED_TARGET_MODULES", "lora_config", "add_lora", "mark_expert_adapters", "count_parameters"]
+
+# The seed's LoRA targets: the attention query/key projections and the router.
+SEED_TARGET_MODULES = ("q_proj", "k_proj", "gate")
+
+
+def lora_config(r: int = 8, alpha: float = 16, target_modules: Iterable[str] = SEED_TARGET_MODULES,
+                target_parameters: Iterable[str] = (), dropout: float = 0.0) -> LoraConfig:
+    """peft's ``LoraConfig`` for these targets; ValueError naming the argument that cannot work."""
+    require(isinstance(r, int) and not isinstance(r, bool) and r > 0, "r", f"must be a positive integer, got {r!r}")
+    require(alpha > 0, "alpha", f"must be positive (0 makes the adapter a no-op), got {alpha!r}")
+    modules, params = list(target_modules), list(target_parameters)
+    require(bool(modules or params), "target_modules", "name at least one module or parameter to adapt")
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules or None,
+                      target_parameters=params or None)
+
+
+def add_lora(model: nn.Module, config: LoraConfig, wrap: bool = False):
+    """Put LoRA adapters on ``model`` (base frozen, adapters trainable) and mark the expert adapters.
+
+    wrap: return a peft ``PeftModel`` (what ``save_pretrained`` writes as a PEFT adapter directory; the
+    Hugging Face face); False injects in place and returns ``model`` itself, keeping parameter names and
+    module paths (the megatron face, whose names map through ``moe_plugin.megatron.weights``).
+    """
+    if wrap:
+        model = get_peft_model(model, config)
+    else:
+        inject_adapter_in_model(config, model)
+        for name, p in model.named_parameters():
+            p.requires_grad_(".lora_" in name)
+    mark_expert_adapters(model)
+    return model
+
+
+def _innermost(module: nn.Module) -> nn.Module:
+    while hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
+
+
+def mark_expert_adapters(model: nn.Module) -> int:
+    """Set megatron's expert mark ``allreduce = False`` on every adapter parameter of a routed-expert stack;
+    returns how many were marked."""
+    marked = 0
+    for module in model.modules():
+        if hasattr(module, "lora_A") and isinstance(_innermost(module), StackedExperts):
+            for adapters in (module.lora_A, module.lora_B):
+                for p in adapters.parameters():
+                    p.allreduce = False
+                    marked += 1
+    return marked
+
+
+def count_parameters(model: nn.Module, params: Optional[Sequence] = None):
+    """(trainable, total) element counts; ZeRO-3 partitioned parameters count their full size."""
+    params = list(model.parameters()) if params is None else list(params)
+    numel = [getattr(p, "ds_numel", p.numel()) for p in params]
+    return sum(n for n, p in zip(numel, params) if p.requires_grad), sum(numel)
