@@ -86,7 +86,7 @@ class _TorchCudaOnCpu(types.ModuleType):
     """``torch.cuda`` as seen by a patched megatron-core module: CPU device, null streams, CPU RNG."""
 
     def __init__(self):
-        super().__init__("torch.cuda", "torch.cuda with CPU stand-ins (moe_plugin.megatron.cpu_compat)")
+        super().__init__("torch.cuda", "torch.cuda with CPU stand-ins (moe_plugin.parallel.cpu_compat)")
         self.Stream = _NullStream
         self.Event = _NullEvent
 
@@ -131,7 +131,7 @@ class _TorchWithCpuCuda(types.ModuleType):
     """The ``torch`` module with ``torch.cuda`` replaced; all other attributes are looked up live."""
 
     def __init__(self):
-        super().__init__("torch", "torch with a CPU torch.cuda (moe_plugin.megatron.cpu_compat)")
+        super().__init__("torch", "torch with a CPU torch.cuda (moe_plugin.parallel.cpu_compat)")
         self.cuda = _TorchCudaOnCpu()
 
     def __getattr__(self, name: str) -> Any:

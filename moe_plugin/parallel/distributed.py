@@ -4,7 +4,7 @@ The rank and world come from torchrun's ``RANK`` and ``WORLD_SIZE`` (and ``LOCAL
 ``MOE_PLUGIN_DIST_INIT_METHOD`` when it is set (``moe_plugin.parallel.launch`` sets a ``file://`` rendezvous
 there) and otherwise at torchrun's ``MASTER_ADDR``/``MASTER_PORT``. The backend is ``nccl`` when CUDA is
 present and ``gloo`` otherwise; without CUDA the megatron-core CPU stand-ins
-(``moe_plugin.megatron.cpu_compat``) are applied before any megatron module is built.
+(``moe_plugin.parallel.cpu_compat``) are applied before any megatron module is built.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..megatron.cpu_compat import apply_cpu_patches
+from .cpu_compat import apply_cpu_patches
 
 INIT_METHOD_ENV = "MOE_PLUGIN_DIST_INIT_METHOD"  # a torch.distributed init_method URL (file://...)
 TIMEOUT_ENV = "MOE_PLUGIN_DIST_TIMEOUT_S"  # the process-group timeout in seconds

@@ -12,7 +12,7 @@ free by the parent could be taken by a concurrent job before rank 0 binds it.
 
 ``backend="gloo"`` (the default) is a CPU run: the children see no GPU (``CUDA_VISIBLE_DEVICES=""``), so
 ``torch.cuda.is_available()`` is False there and megatron-core gets its CPU stand-ins
-(``moe_plugin.megatron.cpu_compat``) also on a machine with GPUs. ``backend="nccl"`` leaves the GPUs visible.
+(``moe_plugin.parallel.cpu_compat``) also on a machine with GPUs. ``backend="nccl"`` leaves the GPUs visible.
 
 Failures: a rank that raises makes ``run_distributed`` raise ``RuntimeError`` with that rank's traceback and
 every rank's output tail; the other ranks are stopped rather than left waiting in a collective. The

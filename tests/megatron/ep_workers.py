@@ -34,7 +34,7 @@ LATENT_SCENARIOS = {"mixed": None, "starved": ("avoid", 3)}
 
 def run_all_checks(ep_size: int = 2, seed: int = 0) -> dict:
     """Every check at this rank; returns {check name: result dict or {"error": traceback}}."""
-    from moe_plugin.megatron.cpu_compat import cpu_patches_applied
+    from moe_plugin.parallel.cpu_compat import cpu_patches_applied
     from moe_plugin.parallel.distributed import initialize_megatron
 
     initialize_megatron(expert_model_parallel_size=ep_size, seed=seed + 1)

@@ -9,7 +9,7 @@ def start_megatron_and_draw(seed: int) -> dict:
     draw from the default generator."""
     from megatron.core import parallel_state
 
-    from moe_plugin.megatron.cpu_compat import cpu_patches_applied
+    from moe_plugin.parallel.cpu_compat import cpu_patches_applied
     from moe_plugin.parallel.distributed import initialize_megatron
 
     initialize_megatron(expert_model_parallel_size=2, seed=seed)

@@ -1,4 +1,4 @@
-"""moe_plugin.megatron.cpu_compat: applied only without CUDA, idempotent, every patch listed and undoable.
+"""moe_plugin.parallel.cpu_compat: applied only without CUDA, idempotent, every patch listed and undoable.
 
 The in-process tests decide "CUDA or not" by mocking ``torch.cuda.is_available``, and the ranks of the launch
 run with their GPUs hidden, so the suite means the same on a machine with GPUs."""
@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
-from moe_plugin.megatron import cpu_compat
+from moe_plugin.parallel import cpu_compat
 
 MODULES = list(cpu_compat.CPU_DEVICE_MODULES)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_plugin.megatron.cpu_compat import CPU_PATCH_NAMES
+from moe_plugin.parallel.cpu_compat import CPU_PATCH_NAMES
 from moe_plugin.parallel.distributed import INIT_METHOD_ENV, init_distributed, initialize_megatron
 from moe_plugin.parallel.launch import run_distributed
 
