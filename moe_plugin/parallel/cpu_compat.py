@@ -1,144 +1,45 @@
-"""Every CPU adaptation megatron-core needs, in one place, applied only when CUDA is absent.
+"""Every CPU adaptation megatron-core and DeepSpeed need, in one place, applied explicitly by a CPU run.
 
 megatron-core assumes a GPU in a handful of calls on its MoE path (streams and events in the all-to-all
 dispatcher, ``torch.cuda.current_device()`` as an allocation device, the CUDA RNG tracker). On a machine
 without CUDA each of them raises, although the math around them is plain torch and runs on CPU tensors
-with the ``gloo`` backend. ``apply_cpu_patches()`` gives each such call a CPU stand-in by replacing module
-attributes of megatron-core (never torch itself, so nothing outside megatron-core sees a change).
+with the ``gloo`` backend. DeepSpeed runs on CPU, but JIT-builds a C++ shared-memory all-reduce on its first
+distributed start. ``apply_cpu_patches()`` gives each such call a CPU stand-in by replacing module attributes
+of megatron-core and DeepSpeed (never torch itself, so nothing outside them sees a change).
 
 Two kinds of patch:
 
 * *CUDA namespace* patches replace the ``torch`` global of one megatron-core module by a view of torch
   whose ``torch.cuda`` answers ``current_device()`` with the CPU device and hands out do-nothing streams
-  and events. Every other attribute is torch's own. This keeps upstream functions intact instead of
-  copying them just to change one device argument.
+  and events (``moe_plugin.parallel.cpu_standins``). This keeps upstream functions intact instead of copying
+  them just to change one device argument.
 * *Function* patches swap one upstream function or global for a CPU version.
 
-Supported versions: megatron-core 0.16.1, tested on Python 3.11 with torch 2.13 (CPU). megatron-core
-0.17 and newer (Python >= 3.12) are expected to need the same calls; every patch first checks that its
-target exists and is left out (not listed in ``cpu_patches_applied()``) when it does not, so a newer
-version degrades to the patches that still apply. Re-test the list when the version moves.
+Explicit and strict: the caller decides that a run is a CPU run and calls ``apply_cpu_patches()``
+(``moe_plugin.parallel.distributed.prepare_device("cpu")`` does, and so does every rank of
+``moe_plugin.parallel.launch.run_distributed(backend="gloo")``). It refuses to run where CUDA is usable, since
+the stand-ins would silently replace the GPU paths: a CPU run on a machine with GPUs hides them first
+(``CUDA_VISIBLE_DEVICES=""``). Every patch is applied or the call raises ``RuntimeError`` naming the patch and
+the upstream attribute that is missing; nothing is skipped, because a half-patched megatron-core fails later
+in places far from the cause.
 
-With CUDA present ``apply_cpu_patches()`` does nothing: the GPU paths stay exactly upstream. A CPU run on a
-machine with GPUs hides them from its processes (``CUDA_VISIBLE_DEVICES=""``, as
-``moe_plugin.parallel.launch.run_distributed`` does for ``gloo``) so that the stand-ins apply there too.
+Written against megatron-core 0.16.1 and DeepSpeed 0.19.8 (Python 3.11, torch 2.13 CPU); docs/cpu.md explains
+each patch. When a version moves and a target disappears, re-check the upstream call it replaced.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
+import importlib.metadata
 import logging
-import types
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
+from .cpu_standins import TORCH_ON_CPU
+
 __all__ = ["apply_cpu_patches", "remove_cpu_patches", "cpu_patches_applied", "CPU_PATCH_NAMES",
            "CPU_DEVICE_MODULES"]
-
-# --------------------------------------------------------------------------------------------------
-# CPU stand-ins for the torch.cuda objects megatron-core touches.
-
-
-class _NullEvent:
-    """A CUDA event on a device that runs everything synchronously: already complete."""
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class _NullStream:
-    """A CUDA stream on a device with one implicit, synchronous stream: waiting is never needed."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Optional[_NullEvent] = None) -> _NullEvent:
-        return event or _NullEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-_CURRENT_STREAM = _NullStream()
-
-
-class _TorchCudaOnCpu(types.ModuleType):
-    """``torch.cuda`` as seen by a patched megatron-core module: CPU device, null streams, CPU RNG."""
-
-    def __init__(self):
-        super().__init__("torch.cuda", "torch.cuda with CPU stand-ins (moe_plugin.parallel.cpu_compat)")
-        self.Stream = _NullStream
-        self.Event = _NullEvent
-
-    def __getattr__(self, name: str) -> Any:  # everything not overridden below stays torch.cuda's
-        return getattr(torch.cuda, name)
-
-    @staticmethod
-    def current_device() -> torch.device:
-        """The CPU device. Upstream returns the CUDA device's index (an int), but every caller in the patched
-        modules passes it on as a device (``device=``, ``.to(...)``), where an int would mean ``cuda:N``; the
-        one place that indexes with it (``random._get/_set_cuda_rng_state``) is replaced as a whole."""
-        return torch.device("cpu")
-
-    @staticmethod
-    def current_stream(device: Any = None) -> _NullStream:
-        return _CURRENT_STREAM
-
-    @staticmethod
-    def stream(stream: Any) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def synchronize(device: Any = None) -> None:
-        pass
-
-    # The CPU generator plays the device generator: megatron's RNG tracker seeds and snapshots it.
-    @staticmethod
-    def manual_seed(seed: int) -> None:
-        """Seeds torch's global CPU generator. ``model_parallel_cuda_manual_seed(seed)`` calls this with the
-        same seed on every rank, so on CPU everything initialised from the default generator afterwards is
-        identical across ranks. Upstream on GPU seeds only the CUDA generator and leaves the CPU one as the
-        caller left it: a GPU run gets rank-identical CPU-initialised weights only if the caller also calls
-        ``torch.manual_seed`` (``moe_plugin.parallel.distributed.initialize_megatron`` does)."""
-        torch.manual_seed(seed)
-
-    @staticmethod
-    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
-        return torch.get_rng_state()
-
-
-class _TorchWithCpuCuda(types.ModuleType):
-    """The ``torch`` module with ``torch.cuda`` replaced; all other attributes are looked up live."""
-
-    def __init__(self):
-        super().__init__("torch", "torch with a CPU torch.cuda (moe_plugin.parallel.cpu_compat)")
-        self.cuda = _TorchCudaOnCpu()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-_TORCH_ON_CPU = _TorchWithCpuCuda()
 
 # --------------------------------------------------------------------------------------------------
 # Bookkeeping: every replaced attribute is recorded so that remove_cpu_patches() can restore it.
@@ -147,10 +48,40 @@ _ORIGINALS: List[Tuple[Any, str, Any]] = []
 _APPLIED: List[str] = []
 _ABSENT = object()  # recorded original of an attribute that did not exist: removal deletes it
 _FILTER_MARK = "<log filter>"  # recorded "attribute" of a logging filter: removal detaches it
+_DISTRIBUTIONS = {"megatron": "megatron-core", "deepspeed": "deepspeed"}
+
+
+def _installed(module_name: str) -> str:
+    dist_name = _DISTRIBUTIONS.get(module_name.split(".")[0], module_name.split(".")[0])
+    try:
+        return f"{dist_name} {importlib.metadata.version(dist_name)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{dist_name} (not installed)"
+
+
+def _target(patch: str, module_name: str, attr_path: str = "") -> Any:
+    """The upstream object ``patch`` works on: the module, or ``module_name.attr_path`` within it.
+
+    Raises RuntimeError naming the patch and the missing module or attribute."""
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RuntimeError(f"CPU patch {patch!r}: cannot import {module_name} with the installed "
+                           f"{_installed(module_name)} ({e}); install the tested version (docs/cpu.md)") from e
+    walked = module_name
+    for part in attr_path.split(".") if attr_path else ():
+        walked += f".{part}"
+        if not hasattr(obj, part):
+            raise RuntimeError(
+                f"CPU patch {patch!r}: {walked} does not exist in the installed {_installed(module_name)}. The "
+                "patch was written for megatron-core 0.16.1 / DeepSpeed 0.19.8; check what replaced that "
+                "upstream call (docs/cpu.md) and update moe_plugin.parallel.cpu_compat, or install those versions")
+        obj = getattr(obj, part)
+    return obj
 
 
 def _replace(owner: Any, attr: str, value: Any) -> None:
-    _ORIGINALS.append((owner, attr, getattr(owner, attr)))
+    _ORIGINALS.append((owner, attr, getattr(owner, attr, _ABSENT)))
     setattr(owner, attr, value)
 
 
@@ -159,27 +90,8 @@ def _record(owner: Any, attr: str) -> None:
     _ORIGINALS.append((owner, attr, getattr(owner, attr)))
 
 
-def _module(name: str) -> Optional[types.ModuleType]:
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
-
-def _give_cpu_cuda(module_name: str) -> bool:
-    module = _module(module_name)
-    if module is None or getattr(module, "torch", None) is not torch:
-        return False
-    _replace(module, "torch", _TORCH_ON_CPU)
-    for class_name, attr in CUDA_OBJECT_CACHES.get(module_name, ()):
-        owner = getattr(module, class_name, None)
-        if owner is not None and hasattr(owner, attr):
-            _record(owner, attr)
-    return True
-
-
 # --------------------------------------------------------------------------------------------------
-# CUDA namespace patches, one per megatron-core module. Each docstring names the upstream calls.
+# CUDA namespace patches, one per megatron-core module.
 
 # module -> the upstream calls in it that the CPU torch.cuda stands in for
 CPU_DEVICE_MODULES: Dict[str, str] = {
@@ -208,7 +120,6 @@ CPU_DEVICE_MODULES: Dict[str, str] = {
         "torch.cuda.current_device() in RotaryEmbedding when use_cpu_initialization=False",
 }
 
-
 # Class attributes that upstream fills once per process with a torch.cuda object (while patched: a null
 # stand-in, which would outlive the patch and be used on GPU after removal). SharedExpertMLP's ``stream``
 # is set per instance, so it goes with the module that holds it.
@@ -217,60 +128,61 @@ CUDA_OBJECT_CACHES: Dict[str, Tuple[Tuple[str, str], ...]] = {
 }
 
 
-def _patch_cuda_namespaces() -> List[str]:
-    """Give each module of CPU_DEVICE_MODULES the CPU ``torch.cuda`` (see that table for the calls)."""
-    return [f"torch.cuda@{name}" for name in CPU_DEVICE_MODULES if _give_cpu_cuda(name)]
+def _give_cpu_cuda(patch: str, module_name: str) -> None:
+    """Replaces the module's ``torch`` global (the calls listed in CPU_DEVICE_MODULES[module_name])."""
+    module = _target(patch, module_name)
+    if _target(patch, module_name, "torch") is not torch:
+        raise RuntimeError(f"CPU patch {patch!r}: {module_name}.torch is not the torch module (something else "
+                           "replaced it); remove that other patch or run without it")
+    _replace(module, "torch", TORCH_ON_CPU)
+    for class_name, attr in CUDA_OBJECT_CACHES.get(module_name, ()):
+        _target(patch, module_name, f"{class_name}.{attr}")
+        _record(getattr(module, class_name), attr)
 
 
 # --------------------------------------------------------------------------------------------------
-# Function patches.
+# Function patches; each docstring names the upstream call it replaces.
 
 
-def _patch_split_sizes_to_host() -> bool:
+def _patch_split_sizes_to_host(patch: str) -> None:
     """Stands in for ``moe_utils.maybe_move_tensor_to_cpu`` as imported by ``token_dispatcher``.
 
     Upstream turns the all-to-all split sizes into numpy arrays only for CUDA tensors; CPU tensors stay
     tensors and ``torch.distributed.all_to_all_single`` then rejects them as split sizes (TypeError).
     """
-    module = _module("megatron.core.transformer.moe.token_dispatcher")
-    upstream = getattr(module, "maybe_move_tensor_to_cpu", None)
-    if upstream is None:
-        return False
+    module_name = "megatron.core.transformer.moe.token_dispatcher"
+    upstream = _target(patch, module_name, "maybe_move_tensor_to_cpu")
 
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
             return tensor.numpy()
         return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    _replace(module, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
-    return True
+    _replace(_target(patch, module_name), "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
 
 
-def _patch_router_gemm_name() -> bool:
-    """Defines ``moe_utils.te_general_gemm`` as ``None`` where the TransformerEngine import failed.
+def _patch_router_gemm_name(patch: str) -> None:
+    """Binds ``moe_utils.te_general_gemm`` to ``None`` for ``RouterGatingLinearFunction.forward/backward``.
 
-    In 0.16.1 ``RouterGatingLinearFunction.forward`` tests ``te_general_gemm is not None``, but the name is
-    only bound inside the ``try: import transformer_engine`` block, so without TE it raises NameError.
-    With ``None`` it takes its own torch.mm path.
+    In 0.16.1 they test ``te_general_gemm is not None``, but the name is only bound inside the
+    ``try: import transformer_engine`` block, so without TE it raises NameError (and TE's gemm is GPU-only
+    where it is bound). With ``None`` they take their own torch.mm path.
     """
-    module = _module("megatron.core.transformer.moe.moe_utils")
-    if module is None or hasattr(module, "te_general_gemm") or not hasattr(module, "RouterGatingLinearFunction"):
-        return False
-    _ORIGINALS.append((module, "te_general_gemm", _ABSENT))
-    module.te_general_gemm = None
-    return True
+    module_name = "megatron.core.transformer.moe.moe_utils"
+    _target(patch, module_name, "RouterGatingLinearFunction")
+    _replace(_target(patch, module_name), "te_general_gemm", None)
 
 
-def _patch_rng_state_functions() -> bool:
+def _patch_rng_state_functions(patch: str) -> None:
     """Stands in for ``tensor_parallel.random._get_cuda_rng_state`` and ``_set_cuda_rng_state``.
 
     Upstream reads the CUDA generator (raises without CUDA) and sets it through ``torch.cuda._lazy_call``,
     which without CUDA queues the call forever: ``CudaRNGStatesTracker.fork`` would switch nothing and leak
     one queued call per fork. On CPU the tracker's states are states of the CPU generator.
     """
-    module = _module("megatron.core.tensor_parallel.random")
-    if module is None or not hasattr(module, "_get_cuda_rng_state") or not hasattr(module, "_set_cuda_rng_state"):
-        return False
+    module_name = "megatron.core.tensor_parallel.random"
+    _target(patch, module_name, "_get_cuda_rng_state")
+    _target(patch, module_name, "_set_cuda_rng_state")
 
     def _get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
         return torch.get_rng_state()
@@ -278,9 +190,9 @@ def _patch_rng_state_functions() -> bool:
     def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
+    module = _target(patch, module_name)
     _replace(module, "_get_cuda_rng_state", _get_cuda_rng_state)
     _replace(module, "_set_cuda_rng_state", _set_cuda_rng_state)
-    return True
 
 
 class _ForkWarningFilter(logging.Filter):
@@ -297,80 +209,109 @@ class _ForkWarningFilter(logging.Filter):
 _FORK_FILTER = _ForkWarningFilter()
 
 
-def _patch_fork_warning() -> bool:
+def _patch_fork_warning(patch: str) -> None:
     """Filters the false CPU-RNG warning of ``tensor_parallel.random.CudaRNGStatesTracker.fork``."""
-    if _module("megatron.core.tensor_parallel.random") is None:
-        return False
-    logger = logging.getLogger("megatron.core.tensor_parallel.random")
+    module_name = "megatron.core.tensor_parallel.random"
+    _target(patch, module_name, "CudaRNGStatesTracker.fork")
+    logger = logging.getLogger(module_name)
     logger.addFilter(_FORK_FILTER)
     _ORIGINALS.append((logger, _FILTER_MARK, _FORK_FILTER))
-    return True
 
 
-def _patch_default_causal_mask() -> bool:
+def _patch_default_causal_mask(patch: str) -> None:
     """Stands in for ``transformer.utils.get_default_causal_mask`` (and the name ``fusions.fused_softmax``
     imported from it), which builds the mask with ``device="cuda"``; used by the local DotProductAttention's
     softmax when no attention mask is given."""
-    utils = _module("megatron.core.transformer.utils")
-    softmax = _module("megatron.core.fusions.fused_softmax")
-    if utils is None or not hasattr(utils, "get_default_causal_mask"):
-        return False
+    owners = ("megatron.core.transformer.utils", "megatron.core.fusions.fused_softmax")
+    for module_name in owners:
+        _target(patch, module_name, "get_default_causal_mask")
 
     def get_default_causal_mask(sq: int) -> torch.Tensor:
         return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
-    _replace(utils, "get_default_causal_mask", get_default_causal_mask)
-    if softmax is not None and hasattr(softmax, "get_default_causal_mask"):
-        _replace(softmax, "get_default_causal_mask", get_default_causal_mask)
-    return True
+    for module_name in owners:
+        _replace(_target(patch, module_name), "get_default_causal_mask", get_default_causal_mask)
 
 
-def _patch_uncompiled_expert_bias_count() -> bool:
+def _patch_uncompiled_expert_bias_count(patch: str) -> None:
     """Stands in for ``router.TopKRouter._apply_expert_bias`` with its undecorated body.
 
     Upstream wraps it in ``megatron.core.jit.jit_fuser`` (``torch.compile``); on CPU inductor then builds C++
     for this one token count at the first call of every process (about 18 s here, again for new shapes).
     The body is a ``routing_map.sum(0)`` accumulation: plain eager torch is as fast.
     """
-    module = _module("megatron.core.transformer.moe.router")
-    router_cls = getattr(module, "TopKRouter", None)
-    compiled = getattr(router_cls, "_apply_expert_bias", None)
-    eager = getattr(compiled, "_torchdynamo_orig_callable", None)
-    if eager is None:
-        return False
-    _replace(router_cls, "_apply_expert_bias", eager)
-    return True
+    module_name = "megatron.core.transformer.moe.router"
+    eager = _target(patch, module_name, "TopKRouter._apply_expert_bias._torchdynamo_orig_callable")
+    _replace(_target(patch, module_name, "TopKRouter"), "_apply_expert_bias", eager)
 
 
-_FUNCTION_PATCHES: Dict[str, Callable[[], bool]] = {
+def _no_shm_op() -> None:
+    """No shared-memory op: DeepSpeed's TorchBackend then reduces through the process group (gloo)."""
+    return None
+
+
+def _patch_deepspeed_shm_op(patch: str) -> None:
+    """Stands in for ``deepspeed.comm.torch.build_shm_op``, called by ``TorchBackend.__init__`` (that is, by
+    ``deepspeed.init_distributed``).
+
+    On the CPU accelerator upstream JIT-builds a shared-memory all-reduce op at the first distributed start
+    (minutes, needs g++, cached under ~/.cache/torch_extensions), and its bf16 kernels fault without AVX-512.
+    gloo performs the same reductions, which is what TorchBackend does when the op is None.
+    """
+    module_name = "deepspeed.comm.torch"
+    _target(patch, module_name, "build_shm_op")
+    _replace(_target(patch, module_name), "build_shm_op", _no_shm_op)
+
+
+_FUNCTION_PATCHES: Dict[str, Callable[[str], None]] = {
     "token_dispatcher.maybe_move_tensor_to_cpu": _patch_split_sizes_to_host,
     "moe_utils.te_general_gemm": _patch_router_gemm_name,
     "random.cuda_rng_state": _patch_rng_state_functions,
     "random.fork_warning": _patch_fork_warning,
     "router.TopKRouter._apply_expert_bias": _patch_uncompiled_expert_bias_count,
     "transformer.utils.get_default_causal_mask": _patch_default_causal_mask,
+    "deepspeed.comm.torch.build_shm_op": _patch_deepspeed_shm_op,
 }
 
-# Every patch this module can apply, in order.
-CPU_PATCH_NAMES: Tuple[str, ...] = tuple(f"torch.cuda@{m}" for m in CPU_DEVICE_MODULES) + tuple(_FUNCTION_PATCHES)
+_PATCHES: Dict[str, Callable[[str], None]] = {
+    **{f"torch.cuda@{module_name}": (lambda patch, m=module_name: _give_cpu_cuda(patch, m))
+       for module_name in CPU_DEVICE_MODULES},
+    **_FUNCTION_PATCHES,
+}
+
+# Every patch this module applies, in order.
+CPU_PATCH_NAMES: Tuple[str, ...] = tuple(_PATCHES)
 
 
 def apply_cpu_patches() -> List[str]:
-    """Apply every CPU stand-in whose target exists, once; return the names applied (empty with CUDA).
+    """Apply every CPU stand-in, once; return the names applied (all of ``CPU_PATCH_NAMES``).
 
     Idempotent: a second call changes nothing and returns the same list. Call it before building megatron
-    modules (``moe_plugin.parallel.distributed.initialize_megatron`` does).
+    modules or starting DeepSpeed. Raises RuntimeError where ``torch.cuda.is_available()`` (hide the GPUs
+    with ``CUDA_VISIBLE_DEVICES=""`` for a CPU run) and where a patch's upstream target is missing (naming
+    both); after a failure nothing stays patched.
     """
-    if torch.cuda.is_available() or _APPLIED:
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "apply_cpu_patches: CUDA is available in this process, and the CPU stand-ins would replace "
+            "megatron-core's and DeepSpeed's GPU paths. For a CPU run hide the GPUs before Python starts "
+            "(CUDA_VISIBLE_DEVICES=\"\", as run_distributed(backend='gloo') does for its ranks); for a GPU run "
+            "use prepare_device('cuda') instead")
+    if _APPLIED:
         return list(_APPLIED)
-    _APPLIED.extend(_patch_cuda_namespaces())
-    _APPLIED.extend(name for name, patch in _FUNCTION_PATCHES.items() if patch())
+    try:
+        for name, patch in _PATCHES.items():
+            patch(name)
+            _APPLIED.append(name)
+    except BaseException:
+        remove_cpu_patches()
+        raise
     return list(_APPLIED)
 
 
 def remove_cpu_patches() -> None:
-    """Restore every replaced attribute of megatron-core, and the class-level stream caches of
-    ``CUDA_OBJECT_CACHES`` (so the next dispatcher built makes a real stream again); meant for tests.
+    """Restore every replaced attribute, and the class-level stream caches of ``CUDA_OBJECT_CACHES`` (so the
+    next dispatcher built makes a real stream again); meant for tests.
 
     It does not convert state built while patched: megatron's RNG tracker keeps the CPU generator states it
     was seeded with (call ``model_parallel_cuda_manual_seed`` again), and modules constructed under the
@@ -387,5 +328,5 @@ def remove_cpu_patches() -> None:
 
 
 def cpu_patches_applied() -> List[str]:
-    """Names of the patches currently applied (a subset of ``CPU_PATCH_NAMES``)."""
+    """Names of the patches currently applied: ``CPU_PATCH_NAMES`` after ``apply_cpu_patches()``, else empty."""
     return list(_APPLIED)

@@ -1,18 +1,24 @@
 """Run one function on N local processes joined by torch.distributed, and collect what each returns.
 
 ``run_distributed("pkg.module:function", world_size=2, **kwargs)`` starts ``world_size`` Python processes
-with torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` and one OpenMP thread each, initialises the
-default process group in each, calls ``function(**kwargs)`` and returns the per-rank return values, ordered
-by rank. Values travel through ``torch.save`` files, so tensors, dicts and lists come back as they are.
-The function may also be given as ``"path/to/file.py:function"``.
+with torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` and one OpenMP thread each, prepares each for
+its device, initialises the default process group in each, calls ``function(**kwargs)`` and returns the
+per-rank return values, ordered by rank. Values travel through ``torch.save`` files, so tensors, dicts and
+lists come back as they are. The function may also be given as ``"path/to/file.py:function"``.
 
 The ranks meet through a file in the run's own temporary directory (``file://`` rendezvous, named by the
 ``MOE_PLUGIN_DIST_INIT_METHOD`` variable that ``init_distributed`` reads), not on a TCP port: a port picked
 free by the parent could be taken by a concurrent job before rank 0 binds it.
 
-``backend="gloo"`` (the default) is a CPU run: the children see no GPU (``CUDA_VISIBLE_DEVICES=""``), so
-``torch.cuda.is_available()`` is False there and megatron-core gets its CPU stand-ins
-(``moe_plugin.parallel.cpu_compat``) also on a machine with GPUs. ``backend="nccl"`` leaves the GPUs visible.
+``backend="gloo"`` (the default) is a CPU run: the children see no GPU (``CUDA_VISIBLE_DEVICES=""``) and
+each calls ``prepare_device("cpu")``, which applies the megatron-core and DeepSpeed CPU stand-ins
+(``moe_plugin.parallel.cpu_compat``), also on a machine with GPUs. ``backend="nccl"`` leaves the GPUs
+visible and calls ``prepare_device("cuda")``.
+
+Two clocks. Start-up (importing torch, preparing the device, importing the worker's module) takes seconds
+to minutes depending on how loaded the machine is, so it is bounded separately by ``startup_timeout_s``.
+Each rank reports ready when its start-up is done and waits for all the others; ``timeout_s`` is counted from
+the moment every rank is ready, so it measures the run itself and a busy machine does not eat into it.
 
 Failures: a rank that raises makes ``run_distributed`` raise ``RuntimeError`` with that rank's traceback and
 every rank's output tail; the other ranks are stopped rather than left waiting in a collective. The
@@ -39,11 +45,13 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from .distributed import INIT_METHOD_ENV, TIMEOUT_ENV
+from .distributed import INIT_METHOD_ENV, TIMEOUT_ENV, destroy_distributed, init_distributed, prepare_device
 
 _PACKAGE_ROOT = Path(os.path.abspath(__file__)).parents[2]  # the directory holding moe_plugin/
 _ERROR_TAIL = 4000
 _BACKENDS = ("gloo", "nccl")
+_DEVICE_OF_BACKEND = {"gloo": "cpu", "nccl": "cuda"}
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 
 def resolve_function(path: str) -> Callable[..., Any]:
@@ -75,21 +83,26 @@ def default_process_group_timeout(timeout_s: float) -> float:
 
 def run_distributed(worker_fn_path: str, world_size: int, timeout_s: float = 300.0,
                     init_process_group: bool = True, backend: str = "gloo",
-                    process_group_timeout_s: Optional[float] = None, **kwargs: Any) -> List[Any]:
+                    process_group_timeout_s: Optional[float] = None,
+                    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, **kwargs: Any) -> List[Any]:
     """Run ``worker_fn_path`` on ``world_size`` processes; return the list of per-rank return values.
 
     ``init_process_group``: initialise the default process group before calling the function (and
     destroy it after); set False for functions that start torch.distributed themselves (``init_distributed``
     and ``initialize_megatron`` find the rendezvous and the timeout in the environment).
     ``backend``: ``"gloo"`` runs on CPU with the GPUs hidden from the children; ``"nccl"`` keeps them.
+    ``timeout_s``: the limit of the run, counted from when every rank has started up and is ready.
     ``process_group_timeout_s``: the children's collective timeout; ``None`` is
     ``default_process_group_timeout(timeout_s)``; it must be below ``timeout_s``.
-    Raises ``RuntimeError`` (a rank failed, with its traceback) or ``TimeoutError`` (after ``timeout_s``).
+    ``startup_timeout_s``: the limit of the start-up, from launch until every rank is ready.
+    Raises ``RuntimeError`` (a rank failed, with its traceback) or ``TimeoutError`` (start-up or run too long).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: must be a positive integer, got {world_size!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    if not startup_timeout_s > 0:
+        raise ValueError(f"startup_timeout_s: must be positive, got {startup_timeout_s!r}")
     if process_group_timeout_s is None:
         process_group_timeout_s = default_process_group_timeout(timeout_s)
     if not 0 < process_group_timeout_s < timeout_s:
@@ -109,7 +122,7 @@ def run_distributed(worker_fn_path: str, world_size: int, timeout_s: float = 300
                         [sys.executable, "-m", "moe_plugin.parallel.launch", str(work), str(rank)],
                         env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=os.getcwd(),
                         stdout=log, stderr=subprocess.STDOUT))
-            _wait(procs, work, timeout_s)
+            _wait(procs, work, timeout_s, startup_timeout_s)
         finally:
             _stop(procs)  # also when the parent is interrupted: no rank outlives the call
         return [torch.load(work / f"rank{rank}.result.pt", weights_only=False) for rank in range(world_size)]
@@ -129,8 +142,13 @@ def _child_env(world_size: int, work: Path, backend: str, process_group_timeout_
     return env
 
 
-def _wait(procs: List[subprocess.Popen], work: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+def _ready_file(work: Path, rank: int) -> Path:
+    return work / f"rank{rank}.ready"
+
+
+def _wait(procs: List[subprocess.Popen], work: Path, timeout_s: float, startup_timeout_s: float) -> None:
+    started = time.monotonic()
+    deadline = None  # set once every rank is ready
     while True:
         codes = [p.poll() for p in procs]
         if any(code not in (None, 0) for code in codes):
@@ -138,8 +156,17 @@ def _wait(procs: List[subprocess.Popen], work: Path, timeout_s: float) -> None:
             raise RuntimeError(_report(work, [p.poll() for p in procs]))
         if all(code == 0 for code in codes):
             return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"distributed run did not finish within {timeout_s:.0f} s\n{_report(work, codes)}")
+        now = time.monotonic()
+        if deadline is None:
+            waiting = [r for r in range(len(procs)) if not _ready_file(work, r).exists()]
+            if not waiting:
+                deadline = now + timeout_s
+            elif now - started > startup_timeout_s:
+                raise TimeoutError(f"distributed run: rank(s) {waiting} did not start up within "
+                                   f"{startup_timeout_s:.0f} s (imports, device preparation)\n{_report(work, codes)}")
+        elif now > deadline:
+            raise TimeoutError(f"distributed run did not finish within {timeout_s:.0f} s after every rank was "
+                               f"ready\n{_report(work, codes)}")
         time.sleep(0.05)
 
 
@@ -160,7 +187,10 @@ def _report(work: Path, codes: List[Optional[int]]) -> str:
     parts = []
     for r in sorted(range(len(codes)), key=lambda r: (raised_at[r], codes[r] in (None, 0), r)):
         code = codes[r]
-        part = f"rank {r} " + ("was still running" if code is None else f"exited with code {code}")
+        if code is None:
+            part = f"rank {r} " + ("was still running" if _ready_file(work, r).exists() else "was still starting up")
+        else:
+            part = f"rank {r} exited with code {code}"
         if errors[r].exists():
             part += f":\n{errors[r].read_text()}"
         elif code not in (None, 0):
@@ -176,16 +206,19 @@ def _tail(path: Path) -> str:
 
 
 def _child_main(work_dir: str, rank: str) -> int:
-    """Entry of one rank: run the worker, save its return value or its traceback."""
+    """Entry of one rank: start up, report ready, wait for every rank, run the worker, save its return value
+    or its traceback."""
     torch.set_num_threads(1)
     work = Path(work_dir)
     call = torch.load(work / "call.pt", weights_only=False)
-    from .distributed import destroy_distributed, init_distributed
-
+    device = _DEVICE_OF_BACKEND[call["backend"]]
     try:
+        prepare_device(device)
+        worker = resolve_function(call["worker"])
+        _report_ready(work, int(rank))
         if call["init"]:
-            init_distributed(call["backend"])
-        result = resolve_function(call["worker"])(**call["kwargs"])
+            init_distributed(device, call["backend"])
+        result = worker(**call["kwargs"])
         torch.save(result, work / f"rank{rank}.result.pt")
         return 0
     except BaseException:
@@ -193,6 +226,16 @@ def _child_main(work_dir: str, rank: str) -> int:
         return 1
     finally:
         destroy_distributed()
+
+
+def _report_ready(work: Path, rank: int) -> None:
+    """Mark this rank ready, then wait until every rank is: the run (and its clock) starts together."""
+    partial = work / f"rank{rank}.ready.partial"
+    partial.write_text(str(time.time()))
+    os.replace(partial, _ready_file(work, rank))  # appears complete or not at all
+    world = int(os.environ["WORLD_SIZE"])
+    while not all(_ready_file(work, r).exists() for r in range(world)):
+        time.sleep(0.05)  # a peer that dies during start-up makes the launcher stop this rank
 
 
 if __name__ == "__main__":

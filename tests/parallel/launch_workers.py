@@ -7,6 +7,10 @@ import time
 import torch
 import torch.distributed as dist
 
+IMPORT_DELAY_ENV = "LAUNCH_WORKERS_IMPORT_DELAY_S"
+if "RANK" in os.environ:  # a slow start-up in the ranks only (the parent imports this file too)
+    time.sleep(float(os.environ.get(IMPORT_DELAY_ENV, "0")))
+
 
 def report(offset: int = 0) -> dict:
     """What a rank sees: its rank, the world, one all-reduce, its thread settings, devices and group timeout."""

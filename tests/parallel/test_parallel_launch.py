@@ -1,5 +1,6 @@
 """moe_plugin.parallel.launch.run_distributed: per-rank results in rank order, CPU runs with GPUs hidden, a
-file rendezvous, failures and stalls surfaced with every rank's output, bad input."""
+file rendezvous, failures and stalls surfaced with every rank's output, the run's clock started once every
+rank is ready (start-up bounded on its own), bad input."""
 
 import socket
 from pathlib import Path
@@ -70,11 +71,25 @@ def test_a_rank_stuck_in_a_collective_fails_with_its_traceback():
 
 
 def test_timeout_stops_the_ranks_and_reports_their_output():
-    # long enough for both children to import torch and print on a busy machine
-    with pytest.raises(TimeoutError, match="did not finish within 10 s") as info:
+    # the clock starts once both ranks are ready, so however slow their imports, 10 s is enough to print
+    with pytest.raises(TimeoutError, match="did not finish within 10 s after every rank was ready") as info:
         run_distributed(f"{WORKERS}:sleep_forever", world_size=2, timeout_s=10, init_process_group=False)
     message = str(info.value)
     assert "rank 0 sleeps" in message and "rank 1 sleeps" in message
+    assert "rank 0 was still running" in message and "rank 1 was still running" in message
+
+
+def test_start_up_does_not_count_against_the_timeout(monkeypatch):
+    monkeypatch.setenv("LAUNCH_WORKERS_IMPORT_DELAY_S", "12")  # each rank's start-up: 12 s more
+    results = run_distributed(f"{WORKERS}:report", world_size=2, timeout_s=10, offset=1)
+    assert [r["sum"] for r in results] == [3.0, 3.0], "a run shorter than timeout_s must not time out"
+
+
+def test_a_start_up_that_never_ends_is_bounded(monkeypatch):
+    monkeypatch.setenv("LAUNCH_WORKERS_IMPORT_DELAY_S", "600")  # the ranks never get to report ready
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0, 1\] did not start up within 5 s") as info:
+        run_distributed(f"{WORKERS}:report", world_size=2, timeout_s=60, startup_timeout_s=5)
+    assert "rank 0 was still starting up" in str(info.value)
 
 
 @pytest.mark.parametrize("path, match", [
@@ -92,6 +107,7 @@ def test_bad_worker_path(path, match):
     ({"world_size": 2, "backend": "mpi"}, "backend"),
     ({"world_size": 2, "timeout_s": 10, "process_group_timeout_s": 10}, "process_group_timeout_s"),
     ({"world_size": 2, "process_group_timeout_s": 0}, "process_group_timeout_s"),
+    ({"world_size": 2, "startup_timeout_s": 0}, "startup_timeout_s"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
