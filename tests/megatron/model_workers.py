@@ -95,7 +95,8 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     from moe_plugin.megatron import weights
-    from moe_plugin.megatron.lora import adapter_state_to_hf, add_lora, load_hf_adapter_state
+    from moe_plugin.lora import add_lora, lora_config
+    from moe_plugin.megatron.lora import adapter_state_to_hf, load_hf_adapter_state
     from moe_plugin.megatron.specs import build_gpt_model
     from moe_plugin.models.configuration import MoEPluginConfig
     from moe_plugin.parallel.grad_reduce import reduce_gradients
@@ -123,7 +124,7 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
         out["roundtrip"] = weights.megatron_to_hf_state_dict(model, config)
 
     lora = setup["lora"]
-    add_lora(model, lora["r"], lora["alpha"], lora["target_modules"], lora["target_parameters"])
+    add_lora(model, lora_config(lora["r"], lora["alpha"], lora["target_modules"], lora["target_parameters"]))
     load_hf_adapter_state(model, setup["adapters"], config)
     if extras:
         out["adapter_roundtrip"] = adapter_state_to_hf(model, config)

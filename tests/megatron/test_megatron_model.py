@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from moe_plugin.megatron.lora import add_lora
+from moe_plugin.lora import add_lora, lora_config
 from moe_plugin.models.k3_format import load_k3_checkpoint, save_k3_checkpoint
 from moe_plugin.models.inputs import causal_lm_loss
 from moe_plugin.models.modeling import MoEPluginForCausalLM
@@ -59,7 +59,7 @@ def build_reference(scenario: str, seed: int = 0, **extra) -> MoEPluginForCausal
 
 
 def add_reference_lora(model, seed: int = 1):
-    add_lora(model, LORA["r"], LORA["alpha"], LORA["target_modules"], LORA["target_parameters"])
+    add_lora(model, lora_config(LORA["r"], LORA["alpha"], LORA["target_modules"], LORA["target_parameters"]))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
