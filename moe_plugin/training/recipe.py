@@ -1,108 +1,421 @@
-"""The recipe: one JSON file that says which model, which adapters, which data and how to train.
+"""The recipe: one JSON file that says which model, which adapters, which data, how to train and where to write.
 
-Every section is a dataclass validated when it is built; unknown keys are errors that name the key and
-list the allowed ones, so a typo in a recipe never silently falls back to a default.
+Every section is a strict pydantic model: a wrong type ("10" for an integer), an out-of-range number or an
+unknown key at any depth is an error. All of a recipe's problems come back together in one ``RecipeError``
+(a ``ValueError``), one line per problem: ``<dotted.path>: <what is wrong>; <what would fix it>``.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import json
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
-from typing import Any, Dict, List, Optional
+import os
+from typing import Any, Dict, List, Literal, Optional, Tuple, get_args, get_origin
 
-from ..config import require
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticUndefined
+from transformers import PretrainedConfig
 
+from ..config import ModelConfig
+from ..models.configuration import MoEPluginConfig
+from ..models.k3_config import config_from_k3
+from ..models.presets import PRESETS, preset_config
 
-@dataclass
-class ModelSection:
-    preset: str = "tiny"
-    overrides: Dict[str, Any] = field(default_factory=dict)
-    from_pretrained: Optional[str] = None  # a directory written by save_pretrained (or a K3-format checkpoint)
-
-
-@dataclass
-class LoraSection:
-    r: int = 8
-    alpha: int = 16
-    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "gate"])
-    target_parameters: List[str] = field(default_factory=list)  # e.g. ["experts.w1"]: one adapter per expert
-
-    def __post_init__(self):
-        require(self.r > 0, "lora.r", f"must be a positive integer, got {self.r}")
-        require(bool(self.target_modules or self.target_parameters), "lora.target_modules",
-                "name at least one module (or lora.target_parameters) to adapt")
+HF_MODEL_TYPE = MoEPluginConfig.model_type  # config.json written by save_pretrained; anything else is K3's layout
+# (path inside its section, "what is wrong; what would fix it"); path "" is the section itself
+Problem = Tuple[str, str]
 
 
-@dataclass
-class DataSection:
-    kind: str = "arithmetic"  # "arithmetic" (generated, no files) or "jsonl" (one {"text": ...} per line)
-    operation: str = "+"  # arithmetic only: "+", "-" or "*"
-    path: Optional[str] = None
-    num_documents: int = 2000
-    seq_len: int = 256
+class RecipeError(ValueError):
+    """Every problem of one recipe; ``problems`` holds ``(dotted.path, message)`` pairs."""
 
-    def __post_init__(self):
-        require(self.kind in ("arithmetic", "jsonl"), "data.kind",
-                f"must be 'arithmetic' or 'jsonl', got {self.kind!r}")
-        require(self.kind != "jsonl" or bool(self.path), "data.path", "is required when data.kind is 'jsonl'")
-        require(self.operation in ("+", "-", "*"), "data.operation",
-                f"must be '+', '-' or '*', got {self.operation!r}")
-        require(self.seq_len > 1, "data.seq_len", f"must be > 1, got {self.seq_len}")
+    def __init__(self, source: str, problems: List[Tuple[str, str]]):
+        self.source, self.problems = source, list(problems)
+        lines = [f"{path}: {message}" for path, message in self.problems]
+        super().__init__(f"recipe {source}: {lines[0]}" if len(lines) == 1 else
+                         f"recipe {source}: {len(lines)} problems\n" + "\n".join(f"  {line}" for line in lines))
 
 
-@dataclass
-class TrainSection:
-    steps: int = 60
-    micro_batch_size: int = 2
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    seed: int = 0
-    log_every: int = 10
-    output_dir: str = "outputs/tiny_lora"
-
-    def __post_init__(self):
-        require(self.steps > 0, "train.steps", f"must be a positive integer, got {self.steps}")
-        require(self.micro_batch_size > 0, "train.micro_batch_size",
-                f"must be a positive integer, got {self.micro_batch_size}")
-        require(self.lr > 0, "train.lr", f"must be positive, got {self.lr}")
+def _field(default: Any = PydanticUndefined, fix: Optional[str] = None, example: Any = None, **kwargs) -> Any:
+    """A pydantic Field carrying the fix for a range error and an example value for a type error."""
+    extra = {k: v for k, v in (("fix", fix), ("example", example)) if v is not None}
+    return Field(default, json_schema_extra=extra or None, **kwargs)
 
 
-@dataclass
-class Recipe:
-    model: ModelSection = field(default_factory=ModelSection)
-    lora: Optional[LoraSection] = field(default_factory=LoraSection)  # None: train every parameter
-    data: DataSection = field(default_factory=DataSection)
-    train: TrainSection = field(default_factory=TrainSection)
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    def _problems(self) -> List[Problem]:
+        """Checks across fields; they run once every field of the section has a valid type and range."""
+        return []
+
+    @model_validator(mode="after")
+    def _check_across_fields(self):
+        problems = self._problems()
+        if problems:
+            # a ValidationError raised here joins the other sections' errors, each at its own field
+            raise ValidationError.from_exception_data(type(self).__name__, [
+                InitErrorDetails(type=PydanticCustomError("recipe", "{message}", {"message": message}),
+                                 loc=tuple(path.split(".")) if path else (), input=None)
+                for path, message in problems])
+        return self
+
+
+@functools.lru_cache(maxsize=None)
+def _override_keys() -> frozenset:
+    # from_pretrained drops a keyword the config does not have without a word, so unknown keys are refused here
+    params = set(inspect.signature(MoEPluginConfig.__init__).parameters)
+    params |= set(inspect.signature(PretrainedConfig.__init__).parameters)
+    return frozenset(params - {"self", "kwargs"}) | {"bos_token_id", "eos_token_id", "pad_token_id"}
+
+
+def _read_json(path: str) -> Dict[str, Any]:
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}, line {err.lineno} column {err.colno}: not valid JSON ({err.msg})") from None
+    except OSError as err:
+        raise ValueError(f"cannot read {path} ({err.strerror})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(values).__name__}")
+    return values
+
+
+def _pretrained_problem(directory: str) -> Optional[str]:
+    if not os.path.isdir(directory):
+        what = "is a file" if os.path.exists(directory) else "does not exist"
+        return (f"{directory!r} {what} (relative paths resolve against {os.getcwd()}); "
+                "give the directory that save_pretrained wrote (or a K3 checkpoint directory)")
+    adapter = os.path.join(directory, "adapter_config.json")
+    if os.path.exists(adapter):
+        try:
+            base = _read_json(adapter).get("base_model_name_or_path")
+        except ValueError:
+            base = None
+        return (f"{directory!r} holds a LoRA adapter (adapter_config.json), not a base model; point "
+                f"model.from_pretrained at its base model ({base!r}, the adapter's base_model_name_or_path)")
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        return (f"{directory!r} has no config.json, so it is not a saved model; give the directory that "
+                "save_pretrained wrote (or a K3 checkpoint directory)")
+    try:
+        _read_json(os.path.join(directory, "config.json"))
+    except ValueError as err:
+        return f"{err}; repair or replace the model's config.json"
+    return None
+
+
+class _ConfigAndBuilder(dict):
+    """pydantic reserves the class attribute ``model_config`` for its settings, while the trainer calls
+    ``section.model_config()``. Read on the class, this is the settings dict pydantic uses; read on an instance
+    it is the same dict bound to that section, and calling it builds the section's ``ModelConfig``."""
+
+    _section: Optional["ModelSection"] = None
+
+    def __get__(self, section, owner=None):
+        if section is None:
+            return self
+        bound = _ConfigAndBuilder(self)
+        bound._section = section
+        return bound
+
+    def __call__(self) -> ModelConfig:
+        return self._section.build_model_config()
+
+
+class ModelSection(_Section):
+    """Exactly one of ``preset`` (a name in ``PRESETS``) and ``from_pretrained`` (a model directory)."""
+
+    preset: Optional[str] = _field(None, example="tiny")
+    from_pretrained: Optional[str] = _field(None, example="recipes/bases/tiny-arith")
+    overrides: Dict[str, Any] = _field(default_factory=dict, example={"num_experts": 8})
+
+    def source_format(self) -> Literal["preset", "hf", "k3"]:
+        """"preset", "hf" (a ``save_pretrained`` directory) or "k3" (a K3-layout checkpoint)."""
+        if self.preset is not None:
+            return "preset"
+        model_type = _read_json(os.path.join(self.from_pretrained, "config.json")).get("model_type")
+        return "hf" if model_type == HF_MODEL_TYPE else "k3"
+
+    def build_model_config(self) -> ModelConfig:
+        """The validated model dataclasses, from the config alone (no weights are read)."""
+        source = self.source_format()
+        if source == "preset":
+            return preset_config(self.preset, **self.overrides).to_model_config()
+        if source == "hf":
+            return MoEPluginConfig.from_pretrained(self.from_pretrained, **self.overrides).to_model_config()
+        k3 = _read_json(os.path.join(self.from_pretrained, "config.json"))
+        return config_from_k3(k3, **self.overrides).to_model_config()
+
+    def _problems(self) -> List[Problem]:
+        if (self.preset is None) == (self.from_pretrained is None):
+            what = ("both model.preset and model.from_pretrained are given" if self.preset is not None
+                    else "neither model.preset nor model.from_pretrained is given")
+            return [("", f'{what}; give exactly one, e.g. {{"preset": "tiny"}} or '
+                         f'{{"from_pretrained": "recipes/bases/tiny-arith"}}')]
+        problems: List[Problem] = []
+        if self.preset is not None and self.preset not in PRESETS:
+            problems.append(("preset", f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}"))
+        if self.from_pretrained is not None:
+            problem = _pretrained_problem(self.from_pretrained)
+            if problem:
+                problems.append(("from_pretrained", problem))
+        for key in sorted(set(self.overrides) - _override_keys()):
+            close = difflib.get_close_matches(key, sorted(_override_keys()), 1)
+            hint = f"did you mean {close[0]!r}?" if close else "use a key of MoEPluginConfig"
+            problems.append((f"overrides.{key}", f"not a model config key; {hint}"))
+        if not problems:
+            try:
+                self.build_model_config()
+            except (ValueError, TypeError, KeyError) as err:
+                where = "overrides" if self.overrides else ("preset" if self.preset else "from_pretrained")
+                problems.append((where, f"the model config is invalid: {err}; fix that value"))
+        return problems
+
+
+ModelSection.model_config = _ConfigAndBuilder(ModelSection.model_config)
+
+
+class LoraSection(_Section):
+    """LoRA adapters on ``target_modules`` (Linear layers) and ``target_parameters`` (expert weights)."""
+
+    r: int = _field(8, "use a positive rank, e.g. 8", gt=0)
+    alpha: float = _field(16.0, "alpha 0 scales the adapter by alpha / r = 0, so it trains an adapter that "
+                                "does nothing; use a positive alpha, e.g. 16", gt=0)
+    dropout: float = _field(0.0, "use a probability in [0, 1), e.g. 0.05", ge=0, lt=1)
+    target_modules: List[str] = _field(default_factory=lambda: ["q_proj", "k_proj", "gate"], example=["q_proj"])
+    target_parameters: List[str] = _field(default_factory=list, example=["experts.w1"])
+
+    def _problems(self) -> List[Problem]:
+        if self.target_modules or self.target_parameters:
+            return []
+        return [("target_modules", 'lora.target_modules and lora.target_parameters are both empty, so nothing '
+                                   'would train; name at least one target, e.g. ["q_proj"], or set "lora": null '
+                                   "to train every parameter")]
+
+
+class DataSection(_Section):
+    """``arithmetic`` (generated), ``sft`` (chat messages: JSONL or a ``datasets`` file with a ``messages``
+    column) or ``text`` (JSONL with a ``text`` field)."""
+
+    kind: Literal["arithmetic", "sft", "text"] = "arithmetic"
+    path: Optional[str] = _field(None, example="data/train.jsonl")
+    operation: Literal["+", "-", "*"] = "+"
+    num_documents: int = _field(2000, "use a positive count, e.g. 2000", gt=0)
+    seq_len: int = _field(256, "a window needs at least 2 tokens (an input and its next token); use e.g. 256",
+                          gt=1)
+    eval_fraction: float = _field(0.05, "use a fraction in [0, 0.5], e.g. 0.05 (0: no held-out set)", ge=0, le=0.5)
+    pack: bool = True
+
+    def _problems(self) -> List[Problem]:
+        if self.kind == "arithmetic":
+            return [] if self.path is None else [("path", "is not read when data.kind is \"arithmetic\" (its data "
+                                                          "is generated); remove it, or set data.kind")]
+        if self.path is None:
+            return [("path", f"is required when data.kind is {self.kind!r}; give the data file")]
+        if not os.path.isfile(self.path):
+            what = "is a directory" if os.path.isdir(self.path) else "does not exist"
+            return [("path", f"{self.path!r} {what} (relative paths resolve against {os.getcwd()}); "
+                             "give an existing data file")]
+        return []
+
+
+class ParallelSection(_Section):
+    backend: Literal["megatron", "hf"] = "megatron"
+    expert_parallel_size: int = _field(1, "use 1 (no expert parallelism) or a divisor of the experts and the "
+                                          "world size", ge=1)
+
+
+class ScheduleSection(_Section):
+    """Optimizer steps; one step is ``gradient_accumulation_steps`` micro-batches of ``micro_batch_size``
+    windows on every data-parallel rank."""
+
+    steps: int = _field(60, "use a positive number of optimizer steps, e.g. 60", gt=0)
+    micro_batch_size: int = _field(2, "use a positive batch size, e.g. 2", gt=0)
+    gradient_accumulation_steps: int = _field(1, "use 1 (no accumulation) or more", gt=0)
+    lr: float = _field(3e-3, "use a positive learning rate, e.g. 0.003", gt=0)
+    min_lr: float = _field(0.0, "use 0 or a positive floor for the decayed learning rate", ge=0)
+    warmup_steps: int = _field(0, "use 0 (no warm-up) or a positive number of steps", ge=0)
+    decay: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = _field(0.0, "use 0 (no weight decay) or a positive coefficient, e.g. 0.01", ge=0)
+    clip_grad_norm: Optional[float] = _field(1.0, "use a positive norm, e.g. 1.0, or null for no clipping", gt=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+
+    def _problems(self) -> List[Problem]:
+        problems: List[Problem] = []
+        if self.min_lr > self.lr:
+            problems.append(("min_lr", f"{self.min_lr} is above schedule.lr ({self.lr}); use a floor <= lr"))
+        if self.warmup_steps >= self.steps:
+            problems.append(("warmup_steps", f"{self.warmup_steps} leaves no step after the warm-up "
+                                             f"(schedule.steps is {self.steps}); use fewer than {self.steps}"))
+        return problems
+
+
+class EvalSection(_Section):
+    every: int = _field(0, "use 0 (evaluate only at the end) or a positive number of steps", ge=0)
+    batches: int = _field(4, "use a positive number of held-out batches, e.g. 4", gt=0)
+
+
+class CheckpointSection(_Section):
+    every: int = _field(0, "use 0 (save only at the end) or a positive number of steps", ge=0)
+    keep: int = _field(2, "use a positive number of checkpoints to keep, e.g. 2", gt=0)
+
+
+class LoggingSection(_Section):
+    every: int = _field(10, "it is the number of steps between log lines; use a positive number, e.g. 10", gt=0)
+    progress_bar: bool = True
+
+
+class Recipe(_Section):
+    output_dir: str = _field(fix='give the directory this run writes to, e.g. "outputs/my_run"',
+                             example="outputs/my_run", min_length=1)
+    seed: int = _field(0, "use 0 or a positive seed", ge=0)
+    deepspeed: Optional[str] = _field(None, example="ds_configs/zero3_lora.json")
+    model: ModelSection = _field(fix='add a model section, e.g. "model": {"preset": "tiny"}')
+    lora: Optional[LoraSection] = Field(default_factory=LoraSection)
+    data: DataSection = Field(default_factory=DataSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    def _problems(self) -> List[Problem]:
+        if not self.output_dir.strip():
+            return [("output_dir", 'is empty; give the directory this run writes to, e.g. "outputs/my_run"')]
+        return []
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        """Plain JSON values; ``recipe_from_dict(recipe.to_dict())`` gives the recipe back."""
+        return self.model_dump()
 
 
-def _section(cls, name: str, values: Any):
-    require(isinstance(values, dict), name, f"must be a JSON object, got {type(values).__name__}")
-    allowed = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - allowed)
-    require(not unknown, f"{name}.{unknown[0]}" if unknown else name,
-            f"unknown key; allowed keys are {sorted(allowed)}")
-    return cls(**values)
+def _model_in(annotation: Any) -> Optional[type]:
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, get_args(annotation)) if m is not None), None)
 
 
-def recipe_from_dict(values: Dict[str, Any]) -> Recipe:
-    sections = {"model": ModelSection, "lora": LoraSection, "data": DataSection, "train": TrainSection}
-    unknown = sorted(set(values) - set(sections))
-    require(not unknown, unknown[0] if unknown else "recipe", f"unknown section; allowed are {sorted(sections)}")
-    built = {name: _section(cls, name, values.get(name, {})) for name, cls in sections.items()
-             if not (name == "lora" and "lora" in values and values["lora"] is None)}
-    if "lora" not in built:
-        built["lora"] = None  # "lora": null asks for full-parameter training
-    return Recipe(**built)
+def _model_at(loc: Tuple) -> Optional[type]:
+    model: Optional[type] = Recipe
+    for part in loc:
+        if model is None or part not in model.model_fields:
+            return None
+        model = _model_in(model.model_fields[part].annotation)
+    return model
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        return "a list" if isinstance(value, list) else "a JSON object"
+    kind = {bool: "a bool", int: "an int", float: "a float", str: "a str"}.get(type(value), type(value).__name__)
+    shown = json.dumps(value) if isinstance(value, bool) else repr(value)
+    return f"{shown[:60]} ({kind})"
+
+
+_TYPE_ERRORS = {"int_type": ("an integer", "write a whole number without quotes"),
+                "float_type": ("a number", "write a number without quotes"),
+                "bool_type": ("true or false", "write true or false without quotes"),
+                "string_type": ("a string", "write it in double quotes"), "list_type": ("a list", "use a list")}
+
+
+def _describe(error: Dict[str, Any]) -> str:
+    """pydantic's error as "<what is wrong>; <what would fix it>" for the recipe's author."""
+    kind, loc, value, ctx = error["type"], error["loc"], error.get("input"), error.get("ctx") or {}
+    owner = _model_at(loc[:-1]) if loc else None
+    info = owner.model_fields.get(loc[-1]) if owner is not None and loc[-1] in owner.model_fields else None
+    extra = (info.json_schema_extra if info is not None and isinstance(info.json_schema_extra, dict) else {})
+    default = info.get_default(call_default_factory=True) if info is not None and not info.is_required() else None
+    example = extra.get("example", default)
+    example = "" if example is None else ", e.g. " + json.dumps(example, default=lambda _: "{...}")
+    if kind == "recipe":
+        return ctx["message"]
+    if kind == "extra_forbidden":
+        allowed = sorted(owner.model_fields) if owner is not None else []
+        close = difflib.get_close_matches(str(loc[-1]), allowed, 1)
+        return f"unknown key; allowed keys are {allowed}" + (f"; did you mean {close[0]!r}?" if close else "")
+    if kind in ("missing", "string_too_short"):
+        return ("is required; " if kind == "missing" else "is empty; ") + extra.get("fix", "add it")
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        if not loc:
+            return f"must be a JSON object of sections, got {_show(value)}; write it as {{\"output_dir\": ...}}"
+        null = ", or null to train every parameter" if loc == ("lora",) else ""
+        return (f"must be a JSON object, got {_show(value)}; write it as {{\"key\": value, ...}} ({{}} for the "
+                f"defaults{null})")
+    if kind in _TYPE_ERRORS:
+        wanted, fix = _TYPE_ERRORS[kind]
+        return f"must be {wanted}, got {_show(value)}; {fix}{example if kind != 'bool_type' else ''}"
+    if kind == "literal_error":
+        choices = [json.dumps(c) for c in get_args(info.annotation)] if info is not None and get_origin(
+            info.annotation) is Literal else [ctx.get("expected", "")]
+        return f"must be one of {', '.join(choices)}, got {_show(value)}; choose one of them"
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        bound = next(iter(ctx.values()), "")
+        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound  # "> 0", not "> 0.0"
+        return f"must be {bounds[kind]} {bound}, got {value!r}; " + extra.get("fix", "change the value")
+    return error["msg"]
+
+
+def _dotted(loc: Tuple) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "recipe"
+
+
+def recipe_from_dict(values: Any, source: str = "(from a dict)") -> Recipe:
+    """The validated recipe; raises ``RecipeError`` listing every problem (``source`` names it there)."""
+    try:
+        return Recipe.model_validate(values)
+    except ValidationError as err:
+        raise RecipeError(source, [(_dotted(e["loc"]), _describe(e)) for e in err.errors()]) from None
 
 
 def load_recipe(path: str) -> Recipe:
-    text = Path(path).read_text()
+    """Read and validate a recipe JSON file; errors name the file (and the line of a JSON syntax error)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as err:
+        raise ValueError(f"recipe {path}: cannot read it ({err.strerror}; relative paths resolve against "
+                         f"{os.getcwd()}); check the path") from None
     try:
         values = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"recipe {path}: not valid JSON ({err})") from None
-    return recipe_from_dict(values)
+        raise ValueError(f"recipe {path}, line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); "
+                         "fix the syntax (JSON allows no comments and no trailing commas)") from None
+    return recipe_from_dict(values, source=path)
+
+
+def env_world_size() -> int:
+    """The launcher's ``WORLD_SIZE`` (1 when unset), read before any process group exists."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"WORLD_SIZE: must be a positive integer, got {text!r}; launch with torchrun or "
+                         "deepspeed, or unset it for one process")
+    return int(text)
+
+
+def check_layout(recipe: Recipe, world_size: int, num_experts: int) -> None:
+    """Refuse an expert-parallel layout that cannot be built, before any process group exists."""
+    ep, field = recipe.parallel.expert_parallel_size, "parallel.expert_parallel_size"
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world size (WORLD_SIZE): must be a positive integer, got {world_size!r}")
+    both = [d for d in range(1, min(num_experts, world_size) + 1) if num_experts % d == 0 and world_size % d == 0]
+    problems = []
+    if recipe.parallel.backend == "hf" and ep > 1:
+        problems.append(f"is {ep}, but the Hugging Face backend has no expert parallelism yet; use "
+                        "parallel.backend \"megatron\" (or expert_parallel_size 1)")
+    if num_experts % ep:
+        problems.append(f"{ep} does not divide the model's {num_experts} experts; use one that divides both the "
+                        f"experts and the world size {world_size}: {both}")
+    if world_size % ep:
+        problems.append(f"{ep} does not divide the world size {world_size} (WORLD_SIZE); launch a multiple of "
+                        f"{ep} processes, or use one of {both}")
+    if problems:
+        raise ValueError("\n".join(f"{field}: {problem}" for problem in problems))

@@ -45,17 +45,3 @@ def test_packed_windows_mark_every_document_start():
     assert [w[1].tolist() for w in windows] == [[0, 3, 4], [0, 1, 4]]
     ids, cu = next(batches(windows, 2, seed=0))
     assert ids.shape == (1, 8) and cu[-1] == 8 and sorted(cu.tolist()) == cu.tolist()
-
-
-@pytest.mark.parametrize("recipe, field", [
-    ({"train": {"lr": 0}}, "train.lr"),
-    ({"train": {"stepz": 3}}, "train.stepz"),
-    ({"data": {"kind": "jsonl"}}, "data.path"),
-    ({"data": {"operation": "/"}}, "data.operation"),
-    ({"lora": {"r": 0}}, "lora.r"),
-    ({"lora": {"target_modules": []}}, "lora.target_modules"),
-    ({"optimiser": {}}, "optimiser"),
-])
-def test_bad_recipe_names_the_field(recipe, field):
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        recipe_from_dict(recipe)

@@ -1,0 +1,164 @@
+"""The output directory of a run: claimed before training so that ``output_dir`` can never destroy data.
+
+Rank 0 claims it (the trainer barriers after). A claim refuses paths whose loss would hurt (the current
+directory and its parents, the home directory, the filesystem root), existing files, and non-empty
+directories that are not a run of this project; a run directory is marked by ``moe_plugin_run.json``, which
+holds the recipe. Claiming a marked directory resumes it, if the recipe is the same run. While a run owns the
+directory it holds an ``flock`` on ``output_dir/.lock``; the kernel drops that lock when its process dies, so a
+crashed run never blocks the next one. Nothing that was in the directory before is ever deleted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from typing import Any, Dict, List, NoReturn, Optional
+
+MARKER = "moe_plugin_run.json"
+LOCK = ".lock"
+_PROBE = ".moe_plugin_write_probe"
+# a resume may train longer, evaluate or log differently; output_dir names this same directory either way
+RESUMABLE_CHANGES = ("schedule.steps", "eval", "logging", "output_dir")
+
+
+def _refuse(message: str) -> NoReturn:
+    raise ValueError(f"output_dir: {message}")
+
+
+def _is_same_or_parent(path: str, of: str) -> bool:
+    return of == path or of.startswith(path.rstrip(os.sep) + os.sep)
+
+
+def _differences(old: Any, new: Any, prefix: str = "") -> List[str]:
+    """Dotted keys whose values differ between two recipe dicts."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: List[str] = []
+        for key in sorted(set(old) | set(new)):
+            out += _differences(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else str(key))
+        return out
+    return [] if old == new else [prefix or "(the whole recipe)"]
+
+
+def _resumable(key: str) -> bool:
+    return any(key == allowed or key.startswith(allowed + ".") for allowed in RESUMABLE_CHANGES)
+
+
+def _write_json_atomic(path: str, values: Dict[str, Any]) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(values, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+class RunDirectory:
+    """A claimed output directory; ``release()`` (or leaving the ``with`` block) drops its lock.
+
+    ``resumed`` is true when the directory already held this run (the trainer resumes there).
+    """
+
+    def __init__(self, path: str, lock_file, resumed: bool):
+        self.path, self._lock_file, self.resumed = path, lock_file, resumed
+
+    @classmethod
+    def claim(cls, path: str, recipe_dict: Dict[str, Any]) -> "RunDirectory":
+        """Check ``path`` and take it for the run of ``recipe_dict``; ValueError naming ``output_dir`` if not."""
+        if not isinstance(path, str) or not path.strip():
+            _refuse(f"is empty ({path!r}); give a new directory for this run, e.g. \"outputs/my_run\"")
+        real = os.path.realpath(os.path.expanduser(path))  # symlinks resolved: a link to $HOME is $HOME
+        cwd, home = os.path.realpath(os.getcwd()), os.path.realpath(os.path.expanduser("~"))
+        if real == os.path.realpath(os.sep):
+            _refuse(f"{path!r} is the filesystem root; give a new directory, e.g. \"outputs/my_run\"")
+        if _is_same_or_parent(real, cwd):
+            _refuse(f"{path!r} is the current directory or one of its parents ({real}); give a new "
+                    "directory below it, e.g. \"outputs/my_run\"")
+        if _is_same_or_parent(real, home):
+            _refuse(f"{path!r} is the home directory or one of its parents ({real}); give a new directory, "
+                    "e.g. \"outputs/my_run\"")
+        if os.path.lexists(real) and not os.path.isdir(real):
+            _refuse(f"{path!r} is an existing file, not a directory; choose a new or empty directory")
+        marker = os.path.join(real, MARKER)
+        if os.path.isdir(real) and not os.path.exists(marker):
+            # a lock or probe file left by a claim that died before writing the marker is ours, not data
+            foreign = sorted(set(os.listdir(real)) - {LOCK, _PROBE})
+            if foreign:
+                shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+                _refuse(f"{path!r} is not empty ({shown}) and is not a run of this project (it has no {MARKER}); "
+                        "choose a new or empty directory")
+        try:
+            os.makedirs(real, exist_ok=True)
+        except OSError as err:
+            _refuse(f"cannot create {path!r} ({err.strerror}); choose a writable location")
+        lock_file = cls._lock(path, real)
+        try:
+            cls._check_writable(path, real)
+            resumed = os.path.exists(marker)
+            if resumed:
+                cls._check_same_run(path, marker, recipe_dict)
+            _write_json_atomic(marker, recipe_dict)
+        except BaseException:
+            lock_file.close()  # closing the file drops the flock
+            raise
+        return cls(real, lock_file, resumed)
+
+    @staticmethod
+    def _lock(path: str, real: str):
+        try:
+            lock_file = open(os.path.join(real, LOCK), "a+")
+        except OSError as err:
+            _refuse(f"cannot open {os.path.join(path, LOCK)} ({err.strerror}); choose a writable location")
+        try:
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.seek(0)
+            holder = lock_file.read().strip() or "unknown"
+            lock_file.close()
+            _refuse(f"another run (pid {holder}) is using {path!r}; wait for it to finish, or choose another "
+                    "output_dir")
+        lock_file.seek(0)
+        lock_file.truncate()
+        lock_file.write(f"{os.getpid()}\n")
+        lock_file.flush()
+        return lock_file
+
+    @staticmethod
+    def _check_writable(path: str, real: str) -> None:
+        # checked now: a run that can only fail at its final save would waste the whole training
+        probe = os.path.join(real, _PROBE)
+        try:
+            with open(probe, "w") as f:
+                f.write("probe\n")
+            os.remove(probe)
+        except OSError as err:
+            _refuse(f"{path!r} is not writable ({err.strerror}); choose a writable location")
+
+    @staticmethod
+    def _check_same_run(path: str, marker: str, recipe_dict: Dict[str, Any]) -> None:
+        try:
+            with open(marker) as f:
+                stored = json.load(f)
+        except json.JSONDecodeError as err:
+            _refuse(f"{marker}, line {err.lineno}: not valid JSON ({err.msg}); repair it or choose a new directory")
+        changed = [key for key in _differences(stored, recipe_dict) if not _resumable(key)]
+        if changed:
+            _refuse(f"{path!r} holds a run of another recipe: {', '.join(changed)} differ from its {MARKER}, and "
+                    f"resuming with another model, adapters or data is not a resume (only "
+                    f"{', '.join(RESUMABLE_CHANGES[:3])} may change); choose a new directory or restore those values")
+
+    @property
+    def held(self) -> bool:
+        return self._lock_file is not None
+
+    def release(self) -> None:
+        """Drop the lock (the lock file stays: removing it could let two runs lock two different files)."""
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    def __enter__(self) -> "RunDirectory":
+        return self
+
+    def __exit__(self, *exc) -> Optional[bool]:
+        self.release()
+        return None

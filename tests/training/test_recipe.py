@@ -1,0 +1,344 @@
+"""The recipe schema, the layout check and the DeepSpeed config merge: each bad input is asserted on its message."""
+
+import copy
+import glob
+import json
+
+import pytest
+
+from moe_plugin.models.configuration import MoEPluginConfig
+from moe_plugin.models.k3_config import config_to_k3
+from moe_plugin.models.presets import preset_config
+from moe_plugin.training.ds_config import ZERO3_SETTINGS, deepspeed_config
+from moe_plugin.training.recipe import (LoraSection, RecipeError, check_layout, env_world_size, load_recipe,
+                                        recipe_from_dict)
+
+BASE = {"output_dir": "outputs/test", "model": {"preset": "tiny"}}
+SHIPPED_BASE = "recipes/bases/tiny-arith"
+
+
+def _with(**sections):
+    values = copy.deepcopy(BASE)
+    values.update(sections)
+    return values
+
+
+def _problems(values):
+    with pytest.raises(RecipeError) as caught:
+        recipe_from_dict(values)
+    assert isinstance(caught.value, ValueError)
+    return dict(caught.value.problems)
+
+
+@pytest.mark.parametrize("steps, shown", [("10", "'10' (a str)"), (2.5, "2.5 (a float)"), (True, "true (a bool)")])
+def test_steps_must_be_an_integer(steps, shown):
+    assert _problems(_with(schedule={"steps": steps})) == {
+        "schedule.steps": f"must be an integer, got {shown}; write a whole number without quotes, e.g. 60"}
+
+
+def test_a_float_field_takes_an_int_but_not_a_string_or_a_bool():
+    recipe = recipe_from_dict(_with(schedule={"lr": 1}))
+    assert recipe.schedule.lr == 1.0 and type(recipe.schedule.lr) is float
+    problems = _problems(_with(schedule={"lr": "3e-3", "min_lr": False}))
+    assert problems["schedule.lr"].startswith("must be a number, got '3e-3' (a str)")
+    assert problems["schedule.min_lr"].startswith("must be a number, got false (a bool)")
+
+
+def test_logging_every_zero_is_refused():
+    message = _problems(_with(logging={"every": 0}))["logging.every"]
+    assert message.startswith("must be > 0, got 0;") and "steps between log lines" in message
+
+
+def test_lora_alpha_zero_says_the_adapter_would_do_nothing():
+    message = _problems(_with(lora={"alpha": 0}))["lora.alpha"]
+    assert message.startswith("must be > 0, got 0;") and "an adapter that does nothing" in message
+
+
+def test_negative_weight_decay_is_refused():
+    assert _problems(_with(schedule={"weight_decay": -0.1}))["schedule.weight_decay"].startswith(
+        "must be >= 0, got -0.1;")
+
+
+@pytest.mark.parametrize("section", ["data", "schedule", "lora", "model"])
+def test_a_list_instead_of_an_object(section):
+    assert _problems(_with(**{section: [1, 2]}))[section].startswith("must be a JSON object, got a list;")
+
+
+def test_a_recipe_that_is_not_an_object():
+    assert _problems([])["recipe"].startswith("must be a JSON object of sections, got a list")
+
+
+def test_target_modules_as_a_string():
+    assert _problems(_with(lora={"target_modules": "q_proj"})) == {
+        "lora.target_modules": "must be a list, got 'q_proj' (a str); use a list, e.g. [\"q_proj\"]"}
+
+
+def test_no_lora_target_at_all():
+    message = _problems(_with(lora={"target_modules": [], "target_parameters": []}))["lora.target_modules"]
+    assert "nothing would train" in message and '"lora": null' in message
+
+
+def test_lora_null_trains_every_parameter_and_absent_lora_takes_the_defaults():
+    assert recipe_from_dict(_with(lora=None)).lora is None
+    lora = recipe_from_dict(BASE).lora
+    assert lora == LoraSection() and lora.target_modules == ["q_proj", "k_proj", "gate"] and lora.alpha == 16.0
+
+
+def test_unknown_preset():
+    assert _problems(_with(model={"preset": "huge"})) == {
+        "model.preset": "unknown preset 'huge'; choose one of ['k3', 'tiny']"}
+
+
+def test_both_preset_and_from_pretrained():
+    message = _problems(_with(model={"preset": "tiny", "from_pretrained": SHIPPED_BASE}))["model"]
+    assert message.startswith("both model.preset and model.from_pretrained are given; give exactly one")
+
+
+def test_neither_preset_nor_from_pretrained():
+    assert _problems(_with(model={}))["model"].startswith("neither model.preset nor model.from_pretrained")
+
+
+def test_from_pretrained_directory_that_is_missing(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    assert _problems(_with(model={"from_pretrained": missing}))["model.from_pretrained"].startswith(
+        f"{missing!r} does not exist")
+
+
+def test_from_pretrained_directory_without_config_json(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert _problems(_with(model={"from_pretrained": str(tmp_path)}))["model.from_pretrained"].startswith(
+        f"{str(tmp_path)!r} has no config.json")
+
+
+def test_from_pretrained_adapter_directory_points_at_its_base(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base-7"}))
+    message = _problems(_with(model={"from_pretrained": str(tmp_path)}))["model.from_pretrained"]
+    assert "holds a LoRA adapter (adapter_config.json), not a base model" in message
+    assert "point model.from_pretrained at its base model ('/models/base-7'" in message
+
+
+def test_unknown_keys_at_every_depth_all_in_one_error():
+    with pytest.raises(RecipeError) as caught:
+        recipe_from_dict(_with(optimiser={}, schedule={"stepz": 3}, model={"preset": "tiny",
+                                                                           "overrides": {"hiden_size": 32}}))
+    problems = dict(caught.value.problems)
+    assert set(problems) == {"optimiser", "schedule.stepz", "model.overrides.hiden_size"}
+    assert problems["optimiser"].startswith("unknown key; allowed keys are ['checkpoint', 'data', 'deepspeed',")
+    assert problems["schedule.stepz"].endswith("did you mean 'steps'?")
+    assert problems["model.overrides.hiden_size"] == "not a model config key; did you mean 'hidden_size'?"
+    text = str(caught.value)
+    assert text.startswith("recipe (from a dict): 3 problems\n") and "  schedule.stepz: unknown key;" in text
+
+
+def test_an_invalid_override_value_names_overrides():
+    message = _problems(_with(model={"preset": "tiny", "overrides": {"num_experts_per_token": 0}}))["model.overrides"]
+    assert message.startswith("the model config is invalid:") and "num_experts_per_token" in message
+
+
+def test_cross_field_schedule_checks():
+    problems = _problems(_with(schedule={"steps": 10, "warmup_steps": 10, "lr": 1e-3, "min_lr": 1e-2}))
+    assert problems["schedule.min_lr"] == "0.01 is above schedule.lr (0.001); use a floor <= lr"
+    assert problems["schedule.warmup_steps"].startswith("10 leaves no step after the warm-up")
+
+
+def test_data_path_is_required_and_must_exist_for_files(tmp_path):
+    assert _problems(_with(data={"kind": "sft"}))["data.path"].startswith("is required when data.kind is 'sft'")
+    missing = str(tmp_path / "chat.jsonl")
+    assert _problems(_with(data={"kind": "text", "path": missing}))["data.path"].startswith(
+        f"{missing!r} does not exist")
+    (tmp_path / "chat.jsonl").write_text("")
+    assert recipe_from_dict(_with(data={"kind": "sft", "path": missing})).data.path == missing
+    assert _problems(_with(data={"kind": "literal"}))["data.kind"].startswith(
+        "must be one of \"arithmetic\", \"sft\", \"text\", got 'literal' (a str)")
+
+
+def test_output_dir_is_required_and_not_empty():
+    assert _problems({"model": {"preset": "tiny"}})["output_dir"].startswith("is required;")
+    assert _problems(_with(output_dir=""))["output_dir"].startswith("is empty;")
+
+
+def test_to_dict_round_trips_and_holds_every_section():
+    recipe = recipe_from_dict(_with(schedule={"steps": 7}, lora=None))
+    values = recipe.to_dict()
+    assert set(values) == {"output_dir", "seed", "deepspeed", "model", "lora", "data", "parallel", "schedule",
+                           "eval", "checkpoint", "logging"}
+    assert values["schedule"]["steps"] == 7 and values["lora"] is None
+    assert recipe_from_dict(json.loads(json.dumps(values))) == recipe
+
+
+def test_load_recipe_names_the_file(tmp_path):
+    missing = tmp_path / "none.json"
+    with pytest.raises(ValueError, match=f"recipe {missing}: cannot read it"):
+        load_recipe(str(missing))
+    broken = tmp_path / "broken.json"
+    broken.write_text('{\n  "output_dir": "x",\n}\n')
+    with pytest.raises(ValueError, match=f"recipe {broken}, line 3 column 1: not valid JSON"):
+        load_recipe(str(broken))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_with(schedule={"steps": "10"})))
+    with pytest.raises(RecipeError, match=f"recipe {bad}: schedule.steps: must be an integer"):
+        load_recipe(str(bad))
+
+
+def test_model_sources_and_configs(tmp_path):
+    preset = recipe_from_dict(_with(model={"preset": "tiny", "overrides": {"num_experts": 4}})).model
+    assert preset.source_format() == "preset"
+    assert preset.model_config() == preset_config("tiny", num_experts=4).to_model_config()
+
+    hf = recipe_from_dict(_with(model={"from_pretrained": SHIPPED_BASE, "overrides": {"num_experts_per_token": 1}}))
+    with open(f"{SHIPPED_BASE}/config.json") as f:
+        saved = json.load(f)
+    assert hf.model.source_format() == "hf"
+    built = hf.model.model_config()
+    assert (built.moe.num_experts, built.moe.top_k, built.hidden_size) == (
+        saved["num_experts"], 1, saved["hidden_size"])
+
+    (tmp_path / "config.json").write_text(json.dumps(config_to_k3(preset_config("tiny"))))
+    k3 = recipe_from_dict(_with(model={"from_pretrained": str(tmp_path), "overrides": {"num_experts": 4}})).model
+    assert k3.source_format() == "k3"
+    expected = preset_config("tiny", vision_config=None, image_token_id=None, num_experts=4).to_model_config()
+    assert k3.model_config() == expected
+    assert type(k3).model_config["strict"] is True  # pydantic's settings are still there on the class
+
+
+def _layout(ep, backend="megatron"):
+    return recipe_from_dict(_with(parallel={"expert_parallel_size": ep, "backend": backend}))
+
+
+def test_check_layout():
+    check_layout(_layout(2), world_size=4, num_experts=8)
+    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: 3 does not divide the model's 8 experts"):
+        check_layout(_layout(3), world_size=3, num_experts=8)
+    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: 2 does not divide the world size 3"):
+        check_layout(_layout(2), world_size=3, num_experts=8)
+    with pytest.raises(ValueError, match=r"the Hugging Face backend has no expert parallelism yet; use "
+                                         r"parallel\.backend \"megatron\""):
+        check_layout(_layout(2, "hf"), world_size=2, num_experts=8)
+
+
+def test_env_world_size(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert env_world_size() == 1
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert env_world_size() == 4
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE: must be a positive integer, got 'two'"):
+        env_world_size()
+
+
+# ---- the DeepSpeed config merge ----
+
+def _ds_recipe(tmp_path, ds=None, **sections):
+    values = _with(**sections)
+    if ds is not None:
+        (tmp_path / "ds.json").write_text(json.dumps(ds))
+        values["deepspeed"] = str(tmp_path / "ds.json")
+    return recipe_from_dict(values)
+
+
+def test_deepspeed_config_missing(tmp_path):
+    recipe = recipe_from_dict(_with(deepspeed=str(tmp_path / "nope.json")))
+    with pytest.raises(ValueError, match=f"^deepspeed: the DeepSpeed config '{tmp_path}/nope.json' does not exist"):
+        deepspeed_config(recipe, 1)
+
+
+def test_deepspeed_config_invalid_json_names_the_file(tmp_path):
+    (tmp_path / "ds.json").write_text("{\n  \"zero_optimization\": {\n}")
+    recipe = recipe_from_dict(_with(deepspeed=str(tmp_path / "ds.json")))
+    with pytest.raises(ValueError, match=f"^{tmp_path}/ds.json, line 3 column 2: not valid JSON"):
+        deepspeed_config(recipe, 1)
+
+
+@pytest.mark.parametrize("ep, world", [(1, 2), (2, 4)])
+def test_zero3_is_required_where_the_layout_needs_it(tmp_path, ep, world):
+    recipe = _ds_recipe(tmp_path, {"zero_optimization": {"stage": 2}}, parallel={"expert_parallel_size": ep})
+    with pytest.raises(ValueError, match=r"ds\.json: zero_optimization\.stage is 2, but .*; set \"zero_optimization\": "
+                                         r"\{\"stage\": 3"):
+        deepspeed_config(recipe, world)
+
+
+def test_no_zero3_needed_for_one_process_or_the_hf_backend(tmp_path):
+    assert deepspeed_config(_ds_recipe(tmp_path, {"zero_optimization": {"stage": 0}}), 1)["zero_optimization"] == {
+        "stage": 0}
+    hf = _ds_recipe(tmp_path, {"zero_optimization": {"stage": 2}}, parallel={"backend": "hf"})
+    assert deepspeed_config(hf, 2)["zero_optimization"]["stage"] == 2
+
+
+def test_a_micro_batch_conflict_names_both_places(tmp_path):
+    recipe = _ds_recipe(tmp_path, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}},
+                        schedule={"micro_batch_size": 4})
+    with pytest.raises(ValueError) as caught:
+        deepspeed_config(recipe, 2)
+    assert str(caught.value) == (f"schedule.micro_batch_size (4) and {tmp_path}/ds.json: train_micro_batch_size_per_gpu "
+                                 "(1) disagree; remove it from the DeepSpeed config (the recipe fills it) or make "
+                                 "them equal")
+
+
+def test_a_precision_conflict_is_not_hidden_by_true_equal_to_one(tmp_path):
+    recipe = _ds_recipe(tmp_path, {"bf16": {"enabled": True}})
+    with pytest.raises(ValueError, match=r"^schedule\.precision \('fp32'\) and .*: bf16\.enabled \(true\) disagree"):
+        deepspeed_config(recipe, 1)
+
+
+def test_auto_and_absent_values_are_filled_from_the_recipe(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+          "train_batch_size": "auto", "bf16": {"enabled": "auto"},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
+    recipe = _ds_recipe(tmp_path, ds, parallel={"expert_parallel_size": 2},
+                        schedule={"micro_batch_size": 3, "gradient_accumulation_steps": 5, "clip_grad_norm": 0.5,
+                                  "precision": "bf16"})
+    merged = deepspeed_config(recipe, 4)
+    assert merged["train_micro_batch_size_per_gpu"] == 3 and merged["gradient_accumulation_steps"] == 5
+    assert merged["train_batch_size"] == 3 * 5 * 4  # global batch: every rank of the world is data-parallel
+    assert merged["gradient_clipping"] == 0.5 and merged["bf16"] == {"enabled": True}
+    assert merged["fp16"] == {"enabled": False}
+    assert merged["zero_optimization"]["stage3_param_persistence_threshold"] == 100
+    no_clip = _ds_recipe(tmp_path, {}, schedule={"clip_grad_norm": None})
+    assert deepspeed_config(no_clip, 1)["gradient_clipping"] == 0.0
+
+
+@pytest.mark.parametrize("section", ["optimizer", "scheduler"])
+def test_optimizer_and_scheduler_sections_are_refused(tmp_path, section):
+    recipe = _ds_recipe(tmp_path, {section: {"type": "AdamW", "params": {}}})
+    with pytest.raises(ValueError, match=f"ds.json: {section}: the trainer passes its own torch AdamW .*remove the "
+                                         f"'{section}' section"):
+        deepspeed_config(recipe, 1)
+
+
+def test_fp16_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"ds\.json: fp16\.enabled: fp16 needs loss scaling"):
+        deepspeed_config(_ds_recipe(tmp_path, {"fp16": {"enabled": True}}), 1)
+
+
+def test_the_default_config(tmp_path):
+    assert deepspeed_config(recipe_from_dict(BASE), 1)["zero_optimization"] == {"stage": 0}
+    with open("ds_configs/zero3_lora.json") as f:
+        shipped = json.load(f)["zero_optimization"]
+    assert ZERO3_SETTINGS == shipped
+    assert deepspeed_config(recipe_from_dict(BASE), 2)["zero_optimization"] == shipped
+    assert deepspeed_config(_layout(2), 2)["zero_optimization"] == shipped
+
+
+def test_a_relative_deepspeed_path_resolves_against_base_dir(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    recipe = recipe_from_dict(_with(deepspeed="ds.json"))
+    assert deepspeed_config(recipe, 2, base_dir=str(tmp_path))["zero_optimization"] == {"stage": 3}
+
+
+@pytest.mark.parametrize("recipe_path", sorted(glob.glob("recipes/*.json")))
+@pytest.mark.parametrize("ds_path", [None] + sorted(glob.glob("ds_configs/*.json")))
+def test_shipped_recipes_and_ds_configs_load_and_merge(recipe_path, ds_path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    recipe = load_recipe(recipe_path)
+    recipe.model.model_config()
+    recipe.deepspeed = ds_path
+    for world in (1, 2, 4):
+        check_layout(recipe, world, recipe.model.model_config().moe.num_experts)
+        merged = deepspeed_config(recipe, world)
+        assert merged["train_batch_size"] == recipe.schedule.micro_batch_size * world
+    # DeepSpeed's own parser, outside a process group, sees a world of one
+    parsed = DeepSpeedConfig(deepspeed_config(recipe, 1))
+    assert parsed.train_micro_batch_size_per_gpu == recipe.schedule.micro_batch_size
+    assert parsed.gradient_accumulation_steps == recipe.schedule.gradient_accumulation_steps
