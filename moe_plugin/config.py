@@ -31,7 +31,7 @@ def _positive(obj, *names: str) -> None:
 
 @dataclass
 class KDAConfig:
-    """Kimi Delta Attention (ARCHITECTURE.md 2.1)."""
+    """Kimi Delta Attention (docs/architecture.md 2.1)."""
 
     hidden_size: int
     num_heads: int
@@ -64,7 +64,7 @@ class KDAConfig:
 
 @dataclass
 class MLAConfig:
-    """Gated multi-head latent attention with the optional DSA lightning indexer (ARCHITECTURE.md 2.2)."""
+    """Gated multi-head latent attention with the optional DSA lightning indexer (docs/architecture.md 2.2)."""
 
     hidden_size: int
     num_heads: int
@@ -93,7 +93,7 @@ class MLAConfig:
 
 @dataclass
 class MoEConfig:
-    """Stable Latent MoE (ARCHITECTURE.md 3)."""
+    """Stable Latent MoE (docs/architecture.md 3)."""
 
     hidden_size: int
     num_experts: int
@@ -142,7 +142,7 @@ class MoEConfig:
 
 @dataclass
 class VisionConfig:
-    """ViT over 14-pixel patches with a 2x2 merge and an MLP projector (ARCHITECTURE.md 4)."""
+    """ViT over 14-pixel patches with a 2x2 merge and an MLP projector (docs/architecture.md 4)."""
 
     hidden_size: int = 1024
     num_layers: int = 27

@@ -1,4 +1,4 @@
-"""The residual stream, plain or with Attention Residuals (ARCHITECTURE.md 2.3).
+"""The residual stream, plain or with Attention Residuals (docs/architecture.md 2.3).
 
 A decoder layer never adds to the residual itself: it asks the stream for its sublayer's input
 (``read``) and hands back the sublayer's output (``add``). That keeps the layer code identical for the

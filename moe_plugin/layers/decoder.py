@@ -1,6 +1,6 @@
 """A decoder layer: one attention kind (KDA or gated MLA/DSA) and one MLP kind (Stable Latent MoE or dense).
 
-Parameter names are K3's (ARCHITECTURE.md 7): ``input_layernorm``, ``self_attn``,
+Parameter names are K3's (docs/architecture.md 7): ``input_layernorm``, ``self_attn``,
 ``post_attention_layernorm``, then ``block_sparse_moe`` or ``mlp``; with Attention Residuals also
 ``self_attention_res_{proj,norm}`` and ``mlp_res_{proj,norm}``.
 """

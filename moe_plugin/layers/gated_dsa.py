@@ -1,6 +1,6 @@
-"""Gated multi-head latent attention with DeepSeek-V3.2's lightning indexer (Gated DSA, ARCHITECTURE.md 2.2).
+"""Gated multi-head latent attention with DeepSeek-V3.2's lightning indexer (Gated DSA, docs/architecture.md 2.2).
 
-Module names are K3's / DeepSeek's (ARCHITECTURE.md 7) so that checkpoints map one to one. There is no rotary
+Module names are K3's / DeepSeek's (docs/architecture.md 7) so that checkpoints map one to one. There is no rotary
 embedding: the 64 "rope" channels of the query and of the shared key are used as they are (K3 has no positions
 outside KDA). With ``config.use_indexer`` each query attends only to the ``config.index_topk`` keys its
 indexer scores highest; the indexer sees detached inputs and learns only from its KL loss.

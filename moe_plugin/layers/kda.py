@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (ARCHITECTURE.md 2.1) with K3's parameter names, for one device.
+"""Kimi Delta Attention layer (docs/architecture.md 2.1) with K3's parameter names, for one device.
 
 q, k = l2norm(silu(conv(W_q x or W_k x))); v = silu(conv(W_v x)); beta = sigmoid(W_b x);
 g = gate(W_f_b W_f_a x) per channel; o = KDA(q, k, v, g, beta); y = W_o(RMSNorm_head(o) * sigmoid(W_g x)).

@@ -1,4 +1,4 @@
-"""Stable Latent MoE on one device (ARCHITECTURE.md 3), with K3's module names.
+"""Stable Latent MoE on one device (docs/architecture.md 3), with K3's module names.
 
 The forward is split into stages (``route``, ``to_latent``, ``experts``, ``from_latent``, ``shared_path``)
 so that the expert-parallel adapter can put its all-to-all between ``permute`` and ``experts`` and reuse

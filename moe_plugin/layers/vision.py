@@ -1,4 +1,4 @@
-"""Vision input (ARCHITECTURE.md 4): ViT tower over 14-pixel patches, 2x2 patch merge, MLP projector.
+"""Vision input (docs/architecture.md 4): ViT tower over 14-pixel patches, 2x2 patch merge, MLP projector.
 
 Patch layout, shared with ``moe_plugin.models.image_processing`` (the one convention both sides use):
 
@@ -268,7 +268,7 @@ class MultimodalProjector(nn.Module):
 class VisionEncoder(nn.Module):
     """Tower, 2x2 merge and projector: the image tokens that replace the placeholders' embeddings.
 
-    Parameter names follow ARCHITECTURE.md 7: ``vision_tower.*`` and ``mm_projector.*``.
+    Parameter names follow docs/architecture.md 7: ``vision_tower.*`` and ``mm_projector.*``.
     """
 
     def __init__(self, config: VisionConfig):

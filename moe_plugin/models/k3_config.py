@@ -1,4 +1,4 @@
-"""K3's ``config.json`` to this project's ``MoEPluginConfig`` and back (ARCHITECTURE.md 2.3, "Published layout").
+"""K3's ``config.json`` to this project's ``MoEPluginConfig`` and back (docs/architecture.md 2.3, "Published layout").
 
 K3's text config (``model_type`` "kimi_linear") uses the same key names as ``MoEPluginConfig`` wherever the
 two have the same knob; the differences handled here are:

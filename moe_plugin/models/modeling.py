@@ -1,6 +1,6 @@
 """Hugging Face model classes for the text model, composed from ``moe_plugin.layers``.
 
-Names follow K3 (ARCHITECTURE.md 7): ``model.embed_tokens``, ``model.layers.{i}``, ``model.norm``,
+Names follow K3 (docs/architecture.md 7): ``model.embed_tokens``, ``model.layers.{i}``, ``model.norm``,
 ``lm_head``, and with Attention Residuals ``model.output_attn_res_{proj,norm}``.
 
 Padding: the attention layers work on packed sequences, so a padded batch (an ``attention_mask`` with

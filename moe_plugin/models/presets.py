@@ -1,4 +1,4 @@
-"""Named model sizes: ``tiny`` (trains on 2 CPU cores) and ``k3`` (Kimi K3, ARCHITECTURE.md 1)."""
+"""Named model sizes: ``tiny`` (trains on 2 CPU cores) and ``k3`` (Kimi K3, docs/architecture.md 1)."""
 
 from __future__ import annotations
 

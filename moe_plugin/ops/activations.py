@@ -18,7 +18,7 @@ GLU_KINDS = ("situ", "swiglu")
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU: ``(beta tanh(a/beta) sigmoid(a)) * (linear_beta tanh(b/linear_beta))`` (ARCHITECTURE.md 2.3).
+    """SiTU-GLU: ``(beta tanh(a/beta) sigmoid(a)) * (linear_beta tanh(b/linear_beta))`` (docs/architecture.md 2.3).
 
     gate, up: ``[..., F]``. Computed in fp32 because the soft caps saturate early in bf16; returned in
     ``gate``'s dtype. The tanh caps bound both factors, which is what keeps K3's activations from blowing up.

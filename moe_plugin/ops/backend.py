@@ -2,7 +2,7 @@
 
 Kernels are chosen by the tensors' device, never by what happens to be importable: transformers'
 kimi_linear picks flash-linear-attention's Triton kernel for CPU tensors whenever fla is installed and
-then fails (../shared/CPU-NOTES.md). Here a Triton kernel is used only when every tensor is on CUDA
+then fails (docs/cpu.md). Here a Triton kernel is used only when every tensor is on CUDA
 *and* the kernel imports.
 """
 

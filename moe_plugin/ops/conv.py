@@ -1,4 +1,4 @@
-"""Short causal depthwise convolution (KDA's q/k/v conv, ARCHITECTURE.md 2.1) with state carry and packing."""
+"""Short causal depthwise convolution (KDA's q/k/v conv, docs/architecture.md 2.1) with state carry and packing."""
 
 from __future__ import annotations
 

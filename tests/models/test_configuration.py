@@ -20,7 +20,7 @@ def test_default_schedule_is_three_kda_to_one_full_attention():
 def test_k3_preset_schedule_and_sizes():
     config = moe_plugin.preset_config("k3")
     full = [i + 1 for i, t in enumerate(config.layer_types) if t == "full_attention"]
-    assert full == list(range(4, 93, 4)) + [93]  # 1-indexed, as ARCHITECTURE.md 1 lists them
+    assert full == list(range(4, 93, 4)) + [93]  # 1-indexed, as docs/architecture.md 1 lists them
     assert config.layer_types.count("linear_attention") == 69
     assert (config.hidden_size, config.num_experts, config.num_experts_per_token) == (7168, 896, 16)
     assert (config.routed_expert_hidden_size, config.moe_intermediate_size) == (3584, 3072)
@@ -96,7 +96,7 @@ def test_unknown_preset():
 def test_k3_preset_counts_published_parameters_on_meta():
     with torch.device("meta"):
         model = MoEPluginForCausalLM(moe_plugin.preset_config("k3"))
-    # ARCHITECTURE.md 1 counts the routing selection bias (a buffer here) with the parameters
+    # docs/architecture.md 1 counts the routing selection bias (a buffer here) with the parameters
     total = sum(p.numel() for p in model.parameters())
     total += sum(b.numel() for name, b in model.named_buffers() if name.endswith("e_score_correction_bias"))
     published = 2_779_484_476_000

@@ -1,5 +1,5 @@
 """K3-format checkpoints: the test writes a tiny checkpoint in K3's published layout with its own writer
-(names and shapes from ARCHITECTURE.md 2.3 / 7, per-expert tensors, padded A_log, ``[C, 1, 4]`` convs), then
+(names and shapes from docs/architecture.md 2.3 / 7, per-expert tensors, padded A_log, ``[C, 1, 4]`` convs), then
 checks loading, logits, byte-identical saving and the errors."""
 
 import json
@@ -45,7 +45,7 @@ def k3_text_config(attn_res=True, num_nextn_predict_layers=0):
 
 
 def k3_text_shapes(k3, layers=None):
-    """K3 tensor names and shapes of a text config (ARCHITECTURE.md 7), independent of the package."""
+    """K3 tensor names and shapes of a text config (docs/architecture.md 7), independent of the package."""
     d, v = k3["hidden_size"], k3["vocab_size"]
     lin = k3["linear_attn_config"]
     h, k = lin["num_heads"], lin["head_dim"]

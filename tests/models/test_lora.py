@@ -15,7 +15,7 @@ from moe_plugin.models import MoEPluginForCausalLM
 
 SEED_TARGETS = ["q_proj", "k_proj", "gate"]
 EXPERT_PARAMETERS = ["block_sparse_moe.experts.w1", "block_sparse_moe.experts.w2", "block_sparse_moe.experts.w3"]
-# every nn.Linear name of ARCHITECTURE.md 7 (KDA, MLA, indexer, MoE, dense MLP)
+# every nn.Linear name of docs/architecture.md 7 (KDA, MLA, indexer, MoE, dense MLP)
 SECTION_7_LINEARS = ["q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj",
                      "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "wq_b", "wk", "weights_proj",
                      "gate", "routed_expert_down_proj", "routed_expert_up_proj", "gate_proj", "up_proj", "down_proj"]

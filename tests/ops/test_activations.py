@@ -1,4 +1,4 @@
-"""Gated activations against their formulas (ARCHITECTURE.md 2.3), and the packed fast form against them."""
+"""Gated activations against their formulas (docs/architecture.md 2.3), and the packed fast form against them."""
 
 import pytest
 import torch

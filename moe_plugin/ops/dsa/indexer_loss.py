@@ -1,7 +1,7 @@
 """The indexer's training signal: KL divergence from the (detached) dense attention to the index scores.
 
 ``attention_target`` gives ``p_t``: each head's causal softmax attention, summed over heads and L1-normalised
-per query. ``indexer_kl_loss`` is ``mean_t KL(p_t || softmax(I_t))`` (ARCHITECTURE.md 2.2); with ``indices``
+per query. ``indexer_kl_loss`` is ``mean_t KL(p_t || softmax(I_t))`` (docs/architecture.md 2.2); with ``indices``
 both distributions are first restricted to (and renormalised over) each query's selected keys, as in the
 sparse-training phase after the warm-up.
 """

@@ -1,6 +1,6 @@
 """Chunked KDA: exact intra-chunk work as batched matmuls over all chunks, only the state passes sequentially.
 
-Per chunk of C tokens (ARCHITECTURE.md 2.1, G the in-chunk cumulative log decay):
+Per chunk of C tokens (docs/architecture.md 2.1, G the in-chunk cumulative log decay):
     W = T (exp(G) K), U = T V with T = (I + L)^-1 diag(beta)  (a unit lower-triangular solve)
     V' = U - W S;  O = (Q exp(G)) S + A V';  S <- exp(G_last) S + (exp(G_last - G) K)^T V'
 Substituting V' makes both the output and the next state affine in S:

@@ -1,4 +1,4 @@
-"""Per-channel decay gates of KDA and the L2 normalisation of q and k (ARCHITECTURE.md 2.1), in fp32."""
+"""Per-channel decay gates of KDA and the L2 normalisation of q and k (docs/architecture.md 2.1), in fp32."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
                         output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
                         use_qk_l2norm_in_kernel: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Kimi Delta Attention one token at a time (ARCHITECTURE.md 2.1); q and k arrive L2-normalised.
+    """Kimi Delta Attention one token at a time (docs/architecture.md 2.1); q and k arrive L2-normalised.
 
     Per head, with state S ``[K, V]``: S <- exp(g_t) * S (row-wise); S <- S + beta_t k_t (v_t - S^T k_t)^T;
     o_t = S^T (scale q_t).

@@ -1,4 +1,4 @@
-"""Sigmoid top-k routing with a selection bias and optional group-limited choice (ARCHITECTURE.md 3)."""
+"""Sigmoid top-k routing with a selection bias and optional group-limited choice (docs/architecture.md 3)."""
 
 from __future__ import annotations
 
