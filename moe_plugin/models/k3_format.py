@@ -1,6 +1,7 @@
 """K3-format checkpoints: read the published Kimi K3 layout into this project's models and write it back.
 
-Tensor names are K3's already (ARCHITECTURE.md 7), so most tensors map one to one. The differences:
+Tensor names are K3's already, so most tensors map one to one. The differences (``moe_plugin.weights.names``
+holds the rules; loading streams through ``moe_plugin.weights.load_state``):
 
 - routed experts: K3 stores one tensor per expert, ``...block_sparse_moe.experts.{e}.w1.weight`` ``[F, L]``
   (``w3`` the same, ``w2`` ``[L, F]``); the model stacks them, ``experts.w1`` ``[E, F, L]``, ``w2`` ``[E, L, F]``;
@@ -18,77 +19,39 @@ Tensor names are K3's already (ARCHITECTURE.md 7), so most tensors map one to on
 - routed experts ship in MXFP4 in the real K3 release: such tensors are detected and refused (dequantise
   them to bf16 first).
 
-Every name problem is reported in one ValueError (unknown and missing tensors, in K3's names), every shape
-problem in another, before anything is loaded.
+Every name and shape problem is reported in one ValueError (unknown, missing and misshapen tensors, in K3's
+names) before anything is loaded.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
-from collections import defaultdict
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Type, Union
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers.utils.hub import convert_file_size_to_int
 
-from ..fileio import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, atomic_directory, safetensors_weight_map
+from ..fileio import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, atomic_directory
+from ..weights.loader import load_state, state_from_tensors
+from ..weights.names import (A_LOG_PAD_MULTIPLE, TEXT_PREFIX, VISION_PREFIXES, a_log_padded_length,
+                             is_indexer_tensor, is_stacked_expert, k3_expert_name, k3_tensor_names,
+                             strip_text_prefix, tensor_from_k3, tensor_to_k3)
 from .configuration import MoEPluginConfig
 from .k3_config import config_from_k3, config_to_k3
 from .modeling import MoEPluginForCausalLM
 from .modeling_vl import MoEPluginForConditionalGeneration
 
-__all__ = ["A_LOG_PAD_MULTIPLE", "config_from_k3", "config_to_k3", "state_dict_from_k3", "state_dict_to_k3",
-           "load_k3_checkpoint", "save_k3_checkpoint", "a_log_padded_length", "k3_tensor_names",
-           "tensor_from_k3", "strip_text_prefix", "is_indexer_tensor"]
+__all__ = ["A_LOG_PAD_MULTIPLE", "TEXT_PREFIX", "VISION_PREFIXES", "config_from_k3", "config_to_k3",
+           "state_dict_from_k3", "state_dict_to_k3", "load_k3_checkpoint", "save_k3_checkpoint",
+           "a_log_padded_length", "k3_tensor_names", "tensor_from_k3", "strip_text_prefix", "is_indexer_tensor",
+           "expected_shapes"]
 
-A_LOG_PAD_MULTIPLE = 128  # K3: 96 heads stored as 128 entries
-TEXT_PREFIX = "language_model."
-VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 CONFIG_NAME = "config.json"
 
-LISTED = 20  # names shown per category in an error
-
-_EXPERT_K3 = re.compile(r"^(?P<prefix>.*\.block_sparse_moe\.experts)\.(?P<index>\d+)\.(?P<kind>w[123])\.weight$")
-_EXPERT_OURS = re.compile(r"^(?P<prefix>.*\.block_sparse_moe\.experts)\.(?P<kind>w[123])$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_INDEXER = ".self_attn.indexer."
-# compressed-tensors' packed FP4 (``weight_packed`` + e8m0 ``weight_scale``) and gpt-oss' ``_blocks``/``_scales``
-_MXFP4_SUFFIXES = ("_blocks", "_scales", ".weight_packed", ".weight_scale", ".weight_global_scale")
-_MXFP4_DTYPES = tuple(getattr(torch, name) for name in ("uint8", "float4_e2m1fn_x2", "float8_e8m0fnu")
-                      if hasattr(torch, name))
-
 Shapes = Dict[str, Tuple[int, ...]]
-
-
-def a_log_padded_length(num_heads: int) -> int:
-    """Length K3 stores ``A_log`` at: ``num_heads`` rounded up to ``A_LOG_PAD_MULTIPLE`` (96 -> 128)."""
-    return -(-num_heads // A_LOG_PAD_MULTIPLE) * A_LOG_PAD_MULTIPLE
-
-
-def _listing(kind: str, names: List[str]) -> str:
-    shown = ", ".join(names[:LISTED])
-    more = f", ... ({len(names) - LISTED} more)" if len(names) > LISTED else ""
-    return f"{len(names)} {kind} tensor(s): {shown}{more}"
-
-
-def _check_not_mxfp4(tensors: Mapping[str, torch.Tensor]) -> None:
-    quantised = sorted(name for name, t in tensors.items()
-                       if name.endswith(_MXFP4_SUFFIXES) or t.dtype in _MXFP4_DTYPES)
-    if quantised:
-        raise ValueError(
-            "tensors: the checkpoint holds MXFP4-quantised tensors (FP4 e2m1 blocks with e8m0 scales); MXFP4 "
-            "dequantisation is not supported yet: dequantise the routed experts to bf16 first. "
-            + _listing("quantised", quantised))
-
-
-def _is_multimodal(model_cls: Type[nn.Module]) -> bool:
-    return issubclass(model_cls, MoEPluginForConditionalGeneration)
 
 
 def expected_shapes(config: MoEPluginConfig, model_cls: Type[nn.Module] = MoEPluginForCausalLM) -> Shapes:
@@ -98,128 +61,19 @@ def expected_shapes(config: MoEPluginConfig, model_cls: Type[nn.Module] = MoEPlu
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def k3_tensor_names(name: str, shape: Tuple[int, ...], experts: Optional[range] = None) -> List[str]:
-    """The K3 tensor names that hold the model tensor ``name`` of ``shape``.
-
-    For a stacked expert tensor ``[E, ...]`` that is one name per expert, of ``experts`` (default
-    ``range(E)``; an expert-parallel rank passes its own ``range(first, last)``)."""
-    match = _EXPERT_OURS.match(name)
-    if match and len(shape) == 3:
-        experts = range(shape[0]) if experts is None else experts
-        return [f"{match['prefix']}.{e}.{match['kind']}.weight" for e in experts]
-    return [name]
-
-
-def is_indexer_tensor(name: str) -> bool:
-    """Whether ``name`` belongs to the DSA indexer, which K3 checkpoints do not have."""
-    return _INDEXER in name
-
-
-def _a_log_from_k3(name: str, stored: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
-    heads = math.prod(shape)
-    if stored.numel() != max(stored.shape, default=1) or stored.numel() < heads:
-        raise ValueError(f"{name}: expected a padded vector of at least {heads} entries ([P] or with singleton "
-                         f"dims such as [1, 1, P, 1]), got shape {list(stored.shape)}")
-    return stored.reshape(-1)[:heads].reshape(shape)
-
-
-def tensor_from_k3(name: str, stored: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
-    """One K3 tensor in the model's layout (A_log unpadded, conv weights reshaped); shape left to the check."""
-    if name.endswith(".A_log"):
-        return _a_log_from_k3(name, stored, shape)
-    if name.endswith("_conv1d.weight") and stored.numel() == math.prod(shape) and stored.shape[0] == shape[0]:
-        return stored.reshape(shape)  # K3's [C, 1, K] into a layer that keeps [C, K], or the reverse
-    return stored
-
-
-def _convert_from_k3(tensors: Mapping[str, torch.Tensor], config: MoEPluginConfig, shapes: Shapes,
-                     multimodal: bool, ignore_mtp: bool, ignore_vision: bool) -> Dict[str, torch.Tensor]:
-    _check_not_mxfp4(tensors)
-    prefix = TEXT_PREFIX if multimodal else ""
-    num_layers = config.num_hidden_layers
-    out: Dict[str, torch.Tensor] = {}
-    source: Dict[str, str] = {}  # model name -> checkpoint name, for messages
-    experts: Dict[str, Dict[int, Tuple[str, torch.Tensor]]] = defaultdict(dict)
-    unknown: List[str] = []
-    for k3_name, tensor in tensors.items():
-        if k3_name.startswith(VISION_PREFIXES):
-            if not multimodal and ignore_vision:
-                continue
-            name = k3_name
-        else:
-            if ignore_mtp and _is_mtp(k3_name, num_layers):
-                continue
-            name = prefix + strip_text_prefix(k3_name)
-        match = _EXPERT_K3.match(name)
-        if match and f"{match['prefix']}.{match['kind']}" in shapes:
-            experts[f"{match['prefix']}.{match['kind']}"][int(match["index"])] = (k3_name, tensor)
-            continue
-        if name not in shapes:
-            unknown.append(k3_name)
-            continue
-        out[name] = tensor_from_k3(k3_name, tensor, shapes[name])
-        source[name] = k3_name
-
-    missing: List[str] = []
-    for name, per_expert in experts.items():
-        count = shapes[name][0]
-        unknown += [k3 for e, (k3, _) in per_expert.items() if e >= count]
-        missing += [n for e, n in enumerate(k3_tensor_names(name, shapes[name])) if e not in per_expert]
-    if config.tie_word_embeddings and prefix + "lm_head.weight" not in out:
-        embed = out.get(prefix + "model.embed_tokens.weight")
-        if embed is not None:
-            out[prefix + "lm_head.weight"] = embed
-            source[prefix + "lm_head.weight"] = source[prefix + "model.embed_tokens.weight"]
-    has_indexer = any(_INDEXER in name for name in out)
-    for name, shape in shapes.items():
-        if name in out or name in experts or (_INDEXER in name and not has_indexer):
-            continue  # a K3 checkpoint has no indexer: it stays freshly initialised
-        missing += k3_tensor_names(name, shape)
-    if unknown or missing:
-        raise ValueError("tensors: the checkpoint does not match the model: "
-                         + "; ".join(_listing(kind, sorted(names)) for kind, names in
-                                     (("unknown", unknown), ("missing", missing)) if names)
-                         + ("; multi-token-prediction layers are not supported: pass ignore_mtp=True to drop them"
-                            if any(_is_mtp(n, num_layers) for n in unknown) else ""))
-
-    mismatched = []
-    for name, per_expert in experts.items():
-        want = shapes[name][1:]
-        mismatched += [f"{k3}: checkpoint {list(t.shape)}, model {list(want)} (one expert of {name})"
-                       for _, (k3, t) in sorted(per_expert.items()) if tuple(t.shape) != want]
-    mismatched += [f"{source[name]}: checkpoint {list(t.shape)}, model {list(shapes[name])}"
-                   for name, t in out.items() if tuple(t.shape) != shapes[name]]
-    if mismatched:
-        raise ValueError(f"tensors: {len(mismatched)} tensor(s) differ in shape from the model: "
-                         + "; ".join(mismatched[:LISTED]))
-    for name, per_expert in experts.items():
-        out[name] = torch.stack([per_expert[e][1] for e in range(shapes[name][0])])
-    return out
-
-
-def strip_text_prefix(k3_name: str) -> str:
-    return k3_name[len(TEXT_PREFIX):] if k3_name.startswith(TEXT_PREFIX) else k3_name
-
-
-def _is_mtp(k3_name: str, num_layers: int) -> bool:
-    """Whether ``k3_name`` belongs to a multi-token-prediction layer (K3 numbers them after the decoder's)."""
-    layer = _LAYER.match(strip_text_prefix(k3_name))
-    return bool(layer) and int(layer.group(1)) >= num_layers
-
-
 def state_dict_from_k3(tensors: Mapping[str, torch.Tensor], config: MoEPluginConfig,
                        model_cls: Type[nn.Module] = MoEPluginForCausalLM, ignore_mtp: bool = False,
-                       ignore_vision: bool = False) -> Dict[str, torch.Tensor]:
+                       ignore_vision: bool = False, strict: bool = True) -> Dict[str, torch.Tensor]:
     """K3-named tensors -> a state dict for ``model_cls(config)`` (text model, or image+text model).
 
     tensors: name -> tensor as stored in a K3 checkpoint (per-expert ``[F, L]``/``[L, F]``, padded ``A_log``,
     ``[C, 1, K]`` conv weights, optional ``language_model.`` prefix). Returns stacked experts ``[E, F, L]`` /
     ``[E, L, F]``, ``A_log`` ``[num_heads]``-sized, in the checkpoint's dtypes. The indexer of a model with
-    ``use_dsa_indexer`` may be absent (it is then left out: keep the model's fresh one).
-    Raises ValueError listing unknown and missing tensors, or naming the tensors whose shapes differ.
+    ``use_dsa_indexer`` may be absent (it is then left out: keep the model's fresh one). strict=False skips
+    tensors the model lacks. Raises one ValueError listing unknown, missing and misshapen tensors.
     """
-    return _convert_from_k3(tensors, config, expected_shapes(config, model_cls), _is_multimodal(model_cls),
-                            ignore_mtp, ignore_vision)
+    return state_from_tensors(tensors, expected_shapes(config, model_cls), config=config.to_model_config(),
+                              layout="k3", strict=strict, ignore_vision=ignore_vision, ignore_mtp=ignore_mtp)
 
 
 def _k3_items(state_dict: Mapping[str, torch.Tensor], config: MoEPluginConfig
@@ -228,21 +82,13 @@ def _k3_items(state_dict: Mapping[str, torch.Tensor], config: MoEPluginConfig
     embeddings = {t.data_ptr() for n, t in state_dict.items() if n.endswith("model.embed_tokens.weight")}
     for name, tensor in state_dict.items():
         tensor = tensor.detach()
-        match = _EXPERT_OURS.match(name)
-        if match and tensor.dim() == 3:
+        if is_stacked_expert(name) and tensor.dim() == 3:
             for e in range(tensor.shape[0]):
-                yield f"{match['prefix']}.{e}.{match['kind']}.weight", tensor[e]
-        elif name.endswith(".A_log"):
-            flat = tensor.reshape(-1)
-            padded = flat.new_zeros(a_log_padded_length(flat.numel()))
-            padded[: flat.numel()] = flat
-            yield name, padded
-        elif name.endswith("_conv1d.weight") and tensor.dim() == 2:
-            yield name, tensor.unsqueeze(1)  # K3 keeps nn.Conv1d's [C, 1, K]
+                yield k3_expert_name(name, e), tensor[e]
         elif config.tie_word_embeddings and name.endswith("lm_head.weight") and tensor.data_ptr() in embeddings:
             continue  # tied: K3 stores the embedding only
         else:
-            yield name, tensor
+            yield name, tensor_to_k3(name, tensor)
 
 
 def state_dict_to_k3(state_dict: Mapping[str, torch.Tensor], config: MoEPluginConfig) -> Dict[str, torch.Tensor]:
@@ -254,30 +100,15 @@ def state_dict_to_k3(state_dict: Mapping[str, torch.Tensor], config: MoEPluginCo
     return dict(_k3_items(state_dict, config))
 
 
-def _read_tensors(path: str) -> Dict[str, torch.Tensor]:
-    weight_map = safetensors_weight_map(path)
-    tensors: Dict[str, torch.Tensor] = {}
-    for file_path in sorted(set(weight_map.values())):
-        with safe_open(file_path, framework="pt") as shard:
-            for name in shard.keys():
-                if weight_map.get(name) != file_path:
-                    raise ValueError(f"path: tensor {name} is in {os.path.basename(file_path)} but {SAFETENSORS_INDEX} "
-                                     f"maps it to {weight_map.get(name)}")
-                tensors[name] = shard.get_tensor(name)
-    not_found = sorted(set(weight_map) - set(tensors))
-    if not_found:
-        raise ValueError(f"path: {SAFETENSORS_INDEX} lists tensors no shard holds: " + _listing("absent", not_found))
-    return tensors
-
-
 def load_k3_checkpoint(path: Union[str, os.PathLike], model_cls: Type[nn.Module] = MoEPluginForCausalLM,
                        ignore_mtp: bool = False, ignore_vision: bool = False,
-                       dtype: Optional[torch.dtype] = None, **config_overrides) -> nn.Module:
+                       dtype: Optional[torch.dtype] = None, strict: bool = True, **config_overrides) -> nn.Module:
     """The model of a K3-format directory (``config.json`` + ``model.safetensors`` or index + shards).
 
     model_cls: ``MoEPluginForCausalLM`` or ``MoEPluginForConditionalGeneration``. config_overrides are
     ``MoEPluginConfig`` keys (``use_dsa_indexer=True`` adds a fresh indexer). dtype: the model's dtype before
-    loading (the router stays fp32). The load is strict; the model is returned in eval mode.
+    loading (the router stays fp32). The tensors stream into the built model one at a time
+    (``weights.load_state``); strict=False skips checkpoint tensors the model lacks. Returned in eval mode.
     """
     path = os.fspath(path)
     config_path = os.path.join(path, CONFIG_NAME)
@@ -285,17 +116,11 @@ def load_k3_checkpoint(path: Union[str, os.PathLike], model_cls: Type[nn.Module]
         raise ValueError(f"path: {path} has no {CONFIG_NAME}")
     with open(config_path) as f:
         config = config_from_k3(json.load(f), **config_overrides)
-    tensors = _read_tensors(path)
     model = model_cls(config)
     if dtype is not None:
         model.to(dtype)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    state = _convert_from_k3(tensors, config, shapes, _is_multimodal(model_cls), ignore_mtp, ignore_vision)
-    result = model.load_state_dict(state, strict=False)
-    fresh = [name for name in result.missing_keys if _INDEXER not in name]
-    if fresh or result.unexpected_keys:  # _convert_from_k3 already checked names: this is a safety net
-        raise ValueError(f"tensors: loading left {fresh[:LISTED]} missing and {result.unexpected_keys[:LISTED]} "
-                         "unexpected")
+    load_state(model, path, names="hf", config=config.to_model_config(), strict=strict, layout="k3",
+               ignore_vision=ignore_vision, ignore_mtp=ignore_mtp)
     return model.eval()
 
 

@@ -1,0 +1,300 @@
+"""The read plan of one load: which checkpoint tensors (file, stored name, rows) land where in each target.
+
+``plan_reads`` takes the target model's tensors (``Target``: the full shape, for a routed-expert stack the
+global ``[first, last)`` experts its rows are, under ZeRO-3 the flat range of this rank's partition) and a
+checkpoint's weight map, and returns a ``Plan`` of ``Read`` s, or raises ONE ValueError that lists every
+missing tensor, every unknown tensor (``strict``) and every shape mismatch by name. Only what this rank keeps
+is planned: its own experts, and under ZeRO-3 the rows that cover its partition. Shapes and dtypes come from
+the safetensors headers (``stored_tensors``), so planning reads no tensor data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+
+from ..config import ModelConfig, require
+from ..fileio import SAFETENSORS_INDEX
+from .names import (NAMINGS, TEXT_PREFIX, VISION_PREFIXES, is_indexer_tensor, is_mtp, k3_expert_name,
+                    k3_shape_fits, needs_k3_conversion, parse_k3_expert, quantised_tensors, to_hf_name)
+
+__all__ = ["LAYOUTS", "Stored", "Target", "Read", "Plan", "stored_tensors", "detect_layout", "plan_reads"]
+
+LAYOUTS = ("hf", "k3")  # stacked experts as the Hugging Face model saves them, or K3's published layout
+LISTED = 20  # names shown per category in an error
+CONFIG_NAME = "config.json"
+# safetensors header dtype -> torch dtype name
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+           "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2"}
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One checkpoint tensor as its header describes it: shard file, shape, torch dtype name."""
+
+    file: str
+    shape: Tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Target:
+    """One tensor of the target model.
+
+    shape: the full shape this rank holds (under ZeRO-3 ``ds_shape``, not the empty placeholder's); for a
+    routed-expert stack ``[E_local, ...]``. experts: for such a stack, the global experts ``[first, last)``
+    its rows are. flat_range: under ZeRO-3, the elements ``[lo, hi)`` of the flattened tensor this rank's
+    partition holds (None: all of them)."""
+
+    shape: Tuple[int, ...]
+    experts: Optional[Tuple[int, int]] = None
+    flat_range: Optional[Tuple[int, int]] = None
+
+
+@dataclass(frozen=True)
+class Read:
+    """Read ``name`` from ``file`` (rows ``[a, b)`` of dim 0 through ``get_slice``, or the whole tensor when
+    ``rows`` is None) and write it, flattened, at element ``offset`` of the flattened ``target``; ``convert``:
+    first unpad it (K3's padded ``A_log``, ``names.tensor_from_k3``)."""
+
+    target: str
+    file: str
+    name: str
+    rows: Optional[Tuple[int, int]]
+    offset: int
+    convert: bool = False
+    expert: bool = False
+
+
+@dataclass
+class Plan:
+    """Reads per target, in the checkpoint layout ``layout``; ``ignored``: checkpoint tensors dropped on
+    request (vision, multi-token prediction); ``unknown``: tensors the model lacks, skipped (strict=False);
+    ``fresh``: targets left as they are (a K3 checkpoint has no DSA indexer)."""
+
+    layout: str
+    reads: Dict[str, List[Read]]
+    ignored: List[str] = field(default_factory=list)
+    unknown: List[str] = field(default_factory=list)
+    fresh: List[str] = field(default_factory=list)
+
+    def by_file(self) -> Dict[str, List[Read]]:
+        """The reads grouped by shard file (each file is opened once), in plan order within a file."""
+        out: Dict[str, List[Read]] = defaultdict(list)
+        for reads in self.reads.values():
+            for read in reads:
+                out[read.file].append(read)
+        return dict(sorted(out.items()))
+
+
+def _header(file: str) -> dict:
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        require(0 < length <= size - 8, "path", f"{file} is not a safetensors file (header length {length}, "
+                f"file size {size}): rewrite it with safetensors' save_file")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as err:
+            raise ValueError(f"path: {file} has an unreadable safetensors header ({err})") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def stored_tensors(weight_map: Mapping[str, str]) -> Dict[str, Stored]:
+    """``{name: Stored}`` of a weight map (``fileio.safetensors_weight_map``), from each shard's header.
+
+    ValueError (``path: ...``) if a shard holds a tensor the index maps elsewhere (or not at all), or the
+    index lists a tensor its shard does not hold."""
+    by_file: Dict[str, List[str]] = defaultdict(list)
+    for name, file in weight_map.items():
+        by_file[file].append(name)
+    out: Dict[str, Stored] = {}
+    for file, names in sorted(by_file.items()):
+        header = _header(file)
+        strays = sorted(k for k in header if weight_map.get(k) != file)
+        require(not strays, "path", f"{os.path.basename(file)} holds tensors that {SAFETENSORS_INDEX} maps to another "
+                f"file or not at all: {strays[:LISTED]}")
+        absent = sorted(n for n in names if n not in header)
+        require(not absent, "path", f"{SAFETENSORS_INDEX} lists tensors that {os.path.basename(file)} does not hold: "
+                f"{absent[:LISTED]}")
+        for name in names:
+            entry = header[name]
+            out[name] = Stored(file, tuple(entry["shape"]), _DTYPES.get(entry["dtype"], entry["dtype"].lower()))
+    return out
+
+
+def _config_model_type(path: Optional[str]) -> Optional[str]:
+    config_path = os.path.join(path, CONFIG_NAME) if path is not None else None
+    if config_path is None or not os.path.isfile(config_path):
+        return None
+    try:
+        with open(config_path) as f:
+            return json.load(f).get("model_type")
+    except ValueError as err:
+        raise ValueError(f"path: {config_path} is not valid JSON ({err})") from None
+
+
+def detect_layout(path: Optional[str], names: Iterable[str]) -> str:
+    """"k3" or "hf": by ``config.json``'s ``model_type`` in ``path`` (K3's "kimi_linear" / "kimi_k3", or this
+    project's "moe_plugin"), else by the tensor names (K3 stores one tensor per expert)."""
+    from ..models.configuration import MoEPluginConfig  # imported late: moe_plugin.models imports this package
+    from ..models.k3_config import TEXT_MODEL_TYPE, VL_MODEL_TYPE
+
+    model_type = _config_model_type(path)
+    if model_type in (TEXT_MODEL_TYPE, VL_MODEL_TYPE):
+        return "k3"
+    if model_type == MoEPluginConfig.model_type:
+        return "hf"
+    return "k3" if any(parse_k3_expert(name) for name in names) else "hf"
+
+
+def _listing(names: List[str]) -> str:
+    more = f" ... ({len(names) - LISTED} more)" if len(names) > LISTED else ""
+    return f"{names[:LISTED]}{more}"
+
+
+def _mismatches(tname: str, target: Target, stored_name: str, wanted: List[str], stored: Mapping[str, Stored],
+                layout: str, num_experts: int) -> List[str]:
+    """One "name: checkpoint [...], model [...]" entry per stored tensor whose shape the target cannot take."""
+    present = [n for n in wanted if n in stored]
+    if target.experts is not None and layout == "k3":
+        row = list(target.shape[1:])
+        return [f"{n}: checkpoint {list(stored[n].shape)}, model {row} (one expert of {tname})"
+                for n in present if list(stored[n].shape) != row]
+    if not present:
+        return []
+    have = stored[present[0]].shape
+    if target.experts is not None:
+        want = (num_experts, *target.shape[1:])
+        first, last = target.experts
+        note = f" (this rank holds experts {first}..{last - 1})" if last - first != num_experts else ""
+        return [] if tuple(have) == want else [f"{present[0]}: checkpoint {list(have)}, model {list(want)}{note}"]
+    if layout == "k3":
+        reason = k3_shape_fits(stored_name, have, target.shape)
+    else:
+        reason = None if tuple(have) == tuple(target.shape) else ""
+    if reason is None:
+        return []
+    return [f"{present[0]}: checkpoint {list(have)}, model {list(target.shape)}" + (f" ({reason})" if reason else "")]
+
+
+def _reads_of(tname: str, target: Target, stored_name: str, wanted: List[str], stored: Mapping[str, Stored],
+              layout: str) -> List[Read]:
+    numel = math.prod(target.shape)
+    lo, hi = target.flat_range or (0, numel)
+    if lo >= hi:
+        return []  # a ZeRO-3 partition of padding only
+    if target.experts is not None:
+        first, last = target.experts
+        row = math.prod(target.shape[1:])
+        reads = []
+        for e in range(first, last):
+            offset = (e - first) * row
+            if offset >= hi or offset + row <= lo:
+                continue  # outside this rank's partition
+            if layout == "k3":
+                reads.append(Read(tname, stored[wanted[e]].file, wanted[e], None, offset, expert=True))
+            else:
+                reads.append(Read(tname, stored[stored_name].file, stored_name, (e, e + 1), offset, expert=True))
+        return reads
+    entry = stored[stored_name]
+    if layout == "k3" and needs_k3_conversion(stored_name, entry.shape, target.shape):
+        return [Read(tname, entry.file, stored_name, None, 0, convert=True)]
+    if (lo, hi) == (0, numel) or not entry.shape or math.prod(entry.shape) == 0:
+        return [Read(tname, entry.file, stored_name, None, 0)]
+    row = math.prod(entry.shape[1:])  # a K3 conv [C, 1, K] and a [C, K] layer agree row by row
+    a, b = lo // row, -(-hi // row)
+    rows = None if (a, b) == (0, entry.shape[0]) else (a, b)
+    return [Read(tname, entry.file, stored_name, rows, a * row)]
+
+
+def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, names: str, config: ModelConfig,
+               layout: Optional[str] = None, strict: bool = True, ignore_vision: bool = False,
+               ignore_mtp: bool = False, stored: Optional[Mapping[str, Stored]] = None,
+               field_name: str = "checkpoint", source: Optional[str] = None) -> Plan:
+    """The reads that fill ``targets`` (model names in ``names``' naming, "hf" or "megatron") from a checkpoint.
+
+    weight_map: ``{stored name: shard file}``; stored: the headers (default: read with ``stored_tensors``);
+    layout: "hf" or "k3" (default: ``detect_layout`` by the names). A stored ``language_model.`` prefix is
+    matched whatever the targets' prefix; a tied ``lm_head`` may be stored as the embedding only; a K3
+    checkpoint without the DSA indexer leaves indexer targets fresh. ignore_vision / ignore_mtp: vision or
+    multi-token-prediction tensors the model lacks are dropped (``Plan.ignored``) instead of being unknown.
+    Raises one ValueError ``"<field_name>: ..."`` naming every missing, unknown (strict) and misshapen tensor;
+    MXFP4-quantised checkpoints are refused first.
+    """
+    require(names in NAMINGS, "names", f"must be one of {NAMINGS}, got {names!r}")
+    require(isinstance(config, ModelConfig), "config", f"must be a ModelConfig, got {type(config).__name__}")
+    stored = dict(stored_tensors(weight_map) if stored is None else stored)
+    layout = layout or detect_layout(None, stored)
+    require(layout in LAYOUTS, "layout", f"must be one of {LAYOUTS}, got {layout!r}")
+    quantised = quantised_tensors({n: s.dtype for n, s in stored.items()})
+    require(not quantised, field_name, "the checkpoint holds MXFP4-quantised tensors (FP4 e2m1 blocks with e8m0 "
+            "scales); MXFP4 dequantisation is not supported yet: dequantise the routed experts to bf16 first. "
+            f"{len(quantised)} quantised tensor(s): {_listing(quantised)}")
+
+    prefix = TEXT_PREFIX if any(n.startswith(TEXT_PREFIX) for n in stored) else ""
+    has_indexer = any(is_indexer_tensor(n) for n in stored)
+    num_experts = config.moe.num_experts
+    plan = Plan(layout, {})
+    expected = {prefix + "lm_head.weight"} if config.tie_word_embeddings else set()  # tied: not an extra
+    missing: List[str] = []
+    mismatched: List[str] = []
+    for tname, target in targets.items():
+        hf_name = to_hf_name(tname, names, config)
+        stored_name = hf_name if hf_name.startswith(VISION_PREFIXES) else prefix + hf_name
+        if config.tie_word_embeddings and hf_name == "lm_head.weight" and stored_name not in stored:
+            stored_name = prefix + "model.embed_tokens.weight"  # a tied embedding is stored once
+        if layout == "k3" and is_indexer_tensor(hf_name) and not has_indexer:
+            plan.fresh.append(tname)
+            continue
+        if target.experts is not None:
+            first, last = target.experts
+            require(len(target.shape) == 3 and target.shape[0] == last - first and 0 <= first < last <= num_experts,
+                    f"targets[{tname!r}]", f"an expert stack of shape {list(target.shape)} cannot hold experts "
+                    f"[{first}, {last}) of {num_experts}")
+        per_expert = layout == "k3" and target.experts is not None
+        wanted = [k3_expert_name(stored_name, e) for e in range(num_experts)] if per_expert else [stored_name]
+        expected.update(wanted)
+        absent = [n for n in wanted if n not in stored]
+        problems = _mismatches(tname, target, stored_name, wanted, stored, layout, num_experts)
+        missing += absent
+        mismatched += problems
+        if not absent and not problems:
+            plan.reads[tname] = _reads_of(tname, target, stored_name, wanted, stored, layout)
+
+    extra = sorted(n for n in stored if n not in expected)
+    plan.ignored = [n for n in extra if (ignore_vision and n.startswith(VISION_PREFIXES))
+                    or (ignore_mtp and is_mtp(n, config.num_layers))]
+    plan.unknown = [n for n in extra if n not in set(plan.ignored)]
+    _raise_problems(field_name, sorted(missing), plan.unknown if strict else [], mismatched, layout, config, source)
+    return plan
+
+
+def _raise_problems(field_name: str, missing: List[str], unknown: List[str], mismatched: List[str], layout: str,
+                    config: ModelConfig, source: Optional[str]) -> None:
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} tensors of the model are missing: {_listing(missing)}")
+    if unknown:
+        parts.append(f"{len(unknown)} tensors the model does not have: {_listing(unknown)} (strict=False to skip them)")
+        if layout == "k3" and any(is_mtp(n, config.num_layers) for n in unknown):
+            parts.append("multi-token-prediction layers are not supported: pass ignore_mtp=True to drop them")
+        if any(n.startswith(VISION_PREFIXES) for n in unknown):
+            parts.append(f"the unknown tensors under {'/'.join(VISION_PREFIXES)} belong to the image model: load "
+                         "them into MoEPluginForConditionalGeneration, or pass ignore_vision=True to drop them")
+    if mismatched:
+        parts.append(f"{len(mismatched)} tensors differ in shape from the model: " + "; ".join(mismatched[:LISTED])
+                     + (f" ... ({len(mismatched) - LISTED} more)" if len(mismatched) > LISTED else ""))
+    if not parts:
+        return
+    fix = " (was the model built from this checkpoint's own config?)" if missing or mismatched else ""
+    where = f"{source}: " if source else ""
+    raise ValueError(f"{field_name}: " + "; ".join(parts)
+                     + f" [{where}{len(missing)} missing, {len(unknown)} unknown, {len(mismatched)} misshapen]{fix}")
