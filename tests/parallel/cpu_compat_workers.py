@@ -23,5 +23,5 @@ def deepspeed_all_reduce() -> dict:
     total = torch.tensor([float(rank + 1), 10.0 * (rank + 1)])
     ds_comm.all_reduce(total)
     return {"applied": applied, "device": prepared_device(), "cuda": torch.cuda.is_available(),
-            "sum": total, "backend": ds_comm.get_backend() if hasattr(ds_comm, "get_backend") else None,
-            "shm_op": ds_comm.comm.cdb.shm_comm_op, "builder": ds_torch.build_shm_op.__qualname__}
+            "sum": total, "backend": ds_comm.comm.cdb.get_backend(), "shm_op": ds_comm.comm.cdb.shm_comm_op,
+            "builder": ds_torch.build_shm_op.__qualname__}

@@ -162,5 +162,5 @@ def test_deepspeed_starts_on_gloo_without_building_an_op(monkeypatch, tmp_path):
         assert r["applied"] == list(cpu_compat.CPU_PATCH_NAMES), f"rank {rank}: the launcher must prepare the CPU"
         assert r["device"] == "cpu" and r["cuda"] is False
         assert torch.equal(r["sum"], torch.tensor([1.0 + 2.0, 10.0 + 20.0])), f"rank {rank}"
-        assert r["shm_op"] is None and r["builder"] == "_no_shm_op"
+        assert r["shm_op"] is None and r["builder"] == "_no_shm_op" and r["backend"] == "gloo"
     assert not extensions.exists() or not any(extensions.iterdir()), "nothing may be JIT-built"
