@@ -1,6 +1,6 @@
 """Expert routing during training: balancing the selection bias, and watching LoRA move the router.
 
-ARCHITECTURE.md 3: with every base weight trainable, the selection bias ``e_score_correction_bias`` is
+docs/architecture.md 3: with every base weight trainable, the selection bias ``e_score_correction_bias`` is
 moved toward balance after each global batch (no auxiliary loss). In LoRA fine-tuning the router and its
 bias are frozen, but an adapter on ``gate`` changes the routing, so the share of expert choices that
 differ from the base router's is logged instead.

@@ -1,47 +1,159 @@
-"""The recipe-driven training entry: bad recipes name the field, and real runs make the loss fall."""
+"""The trainer as a user runs it: recipes through ``train`` in one process, and through the deepspeed and
+torchrun launchers on 2 processes; what it writes loads with plain peft / transformers and gives back the
+evaluation loss the trainer reported (an independent check of every exported name and expert stacking)."""
+
+from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
-from moe_plugin.train import train
-from moe_plugin.training.data import arithmetic_documents, batches, pack_documents
-from moe_plugin.training.recipe import load_recipe, recipe_from_dict
+from moe_plugin.training.data import eval_batches, label_token_count, load_examples, pack_examples
+from moe_plugin.training.loop import train
+from moe_plugin.training.recipe import recipe_from_dict
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXPERTS = ["experts.w1", "experts.w2", "experts.w3"]
 
 
 def _mean(xs):
     return sum(xs) / len(xs)
 
 
+def _recipe(path: str, **changes) -> dict:
+    with open(os.path.join(REPO, path)) as f:
+        values = json.load(f)
+    for section, update in changes.items():
+        if isinstance(update, dict) and isinstance(values.get(section), dict):
+            values[section].update(update)
+        else:
+            values[section] = update
+    return values
+
+
+@torch.no_grad()
+def hf_eval_loss(model, recipe: dict) -> float:
+    """The held-out loss as the trainer computes it, with a Hugging Face model."""
+    r = recipe_from_dict(recipe)
+    _, held_out = load_examples(r.data, r.seed)
+    rows = pack_examples(held_out, r.data.seq_len, r.data.pack)
+    world = 2 if r.deepspeed else 1
+    total, count = 0.0, 0
+    for micro in eval_batches(rows, r.schedule.micro_batch_size, r.eval.batches * world):
+        out = model(input_ids=micro.input_ids, labels=micro.labels, cu_seqlens=micro.cu_seqlens, num_items_in_batch=1)
+        total += float(out.loss)
+        count += label_token_count(micro.labels, micro.cu_seqlens)
+    return total / count
+
+
+def load_adapter(output_dir: str):
+    """Plain peft, from another working directory: the base path is in the adapter's config."""
+    from peft import PeftModel
+
+    from moe_plugin.models import MoEPluginForCausalLM
+
+    adapter = os.path.join(output_dir, "adapter")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        base = json.load(f)["base_model_name_or_path"]
+    assert os.path.isabs(base)
+    cwd = os.getcwd()
+    os.chdir("/")
+    try:
+        model = PeftModel.from_pretrained(MoEPluginForCausalLM.from_pretrained(base), adapter).eval()
+    finally:
+        os.chdir(cwd)
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    saved, loaded = load_file(os.path.join(adapter, "adapter_model.safetensors")), get_peft_model_state_dict(model)
+    assert sorted(saved) == sorted(loaded)  # every adapter tensor of the file landed in the model
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
+    return model
+
+
 def test_main_recipe_fine_tunes_the_shipped_base(tmp_path):
-    recipe = load_recipe("recipes/tiny_lora.json")
-    recipe.train.steps, recipe.train.output_dir = 40, str(tmp_path / "lora")
-    losses = train(recipe)["losses"]
-    assert _mean(losses[-5:]) < 0.75 * losses[0], losses
-    assert (tmp_path / "lora" / "adapter_model.safetensors").exists()
+    recipe = _recipe("recipes/tiny_lora.json", output_dir=str(tmp_path / "lora"), schedule={"steps": 30},
+                     logging={"every": 10, "progress_bar": False})
+    result = train(recipe_from_dict(recipe))
+    assert len(result.losses) == 30 and _mean(result.losses[-5:]) < 0.8 * result.losses[0], result.losses
+    with open(tmp_path / "lora" / "losses.json") as f:
+        assert json.load(f) == result.losses
+    assert math.isclose(hf_eval_loss(load_adapter(str(tmp_path / "lora")), recipe), result.eval_loss, rel_tol=1e-5)
 
 
-def test_full_parameter_training_from_a_preset(tmp_path):
-    recipe = recipe_from_dict({"model": {"preset": "tiny"}, "lora": None,
-                               "data": {"num_documents": 300, "seq_len": 64},
-                               "train": {"steps": 30, "lr": 3e-3, "output_dir": str(tmp_path / "full")}})
-    losses = train(recipe)["losses"]
-    assert _mean(losses[-5:]) < 0.8 * losses[0], losses
-    assert (tmp_path / "full" / "config.json").exists()
+def test_megatron_full_parameter_training_exports_a_hugging_face_model(tmp_path):
+    from moe_plugin.models import MoEPluginForCausalLM
+
+    recipe = {"output_dir": str(tmp_path / "full"), "seed": 2,
+              "model": {"preset": "tiny", "overrides": {"attn_res": False}}, "lora": None,
+              "data": {"num_documents": 300, "seq_len": 64}, "parallel": {"backend": "megatron"},
+              "schedule": {"steps": 20, "lr": 3e-3}, "logging": {"progress_bar": False}}
+    result = train(recipe_from_dict(recipe))
+    assert _mean(result.losses[-5:]) < 0.8 * result.losses[0], result.losses
+    model = MoEPluginForCausalLM.from_pretrained(str(tmp_path / "full" / "model")).eval()
+    assert math.isclose(hf_eval_loss(model, recipe), result.eval_loss, rel_tol=1e-5)
 
 
-def test_jsonl_data(tmp_path):
-    path = tmp_path / "docs.jsonl"
-    path.write_text("\n".join(json.dumps({"text": d}) for d in arithmetic_documents(200, operation="*")))
-    recipe = recipe_from_dict({"data": {"kind": "jsonl", "path": str(path), "seq_len": 64},
-                               "train": {"steps": 3, "output_dir": str(tmp_path / "out")}})
-    assert len(train(recipe)["losses"]) == 3
+def test_megatron_lora_with_expert_adapters_loads_in_plain_peft(tmp_path):
+    recipe = {"output_dir": str(tmp_path / "lora"), "seed": 4,
+              "model": {"preset": "tiny", "overrides": {"attn_res": False}},
+              "lora": {"r": 4, "alpha": 8, "target_parameters": EXPERTS},
+              "data": {"num_documents": 300, "seq_len": 64}, "parallel": {"backend": "megatron"},
+              "schedule": {"steps": 8, "lr": 1e-2}, "logging": {"progress_bar": False}}
+    result = train(recipe_from_dict(recipe))
+    model = load_adapter(str(tmp_path / "lora"))
+    assert math.isclose(hf_eval_loss(model, recipe), result.eval_loss, rel_tol=1e-5)
 
 
-def test_packed_windows_mark_every_document_start():
-    docs = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
-    windows = pack_documents(docs, seq_len=4)
-    assert [w[0].tolist() for w in windows] == [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert [w[1].tolist() for w in windows] == [[0, 3, 4], [0, 1, 4]]
-    ids, cu = next(batches(windows, 2, seed=0))
-    assert ids.shape == (1, 8) and cu[-1] == 8 and sorted(cu.tolist()) == cu.tolist()
+def test_chat_sft_data(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    lines = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                           {"role": "assistant", "content": str(a + b)}]} for a in range(20) for b in range(10)]
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    recipe = {"output_dir": str(tmp_path / "out"), "model": {"preset": "tiny", "overrides": {"attn_res": False}},
+              "data": {"kind": "sft", "path": str(path), "seq_len": 64}, "parallel": {"backend": "hf"},
+              "schedule": {"steps": 3}, "logging": {"progress_bar": False}}
+    result = train(recipe_from_dict(recipe))
+    assert len(result.losses) == 3 and all(math.isfinite(x) for x in result.losses)
+
+
+def _launch(command, env_extra=None, timeout=900):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{command} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout + proc.stderr
+
+
+def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
+    """2 CPU processes, megatron EP=2 with ZeRO-3: the deepspeed launcher runs 2 steps, torchrun continues the
+    same output_dir to 4 from its checkpoint, and the adapter reproduces the reported evaluation loss."""
+    bin_dir = os.path.dirname(sys.executable)
+    recipe = {"output_dir": str(tmp_path / "run"), "seed": 5, "deepspeed": "ds_configs/zero3_lora.json",
+              "model": {"preset": "tiny", "overrides": {"attn_res": False}},
+              "lora": {"r": 4, "alpha": 8, "target_parameters": EXPERTS},
+              "data": {"num_documents": 300, "seq_len": 64}, "parallel": {"backend": "megatron", "expert_parallel_size": 2},
+              "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-2}, "logging": {"every": 1}}
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps(recipe))
+    out = _launch([os.path.join(bin_dir, "deepspeed"), "--num_accelerators", "2", "--module", "moe_plugin.train",
+                   "--recipe", str(first)])
+    assert "expert parallel 2, ZeRO stage 3" in out
+    recipe["schedule"]["steps"] = 4
+    second = tmp_path / "second.json"
+    second.write_text(json.dumps(recipe))
+    out = _launch([os.path.join(bin_dir, "torchrun"), "--nproc_per_node", "2", "-m", "moe_plugin.train",
+                   "--recipe", str(second)])
+    assert "resuming from the checkpoint at step 2" in out
+    with open(tmp_path / "run" / "losses.json") as f:
+        losses = json.load(f)
+    assert len(losses) == 4
+    with open(tmp_path / "run" / "results.json") as f:
+        reported = json.load(f)
+    assert reported["resumed_from"] == 2 and reported["steps"] == 4
+    assert math.isclose(hf_eval_loss(load_adapter(str(tmp_path / "run")), recipe), reported["eval_loss"], rel_tol=1e-5)

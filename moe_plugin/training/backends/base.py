@@ -1,0 +1,75 @@
+"""The seam between the training loop and a model face: build, parallelize, forward, export.
+
+The loop (``moe_plugin.training.loop``) knows no backend's internals. A backend:
+
+* ``setup_parallel()``: starts its process groups (torch.distributed is already up) and says which
+  data-parallel rank this process is and how many there are: each data-parallel rank reads its own batches;
+* ``build_model(ds_config)``: the model with its base weights and adapters, already partitioned by ZeRO-3
+  when the DeepSpeed config asks for stage 3 (built under ``deepspeed.zero.Init``, so no rank ever holds a
+  whole tensor it does not own);
+* ``loss(module, micro_batch, num_items)``: the forward of one micro-batch and its loss, the sum of its
+  token losses divided by ``num_items`` (the loop passes the step's global label-token count over the
+  data-parallel and accumulation factors, so the engine's averaging makes the step's gradient the gradient
+  of the global token mean), plus any auxiliary losses, and a dict of detached metrics;
+* ``moe_layers(module)``: the MoE layers whose expert loads the loop sums for balancing and logging;
+* ``adapter_state(module)``: the full adapter tensors under Hugging Face PEFT names (gathered across
+  expert-parallel and ZeRO ranks; collective), for the PEFT adapter the run writes at the end.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["Backend", "ParallelInfo"]
+
+
+@dataclass
+class ParallelInfo:
+    """Where this process sits: its data-parallel rank and size, and the expert-parallel size."""
+
+    dp_rank: int
+    dp_size: int
+    ep_size: int
+
+
+class Backend(abc.ABC):
+    """One model face (see the module docstring). ``recipe`` is the validated recipe, ``model_config`` its
+    ``ModelConfig``, ``device`` the torch device the model computes on."""
+
+    name: str = ""
+
+    def __init__(self, recipe, model_config, device: torch.device):
+        self.recipe, self.model_config, self.device = recipe, model_config, device
+
+    @abc.abstractmethod
+    def setup_parallel(self) -> ParallelInfo:
+        ...
+
+    @abc.abstractmethod
+    def build_model(self, ds_config: dict) -> nn.Module:
+        ...
+
+    @abc.abstractmethod
+    def loss(self, module: nn.Module, micro_batch, num_items: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        ...
+
+    @abc.abstractmethod
+    def moe_layers(self, module: nn.Module) -> List[nn.Module]:
+        ...
+
+    @abc.abstractmethod
+    def adapter_state(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        ...
+
+    def teardown(self) -> None:
+        """Undo ``setup_parallel`` (the loop destroys the default process group itself)."""
+
+    @property
+    def base_path(self) -> Optional[str]:
+        """The base checkpoint directory the adapter applies to (None for a preset built from the seed)."""
+        return self.recipe.model.from_pretrained

@@ -1,0 +1,133 @@
+"""What both backends do the same way: the LoRA config from the recipe, layout-invariant expert adapters,
+base-weight loading, ZeRO-3 detection and gathering."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import zlib
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ...layers.moe import StackedExperts
+from ...lora import lora_config
+
+__all__ = ["zero3_enabled", "zero_init", "partition_while_building", "gathered", "adapter_lora_config", "init_expert_adapters", "load_base", "hf_config",
+           "hide_expert_marks"]
+
+
+def zero3_enabled(ds_config: dict) -> bool:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+
+
+def zero_init(ds_config: dict):
+    """``deepspeed.zero.Init`` for a model built partitioned. The dtype comes from the config's bf16 section
+    (the recipe's precision): in DeepSpeed 0.19.8 an explicit ``dtype`` argument is dropped on accelerators
+    without fp16 (an operator-precedence slip in ``Init._set_dtype``), which made the CPU partitions bf16."""
+    import deepspeed
+
+    return deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=None, pin_memory=False)
+
+
+def partition_while_building(ds_config: dict, recipe) -> bool:
+    """Whether to build the model under ``zero.Init`` (partitioned module by module, so no rank ever holds a
+    whole tensor it does not own) rather than whole, for ``deepspeed.initialize`` to partition.
+
+    Under ZeRO-3 with a checkpoint: yes, the loader then writes each rank's slices into its partitions. A
+    preset has no checkpoint: its weights are drawn from the seed, and a layer's init code that touches its
+    children's weights after they were built (the Hugging Face post-init, our layers' ``reset_parameters``)
+    would only see empty placeholders under ``zero.Init``. So a preset is built whole on each rank (the
+    dense base and this rank's experts, never another EP rank's), exactly as one process draws it, and the
+    engine partitions it; presets are for tests and small models.
+    """
+    return zero3_enabled(ds_config) and recipe.model.from_pretrained is not None
+
+
+def gathered(params: Iterable[torch.Tensor], modifier_rank=None):
+    """``deepspeed.zero.GatheredParameters`` over the ZeRO-3 partitioned ones among ``params`` (collective over
+    their partition groups), a no-op context when none is partitioned."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank)
+
+
+def hide_expert_marks(model: nn.Module) -> None:
+    """Remove megatron's expert mark ``allreduce = False`` where no expert group partitions the experts
+    (one process, or the Hugging Face face without expert parallelism): DeepSpeed's engine reads the mark as a
+    DeepSpeed-MoE parameter and looks for a DeepSpeed-MoE expert group that such a model does not have. With
+    every parameter replicated over the data-parallel group there is nothing the mark would change."""
+    for p in model.parameters():
+        if hasattr(p, "allreduce"):
+            del p.allreduce
+
+
+def adapter_lora_config(section):
+    """peft's LoraConfig for the recipe's ``lora`` section."""
+    return lora_config(section.r, section.alpha, section.target_modules, section.target_parameters,
+                       section.dropout)
+
+
+def _innermost(module: nn.Module) -> nn.Module:
+    while hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
+
+
+@torch.no_grad()
+def init_expert_adapters(model: nn.Module, seed: int) -> int:
+    """Draw every routed-expert ``lora_A`` block from a generator seeded by (seed, layer index, adapted
+    parameter, global expert), so that an expert's adapter starts the same whichever expert-parallel rank
+    holds it, and on both faces (the key uses no module path, which differs between them; peft draws the
+    stacked ``[r * E_local, in]`` from the global generator, which would give each EP rank the same numbers
+    for different experts). The bound is peft's (kaiming-uniform with a = sqrt(5): 1/sqrt(in)). ``lora_B``
+    starts at zero as in peft. Returns the number of expert blocks drawn."""
+    drawn = 0
+    for name, module in model.named_modules():
+        experts = _innermost(module)
+        if not (hasattr(module, "lora_A") and isinstance(experts, StackedExperts)):
+            continue
+        local = experts.w1.ds_shape[0] if hasattr(experts.w1, "ds_shape") else experts.w1.shape[0]
+        layer = re.search(r"layers\.(\d+)\.", name)
+        key = zlib.crc32(f"{layer.group(1) if layer else name}/{getattr(module, 'parameter_name', '')}".encode())
+        for lora_a in module.lora_A.values():
+            w = lora_a.weight
+            r, bound = w.shape[0] // local, 1.0 / math.sqrt(w.shape[1])
+            for j in range(local):
+                g = torch.Generator(device=w.device)
+                g.manual_seed((seed * 1_000_003 + key) * 4099 + experts.first_expert + j)
+                w[j * r:(j + 1) * r].uniform_(-bound, bound, generator=g)
+                drawn += 1
+    return drawn
+
+
+def load_base(model: nn.Module, model_section, model_config, names: str) -> None:
+    """Load ``model.from_pretrained`` (a Hugging Face or K3-layout checkpoint, detected by the loader) into
+    ``model`` strictly, each rank writing only its own slices and ZeRO-3 partitions; a preset keeps the weights
+    it was initialised with from the seed."""
+    if model_section.from_pretrained is None:
+        return
+    from ...weights.loader import load_state
+
+    load_state(model, model_section.from_pretrained, names=names, config=model_config, strict=True)
+
+
+def hf_config(model_section):
+    """The Hugging Face ``MoEPluginConfig`` of the recipe's base model (a preset, or a checkpoint's config)."""
+    import json
+
+    from ...models import MoEPluginConfig, preset_config
+    from ...models.k3_config import config_from_k3
+
+    overrides = dict(model_section.overrides)
+    if model_section.from_pretrained is None:
+        return preset_config(model_section.preset, **overrides)
+    if model_section.source_format() == "hf":
+        return MoEPluginConfig.from_pretrained(model_section.from_pretrained, **overrides)
+    with open(f"{model_section.from_pretrained}/config.json") as f:
+        return config_from_k3(json.load(f), **overrides)

@@ -1,0 +1,81 @@
+"""The ``hf`` backend: the Hugging Face ``MoEPluginForCausalLM``, one process or ZeRO-3 data parallel.
+
+Every rank holds the whole (partitioned) model and reads its own batches. There is no expert parallelism on
+this face yet, so the expert mark ``allreduce = False`` that ``add_lora`` sets on expert adapters is removed
+here (``common.hide_expert_marks``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from ...lora import add_lora
+from ...training.routing import moe_layers
+from .base import Backend, ParallelInfo
+from .common import (adapter_lora_config, gathered, hf_config, hide_expert_marks, init_expert_adapters, load_base,
+                     partition_while_building, zero3_enabled, zero_init)
+
+__all__ = ["HFBackend"]
+
+
+class HFBackend(Backend):
+    name = "hf"
+
+    def setup_parallel(self) -> ParallelInfo:
+        import torch.distributed as dist
+
+        return ParallelInfo(dp_rank=dist.get_rank(), dp_size=dist.get_world_size(), ep_size=1)
+
+    def build_model(self, ds_config: dict) -> nn.Module:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        from ...models import MoEPluginForCausalLM
+
+        zero3 = zero3_enabled(ds_config)
+        # while this object lives, transformers knows the model is ZeRO-3 partitioned (gathers to save, ...)
+        self._hf_ds_config = HfDeepSpeedConfig(ds_config) if zero3 else None
+        if partition_while_building(ds_config, self.recipe):
+            from transformers.initialization import no_init_weights
+
+            # the checkpoint overwrites every weight: skip transformers' post-init draws, which would run
+            # on the empty ZeRO-3 placeholders (as transformers' own from_pretrained does under ZeRO-3)
+            with no_init_weights(), zero_init(ds_config):
+                model = MoEPluginForCausalLM(hf_config(self.recipe.model))
+        else:
+            model = MoEPluginForCausalLM(hf_config(self.recipe.model))
+        if not zero3:
+            model.to(self.device)
+        load_base(model, self.recipe.model, self.model_config, names="hf")
+        section = self.recipe.lora
+        if section is not None:
+            torch.manual_seed(self.recipe.seed)
+            model = add_lora(model, adapter_lora_config(section), wrap=True)
+            init_expert_adapters(model, self.recipe.seed)
+        hide_expert_marks(model)
+        return model
+
+    def loss(self, module: nn.Module, micro_batch, num_items: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        out = module(input_ids=micro_batch.input_ids.to(self.device), labels=micro_batch.labels.to(self.device),
+                     cu_seqlens=micro_batch.cu_seqlens.to(self.device), num_items_in_batch=num_items)
+        metrics = {} if out.indexer_loss is None else {"indexer_kl": out.indexer_loss.detach()}
+        return out.loss, metrics
+
+    def moe_layers(self, module: nn.Module) -> List[nn.Module]:
+        return moe_layers(module)
+
+    def adapter_state(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        with gathered([p for n, p in module.named_parameters() if ".lora_" in n]):
+            return {k: v.detach().clone() for k, v in get_peft_model_state_dict(module).items()}
+
+    def full_state(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        """The base model's state dict under its own names (adapters left out), gathered whole."""
+        from ...megatron.weights import base_name
+
+        base = module.get_base_model() if hasattr(module, "get_base_model") else module
+        with gathered(list(module.parameters())):
+            return {base_name(k): v.detach().clone() for k, v in base.state_dict().items() if ".lora_" not in k}

@@ -1,0 +1,98 @@
+"""The ``megatron`` backend: megatron-core's ``GPTModel`` from this project's specs, megatron's expert
+parallelism on its all-to-all dispatcher, sharded by DeepSpeed ZeRO-3 within the right groups.
+
+Process groups: megatron's ``parallel_state`` with ``parallel.expert_parallel_size``; its data-parallel group is
+the whole world (tensor, pipeline and context parallel sizes are 1), so every rank reads its own batches and
+the expert-parallel all-to-all exchanges tokens between them. DeepSpeed's expert groups are built from the same
+ranks and checked equal (``moe_plugin.parallel.zero3_ep``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from ...lora import add_lora
+from ...models.inputs import causal_lm_loss
+from ...parallel.zero3_ep import create_deepspeed_expert_groups, tag_expert_parameters
+from .base import Backend, ParallelInfo
+from .common import (adapter_lora_config, gathered, hide_expert_marks, init_expert_adapters, load_base,
+                     partition_while_building, zero3_enabled, zero_init)
+
+__all__ = ["MegatronBackend"]
+
+
+class MegatronBackend(Backend):
+    name = "megatron"
+
+    def setup_parallel(self) -> ParallelInfo:
+        from ...parallel.distributed import initialize_megatron
+
+        ep = self.recipe.parallel.expert_parallel_size
+        initialize_megatron(expert_model_parallel_size=ep, seed=self.recipe.seed)
+        create_deepspeed_expert_groups(ep)
+        from megatron.core import parallel_state
+
+        return ParallelInfo(dp_rank=parallel_state.get_data_parallel_rank(),
+                            dp_size=parallel_state.get_data_parallel_world_size(), ep_size=ep)
+
+    def build_model(self, ds_config: dict) -> nn.Module:
+
+        from ...megatron.specs import build_gpt_model, transformer_config
+
+        mc = self.model_config
+        tc = transformer_config(mc, use_cpu_initialization=self.device.type == "cpu")
+        zero3 = zero3_enabled(ds_config)
+        with zero_init(ds_config) if partition_while_building(ds_config, self.recipe) else contextlib.nullcontext():
+            model = build_gpt_model(mc, tc)
+        if not zero3:
+            model.to(self.device)
+        load_base(model, self.recipe.model, mc, names="megatron")
+        section = self.recipe.lora
+        if section is not None:
+            torch.manual_seed(self.recipe.seed)  # the same dense adapters on every rank and in every layout
+            add_lora(model, adapter_lora_config(section))
+            init_expert_adapters(model, self.recipe.seed)
+        if zero3:
+            tag_expert_parameters(model)
+        else:  # one process: the experts are not partitioned (the recipe check allows nothing else)
+            hide_expert_marks(model)
+        return model
+
+    def loss(self, module: nn.Module, micro_batch, num_items: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = micro_batch.cu_seqlens.to(self.device)
+        longest = int((cu[1:] - cu[:-1]).max())
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                 max_seqlen_kv=longest)
+        ids = micro_batch.input_ids.to(self.device)
+        logits = module(ids, None, None, packed_seq_params=params)
+        loss = causal_lm_loss(logits, micro_batch.labels.to(self.device), cu, num_items)
+        return loss, {}
+
+    def moe_layers(self, module: nn.Module) -> List[nn.Module]:
+        return [layer.mlp for layer in module.decoder.layers if layer.is_moe_layer]
+
+    def adapter_state(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        from ...megatron.lora import adapter_state_to_hf
+
+        with gathered([p for n, p in module.named_parameters() if ".lora_" in n]):
+            state = adapter_state_to_hf(module, self.model_config)
+        # the keys peft writes: its wrapper prefix, without the adapter name
+        return {"base_model.model." + k.replace(".default.", "."): v for k, v in state.items()}
+
+    def full_state(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        from ...megatron.weights import megatron_to_hf_state_dict
+
+        with gathered(list(module.parameters())):
+            return megatron_to_hf_state_dict(module, self.model_config)
+
+    def teardown(self) -> None:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()

@@ -1,0 +1,71 @@
+"""What a run leaves for its user: the PEFT adapter (or, for full training, the whole model) and the tokenizer.
+
+The adapter directory ``output_dir/adapter`` is what plain peft loads onto the Hugging Face model
+(``PeftModel.from_pretrained(MoEPluginForCausalLM.from_pretrained(base), adapter)``): ``adapter_config.json``
+(``base_model_name_or_path`` absolute, so it loads from any working directory) and
+``adapter_model.safetensors`` with every adapter gathered across expert-parallel and ZeRO ranks, stacked expert
+adapters over all ``E`` experts. Full-parameter training writes ``output_dir/model`` in ``save_pretrained``
+layout instead (gathered whole on rank 0: for models that fit one process, such as the tiny presets); a LoRA
+run over a preset (weights drawn from the seed, no checkpoint) writes that base to ``output_dir/base``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..fileio import atomic_directory
+from ..models.tokenizer import ByteTokenizer
+from .backends.common import hf_config
+
+__all__ = ["write_outputs"]
+
+
+def write_outputs(backend, module, recipe, output_dir: str, rank: int) -> str:
+    """Gather and write the run's result (collective: every rank calls it); returns a line for the user."""
+    if recipe.lora is not None:
+        base = backend.base_path
+        if base is None:  # a preset built from the seed: keep the base beside the adapter so that it loads
+            base = os.path.join(output_dir, "base")
+            state = backend.full_state(module)
+            if rank == 0:
+                _write_model(state, recipe, base)
+        state = backend.adapter_state(module)
+        path = os.path.join(output_dir, "adapter")
+        if rank == 0:
+            _write_adapter(state, recipe, path, base)
+        return (f"adapter saved to {path}; load it with peft: PeftModel.from_pretrained("
+                f"MoEPluginForCausalLM.from_pretrained({os.path.abspath(base)!r}), {path!r})")
+    state = backend.full_state(module)
+    path = os.path.join(output_dir, "model")
+    if rank == 0:
+        _write_model(state, recipe, path)
+    return f"model saved to {path}; load it with MoEPluginForCausalLM.from_pretrained({path!r})"
+
+
+def _write_adapter(state, recipe, path: str, base_path: str) -> None:
+    from safetensors.torch import save_file
+
+    from ..lora import lora_config
+
+    section = recipe.lora
+    config = lora_config(section.r, section.alpha, section.target_modules, section.target_parameters,
+                         section.dropout)
+    config.task_type = "CAUSAL_LM"
+    config.inference_mode = True
+    config.base_model_name_or_path = os.path.abspath(base_path)
+    with atomic_directory(path) as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        ByteTokenizer().save_pretrained(tmp)
+
+
+def _write_model(state, recipe, path: str) -> None:
+    from safetensors.torch import save_file
+
+    config = hf_config(recipe.model)
+    with atomic_directory(path) as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        ByteTokenizer().save_pretrained(tmp)

@@ -1,0 +1,332 @@
+"""The training loop: one loop for every backend and layout (see ``backends/base.py`` for the seam).
+
+``train(recipe)`` validates everything it can before any process group or model exists (the recipe, the
+layout against the world size, the DeepSpeed config, the output directory), then builds the backend's model,
+hands it to ``deepspeed.initialize`` with a torch AdamW and the recipe's schedule, and runs optimizer steps of
+``gradient_accumulation_steps`` micro-batches. DeepSpeed's engine reduces gradients (ZeRO-3 within the groups
+``moe_plugin.parallel.zero3_ep`` tags), clips them with one norm on every rank and steps. The loss of a step
+is the mean over every label token of the global batch, whatever the layout: each micro-batch's token-loss
+sum is divided by the step's global token count times the engine's averaging factors (``step_scale``).
+
+Checkpoints (every ``checkpoint.every`` steps and at the end) hold the adapters (or, for full training, every
+trainable parameter), optimizer shards, scheduler, step, data position and RNG states, never the frozen base;
+a run started again on the same ``output_dir`` continues from the newest complete one. ``losses.json`` holds
+every optimizer step's loss, ``results.json`` the final and held-out losses and the timings; the adapter is
+written in PEFT format to ``output_dir/adapter`` (``exporting.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..fileio import write_json_atomic
+from ..lora import count_parameters
+from .backends import get_backend
+from .checkpoint import CheckpointManager
+from .data import StepBatches, eval_batches, label_token_count, load_examples, pack_examples
+from .ds_config import deepspeed_config
+from .exporting import write_outputs
+from .logger import make_logger
+from .recipe import Recipe, check_layout
+from .run_dir import RunDirectory
+from .runtime import all_ok, choose_device, start_processes
+from .schedule import lr_scheduler
+
+__all__ = ["TrainResult", "Trainer", "train", "parameter_groups", "step_scale"]
+
+ENGINE_TAG = "engine"
+
+
+@dataclass
+class TrainResult:
+    losses: List[float] = field(default_factory=list)  # every optimizer step's loss, resumed parts included
+    grad_norms: List[float] = field(default_factory=list)  # this run's steps only
+    eval_loss: Optional[float] = None
+    output_dir: str = ""
+    resumed_from: Optional[int] = None  # the step of the checkpoint this run continued from
+    step_time_s: float = 0.0  # mean wall time of this run's steps (start-up excluded)
+
+
+def parameter_groups(params, weight_decay: float) -> List[Dict]:
+    """AdamW groups: no weight decay for vectors (norms, biases) and parameters marked ``_no_weight_decay``
+    (KDA's ``A_log`` and ``dt_bias``, docs/architecture.md section 2.1)."""
+    decay, no_decay = [], []
+    for p in params:
+        ndim = len(getattr(p, "ds_shape", p.shape))
+        (no_decay if ndim < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
+    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]]
+
+
+def step_scale(label_tokens: int, dp_size: int, accumulation: int) -> float:
+    """What a micro-batch's token-loss sum is divided by: the engine divides by ``accumulation`` (backward)
+    and averages over ``dp_size`` ranks, so this makes the step's gradient that of the global token mean."""
+    return max(label_tokens, 1) / (dp_size * accumulation)
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def _sum(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def train(recipe: Recipe) -> TrainResult:
+    """Run ``recipe`` on this process's share of the job (see the module docstring); every rank calls it."""
+    with Trainer(recipe) as trainer:
+        return trainer.run()
+
+
+class Trainer:
+    """One run of a recipe on this process: ``run()`` does all of it; tests drive ``train_step`` themselves.
+
+    Construction validates the recipe against the world size, the DeepSpeed config and the output directory
+    before any process group exists, then starts the processes, builds the backend's model, the engine and the
+    data stream, and resumes from the newest complete checkpoint of ``output_dir``.
+    """
+
+    def __init__(self, recipe: Recipe):
+        import deepspeed
+
+        started = time.perf_counter()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.recipe, self.model_config = recipe, recipe.model.build_model_config()
+        check_layout(recipe, world, self.model_config.moe.num_experts)
+        self.ds_config = deepspeed_config(recipe, world)
+        self.zero3 = int(self.ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+        self.device = choose_device()
+        self.output_dir = os.path.abspath(recipe.output_dir)
+        self._owns_processes = start_processes(self.device)
+        self.rank = dist.get_rank()
+        self.run_dir, self.backend = None, None
+        try:
+            error = None
+            if self.rank == 0:
+                try:
+                    self.run_dir = RunDirectory.claim(self.output_dir, recipe.to_dict())
+                except ValueError as e:
+                    error = e
+            if not all_ok(error is None):
+                raise error if error is not None else RuntimeError("rank 0 could not claim output_dir (its error "
+                                                                   "says why)")
+            self.backend = get_backend(recipe.parallel.backend)(recipe, self.model_config, self.device)
+            self.info = self.backend.setup_parallel()
+            schedule = recipe.schedule
+            torch.manual_seed(recipe.seed)
+            random.seed(recipe.seed)
+            train_examples, held_out = load_examples(recipe.data, recipe.seed)
+            rows = pack_examples(train_examples, recipe.data.seq_len, recipe.data.pack)
+            self.stream = StepBatches(rows, schedule.micro_batch_size, schedule.gradient_accumulation_steps,
+                                      self.info.dp_size, recipe.seed)
+            self.eval_rows = pack_examples(held_out, recipe.data.seq_len, recipe.data.pack) if held_out else []
+            self.logger = make_logger(self.rank, recipe.logging.progress_bar)
+            model = self.backend.build_model(self.ds_config)
+            self.counts = count_parameters(model)
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(parameter_groups(trainable, schedule.weight_decay), lr=schedule.lr)
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=lr_scheduler(optimizer, schedule),
+                config=self.ds_config, dist_init_required=False)
+            self.checkpoints = CheckpointManager(os.path.join(self.output_dir, "checkpoints"), self.rank,
+                                                 dist.get_world_size(), dist.barrier, keep=recipe.checkpoint.keep)
+            self.result = TrainResult(output_dir=self.output_dir)
+            self.step = self._resume()
+            self.startup_s = time.perf_counter() - started
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the output directory and the process groups this trainer started."""
+        if self.backend is not None:
+            self.backend.teardown()
+            self.backend = None
+        if self.run_dir is not None:
+            self.run_dir.release()
+            self.run_dir = None
+        if self._owns_processes and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_processes = False
+
+    def describe(self) -> str:
+        recipe, (n_trainable, n_total) = self.recipe, self.counts
+        what = "every parameter" if recipe.lora is None else (
+            f"LoRA r={recipe.lora.r} on {list(recipe.lora.target_modules) + list(recipe.lora.target_parameters)}")
+        source = recipe.model.from_pretrained or f"preset {recipe.model.preset}"
+        stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
+        return (f"model: {source} ({self.backend.name} backend, {dist.get_world_size()} processes, expert "
+                f"parallel {self.info.ep_size}, ZeRO stage {stage}): {n_total:,} parameters, {n_trainable:,} "
+                f"trainable ({what})")
+
+    def train_step(self, on_gradients: Optional[Callable[[], None]] = None) -> float:
+        """One optimizer step; returns its loss (the global token mean). ``on_gradients`` is called after the
+        last backward of the step, before the engine's optimizer step (the reduced gradients are there)."""
+        schedule, info, engine = self.recipe.schedule, self.info, self.engine
+        micro_batches, label_tokens = self.stream.next_step(info.dp_rank)
+        scale = step_scale(label_tokens, info.dp_size, schedule.gradient_accumulation_steps)
+        local, norm = 0.0, None
+        self.lr = self.optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves on in engine.step)
+        for m, micro in enumerate(micro_batches):
+            loss, _ = self.backend.loss(engine, micro, scale)
+            engine.backward(loss)
+            if m == len(micro_batches) - 1:
+                if on_gradients is not None:
+                    on_gradients()
+                if not self.zero3:  # the engine reports a norm only under ZeRO; one process: the local grads
+                    norm = _local_grad_norm(engine.module)
+            engine.step()
+            local += float(loss.detach())
+        step_loss = _sum(local, self.device) / (info.dp_size * schedule.gradient_accumulation_steps)
+        if self.zero3:
+            norm = engine.get_global_grad_norm()
+        self.result.losses.append(step_loss)
+        self.result.grad_norms.append(float(norm) if norm is not None else float("nan"))
+        self.last_loads = _balance(self.backend, engine.module, self.recipe.lora is None, self.device)
+        self.step += 1
+        return step_loss
+
+    def run(self) -> TrainResult:
+        recipe, logger, schedule = self.recipe, self.logger, self.recipe.schedule
+        logger.message(self.describe())
+        if self.step:
+            logger.message(f"resuming from the checkpoint at step {self.step}")
+        logger.message(f"start-up {self.startup_s:.1f} s")
+        logger.start(schedule.steps, self.step)
+        first, tokens_per_step = self.step, schedule.micro_batch_size * recipe.data.seq_len * self.info.dp_size \
+            * schedule.gradient_accumulation_steps
+        clock = time.perf_counter()
+        self.engine.train()
+        while self.step < schedule.steps:
+            loss = self.train_step()
+            done = self.step
+            rate = tokens_per_step * (done - first) / max(time.perf_counter() - clock, 1e-9)
+            logger.step(done, loss, rate)
+            if done % recipe.logging.every == 0 or done == first + 1 or done == schedule.steps:
+                metrics = {"train/loss": loss, "train/lr": self.lr,
+                           "train/grad_norm": self.result.grad_norms[-1], "train/tokens_per_s": rate}
+                if self.last_loads is not None:
+                    loads = self.last_loads
+                    metrics["moe/load_max_over_mean"] = float((loads.max(-1).values / loads.mean(-1)).max())
+                logger.log(done, metrics)
+            if recipe.eval.every and done % recipe.eval.every == 0 and done != schedule.steps:
+                logger.log(done, {"eval/loss": self.evaluate()})
+            if recipe.checkpoint.every and done % recipe.checkpoint.every == 0 and done != schedule.steps:
+                self.save()
+        self.result.step_time_s = (time.perf_counter() - clock) / max(schedule.steps - first, 1)
+        if self.eval_rows:
+            self.result.eval_loss = self.evaluate()
+            logger.log(schedule.steps, {"eval/loss": self.result.eval_loss})
+        if first < schedule.steps or self.checkpoints.latest() is None:
+            self.save()
+        where = write_outputs(self.backend, self.engine.module, recipe, self.output_dir, self.rank)
+        if self.rank == 0:
+            write_json_atomic(os.path.join(self.output_dir, "results.json"), {
+                "steps": len(self.result.losses), "final_loss": self.result.losses[-1] if self.result.losses else None,
+                "eval_loss": self.result.eval_loss, "resumed_from": self.result.resumed_from,
+                "startup_s": self.startup_s, "step_time_s": self.result.step_time_s})
+        logger.close()
+        if self.rank == 0 and self.result.losses:
+            losses = self.result.losses
+            print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps "
+                  f"({self.result.step_time_s:.2f} s a step after {self.startup_s:.1f} s of start-up); {where}",
+                  flush=True)
+        return self.result
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over ``eval.batches`` held-out micro-batches per data-parallel rank. Every rank runs
+        the same number of forwards (expert parallelism makes each forward a collective)."""
+        info, engine = self.info, self.engine
+        batches = eval_batches(self.eval_rows, self.recipe.schedule.micro_batch_size,
+                               self.recipe.eval.batches * info.dp_size)
+        if not batches:
+            return float("nan")
+        each = max(1, len(batches) // info.dp_size)
+        mine = [batches[(info.dp_rank * each + i) % len(batches)] for i in range(each)]
+        engine.eval()
+        total, count = 0.0, 0
+        for micro in mine:
+            loss, _ = self.backend.loss(engine, micro, 1.0)
+            total += float(loss)
+            count += label_token_count(micro.labels, micro.cu_seqlens)
+        engine.train()
+        for layer in self.backend.moe_layers(engine.module):
+            layer.reset_load()
+        return _sum(total, self.device) / max(_sum(count, self.device), 1.0)
+
+    def save(self) -> str:
+        """A complete checkpoint of this step (collective; atomic across ranks)."""
+        step, rank = self.step, self.rank
+
+        def write(staging: str) -> None:
+            self.engine.save_checkpoint(staging, tag=ENGINE_TAG, exclude_frozen_parameters=True, save_latest=False)
+            torch.save({"step": step, "losses": self.result.losses, "data": self.stream.state_dict(),
+                        "rng": _rng_state()}, _trainer_state_file(staging, rank))
+
+        path = self.checkpoints.save(step, write)
+        if rank == 0:
+            write_json_atomic(os.path.join(self.output_dir, "losses.json"), self.result.losses)
+        return path
+
+    def _resume(self) -> int:
+        """Continue from the newest complete checkpoint, if any (after removing leftovers of failed saves)."""
+        if self.rank == 0:
+            self.checkpoints.clean_leftovers()
+        dist.barrier()
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return 0
+        step, path = latest
+        self.engine.load_checkpoint(path, tag=ENGINE_TAG, load_module_strict=False, load_optimizer_states=True,
+                                    load_lr_scheduler_states=True)
+        state = torch.load(_trainer_state_file(path, self.rank), weights_only=False)
+        self.stream.load_state_dict(state["data"])
+        _set_rng_state(state["rng"])
+        self.result.losses = list(state["losses"])
+        self.result.resumed_from = step
+        return step
+
+
+def _local_grad_norm(module) -> float:
+    grads = [p.grad.detach().float() for p in module.parameters() if p.requires_grad and p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+
+
+def _balance(backend, module, full: bool, device: torch.device) -> Optional[torch.Tensor]:
+    """Sum each MoE layer's expert load of the step over every rank (``[layers, E]``); with the base training
+    (no LoRA) move the selection bias toward balance, the same update on every rank."""
+    layers = backend.moe_layers(module)
+    loads = [layer.pop_load() for layer in layers]
+    if not layers or any(load is None for load in loads):
+        return None
+    stacked = torch.stack([load.to(device) for load in loads])
+    dist.all_reduce(stacked)
+    if full:
+        for layer, load in zip(layers, stacked):
+            layer.update_routing_bias(load)
+    return stacked
+
+
+def _trainer_state_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"trainer_state_rank{rank}.pt")

@@ -1,0 +1,65 @@
+"""Where the trainer runs: the device, the process group, and agreeing across ranks on success.
+
+Launchers: the ``deepspeed`` launcher (``--num_accelerators N`` on CPU, ``--num_gpus N`` or a hostfile on GPUs),
+``torchrun``, or none at all. Each of the first two sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and a TCP
+rendezvous; without a launcher the trainer is one process and meets itself through a file in a temporary
+directory.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["choose_device", "start_processes", "all_ok"]
+
+
+def choose_device() -> torch.device:
+    """CUDA when it works; the CPU only on a machine without usable GPUs.
+
+    A machine whose GPUs are visible (``/dev/nvidia*``, no ``CUDA_VISIBLE_DEVICES`` hiding them) but where
+    CUDA does not initialise is an error, not a silent CPU run on stand-ins.
+    """
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+    if not hidden and glob.glob("/dev/nvidia[0-9]*"):
+        raise RuntimeError("this machine has NVIDIA GPUs but CUDA is not usable (torch.cuda.is_available() is "
+                           "False): fix the CUDA set-up, or hide the GPUs with CUDA_VISIBLE_DEVICES= for a CPU run")
+    return torch.device("cpu")
+
+
+def start_processes(device: torch.device) -> bool:
+    """Start torch.distributed for this process (and the CPU stand-ins on CPU); True if this call started it
+    (the caller then destroys it). Sets the CPU threads to the cores per local process."""
+    from ..parallel.distributed import INIT_METHOD_ENV, init_distributed, prepare_device
+
+    prepare_device(device.type)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
+    started = not dist.is_initialized()
+    if started:
+        if "RANK" not in os.environ:  # one process without a launcher
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            os.environ.setdefault(INIT_METHOD_ENV, "file://" + os.path.join(
+                tempfile.mkdtemp(prefix="moe_plugin_"), "rendezvous"))
+        init_distributed(device=device.type)
+    import deepspeed
+
+    # DeepSpeed's communication layer wraps the process group that is already up
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    return started
+
+
+def all_ok(ok: bool) -> bool:
+    """True on every rank iff ``ok`` is True on every rank (a collective)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag)
+    return int(flag.item()) == 0

@@ -1,0 +1,115 @@
+"""The trainer on 4 gloo processes (EP=2 x expert-data-parallel 2, ZeRO-3) equals one process, and resumes
+bitwise; both through the product's ``Trainer``/``train`` (tests/training/trainer_workers.py)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from moe_plugin.parallel.launch import run_distributed
+
+WORKER = "tests/training/trainer_workers.py:run_all"
+ZERO3 = "ds_configs/zero3_lora.json"
+
+
+def _recipe(output_dir, world: int, ep: int, steps: int = 3, **schedule) -> dict:
+    return {
+        "output_dir": str(output_dir), "seed": 3,
+        "deepspeed": ZERO3 if world > 1 else None,
+        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"],
+                 "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]},
+        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
+        "parallel": {"backend": "megatron", "expert_parallel_size": ep},
+        # micro-batch 4 in one process is the concatenation of the 4 ranks' micro-batches of 1
+        "schedule": {"steps": steps, "micro_batch_size": 4 // world, "lr": 2e-2, "clip_grad_norm": 0.05,
+                     "warmup_steps": 0, **schedule},
+        "eval": {"every": 0, "batches": 1},
+        "checkpoint": {"every": 0, "keep": 2},
+        "logging": {"every": 1, "progress_bar": False},
+    }
+
+
+def _scenarios(tmp, world: int, ep: int) -> list:
+    return [{"name": routing, "routing": routing, "inspect": routing == "free",
+             "recipe": _recipe(tmp / f"{routing}-w{world}", world, ep)}
+            for routing in ("free", "empty_expert", "one_ep_rank")]
+
+
+def _resume_recipes(tmp, world: int, ep: int) -> list:
+    whole = _recipe(tmp / "whole", world, ep, steps=4)
+    first = _recipe(tmp / "parts", world, ep, steps=2)
+    second = copy.deepcopy(first)
+    second["schedule"]["steps"] = 4
+    return [whole, first, second]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trainer")
+    one = run_distributed(WORKER, world_size=1, timeout_s=900, scenarios=_scenarios(tmp, 1, 1), recipes=[])
+    four = run_distributed(WORKER, world_size=4, timeout_s=1500, scenarios=_scenarios(tmp, 4, 2),
+                           recipes=_resume_recipes(tmp, 4, 2))
+    return one[0], four
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
+    scale = max(float(b.abs().max()), 1e-12)
+    return float((a - b).abs().max()) <= rel * scale
+
+
+@pytest.mark.parametrize("routing", ["free", "empty_expert", "one_ep_rank"])
+def test_ep2_zero3_on_4_processes_equals_one_process(runs, routing):
+    one, four = runs
+    ref = one["scenarios"][routing]
+    for rank, result in enumerate(four):
+        got = result["scenarios"][routing]
+        assert len(got["losses"]) == len(ref["losses"]) == 3
+        for a, b in zip(got["losses"], ref["losses"]):
+            assert math.isclose(a, b, rel_tol=1e-5), (rank, got["losses"], ref["losses"])
+        for a, b in zip(got["grad_norms"], ref["grad_norms"]):
+            assert math.isclose(a, b, rel_tol=1e-5), (rank, got["grad_norms"], ref["grad_norms"])
+        assert min(ref["grad_norms"]) > 0.05  # clipping (max norm 0.05) was active on every step
+        assert sorted(got["grads"]) == sorted(ref["grads"])
+        for name, g in ref["grads"].items():
+            assert _close(got["grads"][name], g), (rank, name)
+        for name, value in ref["adapter"].items():
+            assert _close(got["adapter"][name], value), (rank, name)
+    if routing == "empty_expert":  # expert 0 got no token: its adapter gradient is exactly zero
+        # (lora_B: lora_A's first-step gradient is zero for every expert, since lora_B starts at zero)
+        for name in [n for n in ref["grads"] if "experts" in n and "lora_B" in n]:
+            g = ref["grads"][name]
+            per_expert = g.view(g.shape[0], -1, 8)  # [out, r * E] with expert-minor columns
+            assert torch.count_nonzero(per_expert[:, :, 0]) == 0, name
+            assert torch.count_nonzero(per_expert[:, :, 1:]) > 0, name
+
+
+def test_zero3_partitions_within_the_right_groups(runs):
+    one, four = runs
+    ref_experts = one["scenarios"]["free"]["experts"]
+    for rank, result in enumerate(four):
+        got = result["scenarios"]["free"]
+        parts = got["partitions"]
+        assert parts, "nothing was partitioned"
+        kinds = {"expert": 0, "dense": 0, "frozen": 0}
+        for name, (stored, full, expert, trainable) in parts.items():
+            group = 2 if expert else 4  # experts within their expert-data-parallel pair, the rest over all 4
+            assert stored == math.ceil(full / group), (rank, name, stored, full)
+            kinds["expert" if expert else "dense"] += 1
+            kinds["frozen"] += not trainable
+        assert min(kinds.values()) > 0, kinds
+        for layer, (first, w1) in got["experts"].items():
+            ref_first, ref_w1 = ref_experts[layer]
+            assert ref_first == 0 and first == (rank % 2) * w1.shape[0]  # EP groups are [0,1] and [2,3]
+            assert torch.equal(w1, ref_w1[first:first + w1.shape[0]]), (rank, layer)
+
+
+def test_resume_gives_the_uninterrupted_losses_bitwise(runs):
+    _, four = runs
+    whole, first, second = four[0]["recipes"]
+    assert second["resumed_from"] == 2 and first["resumed_from"] is None
+    assert len(whole["losses"]) == 4 and second["losses"][:2] == first["losses"]
+    assert second["losses"] == whole["losses"]  # exact: bitwise on CPU

@@ -1,0 +1,131 @@
+"""Rank-side code of the trainer tests, run by moe_plugin.parallel.launch.run_distributed.
+
+Each scenario builds the product's ``Trainer`` from a recipe dict, optionally forces the routing (an expert that
+gets no token, or every token on EP rank 0's experts, through the selection bias, which is a buffer and so the
+same on every rank), runs its steps and returns what the parent compares with one process: the losses, the
+gradient norms, the full adapter gradients of the first step and the final adapter, plus the ZeRO-3 partition
+sizes and gathered expert weights of this rank. Nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def _force_routing(trainer, mode: str) -> None:
+    if mode == "free":
+        return
+    for layer in trainer.backend.moe_layers(trainer.engine.module):
+        bias = layer.router.e_score_correction_bias
+        experts = bias.numel()
+        if mode == "empty_expert":
+            bias[0] = -1e4  # expert 0 is never chosen
+        elif mode == "one_ep_rank":
+            bias[: experts // 2] = 1e4  # every token picks among EP rank 0's experts
+
+
+def _full_grads(trainer) -> dict:
+    """The reduced gradient of every adapter, full shape, under Hugging Face PEFT names (collective)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    module = trainer.engine.module
+    saved = {}
+    for name, p in module.named_parameters():
+        if ".lora_" in name:
+            g = safe_get_full_grad(p) if hasattr(p, "ds_id") else p.grad
+            saved[name] = (g if g is not None else torch.zeros(p.ds_shape if hasattr(p, "ds_shape") else p.shape)).clone()
+    return _state_with(trainer, module, saved)
+
+
+def _state_with(trainer, module, tensors: dict) -> dict:
+    """The backend's adapter naming (and, on megatron, the expert all-gather over EP) applied to ``tensors``
+    in place of the adapter values."""
+    from moe_plugin.megatron.lora import adapter_state_to_hf
+
+    if trainer.backend.name != "megatron":
+        from peft import get_peft_model_state_dict
+
+        return dict(get_peft_model_state_dict(module, state_dict=dict(tensors)))
+    params = dict(module.named_parameters())
+    backup = {n: params[n].data for n in tensors}
+    try:
+        for n, t in tensors.items():
+            params[n].data = t
+        state = adapter_state_to_hf(module, trainer.model_config)
+    finally:
+        for n, t in backup.items():
+            params[n].data = t
+    return {"base_model.model." + k.replace(".default.", "."): v for k, v in state.items()}
+
+
+def _partitions(trainer) -> dict:
+    out = {}
+    for name, p in trainer.engine.module.named_parameters():
+        if hasattr(p, "ds_tensor"):
+            out[name] = (int(p.ds_tensor.numel()), int(p.ds_numel), getattr(p, "allreduce", True) is False,
+                         bool(p.requires_grad))
+    return out
+
+
+def _gathered_experts(trainer) -> dict:
+    """This rank's expert stacks of every MoE layer (gathered within their ZeRO group) and their global range."""
+    from moe_plugin.training.backends.common import gathered
+
+    module = trainer.engine.module
+    out = {}
+    for i, layer in enumerate(module.decoder.layers):
+        if not layer.is_moe_layer:
+            continue
+        experts = layer.mlp.experts
+        while hasattr(experts, "base_layer"):
+            experts = experts.base_layer
+        with gathered([experts.w1]):
+            out[i] = (experts.first_expert, experts.w1.detach().clone())
+    return out
+
+
+def run_scenarios(scenarios: list) -> dict:
+    """``[{"name", "recipe", "routing", "steps_then"?: int}]`` -> ``{name: result}``."""
+    from moe_plugin.training.loop import Trainer
+    from moe_plugin.training.recipe import recipe_from_dict
+
+    results = {}
+    for scenario in scenarios:
+        recipe = recipe_from_dict(copy.deepcopy(scenario["recipe"]))
+        with Trainer(recipe) as trainer:
+            _force_routing(trainer, scenario.get("routing", "free"))
+            result = {"losses": [], "ranges": None}
+            grads = {}
+
+            def capture():
+                grads.update(_full_grads(trainer))
+
+            result["losses"].append(trainer.train_step(on_gradients=capture))
+            result["grads"] = grads
+            while trainer.step < recipe.schedule.steps:
+                result["losses"].append(trainer.train_step())
+            result["grad_norms"] = list(trainer.result.grad_norms)
+            result["adapter"] = trainer.backend.adapter_state(trainer.engine.module)
+            if scenario.get("inspect"):
+                result["partitions"] = _partitions(trainer)
+                result["experts"] = _gathered_experts(trainer)
+        results[scenario["name"]] = result
+        dist.barrier()
+    return results
+
+
+def run_recipes(recipes: list) -> list:
+    """Run each recipe dict with the product's ``train`` (as the launcher would); the TrainResults."""
+    from moe_plugin.training.loop import train
+    from moe_plugin.training.recipe import recipe_from_dict
+
+    return [train(recipe_from_dict(copy.deepcopy(r))) for r in recipes]
+
+
+def run_all(scenarios: list, recipes: list) -> dict:
+    """Both kinds in one launch (each launch costs tens of seconds of start-up)."""
+    return {"scenarios": run_scenarios(scenarios), "recipes": [vars(r) for r in run_recipes(recipes)]}
