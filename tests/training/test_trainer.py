@@ -13,6 +13,7 @@ from moe_plugin.parallel.launch import run_distributed
 
 WORKER = "tests/training/trainer_workers.py:run_all"
 ZERO3 = "ds_configs/zero3_lora.json"
+LR = 2e-2
 
 
 def _recipe(output_dir, world: int, ep: int, steps: int = 3, **schedule) -> dict:
@@ -25,7 +26,7 @@ def _recipe(output_dir, world: int, ep: int, steps: int = 3, **schedule) -> dict
         "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
         "parallel": {"backend": "megatron", "expert_parallel_size": ep},
         # micro-batch 4 in one process is the concatenation of the 4 ranks' micro-batches of 1
-        "schedule": {"steps": steps, "micro_batch_size": 4 // world, "lr": 2e-2, "clip_grad_norm": 0.05,
+        "schedule": {"steps": steps, "micro_batch_size": 4 // world, "lr": LR, "clip_grad_norm": 0.05,
                      "warmup_steps": 0, **schedule},
         "eval": {"every": 0, "batches": 1},
         "checkpoint": {"every": 0, "keep": 2},
@@ -39,20 +40,22 @@ def _scenarios(tmp, world: int, ep: int) -> list:
             for routing in ("free", "empty_expert", "one_ep_rank")]
 
 
-def _resume_recipes(tmp, world: int, ep: int) -> list:
-    whole = _recipe(tmp / "whole", world, ep, steps=4)
-    first = _recipe(tmp / "parts", world, ep, steps=2)
-    second = copy.deepcopy(first)
-    second["schedule"]["steps"] = 4
-    return [whole, first, second]
+def _resume_recipes(tmp, world: int, ep: int):
+    """An uninterrupted run, and the same recipe stopped after 2 of its 4 steps and started again."""
+    whole = _recipe(tmp / "whole", world, ep, steps=4, warmup_steps=1)
+    whole["checkpoint"]["every"] = 2
+    stopped = copy.deepcopy(whole)
+    stopped["output_dir"] = str(tmp / "stopped")
+    return [whole], {"recipe_dict": stopped, "stop_after": 2}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trainer")
     one = run_distributed(WORKER, world_size=1, timeout_s=900, scenarios=_scenarios(tmp, 1, 1), recipes=[])
+    recipes, resume = _resume_recipes(tmp, 4, 2)
     four = run_distributed(WORKER, world_size=4, timeout_s=1500, scenarios=_scenarios(tmp, 4, 2),
-                           recipes=_resume_recipes(tmp, 4, 2))
+                           recipes=recipes, resume=resume)
     return one[0], four
 
 
@@ -76,8 +79,12 @@ def test_ep2_zero3_on_4_processes_equals_one_process(runs, routing):
         assert sorted(got["grads"]) == sorted(ref["grads"])
         for name, g in ref["grads"].items():
             assert _close(got["grads"][name], g), (rank, name)
+        # after the AdamW steps: Adam divides each element by its own gradient scale, so fp32 rounding in a
+        # near-zero gradient element moves its update by more than 1e-5 of the tensor; bound the difference
+        # by 0.1 % of the largest move the steps can make (lr per step)
+        bound = 1e-3 * LR * len(ref["losses"])
         for name, value in ref["adapter"].items():
-            assert _close(got["adapter"][name], value), (rank, name)
+            assert float((got["adapter"][name] - value).abs().max()) <= bound, (rank, name)
     if routing == "empty_expert":  # expert 0 got no token: its adapter gradient is exactly zero
         # (lora_B: lora_A's first-step gradient is zero for every expert, since lora_B starts at zero)
         for name in [n for n in ref["grads"] if "experts" in n and "lora_B" in n]:
@@ -109,7 +116,8 @@ def test_zero3_partitions_within_the_right_groups(runs):
 
 def test_resume_gives_the_uninterrupted_losses_bitwise(runs):
     _, four = runs
-    whole, first, second = four[0]["recipes"]
-    assert second["resumed_from"] == 2 and first["resumed_from"] is None
-    assert len(whole["losses"]) == 4 and second["losses"][:2] == first["losses"]
-    assert second["losses"] == whole["losses"]  # exact: bitwise on CPU
+    whole = four[0]["recipes"][0]
+    before, after = four[0]["resume"]["before"], four[0]["resume"]["after"]
+    assert whole["resumed_from"] is None and after["resumed_from"] == 2
+    assert len(whole["losses"]) == 4 and before == whole["losses"][:2]
+    assert after["losses"] == whole["losses"]  # exact: bitwise on CPU, the resumed steps included

@@ -126,6 +126,23 @@ def run_recipes(recipes: list) -> list:
     return [train(recipe_from_dict(copy.deepcopy(r))) for r in recipes]
 
 
-def run_all(scenarios: list, recipes: list) -> dict:
-    """Both kinds in one launch (each launch costs tens of seconds of start-up)."""
-    return {"scenarios": run_scenarios(scenarios), "recipes": [vars(r) for r in run_recipes(recipes)]}
+def run_stopped_then_resumed(recipe_dict: dict, stop_after: int) -> dict:
+    """The recipe run ``stop_after`` steps and checkpointed, the process "stopped" (its Trainer closed without
+    finishing), then ``train`` on the same recipe and output_dir again: it resumes from that checkpoint."""
+    from moe_plugin.training.loop import Trainer, train
+    from moe_plugin.training.recipe import recipe_from_dict
+
+    with Trainer(recipe_from_dict(copy.deepcopy(recipe_dict))) as trainer:
+        for _ in range(stop_after):
+            trainer.train_step()
+        trainer.save()
+        before = list(trainer.result.losses)
+    return {"before": before, "after": vars(train(recipe_from_dict(copy.deepcopy(recipe_dict))))}
+
+
+def run_all(scenarios: list, recipes: list, resume: dict = None) -> dict:
+    """All kinds in one launch (each launch costs tens of seconds of start-up)."""
+    out = {"scenarios": run_scenarios(scenarios), "recipes": [vars(r) for r in run_recipes(recipes)]}
+    if resume is not None:
+        out["resume"] = run_stopped_then_resumed(**resume)
+    return out
