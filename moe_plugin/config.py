@@ -14,6 +14,8 @@ from typing import List, Optional
 ACTIVATIONS = ("situ", "swiglu")
 KDA_GATE_FORMS = ("k3", "kimi_linear")
 LAYER_KINDS = ("kda", "mla")
+# how the routed experts are stored: "dense" floating-point weights, or packed as published (docs/packed-experts.md)
+EXPERT_FORMATS = ("dense", "mxfp4", "int4")
 
 
 def require(condition: bool, field_name: str, message: str) -> None:
@@ -112,8 +114,11 @@ class MoEConfig:
     topk_groups: int = 1
     bias_update_rate: float = 1e-3
     norm_eps: float = 1e-5
+    expert_format: str = "dense"  # "mxfp4" / "int4": routed experts kept packed, dequantised on the fly
 
     def __post_init__(self):
+        require(self.expert_format in EXPERT_FORMATS, "MoEConfig.expert_format",
+                f"must be one of {EXPERT_FORMATS}, got {self.expert_format!r}")
         _positive(self, "hidden_size", "num_experts", "top_k", "expert_intermediate_size", "num_groups",
                   "topk_groups")
         if self.latent_size is not None:

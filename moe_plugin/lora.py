@@ -19,6 +19,8 @@ from torch import nn
 
 from .config import require
 from .layers.moe import StackedExperts
+from .layers.packed_experts import PackedStackedExperts
+from .lora_packed import PackedParamWrapper
 
 __all__ = ["SEED_TARGET_MODULES", "lora_config", "add_lora", "mark_expert_adapters", "count_parameters"]
 
@@ -33,8 +35,11 @@ def lora_config(r: int = 8, alpha: float = 16, target_modules: Iterable[str] = S
     require(alpha > 0, "alpha", f"must be positive (0 makes the adapter a no-op), got {alpha!r}")
     modules, params = list(target_modules), list(target_parameters)
     require(bool(modules or params), "target_modules", "name at least one module or parameter to adapt")
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules or None,
-                      target_parameters=params or None)
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules or None,
+                        target_parameters=params or None)
+    # packed experts take their adapters through their own peft layer, in peft's layout (moe_plugin.lora_packed)
+    config._register_custom_module({PackedStackedExperts: PackedParamWrapper})
+    return config
 
 
 def add_lora(model: nn.Module, config: LoraConfig, wrap: bool = False):

@@ -136,6 +136,20 @@ class StackedExperts(nn.Module):
         return f"num_experts={e}, dim={dim}, intermediate={f}, activation={self.activation!r}"
 
 
+def experts_class(config: MoEConfig) -> type:
+    """``StackedExperts``, or ``PackedStackedExperts`` when ``config.expert_format`` names a packed format."""
+    if config.expert_format == "dense":
+        return StackedExperts
+    from .packed_experts import PackedStackedExperts  # imported late: that module builds on this one
+
+    return PackedStackedExperts
+
+
+def experts_kwargs(config: MoEConfig) -> dict:
+    """The extra keyword arguments of ``experts_class(config)`` (the packed format)."""
+    return {} if config.expert_format == "dense" else {"expert_format": config.expert_format}
+
+
 class LatentMoEMixin:
     """What the single-device ``StableLatentMoE`` and megatron's ``LatentMoELayer`` share: the latent
     down/norm/up modules, routing with the config's options, the expert load and selection-bias balancing.
@@ -229,8 +243,8 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         c = config
         self.num_experts, self.top_k = c.num_experts, c.top_k
         self.gate = MoERouter(c.hidden_size, c.num_experts)
-        self.experts = StackedExperts(c.num_experts, c.expert_dim, c.expert_intermediate_size, c.activation,
-                                      c.situ_beta, c.situ_linear_beta)
+        self.experts = experts_class(c)(c.num_experts, c.expert_dim, c.expert_intermediate_size, c.activation,
+                                        c.situ_beta, c.situ_linear_beta, **experts_kwargs(c))
         self._build_latent_modules()
         if c.num_shared_experts > 0:
             self.shared_experts = GLUMLP(c.hidden_size, c.shared_intermediate_size, c.activation,

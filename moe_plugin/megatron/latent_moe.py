@@ -35,6 +35,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from ..config import MoEConfig, require
 from ..layers.mlp import GLUMLP
 from ..layers.moe import LatentMoEMixin, MoERouter, StackedExperts, expert_load
+from ..layers.packed_experts import PackedStackedExperts
 from ..parallel.zero3_ep import tag_expert_parameter
 
 # megatron routing/balancing options that LatentMoELayer's route never reads: each must keep its default, and
@@ -145,6 +146,16 @@ class MegatronStackedExperts(StackedExperts):
         return (y * probs.unsqueeze(-1)).to(y.dtype), None
 
 
+class MegatronPackedExperts(MegatronStackedExperts, PackedStackedExperts):
+    """``MegatronStackedExperts`` over packed experts (``MoEConfig.expert_format``, docs/packed-experts.md): the
+    same interface, seeding and ZeRO-3 expert tags, with ``PackedStackedExperts``' storage and forward."""
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, moe: MoEConfig,
+                 pg_collection: Optional[ProcessGroupCollection] = None):
+        self.pending_format = moe.expert_format  # read by PackedStackedExperts.__init__ through the MRO
+        super().__init__(num_local_experts, config, moe, pg_collection)
+
+
 class MegatronSharedExperts(GLUMLP):
     """``shared_experts``: the fused shared-expert GLU on the full hidden, built the way ``MoELayer`` builds it."""
 
@@ -160,7 +171,8 @@ class MegatronSharedExperts(GLUMLP):
 def latent_moe_submodules(moe: MoEConfig) -> MoESubmodules:
     """megatron ``MoESubmodules`` building this project's router, stacked experts and shared experts."""
     return MoESubmodules(
-        experts=ModuleSpec(module=MegatronStackedExperts, params={"moe": moe}),
+        experts=ModuleSpec(module=MegatronStackedExperts if moe.expert_format == "dense" else MegatronPackedExperts,
+                           params={"moe": moe}),
         shared_experts=ModuleSpec(module=MegatronSharedExperts, params={"moe": moe}),
         router=lambda *, config, pg_collection: MoERouter(moe.hidden_size, moe.num_experts),
     )

@@ -35,7 +35,7 @@ _HF_KEY = {
 # fields whose Hugging Face key has the same name (MLA's ranks and dims, the model's own sizes)
 _SAME_NAME = {"MLAConfig": ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                             "index_topk", "index_n_heads", "index_head_dim"),
-              "MoEConfig": ("num_shared_experts", "routed_scaling_factor"),
+              "MoEConfig": ("num_shared_experts", "routed_scaling_factor", "expert_format"),
               "ModelConfig": ("vocab_size", "layer_types", "attn_res", "attn_res_block_size", "image_token_id")}
 
 
@@ -97,6 +97,7 @@ class MoEPluginConfig(PretrainedConfig):
         topk_group: int = 1,
         first_k_dense_replace: int = 1,
         intermediate_size: int = 128,
+        expert_format: str = "dense",
         vision_config: Optional[Dict[str, Any]] = None,
         image_token_id: Optional[int] = None,
         initializer_range: float = 0.02,
@@ -142,6 +143,7 @@ class MoEPluginConfig(PretrainedConfig):
         self.topk_group = topk_group
         self.first_k_dense_replace = first_k_dense_replace
         self.intermediate_size = intermediate_size
+        self.expert_format = expert_format
         self.vision_config = dict(vision_config) if vision_config is not None else None
         self.image_token_id = image_token_id
         self.initializer_range = initializer_range
@@ -180,7 +182,8 @@ class MoEPluginConfig(PretrainedConfig):
                         num_shared_experts=self.num_shared_experts, activation=self.hidden_act,
                         situ_beta=self.activation_situ_beta, situ_linear_beta=self.activation_situ_linear_beta,
                         routed_scaling_factor=self.routed_scaling_factor, renormalize=self.moe_renormalize,
-                        num_groups=self.num_expert_group, topk_groups=self.topk_group, norm_eps=self.rms_norm_eps)
+                        num_groups=self.num_expert_group, topk_groups=self.topk_group, norm_eps=self.rms_norm_eps,
+                        expert_format=self.expert_format)
         vision = None
         if self.vision_config is not None:
             vision = VisionConfig(**{"out_hidden_size": d, "norm_eps": self.rms_norm_eps, **self.vision_config})

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping
 
 from .configuration import MoEPluginConfig
+from .k3_quant import expert_format_from_k3, quantization_config_for
 
 TEXT_MODEL_TYPE = "kimi_linear"
 # model_type written for the multimodal wrapper; not confirmed against a published K3 multimodal config
@@ -87,6 +88,7 @@ def _text_kwargs(text: Mapping[str, Any], where: str) -> Dict[str, Any]:
     kwargs = {key: _get(text, key, where, default) for key, default in _SAME_KEYS.items()}
     kwargs.update({key: text[key] for key in _TOKEN_KEYS + _EXTENSION_KEYS if key in text})
     kwargs.setdefault("use_dsa_indexer", False)  # K3 has no indexer; asking for one starts it fresh
+    kwargs["expert_format"] = expert_format_from_k3(text, where)  # packed routed experts (quantization_config)
 
     act = text.get("hidden_act", "situ")
     if act not in _HIDDEN_ACT:
@@ -186,6 +188,8 @@ def config_to_k3(config: MoEPluginConfig, multimodal: bool = False) -> Dict[str,
                 use_grouped_topk=c.num_expert_group > 1, num_expert_group=c.num_expert_group,
                 topk_group=c.topk_group, num_nextn_predict_layers=0)
     text.update({key: getattr(c, key) for key in _EXTENSION_KEYS})
+    if quantization_config_for(c.expert_format) is not None:
+        text["quantization_config"] = quantization_config_for(c.expert_format)
     text.update({key: getattr(c, key) for key in _TOKEN_KEYS if getattr(c, key, None) is not None})
     if not multimodal:
         return text

@@ -1,0 +1,132 @@
+"""Grouped expert products over packed weights, dequantising one group of experts at a time.
+
+``packed_grouped_linear`` computes ``x_e @ W_e^T`` for every expert block of ``x_sorted`` with ``W`` stored
+packed (``formats``). Forward and backward each dequantise a group of ``group_size`` experts into the compute
+dtype, run the product for that group's rows, and drop the dequantised weights before the next group, so at
+most one group of dequantised weights is alive at a time and none is saved for backward (the autograd
+Function saves only the packed tensors themselves and the token counts; backward dequantises again). The
+packed base is frozen: no gradient flows to it. ``grouped_lora`` adds the experts' low-rank adapters on the
+activation side, ``scaling * (x_e A_e^T) B_e^T``, which equals adding ``scaling * B_e A_e`` to ``W_e``.
+
+``dequantize_experts`` is where a GPU kernel may replace the torch decoder (``ops.backend`` picks it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..backend import gpu_kernel
+from ..moe.experts import _grouped_mm_supported
+from .formats import decode, packed_spec
+
+__all__ = ["DEFAULT_GROUP_SIZE", "dequantize_experts", "packed_grouped_linear", "packed_grouped_linear_reference",
+           "grouped_lora", "grouped_lora_reference"]
+
+DEFAULT_GROUP_SIZE = 8  # experts dequantised together: one grouped matmul per group
+
+
+def dequantize_experts(fmt: str, packed: torch.Tensor, scale: torch.Tensor, in_features: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """packed ``[G, out, *]``, scale ``[G, out, ceil(in/32)]`` -> ``[G, out, in]`` of ``dtype``; a Triton kernel
+    on CUDA when it imports (``ops.backend.gpu_kernel``), the torch decoder otherwise."""
+    kernel = gpu_kernel("moe_plugin.ops.quant.triton_dequant", f"dequantize_{fmt}", packed, scale)
+    if kernel is not None:
+        return kernel(packed, scale, in_features, dtype)
+    return decode(fmt, packed, scale, in_features, dtype)
+
+
+def _mm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Row blocks of ``x [m, k]`` (sizes ``counts [G]``) times ``w_t [G, k, n]`` -> ``[m, n]``."""
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w_t.shape[2])
+    if _grouped_mm_supported(x, w_t.transpose(1, 2)) and w_t.shape[2] * x.element_size() % 16 == 0:
+        return torch._grouped_mm(x, w_t, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+    blocks = x.split(counts.tolist())
+    return torch.cat([b @ w for b, w in zip(blocks, w_t.unbind(0))])
+
+
+def _run_groups(x: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, fmt: str,
+                in_features: int, group_size: int, transpose: bool) -> torch.Tensor:
+    """Forward (``transpose``: ``x @ W^T``, out width = W's rows) or the input gradient (``x @ W``, width
+    ``in_features``), one dequantised group of experts at a time."""
+    width = packed.shape[1] if transpose else in_features
+    out = x.new_empty(x.shape[0], width)
+    bounds = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).tolist()
+    for g0 in range(0, packed.shape[0], group_size):
+        g1 = min(g0 + group_size, packed.shape[0])
+        r0, r1 = int(bounds[g0]), int(bounds[g1])
+        if r0 == r1:
+            continue  # no token for this group: nothing to dequantise
+        w = dequantize_experts(fmt, packed[g0:g1], scale[g0:g1], in_features, x.dtype)  # [G, out, in]
+        out[r0:r1] = _mm(x[r0:r1], w.transpose(1, 2) if transpose else w, counts[g0:g1])
+        del w  # freed before the next group is decoded
+    return out
+
+
+class _PackedGroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, counts, packed, scale, fmt, in_features, group_size):
+        ctx.save_for_backward(counts, packed, scale)  # the stored packed tensors, not a dequantised copy
+        ctx.meta = (fmt, in_features, group_size)
+        return _run_groups(x, counts, packed, scale, fmt, in_features, group_size, transpose=True)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        counts, packed, scale = ctx.saved_tensors
+        fmt, in_features, group_size = ctx.meta
+        grad_x = _run_groups(grad_out.contiguous(), counts, packed, scale, fmt, in_features, group_size,
+                             transpose=False)
+        return grad_x, None, None, None, None, None, None
+
+
+def packed_grouped_linear(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, packed: torch.Tensor,
+                          scale: torch.Tensor, fmt: str, in_features: int,
+                          group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+    """``x_e @ W_e^T`` per expert block. x_sorted: ``[M, in]`` rows grouped by expert; tokens_per_expert:
+    ``[E]``; packed/scale: ``[E, out, *]`` in ``fmt`` (``formats``). Returns ``[M, out]`` in x's dtype;
+    differentiable in x only (the packed base is frozen)."""
+    spec = packed_spec(fmt, in_features)
+    if x_sorted.dim() != 2 or x_sorted.shape[1] != in_features or not x_sorted.is_floating_point():
+        raise ValueError(f"x_sorted: expected a floating [M, {in_features}] tensor, got {x_sorted.dtype} "
+                         f"{list(x_sorted.shape)}")
+    if packed.dim() != 3 or packed.shape[2] != spec.packed_cols:
+        raise ValueError(f"packed: expected [E, out, {spec.packed_cols}] for {fmt} with {in_features} inputs, "
+                         f"got {list(packed.shape)}")
+    if tokens_per_expert.shape != (packed.shape[0],) or int(tokens_per_expert.sum()) != x_sorted.shape[0]:
+        raise ValueError(f"tokens_per_expert: expected [{packed.shape[0]}] counts summing to x_sorted rows "
+                         f"({x_sorted.shape[0]}), got {list(tokens_per_expert.shape)} summing to "
+                         f"{int(tokens_per_expert.sum())}")
+    if group_size < 1:
+        raise ValueError(f"group_size: must be a positive number of experts, got {group_size}")
+    return _PackedGroupedLinear.apply(x_sorted, tokens_per_expert.cpu(), packed, scale, fmt, in_features,
+                                      group_size)
+
+
+def packed_grouped_linear_reference(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor,
+                                    packed: torch.Tensor, scale: torch.Tensor, fmt: str,
+                                    in_features: int) -> torch.Tensor:
+    """Same contract, plainly: every expert dequantised once by the reference decoder, then a loop."""
+    w = decode(fmt, packed, scale, in_features, x_sorted.dtype, reference=True)
+    blocks = x_sorted.split(tokens_per_expert.tolist())
+    outs = [b @ we.t() for b, we in zip(blocks, w.unbind(0))]
+    return torch.cat(outs) if outs else x_sorted.new_zeros(0, packed.shape[1])
+
+
+def grouped_lora(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, lora_a: torch.Tensor,
+                 lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``scaling * (x_e A_e^T) B_e^T`` per expert block: lora_a ``[E, r, in]``, lora_b ``[E, out, r]`` ->
+    ``[M, out]`` (peft's stacked adapters, see ``moe_plugin.lora_packed``)."""
+    counts = tokens_per_expert.cpu()
+    # grouped matmul wants each expert's matrix contiguous: peft's B columns are expert-minor
+    xa = _mm(x_sorted, lora_a.to(x_sorted.dtype).contiguous().transpose(1, 2), counts)
+    return _mm(xa, lora_b.to(x_sorted.dtype).contiguous().transpose(1, 2), counts) * scaling
+
+
+def grouped_lora_reference(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, lora_a: torch.Tensor,
+                           lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Same contract as ``grouped_lora``, as a loop over experts."""
+    blocks = x_sorted.split(tokens_per_expert.tolist())
+    outs = [scaling * (b @ a.t()) @ bb.t() for b, a, bb in zip(blocks, lora_a.unbind(0), lora_b.unbind(0))]
+    return torch.cat(outs) if outs else x_sorted.new_zeros(0, lora_b.shape[1])
