@@ -52,6 +52,14 @@ def train(argv: List[str]) -> Optional[int]:
     return train_main(argv)
 
 
+@subcommand("export", "export a run's adapters (peft, per-expert, merged-hf, merged-k3): moe-plugin export --run "
+                      "DIR --to FORMAT OUT")
+def export(argv: List[str]) -> Optional[int]:
+    from .export.command import main as export_main  # peft, safetensors, the models: only when exporting
+
+    return export_main(argv)
+
+
 def parser() -> argparse.ArgumentParser:
     """The top-level parser: lists the subcommands; their own arguments are parsed by each subcommand."""
     p = argparse.ArgumentParser(prog="moe-plugin", description="LoRA fine-tuning of mixture-of-experts models "

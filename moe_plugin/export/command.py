@@ -1,0 +1,43 @@
+"""``moe-plugin export --run DIR --to {peft, per-expert, merged-hf, merged-k3} OUT`` (docs/exports.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+__all__ = ["main", "parser"]
+
+
+def parser() -> argparse.ArgumentParser:
+    from .exporter import FORMATS
+
+    p = argparse.ArgumentParser(prog="moe-plugin export", description="Export a training run's adapters: as a "
+                                "PEFT adapter, as per-expert adapters, or merged into the base weights (Hugging "
+                                "Face or K3 layout). Every export reloads what it wrote and compares it with the "
+                                "adapted model before it appears at OUT.")
+    p.add_argument("--run", required=True, help="the run's output_dir (holds moe_plugin_run.json)")
+    p.add_argument("--to", required=True, choices=FORMATS, help="the export format")
+    p.add_argument("out", help="the directory to write (replaced as a whole, only once the check passed)")
+    p.add_argument("--step", type=int, default=None, help="export checkpoint N instead of the final adapter")
+    p.add_argument("--targets", default=None, help="comma-separated module/parameter names to export (default: "
+                   "every trained target); a list that leaves a trained target out is refused")
+    p.add_argument("--max-shard-size", default="5GB", help="merged exports: largest shard (default 5GB)")
+    p.add_argument("--requantise", action="store_true", help="merged exports over a packed (MXFP4) base: pack the "
+                   "merged experts again (lossy; the count of changed values is reported) instead of BF16")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    from .exporter import export_run
+
+    try:
+        report = export_run(args.run, args.to, args.out, step=args.step,
+                            targets=args.targets.split(",") if args.targets is not None else None,
+                            max_shard_size=args.max_shard_size, requantise=args.requantise)
+    except ValueError as err:
+        print(f"moe-plugin export: error: {err}", file=sys.stderr)
+        return 1
+    print(report.summary(), flush=True)
+    return 0

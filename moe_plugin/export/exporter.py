@@ -1,0 +1,244 @@
+"""``export_run(run_dir, to, out)``: the four exports, each written atomically and checked before it is published.
+
+Formats (docs/exports.md):
+
+* ``peft``: ``adapter_model.safetensors`` + ``adapter_config.json`` that plain peft loads onto the Hugging Face
+  model (``PeftModel.from_pretrained(MoEPluginForCausalLM.from_pretrained(base), out)``), stacked expert adapters;
+* ``per-expert``: the same adapters with one ``lora_A [r, in]`` / ``lora_B [out, r]`` per expert under the
+  published per-expert names (``base_model.model.model.layers.{L}.block_sparse_moe.experts.{E}.w1.lora_A
+  .weight``), the layout serving engines with MoE LoRA expect; ``adapter_config.json`` lists every target module;
+* ``merged-hf`` / ``merged-k3``: full weights with the deltas merged, sharded safetensors in this project's
+  Hugging Face layout or K3's published layout, streamed (``merge``).
+
+Every export writes ``moe_plugin_export.json`` (what was exported from where, the targets, the check's numbers).
+The whole directory appears at ``out`` only once the check passed (``fileio.atomic_directory``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..config import require
+from ..fileio import atomic_directory
+from .deltas import split_experts
+from .merge import base_tensors, write_merged
+from .source import RunSource, open_run
+from .targets import Target, per_expert_key, select_targets
+from .verify import (LOGITS_RTOL, LOW_PRECISION_RTOL, CheckResult, base_model, compare_deltas,
+                     logits_of, merged_differences, reference, relative_diff)
+
+__all__ = ["FORMATS", "ExportReport", "export_run", "MANIFEST"]
+
+FORMATS = ("peft", "per-expert", "merged-hf", "merged-k3")
+MANIFEST = "moe_plugin_export.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+@dataclass
+class ExportReport:
+    format: str
+    out: str
+    targets: List[str]
+    expert_deltas: int  # expert deltas carried (targets x experts)
+    check: CheckResult
+    files: List[str] = field(default_factory=list)
+    peak_expert_layers: Optional[int] = None  # merged exports: the most MoE layers' experts held at once
+    requantised_changed_values: Optional[int] = None
+
+    def summary(self) -> str:
+        return (f"{self.format} export written to {self.out}: {len(self.targets)} targets ({self.expert_deltas} "
+                f"expert deltas); check passed: {self.check.deltas_checked} deltas compared, logits within "
+                f"{self.check.logits_rel_diff:.2e} of the adapted model (allowed {self.check.tolerance:g})")
+
+
+def _leaf(weight: str) -> str:
+    parts = weight.split(".")
+    return parts[-2] if parts[-1] == "weight" else parts[-1]
+
+
+def _tokenizer(directory: str) -> None:
+    from ..models.tokenizer import ByteTokenizer
+
+    ByteTokenizer().save_pretrained(directory)
+
+
+def _write_peft(source: RunSource, targets: Dict[str, Target], tmp: str) -> List[str]:
+    from safetensors.torch import save_file
+
+    config = source.lora_config.__class__(**source.lora_config.to_dict())
+    config.task_type, config.inference_mode = "CAUSAL_LM", True
+    config.base_model_name_or_path = os.path.abspath(source.base_path)
+    state = {k: source.state[k].contiguous() for t in targets.values() for k in (t.key_a, t.key_b)}
+    save_file(state, os.path.join(tmp, ADAPTER_FILE), metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    return [ADAPTER_FILE, "adapter_config.json"]
+
+
+def _check_peft(source: RunSource, targets: Dict[str, Target], tmp: str, expected, ref_logits) -> CheckResult:
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base_model(source), tmp).eval()
+    result = CheckResult(tolerance=LOGITS_RTOL)
+    with torch.no_grad():
+        for name, target in targets.items():
+            try:
+                module = model.get_submodule(target.module)
+                got = module.get_delta_weight("default").float() if "default" in module.lora_A else None
+            except AttributeError:
+                got = None
+            compare_deltas(result, target, got, expected[name])
+    result.logits_rel_diff = relative_diff(logits_of(model, source.hf_config.vocab_size), ref_logits)
+    return result
+
+
+def _write_per_expert(source: RunSource, targets: Dict[str, Target], tmp: str) -> List[str]:
+    from safetensors.torch import save_file
+
+    from ..lora import lora_config
+
+    state = {}
+    for target in targets.values():
+        a, b = source.state[target.key_a], source.state[target.key_b]
+        if not target.experts:
+            state[target.key_a], state[target.key_b] = a.contiguous(), b.contiguous()
+            continue
+        for e, (a_e, b_e) in enumerate(split_experts(a, b, target.experts)):
+            state[per_expert_key(target, e, "A")], state[per_expert_key(target, e, "B")] = a_e, b_e
+    save_file(state, os.path.join(tmp, ADAPTER_FILE), metadata={"format": "pt"})
+    trained = source.lora_config
+    config = lora_config(trained.r, trained.lora_alpha, sorted({_leaf(w) for w in targets}))
+    config.use_rslora = trained.use_rslora
+    config.task_type, config.inference_mode = "CAUSAL_LM", True
+    config.base_model_name_or_path = os.path.abspath(source.base_path)
+    config.save_pretrained(tmp)
+    return [ADAPTER_FILE, "adapter_config.json"]
+
+
+def _check_per_expert(source: RunSource, targets: Dict[str, Target], tmp: str, expected, ref_logits) -> CheckResult:
+    """Read the files back as a serving engine would (per-expert adapters, scaling from adapter_config.json),
+    apply every delta to a fresh base, run it."""
+    import math
+
+    from safetensors.torch import load_file
+
+    with open(os.path.join(tmp, "adapter_config.json")) as f:
+        written = json.load(f)
+    r = written["r"]
+    scaling = written["lora_alpha"] / (math.sqrt(r) if written.get("use_rslora") else r)
+    state = load_file(os.path.join(tmp, ADAPTER_FILE))
+    listed = set(written.get("target_modules") or [])
+    model = base_model(source)
+    params = dict(model.named_parameters())
+    result = CheckResult(tolerance=LOGITS_RTOL)
+    unlisted = sorted({_leaf(w) for w in targets} - listed)
+    if unlisted:
+        result.problems.append(f"adapter_config.json does not list the targets {unlisted}")
+    with torch.no_grad():
+        for name, target in targets.items():
+            if not target.experts:
+                have = target.key_a in state and target.key_b in state
+                got = scaling * (state[target.key_b].float() @ state[target.key_a].float()) if have else None
+            else:
+                per = []
+                for e in range(target.experts):
+                    a, b = state.get(per_expert_key(target, e, "A")), state.get(per_expert_key(target, e, "B"))
+                    per.append(scaling * (b.float() @ a.float()) if a is not None and b is not None
+                               else torch.zeros_like(expected[name][e]))
+                got = torch.stack(per)
+            compare_deltas(result, target, got, expected[name])
+            if got is not None and tuple(got.shape) == tuple(params[name].shape):
+                params[name].add_(got)
+    result.logits_rel_diff = relative_diff(logits_of(model, source.hf_config.vocab_size), ref_logits)
+    return result
+
+
+def _write_merged_dir(source: RunSource, targets, tmp: str, layout: str, max_bytes: int, requantise: bool):
+    from ..models.k3_config import config_to_k3
+
+    written = write_merged(source.base_path, source.hf_config, targets, source.state, tmp, layout, max_bytes,
+                           requantise=requantise)
+    if layout == "hf":
+        source.hf_config.save_pretrained(tmp)
+    else:
+        k3 = config_to_k3(source.hf_config)
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(tmp, written["files"][0]), framework="pt") as f:
+            k3["torch_dtype"] = str(f.get_tensor(next(iter(f.keys()))).dtype).replace("torch.", "")
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(k3, f, indent=2, sort_keys=True)
+    _tokenizer(tmp)
+    return written
+
+
+def _check_merged(source: RunSource, targets, tmp: str, layout: str, expected, ref_logits) -> CheckResult:
+    from ..models import MoEPluginForCausalLM
+    from ..models.k3_format import load_k3_checkpoint
+
+    from ..fileio import safetensors_weight_map
+    from ..weights.plan import stored_tensors
+
+    dtypes = {s.dtype for s in stored_tensors(safetensors_weight_map(tmp)).values()}
+    low = bool(dtypes & {"bfloat16", "float16"})
+    result = CheckResult(tolerance=LOW_PRECISION_RTOL if low else LOGITS_RTOL)
+    # both streamed side by side: one base tensor and one written tensor held at a time
+    merged_differences(base_tensors(source.base_path, source.hf_config), base_tensors(tmp, source.hf_config),
+                       targets, expected, result)
+    model = (MoEPluginForCausalLM.from_pretrained(tmp) if layout == "hf" else load_k3_checkpoint(tmp)).float().eval()
+    result.logits_rel_diff = relative_diff(logits_of(model, source.hf_config.vocab_size), ref_logits)
+    return result
+
+
+def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targets: Optional[Sequence[str]] = None,
+               max_shard_size: str = "5GB", requantise: bool = False) -> ExportReport:
+    """Export the run at ``run_dir`` (final adapter, or checkpoint ``step``) as ``to`` into ``out``.
+
+    targets: module/parameter names to export (default: every trained target); a list that leaves a trained
+    target out is refused. max_shard_size: merged exports' shard size ("5GB", bytes). requantise: over a
+    packed base, write the merged experts packed again (lossy) instead of BF16. Raises ValueError for bad
+    input, ``ExportCheckError`` when the written export does not reproduce the adapted model (``out`` is then
+    left as it was)."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    require(to in FORMATS, "to", f"must be one of {list(FORMATS)}, got {to!r}")
+    require(not requantise or to.startswith("merged"), "requantise", "only merged exports hold base weights to "
+            "requantise; leave --requantise out for adapter exports")
+    source = open_run(run_dir, step)
+    chosen = select_targets(source.targets, targets, active=source.targets)
+    _, ref_logits, expected = reference(source)
+    report = ExportReport(to, os.path.abspath(out), sorted(chosen),
+                          sum(t.experts for t in chosen.values()), CheckResult())
+    with atomic_directory(out) as tmp:
+        if to == "peft":
+            report.files = _write_peft(source, chosen, tmp)
+            check = _check_peft(source, chosen, tmp, expected, ref_logits)
+        elif to == "per-expert":
+            report.files = _write_per_expert(source, chosen, tmp)
+            check = _check_per_expert(source, chosen, tmp, expected, ref_logits)
+        else:
+            layout = to.split("-")[1]
+            written = _write_merged_dir(source, chosen, tmp, layout, convert_file_size_to_int(max_shard_size),
+                                        requantise)
+            report.files, report.peak_expert_layers = written["files"], written["peak_expert_layers"]
+            report.requantised_changed_values = written["requantised_changed_values"]
+            check = _check_merged(source, chosen, tmp, layout, expected, ref_logits)
+        check.raise_if_failed(f"--to {to}")
+        report.check = check
+        _write_manifest(tmp, report, source)
+    return report
+
+
+def _write_manifest(tmp: str, report: ExportReport, source: RunSource) -> None:
+    values = {"format": report.format, "run": source.run_dir, "step": source.step, "base": source.base_path,
+              "targets": report.targets, "expert_deltas": report.expert_deltas, "files": report.files,
+              "check": {"logits_max_rel_diff": report.check.logits_rel_diff, "allowed": report.check.tolerance,
+                        "deltas_compared": report.check.deltas_checked},
+              "peak_expert_layers": report.peak_expert_layers,
+              "requantised_changed_values": report.requantised_changed_values}
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(values, f, indent=2, sort_keys=True)

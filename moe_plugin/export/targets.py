@@ -1,0 +1,124 @@
+"""Which base tensor each adapter of a PEFT state adapts, and whether an adapter covers what was trained.
+
+The map comes from peft itself: the Hugging Face model is built on the ``meta`` device (no memory), peft puts
+the adapters on it exactly as ``PeftModel.from_pretrained`` would, and every adapted module says what it adapts.
+That matters for the stacked experts: peft nests one ``ParamWrapper`` per targeted parameter, so the key
+``...experts.lora_A.weight`` belongs to whichever of ``w1``/``w2``/``w3`` ended up outermost (``w2`` here, as
+peft sorts the targets and walks the parameters in registration order); reading the key would guess wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+
+import torch
+
+from ..config import require
+from ..weights.names import base_name, k3_expert_name
+
+__all__ = ["Target", "adapter_targets", "check_state_covers", "select_targets", "per_expert_key", "PEFT_PREFIX"]
+
+PEFT_PREFIX = "base_model.model."  # what peft's wrapper puts in front of the model's own names
+
+
+@dataclass(frozen=True)
+class Target:
+    """One adapted base tensor. weight: its Hugging Face name (``model.layers.0.self_attn.q_proj.weight``,
+    ``model.layers.1.block_sparse_moe.experts.w2``); module: the PEFT key prefix of its adapter (``lora_A`` /
+    ``lora_B`` follow); experts: E for a stacked expert parameter ``[E, out, in]``, 0 for a dense Linear;
+    scaling: peft's ``alpha / r`` (or its rsLoRA form)."""
+
+    weight: str
+    module: str
+    experts: int
+    scaling: float
+
+    @property
+    def key_a(self) -> str:
+        return f"{self.module}.lora_A.weight"
+
+    @property
+    def key_b(self) -> str:
+        return f"{self.module}.lora_B.weight"
+
+    def describe(self, expert: Optional[int] = None) -> str:
+        return self.weight if expert is None else f"{self.weight} expert {expert}"
+
+
+def _innermost(module):
+    while hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
+
+
+def adapter_targets(hf_config, lora_config) -> Dict[str, Target]:
+    """``{weight name: Target}`` of every tensor ``lora_config`` adapts in ``MoEPluginForCausalLM(hf_config)``."""
+    import copy
+
+    from peft import get_peft_model
+
+    from ..models import MoEPluginForCausalLM
+
+    config = copy.deepcopy(lora_config)
+    config.inference_mode = False
+    with torch.device("meta"):
+        model = get_peft_model(MoEPluginForCausalLM(hf_config), config)
+    out = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "lora_A") or "default" not in module.lora_A:
+            continue
+        plain = base_name(name)[len(PEFT_PREFIX):]  # the module's name before LoRA was added
+        parameter = getattr(module, "parameter_name", None)
+        if parameter is not None:
+            stem = plain.rsplit(".", 1)[0] if plain.endswith(".base_layer") else plain
+            weight, experts = f"{stem}.{parameter}", int(module.num_experts)
+        else:
+            weight, experts = f"{plain}.weight", 0
+        out[weight] = Target(weight, name, experts if experts > 1 else 0, float(module.scaling["default"]))
+    return out
+
+
+def per_expert_key(target: Target, expert: int, which: str) -> str:
+    """The published per-expert adapter name: ``base_model.model.model.layers.1.block_sparse_moe.experts.5.w1
+    .lora_A.weight`` for expert 5 of ``...experts.w1`` (which: "A" or "B")."""
+    stem = k3_expert_name(target.weight, expert)[: -len(".weight")]
+    return f"{PEFT_PREFIX}{stem}.lora_{which}.weight"
+
+
+def check_state_covers(targets: Mapping[str, Target], state: Mapping[str, torch.Tensor], what: str) -> None:
+    """ValueError naming every target of ``targets`` whose ``lora_A``/``lora_B`` is not in ``state`` (the
+    adapter lacks a trained delta), and every state key no target owns (``what`` names the adapter)."""
+    missing = sorted(t.weight for t in targets.values() if t.key_a not in state or t.key_b not in state)
+    owned = {k for t in targets.values() for k in (t.key_a, t.key_b)}
+    unknown = sorted(k for k in state if k not in owned)
+    problems = []
+    if missing:
+        problems.append(f"the deltas of {len(missing)} trained target(s) are missing: {missing[:20]}")
+    if unknown:
+        problems.append(f"{len(unknown)} tensor(s) belong to no target of the run's LoRA config: {unknown[:20]}")
+    require(not problems, what, "; ".join(problems) + " (was this adapter written by this run? export from its "
+            "output_dir, or pass --step N to read a checkpoint)")
+
+
+def _matches(weight: str, entry: str) -> bool:
+    stem = weight[: -len(".weight")] if weight.endswith(".weight") else weight
+    return entry in (weight, stem) or stem.endswith("." + entry)
+
+
+def select_targets(targets: Mapping[str, Target], wanted: Optional[Sequence[str]], active: Iterable[str]
+                   ) -> Dict[str, Target]:
+    """The targets an export writes. wanted: module or parameter names (``q_proj``, ``experts.w1``, a full
+    name) or None for all; ``active``: the targets that were trained. Refuses (ValueError naming them) a list
+    that leaves a trained target out, or an entry that matches nothing."""
+    if wanted is None:
+        return dict(targets)
+    entries: List[str] = [w.strip() for w in wanted if w.strip()]
+    unmatched = [e for e in entries if not any(_matches(name, e) for name in targets)]
+    require(not unmatched, "targets", f"{unmatched} match no adapted tensor of this run; its targets are "
+            f"{sorted({n.rsplit('.', 2)[-2] if n.endswith('.weight') else n.rsplit('.', 1)[-1] for n in targets})}")
+    left_out = sorted(n for n in active if not any(_matches(n, e) for e in entries))
+    require(not left_out, "targets", f"the list {entries} does not cover what was trained: {len(left_out)} trained "
+            f"target(s) would lose their delta, e.g. {left_out[:10]}; add them to --targets (e.g. "
+            "experts.w1,experts.w2,experts.w3 for the expert adapters) or leave --targets out")
+    return {n: t for n, t in targets.items() if any(_matches(n, e) for e in entries)}

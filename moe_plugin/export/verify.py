@@ -1,0 +1,141 @@
+"""An export's self-check: reload what was written, compare it with the adapted model, name what is missing.
+
+The reference is the adapted model: the base (loaded strictly) with the run's adapter put on by peft, in
+fp32. Two comparisons, both before the export is published:
+
+* deltas, target by target and for expert targets expert by expert: the delta the written files carry
+  (an adapter's ``scaling * B @ A``, or merged minus base, streamed one tensor at a time) against peft's own
+  ``get_delta_weight`` on the reference. A delta that is absent or wrong is named (``...experts.w2 expert 5``):
+  a dropped expert delta changes logits only for tokens routed to that expert, so logits alone cannot show it;
+* logits on a fixed batch (``FIXED_BATCH`` tokens from a seeded generator): the reloaded export against the
+  reference, ``max|a - b| / max|b|`` at most ``LOGITS_RTOL`` (fp32 outputs; ``LOW_PRECISION_RTOL`` when a
+  merged export is written in bf16/fp16, whose rounding of the weights is larger than that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+
+from .targets import Target
+
+__all__ = ["ExportCheckError", "CheckResult", "reference", "base_model", "logits_of", "compare_deltas",
+           "LOGITS_RTOL", "LOW_PRECISION_RTOL", "FIXED_BATCH"]
+
+LOGITS_RTOL = 1e-5
+LOW_PRECISION_RTOL = 2e-2
+DELTA_RTOL = 1e-4  # of the largest element of an expert's (or a dense target's) delta
+FIXED_BATCH = (2, 24)  # rows x tokens
+SEED = 0
+
+
+class ExportCheckError(ValueError):
+    """The export did not reproduce the adapted model; nothing was published."""
+
+
+@dataclass
+class CheckResult:
+    logits_rel_diff: float = float("nan")
+    tolerance: float = LOGITS_RTOL
+    deltas_checked: int = 0  # dense targets + expert deltas compared
+    problems: List[str] = field(default_factory=list)
+
+    def raise_if_failed(self, what: str) -> None:
+        if self.logits_rel_diff > self.tolerance:
+            self.problems.append(f"logits on the fixed batch differ from the adapted model's by "
+                                 f"{self.logits_rel_diff:.3g} (relative; allowed {self.tolerance:g})")
+        if self.problems:
+            raise ExportCheckError(f"export {what}: the check failed, nothing was written: " + "; ".join(self.problems))
+
+
+def base_model(source):
+    """The base model of ``source`` (a ``RunSource``), loaded strictly, fp32, eval mode."""
+    from ..models import MoEPluginForCausalLM
+    from ..weights.loader import load_state
+
+    model = MoEPluginForCausalLM(source.hf_config).float()
+    load_state(model, source.base_path, names="hf", config=source.model_config, strict=True)
+    return model.eval()
+
+
+def reference(source) -> Tuple[object, torch.Tensor, Dict[str, torch.Tensor]]:
+    """(the adapted peft model, its logits on the fixed batch, ``{weight: peft's delta}`` of every target)."""
+    import copy
+
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    config = copy.deepcopy(source.lora_config)
+    config.inference_mode = True
+    model = get_peft_model(base_model(source), config)
+    result = set_peft_model_state_dict(model, {k: v.float() for k, v in source.state.items()})
+    missing = [k for k in result.missing_keys if ".lora_" in k]
+    if missing:
+        raise ExportCheckError(f"adapter: peft left {len(missing)} adapter tensors unloaded, e.g. {missing[:5]}")
+    model.eval()
+    deltas = {}
+    with torch.no_grad():
+        for name, target in source.targets.items():
+            deltas[name] = model.get_submodule(target.module).get_delta_weight("default").float()
+    return model, logits_of(model, source.hf_config.vocab_size), deltas
+
+
+@torch.no_grad()
+def logits_of(model, vocab_size: int) -> torch.Tensor:
+    """Logits ``[rows, tokens, vocab]`` of ``model`` on the fixed batch (the same tokens every call)."""
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, vocab_size, FIXED_BATCH, generator=g)
+    return model(input_ids=ids).logits.float()
+
+
+def relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
+
+
+def _pieces(target: Target, delta: torch.Tensor) -> Iterable[Tuple[Optional[int], torch.Tensor]]:
+    if target.experts:
+        return ((e, delta[e]) for e in range(delta.shape[0]))
+    return ((None, delta),)
+
+
+def compare_deltas(result: CheckResult, target: Target, got: Optional[torch.Tensor], expected: torch.Tensor,
+                   atol: float = 0.0) -> None:
+    """Record in ``result`` every expert (or the dense target) whose delta ``got`` lacks or gets wrong.
+    got: ``[out, in]`` / ``[E, out, in]``, None when the export holds nothing for the target at all."""
+    if got is None:
+        result.problems.append(f"{target.weight}: no delta in the export")
+        return
+    if tuple(got.shape) != tuple(expected.shape):
+        result.problems.append(f"{target.weight}: delta of shape {list(got.shape)}, expected {list(expected.shape)}")
+        return
+    bad_missing, bad_wrong = [], []
+    for (index, want), (_, have) in zip(_pieces(target, expected), _pieces(target, got)):
+        result.deltas_checked += 1
+        scale = float(want.abs().max())
+        err = float((have.float() - want).abs().max())
+        if err <= DELTA_RTOL * scale + atol:
+            continue
+        (bad_missing if float(have.abs().max()) <= 0.1 * scale else bad_wrong).append(target.describe(index))
+    if bad_missing:
+        result.problems.append(f"delta missing for {bad_missing}")
+    if bad_wrong:
+        result.problems.append(f"delta wrong for {bad_wrong}")
+
+
+def merged_differences(base: Iterable[Tuple[str, torch.Tensor]], written: Iterable[Tuple[str, torch.Tensor]],
+                       targets: Mapping[str, Target], expected: Mapping[str, torch.Tensor], result: CheckResult) -> None:
+    """Stream the base and the merged export side by side (the same names in the same order): a target's
+    written-minus-base is its delta; every other tensor must be the base's, unchanged."""
+    written = iter(written)
+    for name, base_tensor in base:
+        got_name, got = next(written, (None, None))
+        if got_name != name:
+            result.problems.append(f"the export's tensors do not follow the base's at {name} (found {got_name})")
+            return
+        if name in targets:
+            eps = torch.finfo(got.dtype).eps if got.is_floating_point() else 0.0
+            atol = 4 * eps * max(float(base_tensor.float().abs().max()), float(got.float().abs().max()))
+            compare_deltas(result, targets[name], got.float() - base_tensor.float(), expected[name], atol)
+        elif not torch.equal(got.to(base_tensor.dtype), base_tensor):
+            result.problems.append(f"{name}: not a target, yet it differs from the base")
