@@ -1,18 +1,34 @@
 """The training logger interface: one object the loop (and later the Trainer callback) reports metrics to.
 
-``Logger.log(step, metrics)`` takes a flat ``{name: number}`` dict once per logged optimizer step and
-``close()`` ends the run. ``NullLogger`` is the disabled logger (every rank but 0 gets it), ``ConsoleLogger``
-prints one line per logged step and drives a progress bar. Experiment trackers plug in by implementing
-``log``/``close`` (W&B is the next one).
+``Logger.log(step, metrics)`` takes a flat ``{name: value}`` dict once per logged optimizer step (a value is
+a number, or a ``Distribution`` that trackers draw as a histogram and the console leaves out), ``image`` hands
+over a PNG and ``close()`` ends the run. ``NullLogger`` is the disabled logger (every rank but 0 gets it),
+``ConsoleLogger`` prints one line per logged step and drives a progress bar, ``WandbLogger``
+(``wandb_logger.py``) writes a W&B run (offline unless the recipe says online) and ``LoadPlotLogger``
+(``load_plot.py``) draws the expert load per layer over training. ``make_logger`` puts them together behind
+one ``Logger`` (docs/hf-trainer.md, "Logging").
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-from typing import Dict, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Union
 
-__all__ = ["Logger", "NullLogger", "ConsoleLogger"]
+__all__ = ["Logger", "NullLogger", "ConsoleLogger", "MultiLogger", "Distribution", "make_logger"]
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Values logged as one histogram (``values`` ``[n]``, e.g. every expert's load share of a layer): a
+    tracker stores a fixed number of bins however long ``values`` is."""
+
+    values: Sequence[float]
+
+
+Value = Union[float, Distribution]
 
 
 class Logger:
@@ -24,8 +40,11 @@ class Logger:
     def step(self, step: int, loss: float, tokens_per_s: float) -> None:
         """Every optimizer step (cheap: progress only)."""
 
-    def log(self, step: int, metrics: Dict[str, float]) -> None:
-        """A logged step's metrics (``train/loss``, ``train/lr``, ``eval/loss``, ...)."""
+    def log(self, step: int, metrics: Dict[str, Value]) -> None:
+        """A logged step's metrics (``train/loss``, ``train/lr``, ``eval/loss``, ``moe/...``)."""
+
+    def image(self, step: int, name: str, path: str) -> None:
+        """A PNG file written at ``step`` (the expert-load plot)."""
 
     def message(self, text: str) -> None:
         """A line for the user."""
@@ -38,9 +57,11 @@ class NullLogger(Logger):
     """Logs nothing (ranks other than 0, or logging disabled)."""
 
 
-def _format(metrics: Dict[str, float]) -> str:
+def _format(metrics: Dict[str, Value]) -> str:
     parts = []
     for name, value in metrics.items():
+        if isinstance(value, Distribution) or (name.startswith("moe/layer") and "/" in name[4:]):
+            continue  # one line per step: the per-layer details are for the trackers and the plot
         short = name.split("/", 1)[-1] if name.startswith("train/") else name
         parts.append(f"{short} {value:,.0f}" if abs(value) >= 1000 else f"{short} {value:.4g}")
     return "  ".join(parts)
@@ -73,8 +94,11 @@ class ConsoleLogger(Logger):
         else:
             print(text, file=self.stream, flush=True)
 
-    def log(self, step: int, metrics: Dict[str, float]) -> None:
+    def log(self, step: int, metrics: Dict[str, Value]) -> None:
         self.message(f"step {step:5d}  {_format(metrics)}")
+
+    def image(self, step: int, name: str, path: str) -> None:
+        self.message(f"{name}: {path}")
 
     def close(self) -> None:
         if self.bar is not None:
@@ -82,6 +106,59 @@ class ConsoleLogger(Logger):
             self.bar = None
 
 
-def make_logger(rank: int, progress_bar: bool = True) -> Logger:
-    """Rank 0 logs to the console; the other ranks get a ``NullLogger``."""
-    return ConsoleLogger(progress_bar) if rank == 0 else NullLogger()
+class MultiLogger(Logger):
+    """Every call goes to each of ``loggers`` in order (so an earlier one's ``close`` may still hand an image
+    to a later one)."""
+
+    def __init__(self, loggers: List[Logger]):
+        self.loggers = list(loggers)
+
+    def start(self, total_steps: int, first_step: int = 0) -> None:
+        for logger in self.loggers:
+            logger.start(total_steps, first_step)
+
+    def step(self, step: int, loss: float, tokens_per_s: float) -> None:
+        for logger in self.loggers:
+            logger.step(step, loss, tokens_per_s)
+
+    def log(self, step: int, metrics: Dict[str, Value]) -> None:
+        for logger in self.loggers:
+            logger.log(step, metrics)
+
+    def image(self, step: int, name: str, path: str) -> None:
+        for logger in self.loggers:
+            logger.image(step, name, path)
+
+    def message(self, text: str) -> None:
+        for logger in self.loggers:
+            logger.message(text)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+
+
+def make_logger(rank: int, logging=True, output_dir: Optional[str] = None, config: Optional[dict] = None,
+                wandb_mode: Optional[str] = None) -> Logger:
+    """Rank 0's logger; the other ranks get a ``NullLogger``.
+
+    ``logging``: the recipe's ``LoggingSection`` (or, as before, just the progress-bar flag: console only).
+    With a section and ``output_dir``, rank 0 also writes ``output_dir/expert_load.png`` at the end and a W&B run
+    (``logging.wandb``: offline by default, in ``output_dir`` unless ``wandb.dir`` says otherwise; no run when
+    its mode is ``"disabled"``). ``wandb_mode`` overrides the section's mode (the caller says online).
+    ``config`` is stored as the W&B run's config.
+    """
+    if rank != 0:
+        return NullLogger()
+    if isinstance(logging, bool):
+        return ConsoleLogger(logging)
+    console = ConsoleLogger(logging.progress_bar)
+    if output_dir is None:
+        return console
+    from .load_plot import LoadPlotLogger
+    from .wandb_logger import wandb_logger
+
+    tracker = wandb_logger(logging.wandb, output_dir, config, mode=wandb_mode)
+    # the plot goes first: its close() hands the PNG to the console and to W&B before they close
+    return MultiLogger([LoadPlotLogger(os.path.join(output_dir, "expert_load.png"), [console, tracker]),
+                        console, tracker])

@@ -263,9 +263,33 @@ class CheckpointSection(_Section):
     keep: int = _field(2, "use a positive number of checkpoints to keep, e.g. 2", gt=0)
 
 
+class WandbSection(_Section):
+    """The run's W&B record (docs/hf-trainer.md, "Logging"): ``offline`` writes it under ``dir`` with no
+    network (``wandb sync`` uploads it later), ``online`` streams it (needs a W&B login), ``disabled`` writes
+    none. ``dir`` defaults to the run's ``output_dir``, ``name`` to that directory's name."""
+
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = _field("moe_plugin", 'give the W&B project name, e.g. "moe_plugin"', example="moe_plugin",
+                          min_length=1)
+    name: Optional[str] = _field(None, 'give the run a name, e.g. "tiny_lora", or null for the output '
+                                       "directory's name", example="tiny_lora", min_length=1)
+    dir: Optional[str] = _field(None, "give a directory for the W&B run files, or null for the run's output_dir",
+                                example="outputs/wandb", min_length=1)
+
+    def _problems(self) -> List[Problem]:
+        if self.project.strip() == "" or "/" in self.project:
+            return [("project", f"{self.project!r} is not a W&B project name; use a non-blank name without "
+                                '"/", e.g. "moe_plugin"')]
+        if self.dir is not None and os.path.exists(self.dir) and not os.path.isdir(self.dir):
+            return [("dir", f"{self.dir!r} is a file; give a directory for the W&B run files, or null for the "
+                            "run's output_dir")]
+        return []
+
+
 class LoggingSection(_Section):
     every: int = _field(10, "it is the number of steps between log lines; use a positive number, e.g. 10", gt=0)
     progress_bar: bool = True
+    wandb: WandbSection = Field(default_factory=WandbSection)
 
 
 class Recipe(_Section):

@@ -1,0 +1,173 @@
+"""The MoE metrics of a training log (docs/hf-trainer.md, "Logging"), for the recipe trainer and the Hugging
+Face Trainer callback alike.
+
+* Expert load (``load_metrics``): per MoE layer, from its ``[E]`` token counts of a global batch, a bounded set of
+  summaries (max/mean, min/mean, coefficient of variation, the number of dead experts, which got no token, and
+  of overloaded ones, above ``OVERLOAD_FACTOR`` times the mean) and a ``Distribution`` of the load shares
+  (load / mean), which trackers store as a fixed-size histogram: the number of keys grows with the number of
+  layers, never with the number of experts.
+* Routing drift (``MoEMetrics``): the share of (token, slot) expert choices of the adapted router that the
+  frozen base router would not have made. It is computed from the router's own forward through hooks, the base
+  logits read from peft's ``base_layer`` on its way through, so no module runs an extra time: under ZeRO-3 an
+  extra module call gathers parameters, a collective, and one made on some ranks only deadlocks.
+* Indexer KL: the DSA indexer's KL loss of the forwards that computed it (the Hugging Face model trains the
+  indexer when its weights are trainable).
+
+Drift and KL are this process's sums until ``collect`` adds them over every rank (a collective: every rank
+calls it at the same step).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layers.moe import LatentMoEMixin, route_logits
+from .logger import Distribution, Value
+
+__all__ = ["OVERLOAD_FACTOR", "MoEMetrics", "load_metrics", "moe_layer_labels"]
+
+OVERLOAD_FACTOR = 2.0
+
+
+def moe_layer_labels(model: nn.Module) -> List[Tuple[str, LatentMoEMixin]]:
+    """``[(label, layer)]`` of the model's MoE layers in forward order (the order of the rows of the loop's
+    expert loads): the label is ``layer<i>`` with ``i`` the decoder layer index, the same on the megatron and
+    the Hugging Face faces (``decoder.layers.3.mlp`` and ``model.layers.3.mlp`` are both ``layer3``)."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, LatentMoEMixin):
+            index = re.findall(r"layers\.(\d+)\.", name + ".")
+            out.append((f"layer{index[-1]}" if index else f"moe{len(out)}", module))
+    return out
+
+
+def load_metrics(loads: torch.Tensor, labels: Optional[List[str]] = None,
+                 overload_factor: float = OVERLOAD_FACTOR) -> Dict[str, Value]:
+    """loads ``[L, E]`` token copies per expert of each MoE layer (summed over the ranks) -> the metrics:
+    ``moe/<label>/{load_max_over_mean, load_min_over_mean, load_cv, dead_experts, overloaded_experts, load}`` per
+    layer (``load`` a ``Distribution`` of the ``E`` shares load / mean) and, over all layers,
+    ``moe/load_max_over_mean`` (the worst layer), ``moe/dead_experts`` and ``moe/overloaded_experts`` (sums)."""
+    loads = loads.detach().double().cpu()
+    if loads.dim() != 2 or loads.shape[1] < 1:
+        raise ValueError(f"loads: expected [num_moe_layers, num_experts], got {tuple(loads.shape)}")
+    labels = labels if labels is not None else [f"moe{i}" for i in range(loads.shape[0])]
+    if len(labels) != loads.shape[0]:
+        raise ValueError(f"labels: expected one per MoE layer ({loads.shape[0]}), got {len(labels)}")
+    out: Dict[str, Value] = {}
+    worst, dead_total, over_total = 0.0, 0, 0
+    for label, load in zip(labels, loads):
+        mean = float(load.mean())
+        share = load / mean if mean > 0 else torch.zeros_like(load)
+        dead, over = int((load == 0).sum()), int((share > overload_factor).sum())
+        prefix = f"moe/{label}/"
+        out[prefix + "load_max_over_mean"] = float(share.max())
+        out[prefix + "load_min_over_mean"] = float(share.min())
+        out[prefix + "load_cv"] = float(share.std(unbiased=False))  # std / mean of the load
+        out[prefix + "dead_experts"] = float(dead)
+        out[prefix + "overloaded_experts"] = float(over)
+        out[prefix + "load"] = Distribution(tuple(share.tolist()))
+        worst, dead_total, over_total = max(worst, float(share.max())), dead_total + dead, over_total + over
+    out["moe/load_max_over_mean"] = worst
+    out["moe/dead_experts"] = float(dead_total)
+    out["moe/overloaded_experts"] = float(over_total)
+    return out
+
+
+class MoEMetrics:
+    """Routing drift and indexer KL of ``model``'s forwards, and the load metrics, for one training run.
+
+    ``collect(loads)`` returns ``load_metrics(loads)`` plus ``moe/<label>/routing_drift`` for each MoE layer whose
+    ``gate`` carries a LoRA adapter, ``moe/routing_drift`` (over all of them) and ``moe/indexer_kl``, each over
+    the training forwards (gradients enabled) since the last call and summed over every rank; a metric with no
+    such forward is left out. ``close()`` removes the hooks.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.layers = moe_layer_labels(model)
+        self.labels = [label for label, _ in self.layers]
+        self._handles = []
+        self._base_logits: Dict[int, torch.Tensor] = {}
+        self.drifting = [i for i, (_, layer) in enumerate(self.layers) if hasattr(layer.gate, "base_layer")]
+        # per drifting layer: (choices that differ from the base router's, choices); then KL sum and count
+        self._sums = torch.zeros(2 * len(self.drifting) + 2, dtype=torch.float64)
+        for slot, i in enumerate(self.drifting):
+            layer = self.layers[i][1]
+            self._handles.append(layer.gate.base_layer.register_forward_hook(self._keep_base(i)))
+            self._handles.append(layer.gate.register_forward_hook(self._compare(i, slot, layer)))
+        for module in _outermost_models(model):
+            self._handles.append(module.register_forward_hook(self._indexer_kl))
+
+    def _keep_base(self, i: int):
+        def hook(module, inputs, logits):
+            if torch.is_grad_enabled():
+                self._base_logits[i] = logits.detach()
+
+        return hook
+
+    def _compare(self, i: int, slot: int, layer: LatentMoEMixin):
+        @torch.no_grad()
+        def hook(gate, inputs, logits):
+            base = self._base_logits.pop(i, None)
+            if base is None:  # not a training forward (see _keep_base)
+                return
+            bias = layer.router.e_score_correction_bias
+            _, adapted_idx, _ = route_logits(layer.moe_config, logits.detach(), bias)
+            _, base_idx, _ = route_logits(layer.moe_config, base, bias)
+            kept = (adapted_idx.unsqueeze(-1) == base_idx.unsqueeze(-2)).any(-1)
+            self._sums[2 * slot] += float((~kept).sum())
+            self._sums[2 * slot + 1] += kept.numel()
+
+        return hook
+
+    def _indexer_kl(self, module, inputs, output):
+        kl = getattr(output, "indexer_loss", None)
+        if kl is not None and torch.is_grad_enabled():
+            self._sums[-2] += float(kl.detach())
+            self._sums[-1] += 1
+
+    def collect(self, loads: Optional[torch.Tensor]) -> Dict[str, Value]:
+        """The metrics of the logged step (see the class docstring); ``loads`` ``[L, E]`` summed over ranks, or
+        None. Collective when a process group of several ranks is up: every rank calls it."""
+        sums, self._sums = self._sums, torch.zeros_like(self._sums)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            sums = sums.to(device)
+            dist.all_reduce(sums)
+            sums = sums.cpu()
+        out: Dict[str, Value] = {} if loads is None else load_metrics(loads, self._row_labels(loads))
+        differ, total = 0.0, 0.0
+        for slot, i in enumerate(self.drifting):
+            d, n = float(sums[2 * slot]), float(sums[2 * slot + 1])
+            if n > 0:
+                out[f"moe/{self.labels[i]}/routing_drift"] = d / n
+                differ, total = differ + d, total + n
+        if total > 0:
+            out["moe/routing_drift"] = differ / total
+        if sums[-1] > 0:
+            out["moe/indexer_kl"] = float(sums[-2] / sums[-1])
+        return out
+
+    def _row_labels(self, loads: torch.Tensor) -> List[str]:
+        return self.labels if len(self.labels) == loads.shape[0] else [f"moe{i}" for i in range(loads.shape[0])]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _outermost_models(model: nn.Module) -> List[nn.Module]:
+    """The outermost modules whose forward returns ``indexer_loss`` (this project's Hugging Face models)."""
+    from ..models.modeling import MoEPluginPreTrainedModel
+
+    found: List[Tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():  # parents come before their children
+        inside = any(p == "" or name.startswith(p + ".") for p, _ in found)
+        if isinstance(module, MoEPluginPreTrainedModel) and not inside:
+            found.append((name, module))
+    return [m for _, m in found]
