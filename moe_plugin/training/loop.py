@@ -34,6 +34,7 @@ from .data import StepBatches, eval_batches, label_token_count, load_examples, p
 from .ds_config import deepspeed_config
 from .exporting import write_outputs
 from .logger import make_logger
+from .moe_metrics import MoEMetrics
 from .recipe import Recipe, check_layout
 from .run_dir import RunDirectory
 from .runtime import all_ok, choose_device, start_processes
@@ -134,7 +135,6 @@ class Trainer:
             self.stream = StepBatches(rows, schedule.micro_batch_size, schedule.gradient_accumulation_steps,
                                       self.info.dp_size, recipe.seed)
             self.eval_rows = pack_examples(held_out, recipe.data.seq_len, recipe.data.pack) if held_out else []
-            self.logger = make_logger(self.rank, recipe.logging.progress_bar)
             model = self.backend.build_model(self.ds_config)
             self.counts = count_parameters(model)
             trainable = [p for p in model.parameters() if p.requires_grad]
@@ -142,6 +142,8 @@ class Trainer:
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=lr_scheduler(optimizer, schedule),
                 config=self.ds_config, dist_init_required=False)
+            self.logger = make_logger(self.rank, recipe.logging, self.output_dir, recipe.to_dict())
+            self.moe_metrics = MoEMetrics(self.engine.module)  # hooks on the routers: drift, indexer KL
             self.checkpoints = CheckpointManager(os.path.join(self.output_dir, "checkpoints"), self.rank,
                                                  dist.get_world_size(), dist.barrier, keep=recipe.checkpoint.keep)
             self.result = TrainResult(output_dir=self.output_dir)
@@ -225,9 +227,7 @@ class Trainer:
             if done % recipe.logging.every == 0 or done == first + 1 or done == schedule.steps:
                 metrics = {"train/loss": loss, "train/lr": self.lr,
                            "train/grad_norm": self.result.grad_norms[-1], "train/tokens_per_s": rate}
-                if self.last_loads is not None:
-                    loads = self.last_loads
-                    metrics["moe/load_max_over_mean"] = float((loads.max(-1).values / loads.mean(-1)).max())
+                metrics.update(self.moe_metrics.collect(self.last_loads))  # collective: on every rank
                 logger.log(done, metrics)
             if recipe.eval.every and done % recipe.eval.every == 0 and done != schedule.steps:
                 logger.log(done, {"eval/loss": self.evaluate()})
