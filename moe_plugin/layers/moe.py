@@ -49,6 +49,8 @@ class MoERouter(nn.Linear):
     """``gate``: fp32 router logits ``W_r x`` plus the selection bias buffer ``e_score_correction_bias``.
 
     A subclass of ``nn.Linear`` so that peft can put a LoRA adapter on it (the seed targets ``gate``).
+    Both tensors are created fp32 and kept there by ``moe_plugin.precision`` (``apply_precision``); a frozen
+    router weight may be a buffer of the same name there, which ``forward`` reads the same way.
     The bias is a persistent buffer: it is in the state dict (K3 checkpoints carry it) but no optimizer
     touches it; only ``StableLatentMoE.update_routing_bias`` changes it.
     """
@@ -66,24 +68,6 @@ class MoERouter(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[N, hidden]`` -> logits ``[N, E]`` fp32 (routing in bf16 flips near-tied choices)."""
         return F.linear(x.float(), self.weight.float())
-
-    def _apply(self, fn, recurse=True):
-        # Keep the router in exact fp32 through model.to(bfloat16) / .half(), as K3 does: a cast back after the
-        # conversion would have rounded the values through bf16, so the fp32 originals are kept and put back
-        # on the tensors' new device.
-        originals = {"weight": self.weight.data, "e_score_correction_bias": self.e_score_correction_bias}
-        super()._apply(fn, recurse)
-        for name, original in originals.items():
-            now = self.weight.data if name == "weight" else self.e_score_correction_bias
-            if not now.is_floating_point() or now.dtype == torch.float32:
-                continue
-            # materialised from meta (to_empty) there are no values to keep, only the dtype
-            kept = now.float() if original.is_meta and not now.is_meta else original.float().to(now.device)
-            if name == "weight":
-                self.weight.data = kept
-            else:
-                self.e_score_correction_bias = kept
-        return self
 
 
 class StackedExperts(nn.Module):

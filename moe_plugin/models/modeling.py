@@ -9,9 +9,10 @@ the last layer; the result equals running every row alone (``inputs.py``). With 
 batch stays padded instead: only left padding is allowed, and the layers keep padded tokens out of their
 state and keys (``token_mask``), so every row generates what it would alone.
 
-Precision: ``FP32_TENSORS`` (KDA's ``A_log``/``dt_bias``, the router and its selection bias) stay fp32 through
-``model.to(bfloat16)`` and ``from_pretrained(dtype=bfloat16)``. Loading is strict: a checkpoint that does not
-fit the config raises a ValueError naming the first tensors that differ (``strict=False`` to skip that).
+Precision: the policy of ``moe_plugin.precision`` (docs/precision.md): KDA's ``A_log``/``dt_bias``, the router
+and its selection bias stay fp32 through ``model.to(bfloat16)`` and ``from_pretrained(dtype=bfloat16)``.
+Loading is strict: a checkpoint that does not fit the config raises a ValueError naming the first tensors
+that differ (``strict=False`` to skip that).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..layers.kda import KDAAttention, ShortConvolution
 from ..layers.moe import MoERouter, StackedExperts
 from ..layers.norm import RMSNorm
 from ..layers.vision import VisionTower
+from ..precision import FP32_TENSORS, keep_fp32_through
 from .cache import HybridCache
 from .configuration import MoEPluginConfig
 from .inputs import causal_lm_loss, check_inputs, check_labels, left_padding_mask, pack_padded, unpack_padded
@@ -55,15 +57,6 @@ class MoECausalLMOutput(ModelOutput):
     indexer_loss: Optional[torch.Tensor] = None
 
 
-# Tensors that stay fp32 in a bf16/fp16 model: the KDA decay parameters (small errors compound over the
-# sequence) and the router with its selection bias (bf16 flips near-tied expert choices). transformers 5.24
-# matches these with re.search on the full tensor name, so they are anchored on the module path: a bare
-# "gate" would also catch gate_proj. "base_layer." is where the router weight sits once peft wraps "gate".
-FP32_TENSORS = (r"self_attn\.A_log$", r"self_attn\.dt_bias$",
-                r"block_sparse_moe\.gate\.(base_layer\.)?weight$",
-                r"block_sparse_moe\.gate\.(base_layer\.)?e_score_correction_bias$")
-_FP32_PATTERN = re.compile("|".join(FP32_TENSORS))
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 # The DSA indexer is optional on both sides: a checkpoint without it (K3 ships none) loads into a model with
 # it (the indexer starts fresh), and a model without it loads a checkpoint that has one (dense attention).
 _INDEXER = re.compile(r"\.self_attn\.indexer\.")
@@ -140,28 +133,8 @@ class MoEPluginPreTrainedModel(PreTrainedModel):
         return (model, info) if want_info else model
 
     def _apply(self, fn, recurse=True):
-        # model.to(bfloat16) / .half() leave FP32_TENSORS in fp32 with their exact values: keep an alias of
-        # each such tensor and put it back, on the tensor's new device, after any conversion to fp32 or lower
-        # (MoERouter does the same for itself; the KDA decay parameters rely on this).
-        kept = [(module, name, tensor.data) for module_name, module in self.named_modules()
-                for name, tensor in list(module._parameters.items()) + list(module._buffers.items())
-                if tensor is not None and tensor.dtype == torch.float32
-                and _FP32_PATTERN.search(f"{module_name}.{name}")]
-        super()._apply(fn, recurse)
-        for module, name, original in kept:
-            is_param = name in module._parameters
-            now = module._parameters[name] if is_param else module._buffers.get(name)
-            if now is None or now.dtype not in (torch.float32,) + _LOW_PRECISION:
-                continue
-            if original.is_meta and not now.is_meta:
-                restored = now.float()  # materialised from meta (to_empty): there are no values to keep
-            else:
-                restored = original.to(now.device)
-            if is_param:
-                now.data = restored
-            else:
-                module._buffers[name] = restored
-        return self
+        # model.to(bfloat16) / .half() follow the precision policy: its fp32 tensors keep their exact values
+        return keep_fp32_through(self, lambda: super(MoEPluginPreTrainedModel, self)._apply(fn, recurse))
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -8,6 +8,7 @@ import torch
 from moe_plugin.config import MoEConfig
 from moe_plugin.layers.mlp import GLUMLP
 from moe_plugin.layers.moe import StableLatentMoE
+from moe_plugin.precision import apply_precision
 
 
 def rel(a, b):
@@ -136,7 +137,7 @@ def test_names_state_dict_and_fp32_router():
             "routed_expert_down_proj.weight", "routed_expert_norm.weight", "routed_expert_up_proj.weight",
             "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
             "shared_experts.down_proj.weight"} == keys
-    m.to(torch.bfloat16)
+    apply_precision(m, torch.bfloat16)  # the layer has no .to() override: the one policy sets dtypes
     assert m.gate.weight.dtype == torch.float32 and m.gate.e_score_correction_bias.dtype == torch.float32
     assert m.experts.w1.dtype == torch.bfloat16
     y, _ = m(torch.randn(1, 5, 16, dtype=torch.bfloat16))
@@ -148,7 +149,7 @@ def test_names_state_dict_and_fp32_router():
 def test_lora_on_router_gate_changes_routing_in_fp32_and_leaves_the_bias_frozen():
     from peft import LoraConfig, get_peft_model
 
-    m = build(seed=4).to(torch.bfloat16)  # the router stays fp32, the input arrives in bf16
+    m = apply_precision(build(seed=4), torch.bfloat16)  # the router stays fp32, the input arrives in bf16
     x = torch.randn(24, 16).to(torch.bfloat16)
     with torch.no_grad():
         _, base_chosen, _ = m.route(x)
@@ -186,19 +187,19 @@ def test_to_bf16_keeps_router_weight_and_bias_bit_identical():
     # values that bf16 cannot hold, so a round trip through it would show
     assert not torch.equal(weight.bfloat16().float(), weight)
     assert not torch.equal(bias.bfloat16().float(), bias)
-    m.to(torch.bfloat16)
+    apply_precision(m, torch.bfloat16)
     assert m.gate.weight.dtype == torch.float32 and torch.equal(m.gate.weight, weight)
     assert m.gate.e_score_correction_bias.dtype == torch.float32
     assert torch.equal(m.gate.e_score_correction_bias, bias)
     assert isinstance(m.gate.weight, torch.nn.Parameter) and m.experts.w1.dtype == torch.bfloat16
-    m.half()
-    assert torch.equal(m.gate.weight, weight) and torch.equal(m.gate.e_score_correction_bias, bias)
+    apply_precision(m, torch.float16)
+    assert m.experts.w1.dtype == torch.float16 and torch.equal(m.gate.weight, weight) and torch.equal(m.gate.e_score_correction_bias, bias)
 
 
 def test_router_materialised_from_meta_is_fp32():
     with torch.device("meta"):
         m = StableLatentMoE(MoEConfig(hidden_size=16, num_experts=8, top_k=3, expert_intermediate_size=12))
-    m.to(torch.bfloat16).to_empty(device="cpu")
+    apply_precision(m, torch.bfloat16).to_empty(device="cpu")
     assert m.gate.weight.device.type == "cpu" and m.gate.weight.dtype == torch.float32
     assert m.gate.e_score_correction_bias.dtype == torch.float32 and m.experts.w1.dtype == torch.bfloat16
 

@@ -86,7 +86,8 @@ def init_expert_adapters(model: nn.Module, seed: int) -> int:
     holds it, and on both faces (the key uses no module path, which differs between them; peft draws the
     stacked ``[r * E_local, in]`` from the global generator, which would give each EP rank the same numbers
     for different experts). The bound is peft's (kaiming-uniform with a = sqrt(5): 1/sqrt(in)). ``lora_B``
-    starts at zero as in peft. Returns the number of expert blocks drawn."""
+    starts at zero as in peft. Returns the number of expert blocks drawn. Called once the adapters are in
+    place (the base frozen), it also applies the precision policy's frozen-tensor rule (docs/precision.md)."""
     drawn = 0
     for name, module in model.named_modules():
         experts = _innermost(module)
@@ -103,6 +104,10 @@ def init_expert_adapters(model: nn.Module, seed: int) -> int:
                 g.manual_seed((seed * 1_000_003 + key) * 4099 + experts.first_expert + j)
                 w[j * r:(j + 1) * r].uniform_(-bound, bound, generator=g)
                 drawn += 1
+    from ...precision import apply_precision
+
+    # the base is frozen now: the fp32 tensors become fp32 buffers, which deepspeed.initialize does not cast
+    apply_precision(model)
     return drawn
 
 
@@ -112,7 +117,10 @@ def load_base(model: nn.Module, model_section, model_config, names: str) -> None
     it was initialised with from the seed."""
     if model_section.from_pretrained is None:
         return
+    from ...precision import apply_precision
     from ...weights.loader import load_state
+
+    apply_precision(model)  # built under zero.Init, the fp32 tensors are bf16 partitions: whole fp32 before loading
 
     load_state(model, model_section.from_pretrained, names=names, config=model_config, strict=True)
 

@@ -1,0 +1,140 @@
+"""The precision policy: which tensors stay fp32 in a bf16/fp16 model, and how every path keeps them there.
+
+K3 keeps the router (``gate.weight``), its selection bias (``gate.e_score_correction_bias``) and KDA's decay
+parameters (``A_log``, ``dt_bias``) in fp32 while the rest of the model runs in bf16: bf16 flips near-tied
+expert choices, and small errors in the decay compound over the sequence (docs/architecture.md sections 2.1
+and 3). ``FP32_OWNERS`` names them by the layer that owns them, so the rule holds on both faces (Hugging Face
+and megatron) and under peft's wrappers; ``FP32_TENSORS`` are the same tensors as name patterns for the
+Hugging Face model (transformers' ``_keep_in_fp32_modules_strict``, which DeepSpeed's ``keep_in_fp32_modules``
+also reads).
+
+``apply_precision(model, dtype)`` is the one way to set a model's dtype (docs/precision.md):
+
+* every other floating tensor becomes ``dtype``;
+* the listed tensors are fp32 with their exact values (one that arrives in a lower precision, as
+  ``deepspeed.zero.Init`` builds every tensor, is upcast: a checkpoint loaded afterwards writes exact values);
+* a listed parameter that does not train becomes a persistent fp32 buffer of the same name. DeepSpeed's
+  bf16 engine casts every parameter to bf16 and ZeRO-3 holds a module's trainable partitions in one dtype,
+  but both leave buffers as they are, so a frozen fp32 tensor survives ``deepspeed.initialize`` exactly.
+  A listed parameter that trains stays a parameter: under a bf16 engine it is stored in bf16 (fp32 master
+  weights in the optimizer) and the layers compute with it in fp32.
+
+``model.to(dtype)`` on the Hugging Face model keeps the listed tensors through ``keep_fp32_through``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .layers.kda import KDAAttention
+from .layers.moe import MoERouter
+
+__all__ = ["FP32_TENSORS", "FP32_OWNERS", "LOW_PRECISION", "fp32_tensors", "apply_precision",
+           "keep_fp32_through"]
+
+# (owning layer, its tensors that stay fp32); subclasses (megatron's KDASelfAttention) are included
+FP32_OWNERS: Tuple[Tuple[type, Tuple[str, ...]], ...] = (
+    (KDAAttention, ("A_log", "dt_bias")),
+    (MoERouter, ("weight", "e_score_correction_bias")),
+)
+# The same tensors by Hugging Face name. transformers 5.24 matches these with re.search on the full tensor
+# name, so they are anchored on the module path: a bare "gate" would also catch gate_proj. "base_layer." is
+# where the router weight sits once peft wraps "gate".
+FP32_TENSORS = (r"self_attn\.A_log$", r"self_attn\.dt_bias$",
+                r"block_sparse_moe\.gate\.(base_layer\.)?weight$",
+                r"block_sparse_moe\.gate\.(base_layer\.)?e_score_correction_bias$")
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+Listed = Tuple[str, nn.Module, str]  # (full name, owning module, attribute name)
+
+
+def _own_names(module: nn.Module) -> Tuple[str, ...]:
+    for owner, names in FP32_OWNERS:
+        if isinstance(module, owner):
+            return names
+    return ()
+
+
+def fp32_tensors(model: nn.Module) -> List[Listed]:
+    """The tensors of ``model`` (parameters or buffers) that the policy keeps fp32, in module order."""
+    found = []
+    for module_name, module in model.named_modules():
+        for name in _own_names(module):
+            if module._parameters.get(name) is not None or module._buffers.get(name) is not None:
+                found.append((f"{module_name}.{name}" if module_name else name, module, name))
+    return found
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    return module._parameters[name] if name in module._parameters else module._buffers[name]
+
+
+def _whole_fp32(param: nn.Parameter) -> nn.Parameter:
+    """A ZeRO-3 partitioned parameter as a whole, unpartitioned fp32 parameter (collective over its partition
+    group; every rank applies the policy in the same module order). ZeRO-3 cannot hold an fp32 partition next
+    to the bf16 ones, and the checkpoint's exact values are then written into this tensor by the loader."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param]):
+        whole = param.data.detach().float().clone()
+    fresh = nn.Parameter(whole, requires_grad=param.requires_grad)
+    if getattr(param, "_no_weight_decay", False):
+        fresh._no_weight_decay = True
+    return fresh
+
+
+@torch.no_grad()
+def apply_precision(model: nn.Module, dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Set ``model``'s precision by the policy (module docstring); returns ``model``.
+
+    dtype: the dtype of every tensor not listed (``torch.float32``, ``torch.bfloat16`` or ``torch.float16``);
+    None leaves them as they are and applies only the fp32 rule. ZeRO-3 partitioned tensors that are not
+    listed are left to DeepSpeed, whose partitions already have the engine's dtype.
+    """
+    if dtype is not None and dtype not in (torch.float32,) + LOW_PRECISION:
+        raise ValueError(f"dtype: must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    listed = fp32_tensors(model)
+    ids = {id(_tensor(m, n)) for _, m, n in listed}
+    if dtype is not None:
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if (id(tensor) not in ids and tensor.is_floating_point() and tensor.dtype != dtype
+                    and not hasattr(tensor, "ds_id")):
+                tensor.data = tensor.data.to(dtype)
+    for _, module, name in listed:
+        tensor = _tensor(module, name)
+        if name in module._parameters:
+            if hasattr(tensor, "ds_id"):
+                tensor = module._parameters[name] = _whole_fp32(tensor)
+            elif tensor.dtype != torch.float32:
+                tensor.data = tensor.data.float()
+            if not tensor.requires_grad:
+                del module._parameters[name]
+                module.register_buffer(name, tensor.data, persistent=True)
+        elif tensor.dtype != torch.float32:
+            module._buffers[name] = tensor.float()
+    return model
+
+
+def keep_fp32_through(model: nn.Module, convert: Callable[[], nn.Module]) -> nn.Module:
+    """Run ``convert`` (``nn.Module._apply`` of ``model``: ``.to(dtype)``, ``.half()``, ``to_empty``) and put
+    the listed tensors back in fp32 with their exact values, on the device the conversion chose.
+
+    Only conversions that leave a tensor floating at fp32 or lower are undone for them; a model materialised
+    from ``meta`` (``to_empty``) has no values to keep, only the fp32 dtype.
+    """
+    kept = [(module, name, _tensor(module, name).data) for _, module, name in fp32_tensors(model)
+            if _tensor(module, name).dtype == torch.float32]
+    result = convert()
+    for module, name, original in kept:
+        now = _tensor(module, name)
+        if now.dtype not in (torch.float32,) + LOW_PRECISION:
+            continue
+        restored = now.float() if original.is_meta and not now.is_meta else original.to(now.device)
+        if name in module._parameters:
+            now.data = restored
+        else:
+            module._buffers[name] = restored
+    return result
