@@ -30,6 +30,7 @@ from ..config import ModelConfig, require
 from ..fileio import safetensors_weight_map
 from .names import NAMINGS, base_name, expert_layer, is_expert_tensor, is_stacked_expert, strip_text_prefix, \
     tensor_from_k3
+from .packed import is_packed_expert_stack
 from .plan import Plan, Read, Stored, Target, detect_layout, plan_reads, stored_tensors
 
 __all__ = ["LoadStats", "load_state", "state_from_tensors", "model_tensors", "model_targets", "expert_ranges",
@@ -93,14 +94,17 @@ def model_targets(tensors: Mapping[str, torch.Tensor], model: nn.Module, names: 
     out = {}
     for name, tensor in tensors.items():
         shape = tuple(tensor.ds_shape) if is_partitioned(tensor) else tuple(tensor.shape)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        packed = is_packed_expert_stack(name, dtype)
         experts = None
-        if names == "megatron" and is_expert_tensor(name):
-            layer = expert_layer(name)
+        if names == "megatron" and (is_expert_tensor(name) or packed):
+            layer = expert_layer(name.removesuffix("_scale"))
             require(layer in ranges, f"{name}", f"layer {layer}'s MoE has no local_expert_indices to place its rows")
             experts = ranges[layer]
-        elif names == "hf" and is_stacked_expert(strip_text_prefix(name)) and len(shape) == 3:
+        elif names == "hf" and (is_stacked_expert(strip_text_prefix(name)) or packed) and len(shape) == 3:
             experts = (0, shape[0])
-        out[name] = Target(shape, experts, partition_range(tensor) if is_partitioned(tensor) else None)
+        out[name] = Target(shape, experts, partition_range(tensor) if is_partitioned(tensor) else None,
+                           dtype if packed else None)
     return out
 
 
@@ -156,6 +160,20 @@ def _run(plan: Plan, tensors: Mapping[str, torch.Tensor], targets: Mapping[str, 
     stats.tensors = len(read_names)
 
 
+def _packed_value(read: Read, value: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """A packed expert tensor's stored bits, reinterpreted (never converted) as the target's dtype; MXFP4 scale
+    bytes checked (0xFF is NaN in the MX specification)."""
+    if read.bitcast is not None:
+        value = value.view(getattr(torch, read.bitcast))
+    require(value.dtype == tensor.dtype, read.name, f"holds {value.dtype}, the packed target {read.target} "
+            f"{tensor.dtype}: packed bytes are never converted")
+    if read.target.endswith("_scale") and value.dtype == torch.uint8 and bool((value == 0xFF).any()):
+        where = (value == 0xFF).nonzero()[0].tolist()
+        raise ValueError(f"{read.name}: scale byte 0xFF (NaN in the MX specification) at index {where}: the "
+                         "checkpoint is damaged or its experts are not MXFP4")
+    return value
+
+
 def _apply(handle: Any, read: Read, tensor: torch.Tensor, target: Target, stats: LoadStats) -> int:
     value = _fetch(handle, read)
     numel = value.numel()
@@ -163,6 +181,8 @@ def _apply(handle: Any, read: Read, tensor: torch.Tensor, target: Target, stats:
         stats.expert_elements += numel
     if read.convert:
         value = tensor_from_k3(read.name, value, target.shape)
+    if target.dtype is not None:
+        value = _packed_value(read, value, tensor)
     write_flat(tensor, read.offset, value)
     return numel
 

@@ -19,6 +19,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..config import ModelConfig, require
 from ..fileio import SAFETENSORS_INDEX
+from .packed import bit_compatible, is_packed_expert_stack, k3_packed_names, shape_tensor_name
 from .names import (NAMINGS, TEXT_PREFIX, VISION_PREFIXES, is_indexer_tensor, is_mtp, k3_expert_name,
                     k3_shape_fits, needs_k3_conversion, parse_k3_expert, quantised_tensors, to_hf_name)
 
@@ -54,6 +55,7 @@ class Target:
     shape: Tuple[int, ...]
     experts: Optional[Tuple[int, int]] = None
     flat_range: Optional[Tuple[int, int]] = None
+    dtype: Optional[str] = None  # torch dtype name; what a packed expert target must be given (weights.packed)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Read:
     offset: int
     convert: bool = False
     expert: bool = False
+    bitcast: Optional[str] = None  # reinterpret the stored bits as this dtype (a packed target, weights.packed)
 
 
 @dataclass
@@ -187,6 +190,24 @@ def _mismatches(tname: str, target: Target, stored_name: str, wanted: List[str],
 
 def _reads_of(tname: str, target: Target, stored_name: str, wanted: List[str], stored: Mapping[str, Stored],
               layout: str) -> List[Read]:
+    reads = _plain_reads_of(tname, target, stored_name, wanted, stored, layout)
+    if not is_packed_expert_stack(tname, target.dtype):
+        return reads
+    return [r if stored[r.name].dtype == target.dtype else Read(**{**vars(r), "bitcast": target.dtype})
+            for r in reads]
+
+
+def _packed_dtype_problems(tname: str, target: Target, wanted: List[str], stored: Mapping[str, Stored]) -> List[str]:
+    """Stored tensors whose bits a packed target cannot take as they are (no byte is ever converted)."""
+    if not is_packed_expert_stack(tname, target.dtype):
+        return []
+    return [f"{n}: checkpoint dtype {stored[n].dtype}, model {target.dtype} (packed experts take the stored bits "
+            "unconverted; was the model built with this checkpoint's expert format?)"
+            for n in wanted if n in stored and not bit_compatible(stored[n].dtype, target.dtype)]
+
+
+def _plain_reads_of(tname: str, target: Target, stored_name: str, wanted: List[str], stored: Mapping[str, Stored],
+                    layout: str) -> List[Read]:
     numel = math.prod(target.shape)
     lo, hi = target.flat_range or (0, numel)
     if lo >= hi:
@@ -235,8 +256,10 @@ def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, 
     layout = layout or detect_layout(None, stored)
     require(layout in LAYOUTS, "layout", f"must be one of {LAYOUTS}, got {layout!r}")
     quantised = quantised_tensors({n: s.dtype for n, s in stored.items()})
-    require(not quantised, field_name, "the checkpoint holds MXFP4-quantised tensors (FP4 e2m1 blocks with e8m0 "
-            "scales); MXFP4 dequantisation is not supported yet: dequantise the routed experts to bf16 first. "
+    packed_model = any(is_packed_expert_stack(n, t.dtype) for n, t in targets.items())
+    require(not quantised or packed_model, field_name, "the checkpoint holds MXFP4-quantised tensors (FP4 e2m1 blocks with e8m0 "
+            "scales) but the model's experts are dense: build it with the checkpoint's expert format (config.json's "
+            "quantization_config sets expert_format; docs/packed-experts.md), or dequantise the experts first. "
             f"{len(quantised)} quantised tensor(s): {_listing(quantised)}")
 
     prefix = TEXT_PREFIX if any(n.startswith(TEXT_PREFIX) for n in stored) else ""
@@ -260,10 +283,18 @@ def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, 
                     f"targets[{tname!r}]", f"an expert stack of shape {list(target.shape)} cannot hold experts "
                     f"[{first}, {last}) of {num_experts}")
         per_expert = layout == "k3" and target.experts is not None
-        wanted = [k3_expert_name(stored_name, e) for e in range(num_experts)] if per_expert else [stored_name]
+        packed = is_packed_expert_stack(tname, target.dtype)
+        if per_expert:
+            wanted = k3_packed_names(stored_name, num_experts) if packed else \
+                [k3_expert_name(stored_name, e) for e in range(num_experts)]
+        else:
+            wanted = [stored_name]
         expected.update(wanted)
+        if packed and per_expert:  # INT4's logical-shape records travel with the packed values
+            expected.update(shape_tensor_name(n) for n in wanted)
         absent = [n for n in wanted if n not in stored]
         problems = _mismatches(tname, target, stored_name, wanted, stored, layout, num_experts)
+        problems += _packed_dtype_problems(tname, target, wanted, stored)
         missing += absent
         mismatched += problems
         if not absent and not problems:

@@ -112,7 +112,7 @@ def test_vision_and_mtp_tensors_are_dropped_only_when_asked():
 
 def test_mxfp4_checkpoint_is_refused_before_names_are_compared():
     stored = {f"{W1}.weight_packed": Stored("a", (8, 16), "uint8")}
-    with pytest.raises(ValueError, match="^checkpoint: .*MXFP4 dequantisation is not supported"):
+    with pytest.raises(ValueError, match="^checkpoint: .*MXFP4-quantised tensors .* but the model.s experts are dense"):
         plan_reads({}, {n: "a" for n in stored}, names="hf", config=config(), stored=stored, layout="k3")
 
 
