@@ -168,7 +168,11 @@ class Trainer:
             self.run_dir.release()
             self.run_dir = None
         if self._owns_processes and dist.is_initialized():
-            dist.destroy_process_group()
+            import deepspeed.comm
+
+            # DeepSpeed's own teardown also drops the groups it cached (so a later run in this process, a
+            # notebook or a test, starts clean)
+            deepspeed.comm.destroy_process_group()
             self._owns_processes = False
 
     def describe(self) -> str:

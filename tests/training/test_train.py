@@ -123,6 +123,14 @@ def test_chat_sft_data(tmp_path):
     assert len(result.losses) == 3 and all(math.isfinite(x) for x in result.losses)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # the launchers' default port may be in use by a concurrent job
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _launch(command, env_extra=None, timeout=900):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -141,14 +149,14 @@ def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
               "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-2}, "logging": {"every": 1}}
     first = tmp_path / "first.json"
     first.write_text(json.dumps(recipe))
-    out = _launch([os.path.join(bin_dir, "deepspeed"), "--num_accelerators", "2", "--module", "moe_plugin.train",
-                   "--recipe", str(first)])
+    out = _launch([os.path.join(bin_dir, "deepspeed"), "--num_accelerators", "2", "--master_port", str(_free_port()),
+                   "--module", "moe_plugin.train", "--recipe", str(first)])
     assert "expert parallel 2, ZeRO stage 3" in out
     recipe["schedule"]["steps"] = 4
     second = tmp_path / "second.json"
     second.write_text(json.dumps(recipe))
-    out = _launch([os.path.join(bin_dir, "torchrun"), "--nproc_per_node", "2", "-m", "moe_plugin.train",
-                   "--recipe", str(second)])
+    out = _launch([os.path.join(bin_dir, "torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()),
+                   "-m", "moe_plugin.train", "--recipe", str(second)])
     assert "resuming from the checkpoint at step 2" in out
     with open(tmp_path / "run" / "losses.json") as f:
         losses = json.load(f)

@@ -1,5 +1,6 @@
 """The trainer on 4 gloo processes (EP=2 x expert-data-parallel 2, ZeRO-3) equals one process, and resumes
-bitwise; both through the product's ``Trainer``/``train`` (tests/training/trainer_workers.py)."""
+bitwise; both through the product's ``Trainer``/``train`` (tests/training/trainer_workers.py). One launch of 4
+processes and one of 1 run every scenario."""
 
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ ZERO3 = "ds_configs/zero3_lora.json"
 LR = 2e-2
 
 
-def _recipe(output_dir, world: int, ep: int, steps: int = 3, **schedule) -> dict:
+def _recipe(output_dir, world: int, ep: int, steps: int = 3, model=None, backend="megatron", **schedule) -> dict:
     return {
         "output_dir": str(output_dir), "seed": 3,
         "deepspeed": ZERO3 if world > 1 else None,
-        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
+        "model": model or {"preset": "tiny", "overrides": {"attn_res": False}},
         "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"],
                  "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]},
         "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
-        "parallel": {"backend": "megatron", "expert_parallel_size": ep},
+        "parallel": {"backend": backend, "expert_parallel_size": ep},
         # micro-batch 4 in one process is the concatenation of the 4 ranks' micro-batches of 1
         "schedule": {"steps": steps, "micro_batch_size": 4 // world, "lr": LR, "clip_grad_norm": 0.05,
                      "warmup_steps": 0, **schedule},
@@ -34,10 +35,37 @@ def _recipe(output_dir, world: int, ep: int, steps: int = 3, **schedule) -> dict
     }
 
 
-def _scenarios(tmp, world: int, ep: int) -> list:
-    return [{"name": routing, "routing": routing, "inspect": routing == "free",
-             "recipe": _recipe(tmp / f"{routing}-w{world}", world, ep)}
-            for routing in ("free", "empty_expert", "one_ep_rank")]
+ROUTINGS = ("free", "empty_expert", "one_ep_rank")
+CHECKPOINTS = ("hf_checkpoint", "k3_checkpoint", "hf_backend")
+
+
+def _checkpoints(tmp) -> dict:
+    """A trained-looking base in both layouts: the tiny model (AttnRes off) with its selection bias moved, so
+    that loading it (and not the seed) is what the runs see."""
+    from moe_plugin.models import MoEPluginForCausalLM, preset_config
+    from moe_plugin.models.k3_format import save_k3_checkpoint
+
+    torch.manual_seed(11)
+    model = MoEPluginForCausalLM(preset_config("tiny", attn_res=False))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.01)
+    model.save_pretrained(tmp / "base_hf")
+    save_k3_checkpoint(model, tmp / "base_k3")
+    return {"hf_checkpoint": {"from_pretrained": str(tmp / "base_hf")},
+            "k3_checkpoint": {"from_pretrained": str(tmp / "base_k3")},
+            "hf_backend": {"from_pretrained": str(tmp / "base_hf")}}
+
+
+def _scenarios(tmp, world: int, ep: int, bases: dict) -> list:
+    out = [{"name": routing, "routing": routing, "inspect": routing == "free",
+            "recipe": _recipe(tmp / f"{routing}-w{world}", world, ep)} for routing in ROUTINGS]
+    for name in CHECKPOINTS:
+        backend = "hf" if name == "hf_backend" else "megatron"
+        out.append({"name": name, "recipe": _recipe(tmp / f"{name}-w{world}", world, 1 if backend == "hf" else ep,
+                                                    model=bases[name], backend=backend)})
+    return out
 
 
 def _resume_recipes(tmp, world: int, ep: int):
@@ -52,9 +80,10 @@ def _resume_recipes(tmp, world: int, ep: int):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trainer")
-    one = run_distributed(WORKER, world_size=1, timeout_s=900, scenarios=_scenarios(tmp, 1, 1), recipes=[])
+    bases = _checkpoints(tmp)
+    one = run_distributed(WORKER, world_size=1, timeout_s=900, scenarios=_scenarios(tmp, 1, 1, bases), recipes=[])
     recipes, resume = _resume_recipes(tmp, 4, 2)
-    four = run_distributed(WORKER, world_size=4, timeout_s=1500, scenarios=_scenarios(tmp, 4, 2),
+    four = run_distributed(WORKER, world_size=4, timeout_s=1800, scenarios=_scenarios(tmp, 4, 2, bases),
                            recipes=recipes, resume=resume)
     return one[0], four
 
@@ -64,8 +93,12 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
     return float((a - b).abs().max()) <= rel * scale
 
 
-@pytest.mark.parametrize("routing", ["free", "empty_expert", "one_ep_rank"])
+@pytest.mark.parametrize("routing", ROUTINGS + CHECKPOINTS)
 def test_ep2_zero3_on_4_processes_equals_one_process(runs, routing):
+    """ROUTINGS: a preset base with free routing, an expert that gets no token, every token on EP rank 0's
+    experts. CHECKPOINTS: a base loaded under zero.Init, each rank streaming its slices into its partitions,
+    from a Hugging Face and a K3-layout checkpoint (megatron, EP=2), and the Hugging Face backend (ZeRO-3
+    data parallel over 4 ranks)."""
     one, four = runs
     ref = one["scenarios"][routing]
     for rank, result in enumerate(four):
