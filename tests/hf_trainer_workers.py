@@ -1,0 +1,73 @@
+"""Rank-side code of tests/test_hf_trainer.py (run by ``moe_plugin.parallel.launch.run_distributed``).
+
+Each run trains the saved base with peft LoRA through ``transformers.Trainer`` and the project's
+``MoEMetricsCallback``, as a user writes it (docs/hf-trainer.md), saves the adapter with ``save_model`` and
+returns the logged losses and gradient norms, the trained model's logits on a fixed probe and where the W&B
+run is. Nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+PROBE_TEXT = "Q: 73 - 18 = ? A:"
+
+
+def probe_ids() -> torch.Tensor:
+    """``[1, T]``: bos and the probe question, as the training documents start."""
+    from moe_plugin.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    return torch.tensor([[tok.bos_token_id] + list(tok.encode(PROBE_TEXT, add_special_tokens=False))])
+
+
+def train_runs(runs: list) -> list:
+    """``[{"base", "output_dir", "deepspeed", "per_device", "steps", "wandb"}]`` -> one result per run."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # accelerate checks it; the group is already up
+    os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"]
+    return [_train(**run) for run in runs]
+
+
+def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, wandb: str) -> dict:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import moe_plugin  # noqa: F401  (registers the Auto classes)
+    from moe_plugin.hf_trainer import CausalLMDataset, MoEMetricsCallback, collate_causal_lm
+    from moe_plugin.training.data import arithmetic_examples
+
+    args = TrainingArguments(
+        output_dir=output_dir, use_cpu=True, deepspeed=deepspeed, per_device_train_batch_size=per_device,
+        max_steps=steps, learning_rate=2e-2, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
+        save_strategy="no", report_to="none", seed=0, data_seed=0, average_tokens_across_devices=True,
+        dataloader_drop_last=True, max_grad_norm=1.0, disable_tqdm=True)
+    model = AutoModelForCausalLM.from_pretrained(base)  # under zero.Init when the config is ZeRO-3
+    # seeded after the load, which draws differently under zero.Init: the same lora_A in every layout
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate"]))
+    callback = MoEMetricsCallback(wandb=wandb)
+    trainer = Trainer(model=model, args=args, train_dataset=CausalLMDataset(arithmetic_examples(400, 0, "-")),
+                      data_collator=collate_causal_lm, callbacks=[callback])
+    trainer.train()
+    adapter = os.path.join(output_dir, "adapter")
+    trainer.save_model(adapter)  # collective under ZeRO-3: the adapter is gathered, rank 0 writes it
+    model.eval()
+    with torch.no_grad():  # every rank runs the forward: under ZeRO-3 each layer's weights are gathered
+        logits = trainer.model_wrapped(input_ids=probe_ids()).logits.detach().clone()
+    history = trainer.state.log_history
+    from accelerate.state import AcceleratorState
+
+    return {"losses": [h["loss"] for h in history if "loss" in h],
+            "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
+            "logits": logits, "adapter": adapter, "world": trainer.args.world_size,
+            "deepspeed": trainer.is_deepspeed_enabled,
+            "distributed_type": str(AcceleratorState().distributed_type),
+            "wandb_dirs": _wandb_dirs(output_dir)}
+
+
+def _wandb_dirs(output_dir: str) -> list:
+    import glob
+
+    return sorted(glob.glob(os.path.join(output_dir, "wandb", "offline-run-*")))

@@ -1,0 +1,116 @@
+"""The Hugging Face Trainer path (moe_plugin/hf_trainer.py, docs/hf-trainer.md): ``transformers.Trainer`` with
+``TrainingArguments(deepspeed=ds_configs/hf_trainer/zero3_lora.json, use_cpu=True)`` trains the model with peft
+LoRA on 2 gloo processes (ZeRO-3 data parallel); its losses equal one process's, the loss falls, the adapter
+loads back in plain peft with the same outputs, and the callback's offline W&B run holds the MoE keys, as many
+with 4x the experts (tests/hf_trainer_workers.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from moe_plugin.parallel.launch import run_distributed
+
+WORKER = "tests/hf_trainer_workers.py:train_runs"
+DS_CONFIG = "ds_configs/hf_trainer/zero3_lora.json"
+STEPS = 8
+
+
+def _save_base(path, num_experts: int) -> str:
+    from moe_plugin import MoEPluginForCausalLM, preset_config
+
+    torch.manual_seed(0)
+    model = MoEPluginForCausalLM(preset_config("tiny", num_experts=num_experts))
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf_trainer")
+    base8, base32 = _save_base(tmp / "base8", 8), _save_base(tmp / "base32", 32)
+    run = dict(base=base8, steps=STEPS, wandb="offline")
+    two = run_distributed(WORKER, world_size=2, timeout_s=900,
+                          runs=[dict(run, output_dir=str(tmp / "two"), deepspeed=DS_CONFIG, per_device=4)])
+    one = run_distributed(WORKER, world_size=1, timeout_s=900, runs=[
+        dict(run, output_dir=str(tmp / "one"), deepspeed=None, per_device=8),
+        dict(run, base=base32, output_dir=str(tmp / "one32"), deepspeed=None, per_device=8, steps=2)])
+    return {"two": two, "one": one[0][0], "one32": one[0][1], "base8": base8}
+
+
+def test_two_processes_train_with_deepspeed_zero3(runs):
+    for result in runs["two"]:
+        got = result[0]
+        assert got["deepspeed"] and got["world"] == 2 and got["distributed_type"] == "DistributedType.DEEPSPEED"
+
+
+def test_two_processes_equal_one_process_and_the_loss_falls(runs):
+    one = runs["one"]
+    assert len(one["losses"]) == STEPS and not one["deepspeed"]
+    for result in runs["two"]:
+        got = result[0]
+        assert len(got["losses"]) == STEPS
+        for a, b in zip(got["losses"], one["losses"]):
+            assert math.isclose(a, b, rel_tol=1e-4), (got["losses"], one["losses"])
+        for a, b in zip(got["grad_norms"], one["grad_norms"]):
+            assert math.isclose(a, b, rel_tol=1e-3), (got["grad_norms"], one["grad_norms"])
+    losses = one["losses"]
+    assert sum(losses[-2:]) / 2 < losses[0] - 0.05, losses
+
+
+def test_adapter_loads_in_plain_peft_with_the_same_outputs(runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import moe_plugin  # noqa: F401
+    from tests.hf_trainer_workers import probe_ids
+
+    got = runs["two"][0][0]
+    with open(os.path.join(got["adapter"], "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == runs["base8"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(runs["base8"]), got["adapter"])
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe_ids()).logits
+        base = model.get_base_model()
+        with model.disable_adapter():
+            untrained = base(input_ids=probe_ids()).logits
+    for result in runs["two"]:
+        torch.testing.assert_close(logits, result[0]["logits"], rtol=1e-4, atol=1e-5)
+    assert float((logits - untrained).abs().max()) > 1e-3  # the adapter changed the outputs
+
+
+def _keys(run_dir: str) -> set:
+    from tests.training.wandb_records import offline_history
+
+    return {k for row in offline_history(run_dir) for k in row if not k.startswith("_")}
+
+
+def test_offline_wandb_run_holds_the_moe_keys_bounded_in_the_experts(runs):
+    from tests.training.wandb_records import offline_history
+
+    (run_dir,) = runs["two"][0][0]["wandb_dirs"]  # rank 0 alone writes the run
+    rows = offline_history(run_dir)
+    keys = _keys(run_dir)
+    for layer in ("layer1", "layer2", "layer3"):
+        for name in ("load", "load_max_over_mean", "load_cv", "dead_experts", "overloaded_experts",
+                     "routing_drift"):
+            assert f"moe/{layer}/{name}" in keys
+    for name in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "moe/routing_drift",
+                 "moe/dead_experts", "moe/load_max_over_mean", "moe/expert_load_plot"):
+        assert name in keys
+    logged = [row for row in rows if "train/loss" in row]
+    assert [row["train/loss"] for row in logged] == pytest.approx(runs["two"][0][0]["losses"], rel=1e-6)
+    histogram = logged[-1]["moe/layer1/load"]
+    assert histogram["_type"] == "histogram" and len(histogram["values"]) == 32
+    assert sum(histogram["values"]) == 8  # one entry per expert of the 8
+    assert logged[0]["moe/routing_drift"] == 0.0 < logged[-1]["moe/routing_drift"]  # lora_B starts at 0
+    assert os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(run_dir)), "expert_load.png"))
+    (run32,) = runs["one32"]["wandb_dirs"]
+    assert _keys(run32) == keys  # 4x the experts, the same keys
+    hist32 = [row for row in offline_history(run32) if "moe/layer1/load" in row][-1]["moe/layer1/load"]
+    assert len(hist32["values"]) == 32 and sum(hist32["values"]) == 32
