@@ -26,7 +26,7 @@ import torch
 from ..config import require
 from ..fileio import atomic_directory
 from .deltas import split_experts
-from .merge import base_tensors, write_merged
+from .merge import base_tensors, check_packed_base, write_merged
 from .source import RunSource, open_run
 from .targets import Target, per_expert_key, select_targets
 from .verify import (LOGITS_RTOL, LOW_PRECISION_RTOL, CheckResult, base_model, compare_deltas,
@@ -209,6 +209,8 @@ def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targ
     require(not requantise or to.startswith("merged"), "requantise", "only merged exports hold base weights to "
             "requantise; leave --requantise out for adapter exports")
     source = open_run(run_dir, step)
+    if to.startswith("merged"):  # before the reference loads the base: the packed-base message names the hook
+        check_packed_base(source.base_path, requantise)
     chosen = select_targets(source.targets, targets, active=source.targets)
     _, ref_logits, expected = reference(source)
     report = ExportReport(to, os.path.abspath(out), sorted(chosen),

@@ -31,7 +31,7 @@ from ..weights.names import (is_stacked_expert, k3_expert_name, quantised_tensor
 from .deltas import dense_delta, expert_deltas
 from .targets import Target
 
-__all__ = ["PACKED_CODEC", "ShardWriter", "base_tensors", "write_merged", "expert_layer_of", "delta_for"]
+__all__ = ["PACKED_CODEC", "check_packed_base", "ShardWriter", "base_tensors", "write_merged", "expert_layer_of", "delta_for"]
 
 PACKED_CODEC = None  # set by the packed-base work (issue 11); see the module docstring
 
@@ -95,7 +95,7 @@ class ShardWriter:
         return names
 
 
-def _refuse_packed(base_path: str, requantise: bool) -> bool:
+def check_packed_base(base_path: str, requantise: bool) -> bool:
     from ..weights.plan import stored_tensors
 
     stored = stored_tensors(safetensors_weight_map(base_path))
@@ -164,7 +164,7 @@ def write_merged(base_path: str, hf_config, targets: Mapping[str, Target], state
     """Write base + deltas into ``directory`` in ``layout`` ("hf" or "k3"), streaming; returns what was written
     (files, merged target names, peak expert layers held, values a requantisation changed)."""
     require(layout in ("hf", "k3"), "layout", f"must be 'hf' or 'k3', got {layout!r}")
-    packed = _refuse_packed(base_path, requantise)
+    packed = check_packed_base(base_path, requantise)
     writer = ShardWriter(directory, max_bytes)
     merged, changed = [], 0
     for name, tensor in base_tensors(base_path, hf_config):
