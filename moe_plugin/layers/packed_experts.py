@@ -4,7 +4,7 @@
 ``PackedStackedExperts`` is a ``StackedExperts`` whose ``w1``/``w3`` (``[E, F, L]`` logically) and ``w2``
 (``[E, L, F]``) hold the packed codes, stacked per layer: ``w1`` ``[E, F, packed_cols(L)]`` beside ``w1_scale``
 ``[E, F, ceil(L/32)]`` (``ops.quant.formats`` gives the dtypes: MXFP4 uint8/uint8, INT4 int32 and the bf16
-scale's int16 bits). They are frozen integer ``nn.Parameter`` s, so ZeRO-3 partitions them like any
+scale's uint8 bytes). They are frozen integer ``nn.Parameter`` s, so ZeRO-3 partitions them like any
 parameter (within the expert-data-parallel group, through the expert tags) and no precision change
 (``model.to(bf16)``, ``.half()``, DeepSpeed's bf16 engine, ``zero.Init``'s dtype) touches them: torch and
 DeepSpeed convert floating-point tensors only.

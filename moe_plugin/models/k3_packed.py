@@ -50,7 +50,7 @@ def packed_k3_tensors(model) -> Dict[str, torch.Tensor]:
                 for j in range(e):
                     value = tensor[j].clone()
                     if suffix and experts.expert_format == "int4":
-                        value = value.view(torch.bfloat16)  # published as bf16; the layer keeps the bits
+                        value = value.view(torch.bfloat16)  # published as bf16; the layer keeps the bytes
                     out[TEXT_PREFIX + k3_packed_name(stacked, j)] = value
                     if not suffix and experts.expert_format == "int4":
                         name = TEXT_PREFIX + shape_tensor_name(k3_packed_name(stacked, j))

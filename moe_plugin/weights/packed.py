@@ -6,8 +6,8 @@ as compressed-tensors does: ``...experts.{e}.w1.weight_packed`` and ``...experts
 adds ``...weight_shape``, the logical ``[out, in]``, which the loader accepts and does not need).
 
 Bytes are never converted: a stored tensor loads into a packed target only with the target's dtype, or with
-one of the same width that holds the same bits (E8M0 scales stored as ``float8_e8m0fnu`` into uint8, INT4's
-bf16 scales into the int16 a layer keeps), reinterpreted with ``Tensor.view(dtype)``.
+one that holds the same bits (E8M0 scales stored as ``float8_e8m0fnu`` into uint8, INT4's bf16 scales into
+the uint8 bytes a layer keeps, two a scale), reinterpreted with ``Tensor.view(dtype)``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ __all__ = ["SCALE_SUFFIX", "PACKED_DTYPES", "is_packed_dtype", "stack_of", "is_p
            "k3_packed_names", "k3_packed_name", "bit_compatible"]
 
 SCALE_SUFFIX = "_scale"
-PACKED_DTYPES = ("uint8", "int32", "int16")  # what packed targets hold (ops.quant.formats.packed_spec)
+PACKED_DTYPES = ("uint8", "int32")  # what packed targets hold (ops.quant.formats.packed_spec)
 _STACK = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>w[123])(?P<scale>_scale)?$")
 # (stored dtype, target dtype) pairs with the same bits
-_SAME_BITS = {("float8_e8m0fnu", "uint8"), ("bfloat16", "int16"), ("int16", "int16"), ("uint8", "uint8"),
-              ("int32", "int32")}
+_SAME_BITS = {("float8_e8m0fnu", "uint8"), ("bfloat16", "uint8"), ("uint8", "uint8"), ("int32", "int32")}
+_ITEMSIZE = {"float8_e8m0fnu": 1, "uint8": 1, "bfloat16": 2, "int32": 4}
 _SHAPE_SUFFIX = ".weight_shape"
 
 
@@ -57,6 +57,13 @@ def k3_packed_names(stacked: str, num_experts: int):
 def shape_tensor_name(packed_name: str) -> str:
     """The INT4 ``weight_shape`` beside a per-expert ``weight_packed`` name."""
     return packed_name.rsplit(".", 1)[0] + _SHAPE_SUFFIX
+
+
+def viewed_shape(shape, stored: str, target: str):
+    """A stored tensor's shape seen as ``target`` dtype (``Tensor.view``: the last dim scales by the widths)."""
+    if not shape or (stored, target) not in _SAME_BITS:
+        return tuple(shape)
+    return (*shape[:-1], shape[-1] * _ITEMSIZE[stored] // _ITEMSIZE[target])
 
 
 def bit_compatible(stored: str, target: str) -> bool:

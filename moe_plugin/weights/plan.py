@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..config import ModelConfig, require
 from ..fileio import SAFETENSORS_INDEX
-from .packed import bit_compatible, is_packed_expert_stack, k3_packed_names, shape_tensor_name
+from .packed import bit_compatible, is_packed_expert_stack, k3_packed_names, shape_tensor_name, viewed_shape
 from .names import (NAMINGS, TEXT_PREFIX, VISION_PREFIXES, is_indexer_tensor, is_mtp, k3_expert_name,
                     k3_shape_fits, needs_k3_conversion, parse_k3_expert, quantised_tensors, to_hf_name)
 
@@ -169,8 +169,11 @@ def _mismatches(tname: str, target: Target, stored_name: str, wanted: List[str],
     present = [n for n in wanted if n in stored]
     if target.experts is not None and layout == "k3":
         row = list(target.shape[1:])
-        return [f"{n}: checkpoint {list(stored[n].shape)}, model {row} (one expert of {tname})"
-                for n in present if list(stored[n].shape) != row]
+        packed = is_packed_expert_stack(tname, target.dtype)  # compared as the bytes the target will see
+        return [f"{n}: checkpoint {list(stored[n].shape)} {stored[n].dtype}, model {row} (one expert of {tname})"
+                for n in present
+                if list(viewed_shape(stored[n].shape, stored[n].dtype, target.dtype) if packed else stored[n].shape)
+                != row]
     if not present:
         return []
     have = stored[present[0]].shape

@@ -8,9 +8,10 @@ element by element, and an encoder (used by the tiny-checkpoint generator and by
   ``[..., out, ceil(in/32)]``, an E8M0 exponent: ``W = LUT[code] * 2 ** (scale - 127)``.
 * ``int4`` (compressed-tensors ``pack-quantized``, symmetric, Kimi K2 family): ``packed`` int32
   ``[..., out, ceil(in/8)]``, column j in bits ``4*(j%8)`` of word ``j//8`` as ``q + 8``; ``scale`` bf16
-  ``[..., out, ceil(in/32)]``: ``W = (code - 8) * scale``. A layer keeps the bf16 scale's bits as int16
-  (``scale.view(torch.int16)``) so that no precision conversion (``model.to(dtype)``, a bf16 engine) ever
-  touches it; the decoders take either.
+  ``[..., out, ceil(in/32)]``: ``W = (code - 8) * scale``. A layer keeps the bf16 scale's bytes as uint8
+  (``scale.view(torch.uint8)``, ``[..., out, 2 * ceil(in/32)]``) so that no precision conversion
+  (``model.to(dtype)``, a bf16 engine) ever touches it, and gloo can gather it (it has no int16); the
+  decoders take either.
 
 Scale byte 0xFF is NaN in the OCP MX specification; the decoders refuse it (``check_packed``) rather than
 produce a silent 2**128.
@@ -35,7 +36,8 @@ _NAN_SCALE = 0xFF
 @dataclass(frozen=True)
 class PackedSpec:
     """Storage of one ``[out, in]`` weight in ``format``: packed ``[out, packed_cols]`` of ``packed_dtype``,
-    scale ``[out, scale_cols]`` of ``scale_dtype`` (as a layer keeps it: the int4 bf16 scale as int16 bits)."""
+    scale ``[out, scale_cols]`` of ``scale_dtype`` (as a layer keeps it: the int4 bf16 scale as its uint8 bytes,
+    two a group)."""
 
     format: str
     packed_cols: int
@@ -56,7 +58,7 @@ def packed_spec(fmt: str, in_features: int, name: str = "format") -> PackedSpec:
                              f"got {in_features}")
         return PackedSpec(fmt, in_features // 2, torch.uint8, -(-in_features // GROUP), torch.uint8)
     if fmt == "int4":
-        return PackedSpec(fmt, -(-in_features // 8), torch.int32, -(-in_features // GROUP), torch.int16)
+        return PackedSpec(fmt, -(-in_features // 8), torch.int32, 2 * -(-in_features // GROUP), torch.uint8)
     raise ValueError(f"{name}: unknown packed format {fmt!r}; expected one of {FORMATS}")
 
 
@@ -69,6 +71,8 @@ def check_packed(name: str, fmt: str, packed: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"{name}: {fmt} packed values must be {spec.packed_dtype}, got {packed.dtype}")
     if scale.dtype not in (spec.scale_dtype, torch.bfloat16 if fmt == "int4" else torch.uint8):
         raise ValueError(f"{name}: {fmt} scales must be {spec.scale_dtype}, got {scale.dtype}")
+    if scale.dtype == torch.bfloat16:
+        spec = PackedSpec(fmt, spec.packed_cols, spec.packed_dtype, spec.scale_cols // 2, torch.bfloat16)
     if packed.shape[-1] != spec.packed_cols:
         raise ValueError(f"{name}: {fmt} packed values of {in_features} columns must be [..., out, "
                          f"{spec.packed_cols}], got {list(packed.shape)}")
@@ -140,12 +144,12 @@ def encode_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _bf16_scale(scale: torch.Tensor) -> torch.Tensor:
-    return scale.view(torch.bfloat16) if scale.dtype == torch.int16 else scale.to(torch.bfloat16)
+    return scale.contiguous().view(torch.bfloat16) if scale.dtype == torch.uint8 else scale.to(torch.bfloat16)
 
 
 def decode_int4(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """int32 packed ``[..., out, ceil(in/8)]``, scale ``[..., out, ceil(in/32)]`` (bf16, or its int16 bits)
+    """int32 packed ``[..., out, ceil(in/8)]``, scale ``[..., out, ceil(in/32)]`` bf16 (or its uint8 bytes)
     -> ``[..., out, in]`` dtype; the product ``(code - 8) * scale`` is computed in fp32 (exact)."""
     nibbles = packed.contiguous().view(torch.uint8)  # little-endian: word byte b holds columns 2b, 2b + 1
     codes = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(*packed.shape[:-1], -1)[..., :in_features]
@@ -192,12 +196,12 @@ def decode(fmt: str, packed: torch.Tensor, scale: torch.Tensor, in_features: int
 
 
 def encode(fmt: str, w: torch.Tensor, scale_bits: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantise ``w [..., out, in]`` to ``fmt``; ``scale_bits``: the int4 scale as its int16 bits (a layer's storage)."""
+    """Quantise ``w [..., out, in]`` to ``fmt``; ``scale_bits``: the int4 scale as its uint8 bytes (a layer's storage)."""
     packed_spec(fmt, w.shape[-1], "w")
     if fmt == "mxfp4":
         return encode_mxfp4(w)
     packed, scale = encode_int4(w)
-    return packed, (scale.view(torch.int16) if scale_bits else scale)
+    return packed, (scale.view(torch.uint8) if scale_bits else scale)
 
 
 def nbytes(fmt: str, out: int, in_features: int, experts: Optional[int] = 1) -> int:

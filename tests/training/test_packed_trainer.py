@@ -1,0 +1,125 @@
+"""LoRA over packed experts through the product's Trainer: a model loaded from a K3-format MXFP4 (or INT4)
+checkpoint gives the logits and LoRA gradients of the same model with its experts dequantised once into fp32,
+in one process and at EP=2 x ZeRO-3 on 4 gloo processes; the packed tensors stay packed and unconverted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
+from moe_plugin.parallel.launch import run_distributed
+
+WORKER = "tests/training/packed_trainer_workers.py:run_packed"
+ZERO3 = "ds_configs/zero3_lora.json"
+IDS = [(7 * i + 3) % 384 for i in range(48)]
+
+
+def _recipe(output_dir, base, world: int, ep: int, precision: str = "fp32") -> dict:
+    return {
+        "output_dir": str(output_dir), "seed": 3, "deepspeed": ZERO3 if world > 1 else None,
+        "model": {"from_pretrained": str(base), "overrides": {}},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"],
+                 "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]},
+        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
+        "parallel": {"backend": "megatron", "expert_parallel_size": ep},
+        "schedule": {"steps": 1, "micro_batch_size": 4 // world, "lr": 1e-2, "clip_grad_norm": None,
+                     "warmup_steps": 0, "precision": precision},
+        "eval": {"every": 0, "batches": 1},
+        "checkpoint": {"every": 0, "keep": 1},
+        "logging": {"every": 1, "progress_bar": False},
+    }
+
+
+def _scenarios(tmp, bases: dict, world: int, ep: int) -> list:
+    out = [{"name": name, "ids": IDS, "recipe": _recipe(tmp / f"{name}-w{world}", base, world, ep)}
+           for name, base in bases.items()]
+    if world > 1:  # DeepSpeed's bf16 engine over the packed base: the bytes must stay as stored
+        out.append({"name": "mxfp4-bf16", "ids": IDS,
+                    "recipe": _recipe(tmp / "mxfp4-bf16", bases["mxfp4"], world, ep, precision="bf16")})
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("packed")
+    bases = {}
+    for fmt in ("mxfp4", "int4"):
+        write_tiny_packed_checkpoint(tmp / fmt, fmt, seed=1, dequantized_path=tmp / f"{fmt}-fp32", attn_res=False)
+        bases[fmt], bases[f"{fmt}-fp32"] = tmp / fmt, tmp / f"{fmt}-fp32"
+    one = run_distributed(WORKER, world_size=1, timeout_s=900, scenarios=_scenarios(tmp, bases, 1, 1))[0]
+    four = run_distributed(WORKER, world_size=4, timeout_s=1500, scenarios=_scenarios(tmp, bases, 4, 2))
+    return bases, one, four
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-12)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+def test_packed_equals_dequantized_fp32_in_every_layout(runs, fmt):
+    _, one, four = runs
+    for where, result in [("1 process", one)] + [(f"rank {r}", res) for r, res in enumerate(four)]:
+        packed, dense = result[fmt], result[f"{fmt}-fp32"]
+        assert _rel(packed["logits"], dense["logits"]) <= 1e-5, where
+        assert math.isclose(packed["loss"], dense["loss"], rel_tol=1e-5), where
+        assert sorted(packed["grads"]) == sorted(dense["grads"]) and packed["grads"], where
+        expert_grads = [n for n in dense["grads"] if "experts" in n]
+        assert expert_grads, "no expert adapter was trained"
+        for name, g in dense["grads"].items():
+            assert float(g.abs().max()) > 0 or "lora_A" in name, (where, name)  # lora_A starts with zero grad
+            assert _rel(packed["grads"][name], g) <= 1e-5, (where, name)
+    for rank, result in enumerate(four):  # and the 4-process layout equals the one process
+        assert _rel(result[fmt]["logits"], one[fmt]["logits"]) <= 1e-5, rank
+        for name, g in one[fmt]["grads"].items():
+            assert _rel(result[fmt]["grads"][name], g) <= 1e-5, (rank, name)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+def test_packed_experts_stay_packed_and_unconverted(runs, fmt):
+    bases, one, four = runs
+    stored = load_file(str(bases[fmt] / "model.safetensors"))
+    # 8 experts x 3 matrices of 32 x 32 weights per MoE layer, at 4.25 bits (MXFP4) or 4.5 bits (INT4 bf16 scales)
+    weights = 3 * 8 * 32 * 32
+    bits = 4.25 if fmt == "mxfp4" else 4.5
+    dtypes = {"mxfp4": {"torch.uint8"}, "int4": {"torch.int32", "torch.uint8"}}[fmt]
+    names = [fmt] + (["mxfp4-bf16"] if fmt == "mxfp4" else [])
+    for name in names:
+        for where, results, ep in [("one", [one], 1), ("four", four, 2)]:
+            if name not in results[0]:
+                continue
+            for rank, result in enumerate(results):
+                resident = result[name]["resident"]
+                layers = len({k.split(":")[1] for k in resident})
+                full = sum(v[1] for v in resident.values())
+                here = sum(v[0] for v in resident.values())
+                assert {v[2] for v in resident.values()} == dtypes, (name, where)
+                assert full * 8 == weights * bits * layers / ep, (name, where, full)  # this rank's experts only
+                edp = 1 if ep == 1 else 2  # ZeRO-3 partitions them within the expert-data-parallel pair
+                assert here <= math.ceil(full / edp) + 64 * len(resident) and here >= full / edp, (name, where)
+                for first, tensors in result[name]["packed"]:  # the bytes as the checkpoint stores them
+                    assert first == (rank % 2) * (8 // ep) if ep > 1 else first == 0
+                    layer = _layer_of(stored, tensors, first, fmt)
+                    assert layer is not None, (name, where, rank, first)
+
+
+def _layer_of(stored: dict, tensors: dict, first: int, fmt: str):
+    """The MoE layer whose stored packed experts ``first ..`` equal ``tensors`` bit for bit, else None."""
+    for layer in range(4):
+        key = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{first}.w1.weight_packed"
+        if key not in stored:
+            continue
+        ok = True
+        for kind in ("w1", "w2", "w3"):
+            for j in range(tensors[kind].shape[0]):
+                base = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{first + j}.{kind}"
+                scale = stored[f"{base}.weight_scale"]
+                scale = scale.view(torch.uint8) if fmt == "int4" else scale
+                ok &= torch.equal(tensors[kind][j], stored[f"{base}.weight_packed"])
+                ok &= torch.equal(tensors[f"{kind}_scale"][j], scale)
+        if ok:
+            return layer
+    return None
