@@ -10,6 +10,13 @@ two forms of the stream:
   the current block. A sublayer's input is the softmax-weighted mix over those candidates, the weights
   coming from one learned vector per mixing point applied to ``RMSNorm(candidate) * norm_weight``;
   all in fp32. At the end of a block the partial sum becomes a completed block value.
+
+Under ZeRO-3 a parameter is gathered only when its module is called, so the stream *calls* a mixing
+point's ``proj`` and ``norm`` (``attn_res_read``) and never reads their ``.weight``. Between modules the
+stream travels as a tuple of tensors (``state()`` / ``from_state``), a type ZeRO-3's hooks understand: the
+completed block values, then the current block's partial sum when the block has one, i.e. when the number
+of layers done is not a multiple of the block size (``has_partial``). A pipeline stage would send that
+tuple as its payload (docs/attn-res-distributed.md).
 """
 
 from __future__ import annotations
@@ -17,23 +24,42 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .norm import RMSNorm
+from .norm import RMSNorm, rms_norm
+
+
+def _stack(candidates: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([c.float() for c in candidates])  # [N, ..., D] in fp32
+
+
+def _combine(values: torch.Tensor, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """values ``[N, ..., D]`` fp32, logits ``[N, ...]`` -> the softmax(N)-weighted sum ``[..., D]`` in dtype."""
+    weights = torch.softmax(logits, dim=0)
+    return (weights.unsqueeze(-1) * values).sum(0).to(dtype)
 
 
 def attn_res_mix(candidates: Sequence[torch.Tensor], proj_weight: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """Softmax-weighted mix of the candidates, weights from ``(RMSNorm(v_c) * norm_weight) . proj_weight``.
 
-    candidates: N tensors ``[B, T, D]``; proj_weight: ``[1, D]``; norm_weight: ``[D]``.
-    Returns ``[B, T, D]`` in the candidates' dtype, computed in fp32.
+    The functional form (plain tensors); modules use ``attn_res_read``, which calls them instead.
+    candidates: N tensors ``[..., D]`` (``[B, T, D]`` or megatron's ``[S, B, D]``); proj_weight: ``[1, D]``;
+    norm_weight: ``[D]``. Returns ``[..., D]`` in the candidates' dtype, computed in fp32.
     """
-    values = torch.stack([c.float() for c in candidates])  # [N, B, T, D]
-    normed = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
-    logits = normed @ proj_weight.float().reshape(-1)  # [N, B, T]
-    weights = torch.softmax(logits, dim=0)
-    return (weights.unsqueeze(-1) * values).sum(0).to(candidates[0].dtype)
+    values = _stack(candidates)
+    return _combine(values, rms_norm(values, norm_weight, eps) @ proj_weight.float().reshape(-1),
+                    candidates[0].dtype)
+
+
+def attn_res_read(candidates: Sequence[torch.Tensor], proj: "AttnResProjection", norm: RMSNorm) -> torch.Tensor:
+    """``attn_res_mix`` with the mixing point's modules called (so ZeRO-3 gathers their weights).
+
+    candidates: N tensors ``[..., D]``; proj: ``AttnResProjection(D)``; norm: ``RMSNorm(D)``. -> ``[..., D]``.
+    """
+    values = _stack(candidates)
+    return _combine(values, proj(norm(values)).squeeze(-1), candidates[0].dtype)
 
 
 class AttnResProjection(nn.Linear):
@@ -45,6 +71,10 @@ class AttnResProjection(nn.Linear):
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[..., D]`` -> logits ``[..., 1]`` in fp32 (a bf16 weight is promoted, as the mix is fp32)."""
+        return F.linear(x.float(), self.weight.float())
 
 
 def attn_res_point(dim: int, eps: float) -> Tuple[AttnResProjection, RMSNorm]:
@@ -69,6 +99,14 @@ class PlainStream:
     def end_block(self) -> None:
         pass
 
+    def state(self) -> Tuple[torch.Tensor, ...]:
+        """``(hidden,)``."""
+        return (self.hidden,)
+
+    @classmethod
+    def from_state(cls, state: Sequence[torch.Tensor], has_partial: bool = False) -> "PlainStream":
+        return cls(state[0])
+
 
 class AttnResStream:
     """Completed block values (the embedding first) and the current block's partial sum."""
@@ -80,9 +118,9 @@ class AttnResStream:
     def candidates(self) -> List[torch.Tensor]:
         return self.blocks + ([self.partial] if self.partial is not None else [])
 
-    def read(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
-        """The sublayer input ``[B, T, D]``: the candidates mixed by proj (``weight [1, D]``) and norm."""
-        return attn_res_mix(self.candidates(), proj.weight, norm.weight, norm.eps)
+    def read(self, proj: AttnResProjection, norm: RMSNorm) -> torch.Tensor:
+        """The sublayer input ``[B, T, D]``: the candidates mixed by calling proj (``weight [1, D]``) and norm."""
+        return attn_res_read(self.candidates(), proj, norm)
 
     def add(self, out: torch.Tensor) -> None:
         """out: a sublayer's output ``[B, T, D]``, added to the current block's partial sum ``[B, T, D]``
@@ -93,6 +131,34 @@ class AttnResStream:
         if self.partial is not None:
             self.blocks.append(self.partial)
             self.partial = None
+
+    def state(self) -> Tuple[torch.Tensor, ...]:
+        """The completed block values ``[B, T, D]`` each (the embedding first), then the partial sum if any."""
+        return tuple(self.candidates())
+
+    @classmethod
+    def from_state(cls, state: Sequence[torch.Tensor], has_partial: bool) -> "AttnResStream":
+        """The stream whose ``state()`` is ``state``; ``has_partial``: its last tensor is the partial sum."""
+        if len(state) < (2 if has_partial else 1):
+            raise ValueError(f"state: {len(state)} tensors cannot hold the embedding"
+                             f"{' and a partial sum' if has_partial else ''}; pass the tuple state() returned")
+        stream = cls(state[0])
+        stream.blocks = list(state[:-1] if has_partial else state)
+        stream.partial = state[-1] if has_partial else None
+        return stream
+
+
+def has_partial(layers_done: int, block_size: int) -> bool:
+    """Whether an AttnRes state after ``layers_done`` layers ends with a partial block sum."""
+    return layers_done % block_size != 0
+
+
+def stream_from_state(state: Sequence[torch.Tensor], attn_res: bool, layers_done: int,
+                      block_size: int) -> Union[PlainStream, AttnResStream]:
+    """The stream whose ``state()`` is ``state`` after ``layers_done`` layers (blocks of ``block_size``)."""
+    if not attn_res:
+        return PlainStream.from_state(state)
+    return AttnResStream.from_state(state, has_partial(layers_done, block_size))
 
 
 def make_stream(embeddings: torch.Tensor, attn_res: bool) -> Union[PlainStream, AttnResStream]:

@@ -3,18 +3,20 @@
 Parameter names are K3's (docs/architecture.md 7): ``input_layernorm``, ``self_attn``,
 ``post_attention_layernorm``, then ``block_sparse_moe`` or ``mlp``; with Attention Residuals also
 ``self_attention_res_{proj,norm}`` and ``mlp_res_{proj,norm}``.
+
+A layer takes and returns plain tensors (the residual stream's ``state()`` tuple, the MoE load, the indexer
+loss): ZeRO-3 registers its backward hooks on a module's tensor outputs only (docs/zero3-ep.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .attn_res import AttnResStream, PlainStream, attn_res_point
+from .attn_res import attn_res_point, stream_from_state
 from .gated_dsa import GatedMLAAttention, MLACache
 from .kda import KDAAttention, KDACache
 from .mlp import GLUMLP
@@ -22,14 +24,8 @@ from .moe import StableLatentMoE
 from .norm import RMSNorm
 
 LayerCache = Union[KDACache, MLACache]
-
-
-@dataclass
-class LayerAux:
-    """What a layer reports besides its output: the MoE load per expert ``[E]`` and the indexer KL loss."""
-
-    expert_load: Optional[torch.Tensor] = None
-    indexer_loss: Optional[torch.Tensor] = None
+# (the stream's state after the layer, expert load [E] or None, indexer KL loss (scalar) or None)
+LayerOutput = Tuple[Tuple[torch.Tensor, ...], Optional[torch.Tensor], Optional[torch.Tensor]]
 
 
 def new_layer_cache(attention_type: str) -> LayerCache:
@@ -56,6 +52,7 @@ class DecoderLayer(nn.Module):
             self.mlp = GLUMLP(d, config.dense_intermediate_size, activation=moe.activation,
                               situ_beta=moe.situ_beta, situ_linear_beta=moe.situ_linear_beta)
         self.attn_res = config.attn_res
+        self.block_size = config.attn_res_block_size
         if config.attn_res:
             self.self_attention_res_proj, self.self_attention_res_norm = attn_res_point(d, eps)
             self.mlp_res_proj, self.mlp_res_norm = attn_res_point(d, eps)
@@ -63,20 +60,24 @@ class DecoderLayer(nn.Module):
     def new_cache(self) -> LayerCache:
         return new_layer_cache(self.attention_type)
 
-    def forward(self, stream: Union[PlainStream, AttnResStream], cu_seqlens: Optional[torch.Tensor] = None,
+    def forward(self, residual: Tuple[torch.Tensor, ...], cu_seqlens: Optional[torch.Tensor] = None,
                 cache: Optional[LayerCache] = None, return_indexer_loss: bool = False,
-                token_mask: Optional[torch.Tensor] = None) -> LayerAux:
-        """Advance ``stream`` (whose tensors are ``[B, T, D]``) through attention and MLP, in place.
+                token_mask: Optional[torch.Tensor] = None) -> LayerOutput:
+        """Advance the residual stream through attention and MLP.
 
+        residual: the stream's ``state()`` before this layer (``PlainStream``: ``(h,)``; ``AttnResStream``:
+        the block values, then the partial sum unless this layer starts a block), each ``[B, T, D]``.
+        Returns ``(state after the layer, expert_load [E] or None, indexer_loss or None)``.
         token_mask ``[B, T]`` bool, False = padding (a left-padded prompt): the attention layers keep padded
         tokens out of their state / keys, and the MoE load counts real tokens only.
         """
-        aux = LayerAux()
+        stream = stream_from_state(residual, self.attn_res, self.layer_idx, self.block_size)
+        load = indexer_loss = None
         x = stream.read(*self._res_point("self_attention"))
         h = self.input_layernorm(x)
         attn_kwargs = dict(cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
         if return_indexer_loss and self.attention_type == "mla":  # only MLA layers have an indexer
-            out, aux.indexer_loss = self.self_attn(h, return_indexer_loss=True, **attn_kwargs)
+            out, indexer_loss = self.self_attn(h, return_indexer_loss=True, **attn_kwargs)
         else:
             out = self.self_attn(h, **attn_kwargs)
         stream.add(out)
@@ -85,13 +86,13 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             padding = None if token_mask is None else ~token_mask.bool()
-            out, aux.expert_load = self.block_sparse_moe(h, padding_mask=padding)
+            out, load = self.block_sparse_moe(h, padding_mask=padding)
         else:
             out = self.mlp(h)
         stream.add(out)
         if self.attn_res and self.ends_block:
             stream.end_block()
-        return aux
+        return stream.state(), load, indexer_loss
 
     def _res_point(self, name: str):
         if not self.attn_res:

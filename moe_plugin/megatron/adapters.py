@@ -28,7 +28,8 @@ from ..layers.kda import KDAAttention
 from ..layers.mlp import GLUMLP
 from ..layers.norm import RMSNorm
 
-__all__ = ["MegatronRMSNorm", "KDASelfAttention", "GatedDSASelfAttention", "DenseMLP", "packed_cu_seqlens"]
+__all__ = ["MegatronRMSNorm", "KDASelfAttention", "GatedDSASelfAttention", "DenseMLP", "packed_cu_seqlens",
+           "indexer_loss_of"]
 
 
 def packed_cu_seqlens(packed_seq_params: Optional[PackedSeqParams], batch: int) -> Optional[torch.Tensor]:
@@ -81,8 +82,12 @@ class _SequenceFirstAttention:
                 "megatron inference contexts are not supported; decode with the Hugging Face model's cache")
         x = hidden_states.transpose(0, 1)
         cu_seqlens = packed_cu_seqlens(packed_seq_params, x.shape[0])
-        out = super().forward(x, cu_seqlens=cu_seqlens)
+        out = self._attend(x, cu_seqlens)
         return out.transpose(0, 1), None
+
+    def _attend(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+        """The single-device layer's forward on ``x [B, T, D]``."""
+        return super().forward(x, cu_seqlens=cu_seqlens)
 
 
 class KDASelfAttention(_SequenceFirstAttention, KDAAttention):
@@ -98,15 +103,44 @@ class KDASelfAttention(_SequenceFirstAttention, KDAAttention):
 class GatedDSASelfAttention(_SequenceFirstAttention, GatedMLAAttention):
     """``self_attention`` of a Gated DSA (gated MLA + lightning indexer) layer.
 
-    The indexer selects keys as in the single-device layer; its KL loss is not produced on this path
-    (megatron's layer has no channel for it), so train the indexer with the Hugging Face model.
+    The indexer's KL loss (``GatedMLAAttention``'s, the only signal that trains the indexer) has no place in
+    megatron's ``(out, bias)``: with ``indexer_loss`` (the spec's param) a training forward whose indexer has
+    a trainable parameter (full training, or LoRA on it) keeps it in ``indexer_loss``; the trainer's loss
+    takes it with ``pop_indexer_loss`` and adds ``indexer_loss_coeff`` times the mean over layers, as the
+    Hugging Face model does. The indexer's inputs are detached, so the term reaches the indexer only.
     """
 
     def __init__(self, config: TransformerConfig, mla: MLAConfig, layer_number: Optional[int] = None,
-                 pg_collection: Any = None, **unused: Any):
+                 pg_collection: Any = None, indexer_loss: bool = False, **unused: Any):
         _check_hidden(config, mla.hidden_size, "MLAConfig")
         super().__init__(mla)
         self.layer_number = layer_number
+        self.compute_indexer_loss = bool(indexer_loss)
+        self.indexer_loss: Optional[torch.Tensor] = None
+
+    def wants_indexer_loss(self) -> bool:
+        return (self.compute_indexer_loss and self.training and self.indexer is not None
+                and any(p.requires_grad for p in self.indexer.parameters()))
+
+    def _attend(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+        if not self.wants_indexer_loss():
+            self.indexer_loss = None
+            return GatedMLAAttention.forward(self, x, cu_seqlens=cu_seqlens)
+        out, self.indexer_loss = GatedMLAAttention.forward(self, x, cu_seqlens=cu_seqlens, return_indexer_loss=True)
+        return out
+
+    def pop_indexer_loss(self) -> Optional[torch.Tensor]:
+        """The scalar KL of the last training forward (None if it computed none), cleared."""
+        loss, self.indexer_loss = self.indexer_loss, None
+        return loss
+
+
+def indexer_loss_of(model) -> Optional[torch.Tensor]:
+    """Mean of the Gated DSA layers' popped indexer losses of the last forward of megatron ``model``
+    (a ``GPTModel``), None when none computed one. Pops every layer's, so each forward is counted once."""
+    losses = [m.pop_indexer_loss() for m in model.modules() if isinstance(m, GatedDSASelfAttention)]
+    losses = [loss for loss in losses if loss is not None]
+    return torch.stack(losses).mean() if losses else None
 
 
 class DenseMLP(GLUMLP):

@@ -5,6 +5,8 @@ submodules are ours (``adapters.py``, ``latent_moe.py``), and each of them is th
 ``moe_plugin.layers`` with megatron's calling conventions. The block follows ``ModelConfig``'s schedule:
 layer i has KDA or Gated DSA attention (``layer_types[i]``) and a dense GLU MLP (``i < first_k_dense``) or the
 Stable Latent MoE. There is no position embedding (``position_embedding_type="none"``): KDA carries position.
+With Attention Residuals (``ModelConfig.attn_res``) the layers are ``AttnResTransformerLayer`` and the decoder
+an ``AttnResTransformerBlock`` (``attn_res_block.py``): thin subclasses that carry the AttnRes state.
 
 Spec builders check their preconditions first and raise ``ValueError`` naming the field.
 """
@@ -22,6 +24,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from ..config import KDAConfig, MLAConfig, ModelConfig, MoEConfig, require
 from .adapters import DenseMLP, GatedDSASelfAttention, KDASelfAttention, MegatronRMSNorm
+from .attn_res_block import AttnResTransformerLayer, enable_attn_res_block
 from .latent_moe import latent_moe_spec, megatron_moe_fields
 
 __all__ = ["kda_attention_spec", "gated_dsa_attention_spec", "dense_mlp_spec", "moe_mlp_spec", "decoder_layer_spec",
@@ -38,10 +41,11 @@ def kda_attention_spec(kda: KDAConfig) -> ModuleSpec:
     return ModuleSpec(module=KDASelfAttention, params={"kda": kda})
 
 
-def gated_dsa_attention_spec(mla: MLAConfig) -> ModuleSpec:
-    """``self_attention`` spec of a Gated DSA layer (gated MLA, with the lightning indexer when ``use_indexer``)."""
+def gated_dsa_attention_spec(mla: MLAConfig, indexer_loss: bool = False) -> ModuleSpec:
+    """``self_attention`` spec of a Gated DSA layer (gated MLA, with the lightning indexer when ``use_indexer``);
+    ``indexer_loss``: training forwards keep the indexer's KL loss (``GatedDSASelfAttention.pop_indexer_loss``)."""
     _require_type(mla, MLAConfig, "mla")
-    return ModuleSpec(module=GatedDSASelfAttention, params={"mla": mla})
+    return ModuleSpec(module=GatedDSASelfAttention, params={"mla": mla, "indexer_loss": bool(indexer_loss)})
 
 
 def dense_mlp_spec(config: ModelConfig) -> ModuleSpec:
@@ -63,30 +67,32 @@ def moe_mlp_spec(moe: MoEConfig) -> ModuleSpec:
 
 def _check_model_config(config: ModelConfig) -> None:
     _require_type(config, ModelConfig, "config")
-    require(not config.attn_res, "ModelConfig.attn_res",
-            "Attention Residuals are not supported by megatron's TransformerLayer (it adds every sublayer to one "
-            "residual stream); set attn_res=False")
 
 
-def decoder_layer_spec(config: ModelConfig, layer_idx: int) -> ModuleSpec:
-    """megatron ``TransformerLayer`` spec of layer ``layer_idx`` (0-based) of ``config``'s schedule."""
+def decoder_layer_spec(config: ModelConfig, layer_idx: int, indexer_loss: bool = False) -> ModuleSpec:
+    """megatron ``TransformerLayer`` spec of layer ``layer_idx`` (0-based) of ``config``'s schedule
+    (``indexer_loss``: see ``gated_dsa_attention_spec``)."""
     _check_model_config(config)
     require(isinstance(layer_idx, int) and 0 <= layer_idx < config.num_layers, "layer_idx",
             f"must be in [0, {config.num_layers}), got {layer_idx!r}")
     if config.layer_types[layer_idx] == "kda":
         attention = kda_attention_spec(config.kda)
     else:
-        attention = gated_dsa_attention_spec(config.mla)
+        attention = gated_dsa_attention_spec(config.mla, indexer_loss)
     mlp = moe_mlp_spec(config.moe) if config.is_moe_layer(layer_idx) else dense_mlp_spec(config)
-    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+    submodules = TransformerLayerSubmodules(
         input_layernorm=MegatronRMSNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=MegatronRMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))
+        pre_mlp_layernorm=MegatronRMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add)
+    if config.attn_res:  # the same submodules; the layer carries the AttnRes state instead of one residual
+        return ModuleSpec(module=AttnResTransformerLayer, submodules=submodules,
+                          params={"attn_res_block_size": config.attn_res_block_size})
+    return ModuleSpec(module=TransformerLayer, submodules=submodules)
 
 
-def decoder_block_spec(config: ModelConfig) -> TransformerBlockSubmodules:
+def decoder_block_spec(config: ModelConfig, indexer_loss: bool = False) -> TransformerBlockSubmodules:
     """``TransformerBlockSubmodules``: one layer spec per layer of the schedule, then the final RMSNorm."""
     _check_model_config(config)
-    specs: List[ModuleSpec] = [decoder_layer_spec(config, i) for i in range(config.num_layers)]
+    specs: List[ModuleSpec] = [decoder_layer_spec(config, i, indexer_loss) for i in range(config.num_layers)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=MegatronRMSNorm)
 
 
@@ -123,9 +129,12 @@ def check_transformer_config(tc: TransformerConfig, config: ModelConfig) -> None
             "must be False (the fused version is torch.compile'd and the layers have no bias)")
 
 
-def build_gpt_model(config: ModelConfig, tc: TransformerConfig = None, **gpt_kwargs: Any):
+def build_gpt_model(config: ModelConfig, tc: TransformerConfig = None, indexer_loss: bool = False,
+                    **gpt_kwargs: Any):
     """megatron-core's ``GPTModel`` for ``config``: ``decoder_block_spec`` layers, no position embedding,
-    input/output embeddings tied iff ``config.tie_word_embeddings``.
+    input/output embeddings tied iff ``config.tie_word_embeddings``; with ``config.attn_res`` the decoder is an
+    ``AttnResTransformerBlock``. indexer_loss: the Gated DSA layers keep their indexer KL loss in training
+    forwards (``adapters.indexer_loss_of(model)`` takes it; the caller adds it to the loss).
 
     Start megatron's parallel state first (``moe_plugin.parallel.distributed.initialize_megatron``): MoE
     layers take their expert-parallel groups from it and build only this rank's experts.
@@ -141,4 +150,7 @@ def build_gpt_model(config: ModelConfig, tc: TransformerConfig = None, **gpt_kwa
                   position_embedding_type="none",
                   share_embeddings_and_output_weights=config.tie_word_embeddings)
     kwargs.update(gpt_kwargs)
-    return GPTModel(tc, decoder_block_spec(config), **kwargs)
+    model = GPTModel(tc, decoder_block_spec(config, indexer_loss), **kwargs)
+    if config.attn_res:
+        enable_attn_res_block(model.decoder, config.attn_res_block_size)
+    return model

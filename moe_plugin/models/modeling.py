@@ -26,7 +26,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from ..layers.attn_res import AttnResProjection, attn_res_point, make_stream
+from ..layers.attn_res import AttnResProjection, attn_res_point, make_stream, stream_from_state
 from ..layers.decoder import DecoderLayer
 from ..layers.kda import KDAAttention, ShortConvolution
 from ..layers.moe import MoERouter, StackedExperts
@@ -202,16 +202,18 @@ class MoEPluginModel(MoEPluginPreTrainedModel):
         if cu_seqlens is not None and cache is not None:
             raise ValueError("cu_seqlens: packed sequences cannot be decoded with a cache")
 
-        stream = make_stream(x, self.model_config.attn_res)
+        residual = make_stream(x, mc.attn_res).state()  # tuples of tensors between modules (ZeRO-3's hooks)
         loads, index_losses = [], []
         for i, layer in enumerate(self.layers):
-            aux = layer(stream, cu_seqlens=cu_seqlens, cache=cache[i] if cache is not None else None,
-                        return_indexer_loss=return_indexer_loss, token_mask=token_mask)
-            if aux.expert_load is not None:
-                loads.append(aux.expert_load)
-            if aux.indexer_loss is not None:
-                index_losses.append(aux.indexer_loss)
-        if self.model_config.attn_res:
+            residual, load, index_loss = layer(residual, cu_seqlens=cu_seqlens,
+                                               cache=cache[i] if cache is not None else None,
+                                               return_indexer_loss=return_indexer_loss, token_mask=token_mask)
+            if load is not None:
+                loads.append(load)
+            if index_loss is not None:
+                index_losses.append(index_loss)
+        stream = stream_from_state(residual, mc.attn_res, len(self.layers), mc.attn_res_block_size)
+        if mc.attn_res:
             hidden = stream.read(self.output_attn_res_proj, self.output_attn_res_norm)
         else:
             hidden = stream.read()

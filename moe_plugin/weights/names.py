@@ -42,6 +42,9 @@ NAME_TABLE: Tuple[Tuple[str, str, Optional[str]], ...] = (
     ("model.layers.{i}.post_attention_layernorm.", "decoder.layers.{i}.pre_mlp_layernorm.", None),
     ("model.layers.{i}.block_sparse_moe.", "decoder.layers.{i}.mlp.", "moe"),
     ("model.layers.{i}.mlp.", "decoder.layers.{i}.mlp.", "dense"),
+    ("model.layers.{i}.self_attention_res_", "decoder.layers.{i}.self_attention_res_", None),  # AttnRes points
+    ("model.layers.{i}.mlp_res_", "decoder.layers.{i}.mlp_res_", None),
+    ("model.output_attn_res_", "decoder.output_attn_res_", None),
     ("model.norm.", "decoder.final_layernorm.", None),
     ("lm_head.", "output_layer.", None),
 )

@@ -25,16 +25,16 @@ def test_plain_layer_equals_hand_composition(layer_idx):
     torch.manual_seed(layer_idx)
     layer = DecoderLayer(_config(False), layer_idx)
     x = torch.randn(2, 11, 32)
-    stream = PlainStream(x)
-    aux = layer(stream)
+    (out,), load_got, index_loss = layer(PlainStream(x).state())
+    assert index_loss is None
     h = x + layer.self_attn(layer.input_layernorm(x))
     if layer.is_moe:
         mlp_out, load = layer.block_sparse_moe(layer.post_attention_layernorm(h))
-        assert torch.equal(aux.expert_load, load) and float(load.sum()) == 2 * 11 * 2
+        assert torch.equal(load_got, load) and float(load.sum()) == 2 * 11 * 2
     else:
         mlp_out = layer.mlp(layer.post_attention_layernorm(h))
-        assert aux.expert_load is None
-    assert _rel(stream.read(), h + mlp_out) < 1e-6
+        assert load_got is None
+    assert _rel(out, h + mlp_out) < 1e-6
 
 
 def test_attn_res_layer_reads_mixes_and_closes_its_block():
@@ -44,22 +44,32 @@ def test_attn_res_layer_reads_mixes_and_closes_its_block():
         for p in (layer.self_attention_res_proj.weight, layer.mlp_res_proj.weight):
             p.normal_()
     emb, partial = torch.randn(1, 6, 32), torch.randn(1, 6, 32)
-    stream = AttnResStream(emb)
-    stream.partial = partial
-    layer(stream)
+    state, _, _ = layer((emb, partial))  # layer 1 is inside a block: the state ends with the partial sum
     eps = layer.input_layernorm.eps
     x = attn_res_mix([emb, partial], layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight, eps)
     a = layer.self_attn(layer.input_layernorm(x))
     x2 = attn_res_mix([emb, partial + a], layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, eps)
     m, _ = layer.block_sparse_moe(layer.post_attention_layernorm(x2))
-    assert stream.partial is None and len(stream.blocks) == 2
-    assert _rel(stream.blocks[1], partial + a + m) < 1e-6
+    assert len(state) == 2 and state[0] is emb, "the block closes: the embedding and the block's value"
+    assert _rel(state[1], partial + a + m) < 1e-6
+
+
+def test_attn_res_layer_calls_its_mixing_points():
+    """ZeRO-3 gathers a weight only when its module is called: every mixing point's proj and norm must be."""
+    layer = DecoderLayer(_config(True), 0)
+    called = []
+    for name in ("self_attention_res_proj", "self_attention_res_norm", "mlp_res_proj", "mlp_res_norm"):
+        getattr(layer, name).register_forward_pre_hook(lambda m, args, name=name: called.append(name))
+    emb = torch.randn(1, 5, 32)
+    state, _, _ = layer(AttnResStream(emb).state())
+    assert called == ["self_attention_res_norm", "self_attention_res_proj", "mlp_res_norm", "mlp_res_proj"]
+    assert len(state) == 2 and state[0] is emb, "layer 0 opens a block: the embedding, then the partial sum"
 
 
 def test_indexer_loss_is_reported_for_mla_layers():
     layer = DecoderLayer(_config(False), 1)
-    aux = layer(PlainStream(torch.randn(1, 9, 32)), return_indexer_loss=True)
-    assert aux.indexer_loss is not None and torch.isfinite(aux.indexer_loss)
+    _, _, index_loss = layer(PlainStream(torch.randn(1, 9, 32)).state(), return_indexer_loss=True)
+    assert index_loss is not None and torch.isfinite(index_loss)
 
 
 def test_layer_index_out_of_range():

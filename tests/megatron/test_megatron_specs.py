@@ -16,6 +16,7 @@ from moe_plugin.layers.moe import StackedExperts
 from moe_plugin.megatron import specs
 from moe_plugin.megatron.adapters import (DenseMLP, GatedDSASelfAttention, KDASelfAttention, MegatronRMSNorm,
                                           packed_cu_seqlens)
+from moe_plugin.megatron.attn_res_block import AttnResTransformerLayer
 from moe_plugin.megatron.latent_moe import LatentMoELayer
 from moe_plugin.megatron.lora import slice_expert_adapter
 from moe_plugin.megatron.weights import NAME_TABLE, hf_to_megatron_name, load_hf_checkpoint, megatron_to_hf_name
@@ -49,6 +50,18 @@ def test_block_spec_follows_the_schedule():
     assert block.layer_specs[4].submodules.self_attention.params["mla"] is config.mla
 
 
+def test_attn_res_block_spec_uses_the_attn_res_layer_with_the_same_submodules():
+    plain = specs.decoder_block_spec(model_config())
+    config = model_config(attn_res=True, attn_res_block_size=3)
+    block = specs.decoder_block_spec(config, indexer_loss=True)
+    assert all(s.module is AttnResTransformerLayer and s.params == {"attn_res_block_size": 3}
+               for s in block.layer_specs)
+    assert [s.submodules for s in block.layer_specs] == [s.submodules for s in plain.layer_specs[:3]] + \
+        [block.layer_specs[3].submodules]
+    assert block.layer_specs[3].submodules.self_attention.params["indexer_loss"] is True
+    assert plain.layer_specs[3].submodules.self_attention.params["indexer_loss"] is False
+
+
 def test_transformer_config_has_no_positions_dropout_or_fusions():
     config = model_config()
     tc = specs.transformer_config(config)
@@ -58,8 +71,8 @@ def test_transformer_config_has_no_positions_dropout_or_fusions():
 
 
 @pytest.mark.parametrize("call, field", [
-    (lambda: specs.decoder_block_spec(model_config(attn_res=True)), "ModelConfig.attn_res"),
-    (lambda: specs.build_gpt_model(model_config(attn_res=True)), "ModelConfig.attn_res"),
+    (lambda: AttnResTransformerLayer(specs.transformer_config(model_config()), None, attn_res_block_size=0),
+     "attn_res_block_size"),
     (lambda: specs.decoder_layer_spec(model_config(), 4), "layer_idx"),
     (lambda: specs.kda_attention_spec(model_config().mla), "kda"),
     (lambda: specs.gated_dsa_attention_spec(model_config().kda), "mla"),

@@ -47,7 +47,7 @@ class MegatronBackend(Backend):
         tc = transformer_config(mc, use_cpu_initialization=self.device.type == "cpu")
         zero3 = zero3_enabled(ds_config)
         with zero_init(ds_config) if partition_while_building(ds_config, self.recipe) else contextlib.nullcontext():
-            model = build_gpt_model(mc, tc)
+            model = build_gpt_model(mc, tc, indexer_loss=self._indexer_loss_coeff() > 0)
         if not zero3:
             model.to(self.device)
         load_base(model, self.recipe.model, mc, names="megatron")
@@ -63,7 +63,11 @@ class MegatronBackend(Backend):
         return model
 
     def loss(self, module: nn.Module, micro_batch, num_items: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """The token loss of the micro-batch, plus ``indexer_loss_coeff`` times the mean indexer KL loss of the
+        Gated DSA layers when they computed one (training, indexer trainable), as the Hugging Face model adds it."""
         from megatron.core.packed_seq_params import PackedSeqParams
+
+        from ...megatron.adapters import indexer_loss_of
 
         cu = micro_batch.cu_seqlens.to(self.device)
         longest = int((cu[1:] - cu[:-1]).max())
@@ -72,7 +76,18 @@ class MegatronBackend(Backend):
         ids = micro_batch.input_ids.to(self.device)
         logits = module(ids, None, None, packed_seq_params=params)
         loss = causal_lm_loss(logits, micro_batch.labels.to(self.device), cu, num_items)
-        return loss, {}
+        indexer_kl = indexer_loss_of(module.module if hasattr(module, "module") else module)
+        if indexer_kl is None:
+            return loss, {}
+        return loss + self._indexer_loss_coeff() * indexer_kl, {"indexer_kl": indexer_kl.detach()}
+
+    def _indexer_loss_coeff(self) -> float:
+        """The base config's ``indexer_loss_coeff`` (0 = the indexer is not trained)."""
+        if not hasattr(self, "_indexer_coeff"):
+            from .common import hf_config
+
+            self._indexer_coeff = float(getattr(hf_config(self.recipe.model), "indexer_loss_coeff", 0.0))
+        return self._indexer_coeff
 
     def moe_layers(self, module: nn.Module) -> List[nn.Module]:
         return [layer.mlp for layer in module.decoder.layers if layer.is_moe_layer]
