@@ -9,6 +9,10 @@ rank its share of each optimizer step, deterministically and resumably.
 
 Files: ``.jsonl`` is read line by line (errors name the file and the 1-based line); ``.parquet``, ``.csv``
 and ``.json`` go through ``datasets.load_dataset`` (errors name the file and the 1-based row).
+
+Images (docs/multimodal.md 2): a chat record may hold images (``image_data``); each ``<|image|>`` is expanded
+to its image's merged tokens, never trained, and the patches travel with the example into its row and
+micro-batch (``pixel_patches``/``grid_hw``, in placeholder order), so every packing gives the same loss.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import json
 import os
 import random
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple
 
 import torch
 
 from ..config import require
+from .image_data import (IMAGE_PLACEHOLDER, Images, concat_images, expand_placeholders, image_sources,
+                         inline_source, load_images, record_has_images)
 
 _OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _ROLES = ("system", "user", "assistant")
@@ -37,6 +43,10 @@ class Example:
 
     input_ids: List[int]
     labels: List[int]
+    # the images of its placeholders, in order, and the data file and line (for errors); == compares only the
+    # tokens (tensors have no single truth value)
+    images: Optional[Images] = field(default=None, compare=False)
+    where: str = field(default="", compare=False)
 
     def __post_init__(self):
         require(len(self.input_ids) == len(self.labels) > 0, "Example.labels",
@@ -47,21 +57,31 @@ class Example:
 @dataclass
 class Row:
     """One training row: ``input_ids``/``labels`` ``[seq_len]``; ``cu_seqlens`` ``[n+1]`` from 0 to seq_len,
-    the tail padding (if any) its own last segment."""
+    the tail padding (if any) its own last segment; the images of its placeholders (``Images``) or None."""
 
     input_ids: torch.LongTensor
     labels: torch.LongTensor
     cu_seqlens: torch.LongTensor
+    images: Optional[Images] = None
 
 
 @dataclass
 class MicroBatch:
     """Rows concatenated into one packed row: ``input_ids``/``labels`` ``[1, rows * seq_len]``,
-    ``cu_seqlens`` ``[n+1]``."""
+    ``cu_seqlens`` ``[n+1]``; with images, ``pixel_patches`` ``[N, C * P * P]`` and ``grid_hw``
+    ``[num_images, 2]`` of the rows' placeholders in order (None without)."""
 
     input_ids: torch.LongTensor
     labels: torch.LongTensor
     cu_seqlens: torch.LongTensor
+    pixel_patches: Optional[torch.Tensor] = None
+    grid_hw: Optional[torch.LongTensor] = None
+
+    def image_inputs(self, device) -> dict:
+        """The model's image arguments on ``device``: ``{}`` without images."""
+        if self.pixel_patches is None:
+            return {}
+        return {"pixel_patches": self.pixel_patches.to(device), "grid_hw": self.grid_hw.to(device)}
 
 
 def _default_tokenizer(tokenizer):
@@ -143,14 +163,15 @@ def _describe(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _checked_messages(where: str, record) -> List[dict]:
-    """The record's messages, each ``{"role", "content"}`` with content a string or a list of text items."""
+def _checked_messages(where: str, record) -> Tuple[List[dict], List[str]]:
+    """The record's messages, each ``{"role", "content"}`` with content a string or a list of text/image
+    items, and the sources of its inline image items in order (``image_data``)."""
     require(isinstance(record, dict), "data.path",
             f"{where}: must be a JSON object with a 'messages' list, got {_describe(record)}")
     messages = record.get("messages")
     require(isinstance(messages, list) and len(messages) > 0, "data.path",
             f"{where}: needs a non-empty 'messages' list, got {_describe(messages)}")
-    checked = []
+    checked, inline = [], []
     for i, message in enumerate(messages):
         at = f"{where}: messages[{i}]"
         require(isinstance(message, dict) and "role" in message and "content" in message, "data.path",
@@ -161,13 +182,14 @@ def _checked_messages(where: str, record) -> List[dict]:
             items = []
             for j, item in enumerate(content):
                 kind = item.get("type") if isinstance(item, dict) else None
-                # Image items will pass through to the processor here once data.kind 'sft' takes images.
-                require(kind != "image", "data.path",
-                        f"{at}.content[{j}]: images are not supported by data.kind 'sft' yet; "
-                        f"keep only text items")
+                if kind == "image":
+                    source = inline_source(f"{at}.content[{j}]", item)
+                    inline += [source] if source is not None else []
+                    items.append({"type": "image"})
+                    continue
                 require(kind == "text" and isinstance(item.get("text"), str), "data.path",
-                        f"{at}.content[{j}] must be {{\"type\": \"text\", \"text\": <string>}}, "
-                        f"got {_describe(item)}")
+                        f"{at}.content[{j}] must be {{\"type\": \"text\", \"text\": <string>}} or "
+                        f"{{\"type\": \"image\", \"image\": <path or data URL>}}, got {_describe(item)}")
                 items.append({"type": "text", "text": item["text"]})
             content = items
         else:
@@ -180,17 +202,20 @@ def _checked_messages(where: str, record) -> List[dict]:
         checked.append({"role": role, "content": content})
     require(any(m["role"] == "assistant" for m in checked), "data.path",
             f"{where}: has no assistant turn, so nothing would be trained; add an assistant message")
-    return checked
+    return checked, inline
 
 
-def _render(tokenizer, messages: List[dict], add_generation_prompt: bool = False) -> List[int]:
+def _render(tokenizer, messages: List[dict], add_generation_prompt: bool = False, tokens_per_image=()) -> List[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return _encode(tokenizer, text)
+    return _encode(tokenizer, expand_placeholders(text, tokens_per_image))
 
 
-def chat_example(messages: List[dict], tokenizer=None, where: str = "messages") -> Example:
+def chat_example(messages: List[dict], tokenizer=None, where: str = "messages", images: Optional[Images] = None,
+                 merge_size: int = 2) -> Example:
     """The chat rendered with the tokenizer's template, loss only on each assistant turn's content and its
-    closing ``<|im_end|>``.
+    closing ``<|im_end|>``. With ``images`` (one per ``<|image|>`` of the rendering, in order; a different
+    count raises a ValueError), each placeholder becomes its image's ``h * w / merge_size**2`` placeholder
+    tokens, which are never trained.
 
     The spans come from rendering prefixes of the conversation: turn i's content starts after the rendering
     of ``messages[:i]`` with the generation prompt and ends with the rendering of ``messages[:i+1]``, less
@@ -198,14 +223,20 @@ def chat_example(messages: List[dict], tokenizer=None, where: str = "messages") 
     the whole conversation cannot be masked this way and raises a ValueError.
     """
     tokenizer = _default_tokenizer(tokenizer)
-    ids = _render(tokenizer, messages)
+    placeholders = tokenizer.apply_chat_template(messages, tokenize=False).count(IMAGE_PLACEHOLDER)
+    num_images = 0 if images is None else int(images.grid_hw.shape[0])
+    require(placeholders == num_images, "data.path",
+            f"{where}: the conversation holds {placeholders} {IMAGE_PLACEHOLDER} placeholders but {num_images} "
+            f"images; give exactly one image per placeholder")
+    counts = images.tokens_per_image(merge_size) if images is not None else []
+    ids = _render(tokenizer, messages, tokens_per_image=counts)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     labels = [IGNORE] * len(ids)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = _render(tokenizer, messages[:i + 1])
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True, tokens_per_image=counts)
+        through = _render(tokenizer, messages[:i + 1], tokens_per_image=counts)
         require(ids[:len(before)] == before and ids[:len(through)] == through, "data.path",
                 f"{where}: the chat template does not render a prefix of the conversation as a prefix of the "
                 f"whole, so the assistant turns cannot be located; use a ChatML-like template")
@@ -213,13 +244,32 @@ def chat_example(messages: List[dict], tokenizer=None, where: str = "messages") 
         # the turn ends at its last <|im_end|>; the newline the template writes after it is not trained
         end = len(before) + (len(span) - span[::-1].index(im_end) if im_end in span else len(span))
         labels[len(before):end] = ids[len(before):end]
-    return Example(ids, labels)
+    image_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
+    labels = [IGNORE if t == image_id else label for t, label in zip(ids, labels)]  # an image is input only
+    return Example(ids, labels, images, where)
 
 
-def sft_examples(path: str, tokenizer=None) -> List[Example]:
-    """One ``{"messages": [{"role", "content"}, ...]}`` conversation per record, loss only on assistant turns."""
+def sft_examples(path: str, tokenizer=None, processor=None) -> List[Example]:
+    """One ``{"messages": [{"role", "content"}, ...]}`` conversation per record, loss only on assistant turns;
+    images (``image_data``) through ``processor`` (default: a ``MoEProcessor`` around ``tokenizer``)."""
     tokenizer = _default_tokenizer(tokenizer)
-    return [chat_example(_checked_messages(where, record), tokenizer, where) for where, record in _records(path)]
+    base_dir, examples = os.path.dirname(os.path.abspath(path)), []
+    for where, record in _records(path):
+        messages, inline = _checked_messages(where, record)
+        sources = image_sources(where, record, inline)
+        if sources and processor is None:
+            from ..models.processing import MoEProcessor  # imported late: transformers is slow to import
+            processor = MoEProcessor(tokenizer=tokenizer)
+        images = load_images(where, sources, base_dir, processor.image_processor) if sources else None
+        merge = processor.image_processor.merge_size if processor is not None else 2
+        examples.append(chat_example(messages, tokenizer, where, images, merge))
+    return examples
+
+
+def has_images(section) -> bool:
+    """Whether the recipe's data section (``kind``, ``path``) holds any image, without reading one."""
+    return section.kind == "sft" and bool(section.path) and any(
+        record_has_images(record) for _, record in _records(section.path))
 
 
 # ------------------------------------------------------------------------------------------------- split
@@ -279,15 +329,20 @@ def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_
     """Rows of exactly ``seq_len`` tokens: whole examples placed greedily into the first row with room (in
     order), or one example per row with ``pack=False``; the rest is ``pad_id`` with labels -100 and forms
     the last segment, so no real token attends to it. An example longer than ``seq_len`` is cut to it (one
-    warning with the count). ``pad_id`` defaults to the byte tokenizer's ``<|pad|>``."""
+    warning with the count), unless it holds images (a ValueError: a cut would split an image from its
+    tokens). A row carries its examples' images in order. ``pad_id`` defaults to the byte tokenizer's
+    ``<|pad|>``."""
     require(isinstance(seq_len, int) and seq_len > 1, "data.seq_len", f"must be an integer > 1, got {seq_len!r}")
     bins: List[List[Example]] = []
     room: List[int] = []
     truncated = 0
     for example in examples:
         if len(example.input_ids) > seq_len:
+            require(example.images is None, "data.seq_len",
+                    f"{example.where or 'an example'} holds images and is {len(example.input_ids)} tokens long, "
+                    f"more than data.seq_len ({seq_len}); raise data.seq_len to at least {len(example.input_ids)}")
             truncated += 1
-            example = Example(example.input_ids[:seq_len], example.labels[:seq_len])
+            example = Example(example.input_ids[:seq_len], example.labels[:seq_len], where=example.where)
         size = len(example.input_ids)
         target = next((i for i, free in enumerate(room) if free >= size), None) if pack else None
         if target is None:
@@ -309,7 +364,7 @@ def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_
         if free:
             bounds.append(seq_len)
         rows.append(Row(torch.tensor(ids, dtype=torch.int64), torch.tensor(labels, dtype=torch.int64),
-                        torch.tensor(bounds, dtype=torch.int64)))
+                        torch.tensor(bounds, dtype=torch.int64), concat_images([e.images for e in members])))
     return rows
 
 
@@ -319,8 +374,10 @@ def _micro_batch(rows: List[Row]) -> MicroBatch:
     for row in rows:
         cu.append(row.cu_seqlens[1:] + offset)
         offset += row.input_ids.numel()
+    images = concat_images([r.images for r in rows])
     return MicroBatch(torch.cat([r.input_ids for r in rows]).unsqueeze(0),
-                      torch.cat([r.labels for r in rows]).unsqueeze(0), torch.cat(cu))
+                      torch.cat([r.labels for r in rows]).unsqueeze(0), torch.cat(cu),
+                      images.pixel_patches if images else None, images.grid_hw if images else None)
 
 
 class StepBatches:

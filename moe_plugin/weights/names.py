@@ -5,6 +5,7 @@
   ``w2`` ``[E, L, F]``); the image+text model puts the text model under ``language_model.`` beside
   ``vision_tower.*`` and ``mm_projector.*``.
 - megatron ``GPTModel`` (``moe_plugin.megatron.specs``): the same names under other prefixes, ``NAME_TABLE``;
+  ``vision_tower.*`` / ``mm_projector.*`` (``moe_plugin.megatron.multimodal``) are named alike on both faces;
   an expert-parallel rank holds ``decoder.layers.{i}.mlp.experts.w1`` ``[E_local, F, L]``, the contiguous
   experts ``[first, last)``.
 - K3 published: the Hugging Face names, except one tensor per expert ``...experts.{e}.w1.weight`` ``[F, L]``;
@@ -72,6 +73,8 @@ _ROWS = [(_compile(hf), hf, _compile(mg), mg, when) for hf, mg, when in NAME_TAB
 
 
 def _translate(name: str, config: Optional[ModelConfig], to_megatron: bool) -> str:
+    if name.startswith(VISION_PREFIXES):  # the image model's tower and projector: one name on both faces
+        return name
     for hf_re, hf, mg_re, mg, when in _ROWS:
         src_re, dst = (hf_re, mg) if to_megatron else (mg_re, hf)
         m = src_re.match(name)

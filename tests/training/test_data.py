@@ -79,7 +79,7 @@ BAD_CHATS = [
      "messages[0].content must be a string or a list"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image"}]},
                    {"role": "assistant", "content": "x"}]},
-     "messages[0].content[1]: images are not supported by data.kind 'sft' yet"),
+     "the conversation holds 1 <|image|> placeholders but 0 images"),
     ({"messages": [{"role": "user", "content": [{"type": "video"}]}, {"role": "assistant", "content": "x"}]},
      "messages[0].content[0] must be"),
 ]

@@ -33,7 +33,9 @@ class HFBackend(Backend):
         from transformers.integrations import HfDeepSpeedConfig
 
         from ...models import MoEPluginForCausalLM
+        from .images import ImageTextTrainingModel, wants_images
 
+        model_class = ImageTextTrainingModel if wants_images(self.recipe, self.model_config) else MoEPluginForCausalLM
         zero3 = zero3_enabled(ds_config)
         # while this object lives, transformers knows the model is ZeRO-3 partitioned (gathers to save, ...)
         self._hf_ds_config = HfDeepSpeedConfig(ds_config) if zero3 else None
@@ -43,9 +45,9 @@ class HFBackend(Backend):
             # the checkpoint overwrites every weight: skip transformers' post-init draws, which would run
             # on the empty ZeRO-3 placeholders (as transformers' own from_pretrained does under ZeRO-3)
             with no_init_weights(), zero_init(ds_config):
-                model = MoEPluginForCausalLM(hf_config(self.recipe.model))
+                model = model_class(hf_config(self.recipe.model))
         else:
-            model = MoEPluginForCausalLM(hf_config(self.recipe.model))
+            model = model_class(hf_config(self.recipe.model))
         if not zero3:
             model.to(self.device)
         load_base(model, self.recipe.model, self.model_config, names="hf")
@@ -59,7 +61,8 @@ class HFBackend(Backend):
 
     def loss(self, module: nn.Module, micro_batch, num_items: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         out = module(input_ids=micro_batch.input_ids.to(self.device), labels=micro_batch.labels.to(self.device),
-                     cu_seqlens=micro_batch.cu_seqlens.to(self.device), num_items_in_batch=num_items)
+                     cu_seqlens=micro_batch.cu_seqlens.to(self.device), num_items_in_batch=num_items,
+                     **micro_batch.image_inputs(self.device))
         metrics = {} if out.indexer_loss is None else {"indexer_kl": out.indexer_loss.detach()}
         return out.loss, metrics
 

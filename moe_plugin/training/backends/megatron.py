@@ -41,13 +41,16 @@ class MegatronBackend(Backend):
 
     def build_model(self, ds_config: dict) -> nn.Module:
 
+        from ...megatron.multimodal import build_multimodal_gpt_model
         from ...megatron.specs import build_gpt_model, transformer_config
+        from .images import wants_images
 
         mc = self.model_config
         tc = transformer_config(mc, use_cpu_initialization=self.device.type == "cpu")
         zero3 = zero3_enabled(ds_config)
         with zero_init(ds_config) if partition_while_building(ds_config, self.recipe) else contextlib.nullcontext():
-            model = build_gpt_model(mc, tc, indexer_loss=self._indexer_loss_coeff() > 0)
+            build = build_multimodal_gpt_model if wants_images(self.recipe, mc) else build_gpt_model
+            model = build(mc, tc, indexer_loss=self._indexer_loss_coeff() > 0)
         if not zero3:
             model.to(self.device)
         load_base(model, self.recipe.model, mc, names="megatron")
@@ -74,7 +77,7 @@ class MegatronBackend(Backend):
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                  max_seqlen_kv=longest)
         ids = micro_batch.input_ids.to(self.device)
-        logits = module(ids, None, None, packed_seq_params=params)
+        logits = module(ids, None, None, packed_seq_params=params, **micro_batch.image_inputs(self.device))
         loss = causal_lm_loss(logits, micro_batch.labels.to(self.device), cu, num_items)
         indexer_kl = indexer_loss_of(module.module if hasattr(module, "module") else module)
         if indexer_kl is None:
