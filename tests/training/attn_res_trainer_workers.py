@@ -1,0 +1,57 @@
+"""Rank-side code of test_attn_res_trainer.py, run by moe_plugin.parallel.launch.run_distributed.
+
+Each recipe runs through the product's ``Trainer`` (Hugging Face backend); returned: every step's loss and
+gradient norm, the indexer term the backend reported, the reduced full adapter gradients of the first step,
+the final adapter, and the ZeRO-3 partition sizes of the Attention Residual weights. Nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+
+def _full_grads(module) -> dict:
+    """Every adapter's reduced gradient, full shape, under PEFT state-dict names (collective under ZeRO-3)."""
+    from deepspeed.utils import safe_get_full_grad
+    from peft import get_peft_model_state_dict
+
+    grads = {}
+    for name, p in module.named_parameters():
+        if ".lora_" in name:
+            g = safe_get_full_grad(p) if hasattr(p, "ds_id") else p.grad
+            grads[name] = (g if g is not None else torch.zeros(getattr(p, "ds_shape", p.shape))).clone()
+    return dict(get_peft_model_state_dict(module, state_dict=grads))
+
+
+def run(recipes: list) -> dict:
+    from moe_plugin.training.loop import Trainer
+    from moe_plugin.training.recipe import recipe_from_dict
+
+    results = {}
+    for name, recipe_dict in recipes:
+        with Trainer(recipe_from_dict(copy.deepcopy(recipe_dict))) as trainer:
+            module, loss_fn, kls = trainer.engine.module, trainer.backend.loss, []
+
+            def recording_loss(engine, micro, num_items):
+                loss, metrics = loss_fn(engine, micro, num_items)
+                kls.append(float(metrics["indexer_kl"]) if "indexer_kl" in metrics else None)
+                return loss, metrics
+
+            trainer.backend.loss = recording_loss
+            grads = {}
+            losses = [trainer.train_step(on_gradients=lambda: grads.update(_full_grads(module)))]
+            while trainer.step < trainer.recipe.schedule.steps:
+                losses.append(trainer.train_step())
+            results[name] = {
+                "losses": losses, "grad_norms": list(trainer.result.grad_norms), "grads": grads,
+                "indexer_kl": kls, "adapter": trainer.backend.adapter_state(module),
+                "attn_res_partitions": {n: (int(p.ds_tensor.numel()), int(p.ds_numel))
+                                        for n, p in module.named_parameters()
+                                        if ("_res_proj" in n or "_res_norm" in n) and hasattr(p, "ds_tensor")},
+                "attn_res_count": sum(1 for n, _ in module.named_parameters()
+                                      if "_res_proj" in n or "_res_norm" in n)}
+        dist.barrier()
+    return results
