@@ -9,6 +9,8 @@ Checks, each printed as one line and written to benchmarks/RESULTS.md:
 2. Sparse attention (DSA): the blocked torch op on CUDA against dense causal SDPA at T=8192, top-k 2048.
 3. MoE experts: grouped GLU in bf16 against the per-expert reference; achieved TFLOP/s.
 4. A training step of a mid-size model built from the ``tiny`` preset, tokens/s.
+5. Packed MXFP4 experts (docs/packed-experts.md): the grouped packed product in bf16 against the dense bf16
+   experts it dequantises to, forward+backward time of both and the expert memory ratio.
 Nothing here runs in CI: CI has no GPU.
 """
 
@@ -127,11 +129,30 @@ def check_training_step(lines: List[str]) -> None:
                  f"{8192 / seconds:,.0f} tokens/s")
 
 
+def check_packed_experts(lines: List[str]) -> None:
+    from moe_plugin.ops.quant import decode, encode, packed_grouped_linear
+
+    E, N, Din, F_ = 64, 16384, 1024, 512
+    counts = torch.distributions.Multinomial(N, torch.ones(E)).sample().long()
+    packed, scale = (t.cuda() for t in encode("mxfp4", torch.randn(E, F_, Din) * 0.02))
+    dense = decode("mxfp4", packed, scale, Din, torch.bfloat16)
+    x = torch.randn(N, Din, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32).cuda()
+    ours = packed_grouped_linear(x, counts, packed, scale, "mxfp4", Din)
+    ref = torch._grouped_mm(x, dense.transpose(1, 2), offs=offs)
+    t_packed = _time(lambda: packed_grouped_linear(x, counts, packed, scale, "mxfp4", Din).sum().backward(), 10)
+    t_dense = _time(lambda: torch._grouped_mm(x, dense.transpose(1, 2), offs=offs).sum().backward(), 10)
+    ratio = (packed.numel() + scale.numel()) / (dense.numel() * 2)
+    lines.append(f"packed MXFP4 experts E={E} tokens={N} {Din}->{F_}: rel diff vs dense bf16 {_rel(ours, ref):.2e}; "
+                 f"fwd+bwd {t_packed * 1e3:.2f} ms vs {t_dense * 1e3:.2f} ms ({t_packed / t_dense:.2f}x), "
+                 f"expert memory {ratio:.3f} of bf16")
+
+
 def main() -> List[str]:
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device; run it on the lent GPU machine")
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"]
-    for check in (check_kda, check_sparse_attention, check_moe, check_training_step):
+    for check in (check_kda, check_sparse_attention, check_moe, check_training_step, check_packed_experts):
         try:
             check(lines)
         except Exception as err:  # one failed check must not hide the others' numbers
