@@ -72,49 +72,64 @@ def _tensor(module: nn.Module, name: str) -> torch.Tensor:
     return module._parameters[name] if name in module._parameters else module._buffers[name]
 
 
-def _whole_fp32(param: nn.Parameter) -> nn.Parameter:
-    """A ZeRO-3 partitioned parameter as a whole, unpartitioned fp32 parameter (collective over its partition
-    group; every rank applies the policy in the same module order). ZeRO-3 cannot hold an fp32 partition next
-    to the bf16 ones, and the checkpoint's exact values are then written into this tensor by the loader."""
+def _gathered_fp32(param: nn.Parameter) -> torch.Tensor:
+    """The whole value of a ZeRO-3 partitioned parameter in fp32 (collective over its partition group; every
+    rank applies the policy in the same module order)."""
     import deepspeed
 
     with deepspeed.zero.GatheredParameters([param]):
-        whole = param.data.detach().float().clone()
-    fresh = nn.Parameter(whole, requires_grad=param.requires_grad)
-    if getattr(param, "_no_weight_decay", False):
-        fresh._no_weight_decay = True
-    return fresh
+        return param.data.detach().float().clone()
+
+
+def _partition_dtype(model: nn.Module) -> Optional[torch.dtype]:
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):
+            return p.ds_tensor.dtype
+    return None
+
+
+def _as_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    del module._parameters[name]
+    module.register_buffer(name, value, persistent=True)
 
 
 @torch.no_grad()
 def apply_precision(model: nn.Module, dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Set ``model``'s precision by the policy (module docstring); returns ``model``.
 
-    dtype: the dtype of every tensor not listed (``torch.float32``, ``torch.bfloat16`` or ``torch.float16``);
-    None leaves them as they are and applies only the fp32 rule. ZeRO-3 partitioned tensors that are not
-    listed are left to DeepSpeed, whose partitions already have the engine's dtype.
+    dtype: the dtype of every floating parameter and buffer that is not listed (``torch.float32``,
+    ``torch.bfloat16`` or ``torch.float16``). None: the dtype the model was built in under
+    ``deepspeed.zero.Init`` (its partitions'), for its parameters only (DeepSpeed's engine does not cast a
+    model built that way, so adapters added afterwards are brought to it here); a model without partitions
+    keeps every dtype and gets only the fp32 rule. ZeRO-3 partitioned tensors that are not listed are left to
+    DeepSpeed. A listed tensor partitioned in a lower precision becomes a whole fp32 buffer: ZeRO-3 can neither
+    hold an fp32 partition next to bf16 ones nor train it, and the checkpoint loaded afterwards writes its
+    exact values there.
     """
     if dtype is not None and dtype not in (torch.float32,) + LOW_PRECISION:
         raise ValueError(f"dtype: must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     listed = fp32_tensors(model)
     ids = {id(_tensor(m, n)) for _, m, n in listed}
-    if dtype is not None:
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            if (id(tensor) not in ids and tensor.is_floating_point() and tensor.dtype != dtype
+    target = dtype if dtype is not None else _partition_dtype(model)
+    if target is not None:
+        tensors = list(model.parameters()) + (list(model.buffers()) if dtype is not None else [])
+        for tensor in tensors:
+            if (id(tensor) not in ids and tensor.is_floating_point() and tensor.dtype != target
                     and not hasattr(tensor, "ds_id")):
-                tensor.data = tensor.data.to(dtype)
+                tensor.data = tensor.data.to(target)
     for _, module, name in listed:
         tensor = _tensor(module, name)
-        if name in module._parameters:
-            if hasattr(tensor, "ds_id"):
-                tensor = module._parameters[name] = _whole_fp32(tensor)
-            elif tensor.dtype != torch.float32:
+        if name not in module._parameters:
+            if tensor.dtype != torch.float32:
+                module._buffers[name] = tensor.float()
+        elif hasattr(tensor, "ds_id"):
+            if tensor.ds_tensor.dtype != torch.float32:
+                _as_buffer(module, name, _gathered_fp32(tensor))
+        else:
+            if tensor.dtype != torch.float32:
                 tensor.data = tensor.data.float()
             if not tensor.requires_grad:
-                del module._parameters[name]
-                module.register_buffer(name, tensor.data, persistent=True)
-        elif tensor.dtype != torch.float32:
-            module._buffers[name] = tensor.float()
+                _as_buffer(module, name, tensor.data)
     return model
 
 
