@@ -11,8 +11,9 @@ also reads).
 ``apply_precision(model, dtype)`` is the one way to set a model's dtype (docs/precision.md):
 
 * every other floating tensor becomes ``dtype``;
-* the listed tensors are fp32 with their exact values (one that arrives in a lower precision, as
-  ``deepspeed.zero.Init`` builds every tensor, is upcast: a checkpoint loaded afterwards writes exact values);
+* the listed tensors are fp32 with their exact values. One that arrives in a lower precision is upcast; one
+  that ``deepspeed.zero.Init`` partitioned in bf16 becomes a whole fp32 buffer. A checkpoint loaded
+  afterwards writes exact values into either;
 * a listed parameter that does not train becomes a persistent fp32 buffer of the same name. DeepSpeed's
   bf16 engine casts every parameter to bf16 and ZeRO-3 holds a module's trainable partitions in one dtype,
   but both leave buffers as they are, so a frozen fp32 tensor survives ``deepspeed.initialize`` exactly.
