@@ -1,4 +1,4 @@
-"""The image+text model on megatron-core: ``GPTModel`` with the vision tower and projector (docs/multimodal.md).
+"""The image+text model on megatron-core: ``GPTModel`` with the vision tower and projector (docs/multimodal.md 1).
 
 ``MultimodalGPTModel`` is megatron's own ``GPTModel`` (the specs' decoder block, unchanged) that owns
 ``vision_tower``, ``patch_merger`` and ``mm_projector``, the single-device layers of ``moe_plugin.layers.vision``.

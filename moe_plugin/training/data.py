@@ -7,51 +7,32 @@ exactly ``seq_len`` tokens, recording each example's boundaries in ``cu_seqlens`
 its state there and the loss skips predictions across examples. ``StepBatches`` hands every data-parallel
 rank its share of each optimizer step, deterministically and resumably.
 
-Files: ``.jsonl`` is read line by line (errors name the file and the 1-based line); ``.parquet``, ``.csv``
-and ``.json`` go through ``datasets.load_dataset`` (errors name the file and the 1-based row).
-
-Images (docs/multimodal.md 2): a chat record may hold images (``image_data``); each ``<|image|>`` is expanded
-to its image's merged tokens, never trained, and the patches travel with the example into its row and
-micro-batch (``pixel_patches``/``grid_hw``, in placeholder order), so every packing gives the same loss.
+Files are read by ``records.read_records`` (errors name the file and the line or row); chats by ``chat_data``.
+Images (docs/multimodal.md 2): a chat record may hold images (``image_data``); the patches travel with the
+example into its row and micro-batch (``pixel_patches``/``grid_hw``, in placeholder order), so every packing
+gives the same loss.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import random
 import warnings
-from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..config import require
-from .image_data import (IMAGE_PLACEHOLDER, Images, concat_images, expand_placeholders, image_sources,
-                         inline_source, load_images, record_has_images)
+from .chat_data import chat_example, has_images, sft_examples
+from .image_data import Images, concat_images
+from .records import IGNORE, Example, default_tokenizer, describe, encode, read_records
+
+__all__ = ["Example", "Row", "MicroBatch", "IGNORE", "arithmetic_documents", "arithmetic_examples", "text_examples",
+           "chat_example", "sft_examples", "has_images", "split_examples", "load_examples", "label_token_count",
+           "pack_examples", "StepBatches", "eval_batches"]
 
 _OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-_ROLES = ("system", "user", "assistant")
-_DATASETS_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}
-IGNORE = -100
-
-
-@dataclass
-class Example:
-    """One tokenized document: ``input_ids`` and ``labels`` of the same length, labels -100 where untrained."""
-
-    input_ids: List[int]
-    labels: List[int]
-    # the images of its placeholders, in order, and the data file and line (for errors); == compares only the
-    # tokens (tensors have no single truth value)
-    images: Optional[Images] = field(default=None, compare=False)
-    where: str = field(default="", compare=False)
-
-    def __post_init__(self):
-        require(len(self.input_ids) == len(self.labels) > 0, "Example.labels",
-                f"must be as long as input_ids and non-empty, got {len(self.labels)} labels for "
-                f"{len(self.input_ids)} ids")
 
 
 @dataclass
@@ -84,18 +65,6 @@ class MicroBatch:
         return {"pixel_patches": self.pixel_patches.to(device), "grid_hw": self.grid_hw.to(device)}
 
 
-def _default_tokenizer(tokenizer):
-    if tokenizer is not None:
-        return tokenizer
-    from ..models.tokenizer import ByteTokenizer  # imported late: transformers is slow to import
-    return ByteTokenizer()
-
-
-def _encode(tokenizer, text: str) -> List[int]:
-    # the callers add bos/eos (or the chat template does): nothing may be added twice
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 # ----------------------------------------------------------------------------------------------- sources
 
 def arithmetic_documents(count: int, seed: int = 0, operation: str = "+") -> List[str]:
@@ -110,166 +79,25 @@ def arithmetic_documents(count: int, seed: int = 0, operation: str = "+") -> Lis
 
 
 def _document_example(tokenizer, text: str) -> Example:
-    ids = [tokenizer.bos_token_id] + _encode(tokenizer, text) + [tokenizer.eos_token_id]
+    ids = [tokenizer.bos_token_id] + encode(tokenizer, text) + [tokenizer.eos_token_id]
     return Example(ids, list(ids))
 
 
 def arithmetic_examples(count: int, seed: int = 0, operation: str = "+", tokenizer=None) -> List[Example]:
     """``<|bos|>Q: a - b = ? A: c.<|eos|>`` per document, loss on every token."""
-    tokenizer = _default_tokenizer(tokenizer)
+    tokenizer = default_tokenizer(tokenizer)
     return [_document_example(tokenizer, doc) for doc in arithmetic_documents(count, seed, operation)]
-
-
-def _records(path: str) -> Iterator[Tuple[str, object]]:
-    """(where, record) per record of ``path``; ``where`` names the file and the 1-based line or row."""
-    require(isinstance(path, str) and bool(path), "data.path", f"must name a data file, got {path!r}")
-    require(os.path.isfile(path), "data.path", f"no such file: {path}")
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix in _DATASETS_BUILDERS:
-        import datasets  # imported late: only these formats need it
-        table = datasets.load_dataset(_DATASETS_BUILDERS[suffix], data_files=path, split="train")
-        for row_no, record in enumerate(table, 1):
-            yield f"row {row_no} of {path}", record
-        return
-    require(suffix == ".jsonl", "data.path",
-            f"{path}: unsupported file type {suffix!r}; use .jsonl (one JSON object per line), .json, .csv "
-            f"or .parquet")
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"line {line_no} of {path}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"data.path: {where}: invalid JSON ({e.msg} at column {e.colno}); each line "
-                                 f"must be one JSON object") from None
-            yield where, record
 
 
 def text_examples(path: str, tokenizer=None) -> List[Example]:
     """One ``{"text": ...}`` record per document, tokenized as ``<|bos|> text <|eos|>``, loss on every token."""
-    tokenizer = _default_tokenizer(tokenizer)
+    tokenizer = default_tokenizer(tokenizer)
     examples = []
-    for where, record in _records(path):
+    for where, record in read_records(path):
         require(isinstance(record, dict) and isinstance(record.get("text"), str), "data.path",
-                f"{where}: needs an object with a string field 'text', got {_describe(record)}")
+                f"{where}: needs an object with a string field 'text', got {describe(record)}")
         examples.append(_document_example(tokenizer, record["text"]))
     return examples
-
-
-def _describe(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _checked_messages(where: str, record) -> Tuple[List[dict], List[str]]:
-    """The record's messages, each ``{"role", "content"}`` with content a string or a list of text/image
-    items, and the sources of its inline image items in order (``image_data``)."""
-    require(isinstance(record, dict), "data.path",
-            f"{where}: must be a JSON object with a 'messages' list, got {_describe(record)}")
-    messages = record.get("messages")
-    require(isinstance(messages, list) and len(messages) > 0, "data.path",
-            f"{where}: needs a non-empty 'messages' list, got {_describe(messages)}")
-    checked, inline = [], []
-    for i, message in enumerate(messages):
-        at = f"{where}: messages[{i}]"
-        require(isinstance(message, dict) and "role" in message and "content" in message, "data.path",
-                f"{at} needs both 'role' and 'content', got {_describe(message)}")
-        role, content = message["role"], message["content"]
-        require(role in _ROLES, "data.path", f"{at}.role must be one of {list(_ROLES)}, got {role!r}")
-        if isinstance(content, list):
-            items = []
-            for j, item in enumerate(content):
-                kind = item.get("type") if isinstance(item, dict) else None
-                if kind == "image":
-                    source = inline_source(f"{at}.content[{j}]", item)
-                    inline += [source] if source is not None else []
-                    items.append({"type": "image"})
-                    continue
-                require(kind == "text" and isinstance(item.get("text"), str), "data.path",
-                        f"{at}.content[{j}] must be {{\"type\": \"text\", \"text\": <string>}} or "
-                        f"{{\"type\": \"image\", \"image\": <path or data URL>}}, got {_describe(item)}")
-                items.append({"type": "text", "text": item["text"]})
-            content = items
-        else:
-            # datasets infers one column type for all rows and may coerce mixed contents (e.g. "2." to 2.0)
-            hint = ("; a file read through datasets needs the same content form (all strings or all lists) "
-                    "in every message, .jsonl has no such limit") if where.startswith("row ") else ""
-            require(isinstance(content, str), "data.path",
-                    f"{at}.content must be a string or a list of {{\"type\": \"text\", ...}} items, "
-                    f"got {_describe(content)}{hint}")
-        checked.append({"role": role, "content": content})
-    require(any(m["role"] == "assistant" for m in checked), "data.path",
-            f"{where}: has no assistant turn, so nothing would be trained; add an assistant message")
-    return checked, inline
-
-
-def _render(tokenizer, messages: List[dict], add_generation_prompt: bool = False, tokens_per_image=()) -> List[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return _encode(tokenizer, expand_placeholders(text, tokens_per_image))
-
-
-def chat_example(messages: List[dict], tokenizer=None, where: str = "messages", images: Optional[Images] = None,
-                 merge_size: int = 2) -> Example:
-    """The chat rendered with the tokenizer's template, loss only on each assistant turn's content and its
-    closing ``<|im_end|>``. With ``images`` (one per ``<|image|>`` of the rendering, in order; a different
-    count raises a ValueError), each placeholder becomes its image's ``h * w / merge_size**2`` placeholder
-    tokens, which are never trained.
-
-    The spans come from rendering prefixes of the conversation: turn i's content starts after the rendering
-    of ``messages[:i]`` with the generation prompt and ends with the rendering of ``messages[:i+1]``, less
-    what the template writes after ``<|im_end|>``. A template whose prefixes do not render as prefixes of
-    the whole conversation cannot be masked this way and raises a ValueError.
-    """
-    tokenizer = _default_tokenizer(tokenizer)
-    placeholders = tokenizer.apply_chat_template(messages, tokenize=False).count(IMAGE_PLACEHOLDER)
-    num_images = 0 if images is None else int(images.grid_hw.shape[0])
-    require(placeholders == num_images, "data.path",
-            f"{where}: the conversation holds {placeholders} {IMAGE_PLACEHOLDER} placeholders but {num_images} "
-            f"images; give exactly one image per placeholder")
-    counts = images.tokens_per_image(merge_size) if images is not None else []
-    ids = _render(tokenizer, messages, tokens_per_image=counts)
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    labels = [IGNORE] * len(ids)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True, tokens_per_image=counts)
-        through = _render(tokenizer, messages[:i + 1], tokens_per_image=counts)
-        require(ids[:len(before)] == before and ids[:len(through)] == through, "data.path",
-                f"{where}: the chat template does not render a prefix of the conversation as a prefix of the "
-                f"whole, so the assistant turns cannot be located; use a ChatML-like template")
-        span = through[len(before):]
-        # the turn ends at its last <|im_end|>; the newline the template writes after it is not trained
-        end = len(before) + (len(span) - span[::-1].index(im_end) if im_end in span else len(span))
-        labels[len(before):end] = ids[len(before):end]
-    image_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
-    labels = [IGNORE if t == image_id else label for t, label in zip(ids, labels)]  # an image is input only
-    return Example(ids, labels, images, where)
-
-
-def sft_examples(path: str, tokenizer=None, processor=None) -> List[Example]:
-    """One ``{"messages": [{"role", "content"}, ...]}`` conversation per record, loss only on assistant turns;
-    images (``image_data``) through ``processor`` (default: a ``MoEProcessor`` around ``tokenizer``)."""
-    tokenizer = _default_tokenizer(tokenizer)
-    base_dir, examples = os.path.dirname(os.path.abspath(path)), []
-    for where, record in _records(path):
-        messages, inline = _checked_messages(where, record)
-        sources = image_sources(where, record, inline)
-        if sources and processor is None:
-            from ..models.processing import MoEProcessor  # imported late: transformers is slow to import
-            processor = MoEProcessor(tokenizer=tokenizer)
-        images = load_images(where, sources, base_dir, processor.image_processor) if sources else None
-        merge = processor.image_processor.merge_size if processor is not None else 2
-        examples.append(chat_example(messages, tokenizer, where, images, merge))
-    return examples
-
-
-def has_images(section) -> bool:
-    """Whether the recipe's data section (``kind``, ``path``) holds any image, without reading one."""
-    return section.kind == "sft" and bool(section.path) and any(
-        record_has_images(record) for _, record in _records(section.path))
 
 
 # ------------------------------------------------------------------------------------------------- split
@@ -435,7 +263,7 @@ class StepBatches:
         """Resume exactly where ``state_dict`` was taken; a state from other data raises a ValueError."""
         require(isinstance(state, dict) and all(isinstance(state.get(k), int) for k in
                                                 ("epoch", "index", "num_rows", "seed")),
-                "data state", f"needs integer 'epoch', 'index', 'num_rows' and 'seed', got {_describe(state)}")
+                "data state", f"needs integer 'epoch', 'index', 'num_rows' and 'seed', got {describe(state)}")
         require(state["num_rows"] == len(self.rows), "data state",
                 f"was saved with {state['num_rows']} rows but this run has {len(self.rows)}; resume with the "
                 f"same data, data.seq_len and data.pack")

@@ -1,0 +1,77 @@
+"""What every data source shares: the ``Example`` a record becomes, the tokenizer default, and the reader of
+data files (``.jsonl`` line by line, errors naming the file and the 1-based line; ``.parquet``, ``.csv`` and
+``.json`` through ``datasets.load_dataset``, errors naming the file and the 1-based row)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Tuple
+
+from ..config import require
+from .image_data import Images
+
+_DATASETS_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}
+IGNORE = -100
+
+
+@dataclass
+class Example:
+    """One tokenized document: ``input_ids`` and ``labels`` of the same length, labels -100 where untrained."""
+
+    input_ids: List[int]
+    labels: List[int]
+    # the images of its placeholders, in order, and the data file and line (for errors); == compares only the
+    # tokens (tensors have no single truth value)
+    images: Optional[Images] = field(default=None, compare=False)
+    where: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        require(len(self.input_ids) == len(self.labels) > 0, "Example.labels",
+                f"must be as long as input_ids and non-empty, got {len(self.labels)} labels for "
+                f"{len(self.input_ids)} ids")
+
+
+def default_tokenizer(tokenizer):
+    if tokenizer is not None:
+        return tokenizer
+    from ..models.tokenizer import ByteTokenizer  # imported late: transformers is slow to import
+    return ByteTokenizer()
+
+
+def encode(tokenizer, text: str) -> List[int]:
+    # the callers add bos/eos (or the chat template does): nothing may be added twice
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def read_records(path: str) -> Iterator[Tuple[str, object]]:
+    """(where, record) per record of ``path``; ``where`` names the file and the 1-based line or row."""
+    require(isinstance(path, str) and bool(path), "data.path", f"must name a data file, got {path!r}")
+    require(os.path.isfile(path), "data.path", f"no such file: {path}")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in _DATASETS_BUILDERS:
+        import datasets  # imported late: only these formats need it
+        table = datasets.load_dataset(_DATASETS_BUILDERS[suffix], data_files=path, split="train")
+        for row_no, record in enumerate(table, 1):
+            yield f"row {row_no} of {path}", record
+        return
+    require(suffix == ".jsonl", "data.path",
+            f"{path}: unsupported file type {suffix!r}; use .jsonl (one JSON object per line), .json, .csv "
+            f"or .parquet")
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"line {line_no} of {path}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"data.path: {where}: invalid JSON ({e.msg} at column {e.colno}); each line "
+                                 f"must be one JSON object") from None
+            yield where, record
+
+
+def describe(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
