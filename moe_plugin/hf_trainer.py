@@ -177,3 +177,8 @@ def _check_args(args) -> None:
             raise ValueError(f"TrainingArguments.deepspeed is {args.deepspeed!r}, but accelerate runs without "
                              "DeepSpeed (ACCELERATE_USE_CPU makes it ignore the DeepSpeed config); unset "
                              "ACCELERATE_USE_CPU and pass use_cpu=True to TrainingArguments instead")
+    if dist.is_available() and dist.is_initialized() and args.world_size != dist.get_world_size():
+        # without use_cpu on a machine without GPUs, accelerate finds no backend and counts one process
+        raise ValueError(f"TrainingArguments: the Trainer counts {args.world_size} process(es) but "
+                         f"{dist.get_world_size()} are running, so every rank would read the same batches; on "
+                         "a CPU machine pass use_cpu=True")

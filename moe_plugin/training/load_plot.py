@@ -1,4 +1,4 @@
-"""The expert load per layer over training, as one PNG (docs/hf-trainer.md, "Logging").
+"""The expert load per layer over training, as one PNG (docs/hf-trainer.md section 2).
 
 ``LoadPlotLogger`` is a ``Logger`` that keeps the ``moe/<layer>/load`` distributions (each expert's load share,
 load / mean, of a logged step) and, when the run closes, draws one heat map per MoE layer: logged steps

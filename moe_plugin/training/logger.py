@@ -6,7 +6,7 @@ over a PNG and ``close()`` ends the run. ``NullLogger`` is the disabled logger (
 ``ConsoleLogger`` prints one line per logged step and drives a progress bar, ``WandbLogger``
 (``wandb_logger.py``) writes a W&B run (offline unless the recipe says online) and ``LoadPlotLogger``
 (``load_plot.py``) draws the expert load per layer over training. ``make_logger`` puts them together behind
-one ``Logger`` (docs/hf-trainer.md, "Logging").
+one ``Logger`` (docs/hf-trainer.md section 2).
 """
 
 from __future__ import annotations

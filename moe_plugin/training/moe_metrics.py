@@ -1,4 +1,4 @@
-"""The MoE metrics of a training log (docs/hf-trainer.md, "Logging"), for the recipe trainer and the Hugging
+"""The MoE metrics of a training log (docs/hf-trainer.md section 2), for the recipe trainer and the Hugging
 Face Trainer callback alike.
 
 * Expert load (``load_metrics``): per MoE layer, from its ``[E]`` token counts of a global batch, a bounded set of

@@ -253,9 +253,27 @@ class ScheduleSection(_Section):
         return problems
 
 
+class AnswersSection(_Section):
+    """Held-out answers by greedy generation at the end of a LoRA run (``moe_plugin/training/answer_eval.py``):
+    ``path`` is a chat JSONL whose records end with the expected assistant answer."""
+
+    path: str = _field(fix='give the held-out chat JSONL, e.g. "recipes/data/shapes_heldout.jsonl"',
+                       example="recipes/data/shapes_heldout.jsonl", min_length=1)
+    limit: Optional[int] = _field(None, "use a positive number of records, or null for all of them", gt=0)
+    max_new_tokens: int = _field(16, "use a positive number of tokens, longer than any answer, e.g. 16", gt=0)
+
+    def _problems(self) -> List[Problem]:
+        if not os.path.isfile(self.path):
+            what = "is a directory" if os.path.isdir(self.path) else "does not exist"
+            return [("path", f"{self.path!r} {what} (relative paths resolve against {os.getcwd()}); give an "
+                             "existing held-out chat JSONL")]
+        return []
+
+
 class EvalSection(_Section):
     every: int = _field(0, "use 0 (evaluate only at the end) or a positive number of steps", ge=0)
     batches: int = _field(4, "use a positive number of held-out batches, e.g. 4", gt=0)
+    answers: Optional[AnswersSection] = None  # generation-based accuracy at the end (LoRA runs only)
 
 
 class CheckpointSection(_Section):
@@ -264,7 +282,7 @@ class CheckpointSection(_Section):
 
 
 class WandbSection(_Section):
-    """The run's W&B record (docs/hf-trainer.md, "Logging"): ``offline`` writes it under ``dir`` with no
+    """The run's W&B record (docs/hf-trainer.md section 2): ``offline`` writes it under ``dir`` with no
     network (``wandb sync`` uploads it later), ``online`` streams it (needs a W&B login), ``disabled`` writes
     none. ``dir`` defaults to the run's ``output_dir``, ``name`` to that directory's name."""
 

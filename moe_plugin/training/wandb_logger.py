@@ -1,4 +1,4 @@
-"""The W&B tracker behind the ``Logger`` interface (docs/hf-trainer.md, "Logging").
+"""The W&B tracker behind the ``Logger`` interface (docs/hf-trainer.md section 2).
 
 Offline by default: the run is written under ``<dir>/wandb/offline-run-*`` with no network at all (``wandb sync
 <that directory>`` uploads it later); ``online`` streams it and needs a W&B login; ``disabled`` gives a
