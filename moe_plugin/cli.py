@@ -60,6 +60,14 @@ def export(argv: List[str]) -> Optional[int]:
     return export_main(argv)
 
 
+@subcommand("plan", "plan memory, tokens, FLOPs and all-to-all bytes of a recipe's layout before launch: moe-plugin "
+                    "plan --recipe R [--devices N --device-memory 141GB --json]")
+def plan(argv: List[str]) -> Optional[int]:
+    from .plan.command import main as plan_main  # builds the model on the meta device: only when planning
+
+    return plan_main(argv)
+
+
 def parser() -> argparse.ArgumentParser:
     """The top-level parser: lists the subcommands; their own arguments are parsed by each subcommand."""
     p = argparse.ArgumentParser(prog="moe-plugin", description="LoRA fine-tuning of mixture-of-experts models "

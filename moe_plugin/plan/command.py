@@ -1,0 +1,93 @@
+"""``moe-plugin plan --recipe R [--devices N --device-memory 141GB --micro-batch B --seq-len T
+--checkpointing on|off --expert-format dense|mxfp4|int4 --capacity 1.25 --json]`` (docs/planner.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+__all__ = ["main", "format_plan"]
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:10.2f} GB"
+
+
+def format_plan(plan) -> str:
+    """The plain-text table of ``plan`` (a ``Plan``)."""
+    m, L = plan.memory, plan.layout
+    rows = [f"plan: {plan.recipe or 'recipe'}",
+            f"layout: {L.devices} devices, EP {L.ep} (expert-data-parallel {L.devices // L.ep}), "
+            f"ZeRO-3 {'on' if L.zero3 else 'off'}, micro-batch {L.micro_batch} x {L.seq_len} tokens, "
+            f"accumulation {L.grad_accum}, checkpointing {'on' if L.checkpointing else 'off'}, "
+            f"{'bf16' if L.precision_bytes == 2 else 'fp32'}, capacity factor {L.capacity}",
+            "", "per-device memory                                 bytes"]
+    for kind, v in m.base.items():
+        rows.append(f"  frozen base: {kind:<34}{_gb(v)}")
+    for kind, v in m.adapters.items():
+        rows.append(f"  adapters: {kind:<37}{_gb(v)}")
+    rows += [f"  ZeRO-3 gathered parameters (live + prefetch)    {_gb(m.gathered)}",
+             f"  gradient reduce bucket                          {_gb(m.buckets)}"]
+    for seg, v in m.activations_by_segment.items():
+        rows.append(f"  activations: {seg:<34}{_gb(v)}")
+    rows += [f"  backward transient (logit / layer gradients)    {_gb(m.transient)}",
+             f"  backward working set (measured factor)          {_gb(m.working)}",
+             f"  expert all-to-all buffers                       {_gb(m.dispatch)}",
+             f"  framework overhead (constant)                   {_gb(m.overhead)}",
+             f"  step peak                                       {_gb(m.step_peak + m.overhead)}"]
+    if m.build_peak:
+        rows.append(f"  build peak (preset base built whole per rank)   {_gb(m.build_peak + m.overhead)}")
+    rows.append(f"  PEAK                                            {_gb(m.peak)}")
+    if plan.device_memory:
+        verdict = "fits" if plan.fits else "does NOT fit"
+        rows.append(f"  device memory {plan.device_memory / 1e9:.0f} GB: {verdict}")
+    rows += ["", f"tokens per step {plan.tokens_per_step:,}; FLOPs per step {plan.flops_per_step:.3e}; "
+                 f"all-to-all bytes per MoE layer per step per rank {plan.all_to_all_bytes_per_layer_step / 1e9:.3f} GB",
+             "1M-token context (micro-batch 1):"]
+    for k, v in plan.million_context.items():
+        rows.append(f"  {k:<46}{_gb(v)}")
+    if plan.knobs:
+        rows.append("knobs (peak saved; negative: costs more):")
+        for k, v in plan.knobs.items():
+            rows.append(f"  {k:<46}{_gb(v)}")
+    if plan.min_devices is not None or plan.device_memory:
+        rows.append(f"smallest device count that fits: {plan.min_devices if plan.min_devices else 'none up to 8192'}")
+    rows.append(f"activation fit: max relative residual {plan.fit_residual:.3f} on the probe models")
+    return "\n".join(rows)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from ..config import require
+    from ..training.recipe import load_recipe
+    from .planner import parse_bytes, plan_recipe, recipe_path_problem
+
+    p = argparse.ArgumentParser(prog="moe-plugin plan", description=__doc__)
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--devices", type=int)
+    p.add_argument("--device-memory")
+    p.add_argument("--micro-batch", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--checkpointing", choices=["on", "off"], default="off")
+    p.add_argument("--expert-format", choices=["dense", "mxfp4", "int4"])
+    p.add_argument("--capacity", type=float, default=1.25)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    problem = recipe_path_problem(args.recipe)
+    require(problem is None, "--recipe", problem or "")
+    for name in ("devices", "micro_batch", "seq_len"):
+        value = getattr(args, name)
+        require(value is None or value > 0, f"--{name.replace('_', '-')}", f"must be positive, got {value}")
+    recipe = load_recipe(args.recipe)
+    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    plan = plan_recipe(recipe, devices=args.devices, device_memory=memory, micro_batch=args.micro_batch,
+                       seq_len=args.seq_len, checkpointing=args.checkpointing == "on",
+                       expert_format=args.expert_format, capacity=args.capacity, knobs=True)
+    plan.recipe = args.recipe
+    print(json.dumps(plan.to_dict(), indent=1, default=str) if args.json else format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

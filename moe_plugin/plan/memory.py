@@ -1,0 +1,172 @@
+"""One rank's memory for a recipe at a layout (docs/planner.md): the pieces and the peak.
+
+Inputs are the counts of the meta-built model (``counts.py``), the fitted activation model (``activations.py``)
+and the DeepSpeed config's ZeRO-3 knobs. Every number is bytes on one rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Optional
+
+from .activations import ActivationModel, attn_res_candidates, final_candidates, segment_dims
+from .counts import ModelCounts
+
+__all__ = ["Layout", "MemoryPlan", "plan_memory", "ZERO3_DEFAULTS"]
+
+# The trainer's peak over the saved-for-backward fit: the megatron face and autograd's working set during
+# backward hold about as much again as the fitted saved tensors (the HF face's). A measured constant: the ratio
+# (measured peak - weights - overhead) / (fitted activations + transient) on the 1-process layouts of
+# moe_plugin.plan.measure was 1.69 to 1.93; the 2- and 4-process layouts are the independent check.
+BACKWARD_FACTOR = 1.9
+# DeepSpeed 0.19.8's defaults for the keys the planner reads (runtime/zero/config.py)
+ZERO3_DEFAULTS = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000,
+                  "stage3_max_reuse_distance": 1_000_000_000, "reduce_bucket_size": 500_000_000,
+                  "stage3_param_persistence_threshold": 100_000}
+
+
+@dataclass
+class Layout:
+    """What one step looks like: ``devices`` ranks, EP ``ep``, ZeRO-3 or not, ``micro_batch`` rows of
+    ``seq_len`` tokens per rank, activation checkpointing, capacity factor of the expert dispatch."""
+
+    devices: int
+    ep: int
+    zero3: bool
+    micro_batch: int
+    seq_len: int
+    grad_accum: int = 1
+    checkpointing: bool = False
+    capacity: float = 1.25
+    precision_bytes: int = 2  # bf16 (2) or fp32 (4)
+    zero: Dict[str, int] = field(default_factory=lambda: dict(ZERO3_DEFAULTS))
+    preset_build: bool = False  # a preset base is built whole on each rank before the engine partitions it
+    overhead_bytes: float = 0.0  # the framework's own memory (a measured constant on CPU; an assumption on GPU)
+
+
+@dataclass
+class MemoryPlan:
+    base: Dict[str, float]  # at rest, per kind (experts, dense, embeddings, vision)
+    adapters: Dict[str, float]  # weights, gradients, optimizer states
+    gathered: float  # ZeRO-3 parameters gathered at once (current module, prefetch, kept for reuse)
+    buckets: float  # gradient reduce bucket
+    activations: float  # saved for backward over the whole micro-batch
+    activations_by_segment: Dict[str, float]
+    transient: float  # the backward's largest working set (logit gradients, one segment's gradients)
+    working: float  # what the trainer holds beyond the fit in backward (BACKWARD_FACTOR, measured)
+    dispatch: float  # expert-parallel all-to-all send and receive buffers
+    build_peak: float  # while the model is built and partitioned
+    overhead: float
+    step_peak: float
+    peak: float
+    context: Dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _local_full_numel(counts: ModelCounts, ep: int) -> float:
+    """Elements of this rank's model gathered whole: every non-expert tensor and its own E / EP experts."""
+    experts = counts.kinds["experts"].numel + counts.expert_adapter_numel
+    return counts.total_numel - experts + experts / ep - counts.kinds["vision"].numel * 0
+
+
+def _local_full_bytes(counts: ModelCounts, ep: int, precision_bytes: int) -> float:
+    rest = sum(c.nbytes for k, c in counts.kinds.items() if k not in ("experts", "adapters"))
+    return rest + counts.kinds["experts"].nbytes / ep + (counts.adapter_numel - counts.expert_adapter_numel
+                                                         + counts.expert_adapter_numel / ep) * precision_bytes
+
+
+def activation_bytes(mc, act: ActivationModel, layout: Layout) -> Dict[str, float]:
+    """Saved-for-backward bytes of one micro-batch per segment kind (and ``"largest_layer"``), fp32-fitted,
+    scaled to the recipe's precision (bf16 halves the floating tensors; the fp32 router scores, SiTU and
+    loss terms make that an estimate)."""
+    b, t, ep = layout.micro_batch, layout.seq_len, layout.ep
+    local = mc.moe.num_experts // ep
+    scale = 1.0 if layout.precision_bytes == 4 else 0.55
+    out: Dict[str, float] = {}
+    largest = 0.0
+    for i, kind in enumerate(mc.layer_types):
+        layer = 0.0
+        for seg in (kind, "moe" if mc.is_moe_layer(i) else "mlp"):
+            v = act.bytes(seg, segment_dims(mc, b, t, local, layout.capacity, seg), layout.capacity) * scale
+            out[seg] = out.get(seg, 0.0) + v
+            layer += v
+        if mc.attn_res:
+            c = sum(attn_res_candidates(i, mc.attn_res_block_size))
+            v = act.bytes("attn_res", segment_dims(mc, b, t, local, 1.0, "attn_res", c)) * scale
+            out["attn_res"] = out.get("attn_res", 0.0) + v
+            layer += v
+        largest = max(largest, layer)
+    c = final_candidates(mc.num_layers, mc.attn_res_block_size) if mc.attn_res else 0
+    out["head"] = act.bytes("head", segment_dims(mc, b, t, local, 1.0, "head", c))  # the loss is fp32
+    out["largest_layer"] = largest
+    return out
+
+
+def plan_memory(counts: ModelCounts, mc, act: ActivationModel, layout: Layout) -> MemoryPlan:
+    """The per-rank memory of ``layout`` (see ``MemoryPlan``'s fields)."""
+    L, pb = layout, layout.precision_bytes
+    world, ep = L.devices, L.ep
+    edp = world // ep
+    z = L.zero
+    base = {}
+    for kind in ("experts", "dense", "embeddings", "vision"):
+        c = counts.kinds[kind]
+        share = c.nbytes / ep if kind == "experts" else c.nbytes
+        base[kind] = share / (edp if kind == "experts" else world) if L.zero3 else share
+    dense_ad = counts.adapter_numel - counts.expert_adapter_numel
+    ad_local = (dense_ad / world + counts.expert_adapter_numel / ep / edp) if L.zero3 else \
+        (dense_ad + counts.expert_adapter_numel / ep)
+    master = 4 if pb == 2 else 0  # an fp32 master copy beside bf16 weights
+    adapters = {"weights": ad_local * pb, "gradients": ad_local * 4, "optimizer": ad_local * (8 + master)}
+    full_local = _local_full_numel(counts, ep)
+    if L.zero3:
+        layer_max = max([n - e + e / ep for n, e in zip(counts.layer_numel, counts.layer_expert_numel)] or [0])
+        if full_local <= z["stage3_max_reuse_distance"]:
+            live = full_local  # every parameter is reused within the distance: all stay gathered after step 1
+        else:
+            live = min(full_local, layer_max + min(z["stage3_prefetch_bucket_size"], z["stage3_max_live_parameters"])
+                       + z["stage3_max_reuse_distance"])
+        gathered = live / full_local * _local_full_bytes(counts, ep, pb)
+        trainable_local = dense_ad + counts.expert_adapter_numel / ep
+        buckets = min(z["reduce_bucket_size"], trainable_local) * pb
+    else:
+        gathered, buckets = 0.0, 0.0
+    acts = activation_bytes(mc, act, L)
+    largest = acts.pop("largest_layer")
+    if L.checkpointing:
+        # each layer keeps only its input (the residual stream's candidates), one layer is recomputed at a time
+        per_input = L.micro_batch * L.seq_len * mc.hidden_size * pb
+        inputs = sum(sum(attn_res_candidates(i, mc.attn_res_block_size)) / 2 if mc.attn_res else 1
+                     for i in range(mc.num_layers)) * per_input
+        activations = inputs + largest + acts["head"]
+        by_segment = {"layer inputs": inputs, "one layer recomputed": largest, "head": acts["head"]}
+    else:
+        activations = sum(acts.values())
+        by_segment = acts
+    n = L.micro_batch * L.seq_len
+    transient = max(n * mc.vocab_size * 4.0, largest)  # logit gradients, or one layer's input gradients
+    dispatch = (2 * n * mc.moe.top_k * L.capacity * mc.moe.expert_dim * pb) if ep > 1 else 0.0
+    resting = sum(base.values()) + sum(adapters.values())
+    working = (BACKWARD_FACTOR - 1.0) * (activations + transient)
+    step_peak = resting + gathered + buckets + activations + transient + working + dispatch
+    build_peak = 0.0
+    if L.preset_build:  # whole local model in the build dtype (fp32), plus the partitions the engine cuts
+        build_peak = _local_full_bytes(counts, ep, pb) * (4 / pb) + resting
+    overhead = L.overhead_bytes
+    peak = max(step_peak, build_peak) + overhead
+    context = {"tokens_per_rank_micro_batch": n, "local_experts": mc.moe.num_experts // ep, "edp": edp}
+    return MemoryPlan(base=base, adapters=adapters, gathered=gathered, buckets=buckets, activations=activations,
+                      activations_by_segment=by_segment, transient=transient, working=working, dispatch=dispatch,
+                      build_peak=build_peak, overhead=overhead, step_peak=step_peak, peak=peak, context=context)
+
+
+def zero_settings(ds_config: Optional[dict]) -> Dict[str, int]:
+    """The ZeRO-3 knobs the planner reads, from a DeepSpeed config dict (DeepSpeed's defaults otherwise)."""
+    zero = dict(ZERO3_DEFAULTS)
+    given = (ds_config or {}).get("zero_optimization", {}) or {}
+    for key in zero:
+        if isinstance(given.get(key), (int, float)) and not isinstance(given.get(key), bool):
+            zero[key] = int(given[key])
+    return zero

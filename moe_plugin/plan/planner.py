@@ -1,0 +1,199 @@
+"""``plan_recipe``: a recipe and a layout in, one rank's memory, the step's tokens, FLOPs and all-to-all bytes,
+and the answers to "does it fit", "how few devices" and "which knob buys how much" out (docs/planner.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, List, Optional
+
+from ..config import require
+from .activations import fit_activation_model
+from .counts import ModelCounts, count_model
+from .memory import Layout, MemoryPlan, activation_bytes, plan_memory, zero_settings
+
+__all__ = ["Plan", "plan_recipe", "devices_from_ds_config", "CPU_OVERHEAD_BYTES", "GPU_OVERHEAD_BYTES"]
+
+GPU_OVERHEAD_BYTES = 3 * 2 ** 30  # CUDA context, NCCL buffers, allocator fragmentation: an assumption
+CPU_OVERHEAD_BYTES = 0.0  # measured per launch by moe_plugin.plan.measure (the calibration layout)
+MILLION_CONTEXT = 1 << 20
+
+
+@dataclass
+class Plan:
+    recipe: str
+    layout: Layout
+    memory: MemoryPlan
+    device_memory: Optional[float]
+    fits: Optional[bool]
+    counts: Dict[str, dict]
+    tokens_per_step: int
+    flops_per_step: float
+    all_to_all_bytes_per_layer_step: float
+    million_context: Dict[str, float]
+    knobs: Dict[str, float] = field(default_factory=dict)
+    min_devices: Optional[int] = None
+    fit_residual: float = 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["memory"] = self.memory.to_dict()
+        return d
+
+
+def devices_from_ds_config(ds: Optional[dict], micro_batch: int, accum: int) -> Optional[int]:
+    """The device count a DeepSpeed config pins through ``train_batch_size`` (= micro x accum x world)."""
+    tbs = (ds or {}).get("train_batch_size")
+    if isinstance(tbs, int) and not isinstance(tbs, bool) and tbs % (micro_batch * accum) == 0:
+        return tbs // (micro_batch * accum)
+    return None
+
+
+def _read_ds(recipe) -> Optional[dict]:
+    if recipe.deepspeed is None:
+        return None
+    with open(recipe.deepspeed) as f:
+        return json.load(f)
+
+
+def _flops(counts: ModelCounts, mc, layout: Layout, tokens: int) -> float:
+    """Matrix FLOPs of one step: 2 per active weight per token forward, 2 more backward for the activation
+    gradients (the frozen base computes no weight gradients), 2 more with recomputation; attention's own
+    products (KDA's chunk and state terms, MLA's scores) likewise."""
+    experts = counts.kinds["experts"].numel
+    active = counts.total_numel - experts - counts.kinds["vision"].numel + experts * mc.moe.top_k / mc.moe.num_experts
+    active -= counts.kinds["embeddings"].numel / 2  # the input embedding is a lookup
+    passes = 4 + (2 if layout.checkpointing else 0)
+    k, m = mc.kda, mc.mla
+    kda_layers = sum(t == "kda" for t in mc.layer_types)
+    mla_layers = len(mc.layer_types) - kda_layers
+    keys = min(m.index_topk, layout.seq_len / 2) if m.use_indexer else layout.seq_len / 2
+    attn = (kda_layers * 4 * k.num_heads * k.head_dim * (k.chunk_size + k.head_dim)
+            + mla_layers * 2 * keys * m.num_heads * (m.qk_head_dim + m.v_head_dim))
+    return tokens * (active * passes + attn * passes / 2)
+
+
+def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[float] = None,
+                micro_batch: Optional[int] = None, seq_len: Optional[int] = None,
+                checkpointing: bool = False, expert_format: Optional[str] = None, capacity: float = 1.25,
+                overhead_bytes: Optional[float] = None, fit_cache: Optional[dict] = None,
+                knobs: bool = False, probes: int = 14) -> Plan:
+    """Plan ``recipe`` (a validated ``Recipe``) at a layout; arguments left ``None`` come from the recipe and
+    its DeepSpeed config (``devices`` from its ``train_batch_size``). ``fit_cache`` keeps fitted activation
+    models between calls (keyed by the model's structure)."""
+    from ..training.backends.common import hf_config
+    from ..training.backends.images import wants_images
+
+    s = recipe.schedule
+    micro_batch = micro_batch or s.micro_batch_size
+    seq_len = seq_len or recipe.data.seq_len
+    ds = _read_ds(recipe)
+    devices = devices or devices_from_ds_config(ds, micro_batch, s.gradient_accumulation_steps)
+    require(devices is not None, "--devices", "the recipe's DeepSpeed config pins no train_batch_size; give the "
+            "device count, e.g. --devices 128")
+    ep = recipe.parallel.expert_parallel_size
+    require(devices % ep == 0, "--devices", f"{devices} is not a multiple of parallel.expert_parallel_size "
+            f"({ep}); use a multiple of {ep}")
+    require(capacity >= 1.0, "--capacity", f"must be >= 1 (1 = perfectly balanced routing), got {capacity}")
+    overrides = dict(recipe.model.overrides)
+    if expert_format is not None:
+        overrides["expert_format"] = expert_format
+    section = recipe.model.model_copy(update={"overrides": overrides})
+    cfg = hf_config(section)
+    mc = cfg.to_model_config()
+    require(mc.moe.num_experts % ep == 0, "parallel.expert_parallel_size",
+            f"{ep} does not divide the model's {mc.moe.num_experts} experts")
+    zero3 = int(((ds or {}).get("zero_optimization") or {}).get("stage", 0)) == 3 or devices > 1
+    pb = 2 if s.precision == "bf16" else 4
+    images = wants_images(recipe, mc)
+    cache = {} if fit_cache is None else fit_cache
+    key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), repr(recipe.lora), pb, images)
+    if ("counts",) + key not in cache:
+        cache[("counts",) + key] = count_model(cfg, recipe.lora, precision_bytes=pb, images=images)
+    counts = cache[("counts",) + key]
+    fit_key = ("fit", mc.moe.expert_format, mc.attn_res, mc.mla.use_indexer, repr(recipe.lora))
+    if fit_key not in cache:
+        cache[fit_key] = fit_activation_model(cfg, recipe.lora, probes=probes)
+    act = cache[fit_key]
+    if overhead_bytes is None:
+        overhead_bytes = GPU_OVERHEAD_BYTES if device_memory and device_memory > 2 ** 36 else CPU_OVERHEAD_BYTES
+    layout = Layout(devices=devices, ep=ep, zero3=zero3, micro_batch=micro_batch, seq_len=seq_len,
+                    grad_accum=s.gradient_accumulation_steps, checkpointing=checkpointing, capacity=capacity,
+                    precision_bytes=pb, zero=zero_settings(ds), preset_build=recipe.model.from_pretrained is None,
+                    overhead_bytes=overhead_bytes)
+    memory = plan_memory(counts, mc, act, layout)
+    tokens = devices * micro_batch * s.gradient_accumulation_steps * seq_len
+    n = micro_batch * seq_len
+    a2a = (4 * n * mc.moe.top_k * capacity * mc.moe.expert_dim * pb * (ep - 1) / ep
+           * s.gradient_accumulation_steps) if ep > 1 else 0.0
+    million = {}
+    for ckpt in (False, True):
+        big = replace(layout, micro_batch=1, seq_len=MILLION_CONTEXT, checkpointing=ckpt)
+        million["checkpointing on" if ckpt else "checkpointing off"] = plan_memory(counts, mc, act, big).peak
+    kda_state = sum(t == "kda" for t in mc.layer_types) * mc.kda.num_heads * mc.kda.head_dim ** 2 * 4
+    million["KDA state per sequence (all layers, fp32)"] = float(kda_state)
+    million["activations per token (no checkpointing)"] = sum(
+        v for k, v in activation_bytes(mc, act, replace(layout, micro_batch=1, seq_len=4096)).items()
+        if k != "largest_layer") / 4096
+    kinds = {k: {"parameters": c.numel, "bytes": c.nbytes} for k, c in counts.kinds.items()}
+    plan = Plan(recipe=getattr(recipe, "source", "") or "", layout=layout, memory=memory,
+                device_memory=device_memory, fits=None if device_memory is None else memory.peak <= device_memory,
+                counts=kinds, tokens_per_step=tokens, flops_per_step=_flops(counts, mc, layout, tokens),
+                all_to_all_bytes_per_layer_step=a2a, million_context=million, fit_residual=act.max_rel_residual)
+    if knobs:
+        plan.knobs = _knobs(recipe, plan, counts, mc, act, cache, capacity, probes, checkpointing, expert_format)
+        if device_memory:
+            plan.min_devices = _min_devices(counts, mc, act, layout, device_memory)
+    return plan
+
+
+def _knobs(recipe, plan, counts, mc, act, cache, capacity, probes, checkpointing, expert_format) -> Dict[str, float]:
+    """Peak bytes saved (positive) or added (negative) by one change at a time."""
+    layout, base = plan.layout, plan.memory.peak
+    out: Dict[str, float] = {}
+    variants = {"checkpointing " + ("off" if checkpointing else "on"): replace(layout, checkpointing=not checkpointing),
+                "micro-batch 1": replace(layout, micro_batch=1),
+                f"micro-batch {layout.micro_batch * 2}": replace(layout, micro_batch=layout.micro_batch * 2)}
+    e = mc.moe.num_experts
+    for ep in (layout.ep // 2, layout.ep * 2):
+        if ep >= 1 and e % ep == 0 and layout.devices % ep == 0 and ep != layout.ep:
+            variants[f"EP {ep}"] = replace(layout, ep=ep)
+    variants[f"{layout.devices * 2} devices"] = replace(layout, devices=layout.devices * 2)
+    for name, variant in variants.items():
+        out[name] = base - plan_memory(counts, mc, act, variant).peak
+    other = "dense" if (expert_format or mc.moe.expert_format) != "dense" else "mxfp4"
+    alt = plan_recipe(recipe, devices=layout.devices, micro_batch=layout.micro_batch, seq_len=layout.seq_len,
+                      checkpointing=checkpointing, expert_format=other, capacity=capacity,
+                      overhead_bytes=layout.overhead_bytes, fit_cache=cache, probes=probes)
+    out[f"experts {other}"] = base - alt.memory.peak
+    return out
+
+
+def _min_devices(counts, mc, act, layout: Layout, device_memory: float, limit: int = 8192) -> Optional[int]:
+    """The fewest devices (a multiple of EP) whose per-rank peak fits, the recipe's EP and micro-batch kept."""
+    for d in range(layout.ep, limit + 1, layout.ep):
+        if plan_memory(counts, mc, act, replace(layout, devices=d, zero3=d > 1)).peak <= device_memory:
+            return d
+    return None
+
+
+def parse_bytes(text: str) -> float:
+    """``"141GB"``, ``"80GiB"``, ``"512MiB"``, a plain number of bytes -> bytes; ValueError naming the value."""
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20,
+             "GIB": 2 ** 30, "TIB": 2 ** 40}
+    t = text.strip().upper().replace(" ", "")
+    number = t.rstrip("KMGTIB")
+    unit = t[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    require(value > 0 and unit in units, "--device-memory",
+            f"{text!r} is not a memory size; write e.g. 141GB, 80GiB or 512MiB")
+    return value * units[unit]
+
+
+def recipe_path_problem(path: str) -> Optional[str]:
+    return None if os.path.isfile(path) else f"{path!r} does not exist; give a recipe JSON, e.g. " \
+                                             "recipes/k3_seed_layout.json"
