@@ -26,7 +26,8 @@ import torch
 from ..config import require
 from ..fileio import atomic_directory
 from .deltas import split_experts
-from .merge import base_tensors, check_packed_base, write_merged
+from .merge import check_packed_base, has_vision, write_merged
+from .packed import dense_base_model, dense_config, dense_stream, packed_stacks
 from .source import RunSource, open_run
 from .targets import Target, per_expert_key, select_targets
 from .verify import (LOGITS_RTOL, LOW_PRECISION_RTOL, CheckResult, base_model, compare_deltas,
@@ -48,12 +49,24 @@ class ExportReport:
     check: CheckResult
     files: List[str] = field(default_factory=list)
     peak_expert_layers: Optional[int] = None  # merged exports: the most MoE layers' experts held at once
+    # merged exports over a packed base: how the experts were written ("bfloat16"/"float32" dense, or the
+    # packed format when requantised), and for a requantised one the expert values whose decoded value
+    # changed from the base's, out of the values requantised
+    expert_format: Optional[str] = None
     requantised_changed_values: Optional[int] = None
+    requantised_values: Optional[int] = None
 
     def summary(self) -> str:
-        return (f"{self.format} export written to {self.out}: {len(self.targets)} targets ({self.expert_deltas} "
+        text = (f"{self.format} export written to {self.out}: {len(self.targets)} targets ({self.expert_deltas} "
                 f"expert deltas); check passed: {self.check.deltas_checked} deltas compared, logits within "
                 f"{self.check.logits_rel_diff:.2e} of the adapted model (allowed {self.check.tolerance:g})")
+        if self.requantised_values is not None:
+            text += (f"; packed base: experts requantised to {self.expert_format}, {self.requantised_changed_values}"
+                     f" of {self.requantised_values} expert values changed from the base (lossy: the merged weights "
+                     f"are rounded to the format's grid again; {self.check.requantised_ties} rounding ties)")
+        elif self.expert_format is not None:
+            text += f"; packed base: experts dequantised and written in {self.expert_format}"
+        return text
 
 
 def _leaf(weight: str) -> str:
@@ -82,7 +95,9 @@ def _write_peft(source: RunSource, targets: Dict[str, Target], tmp: str) -> List
 def _check_peft(source: RunSource, targets: Dict[str, Target], tmp: str, expected, ref_logits) -> CheckResult:
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(base_model(source), tmp).eval()
+    # plain peft (no project layer registered) onto dense experts: a packed base's decoded exactly, in fp32
+    base = dense_base_model(source) if packed_stacks(source.hf_config) else base_model(source)
+    model = PeftModel.from_pretrained(base, tmp).eval()
     result = CheckResult(tolerance=LOGITS_RTOL)
     with torch.no_grad():
         for name, target in targets.items():
@@ -132,7 +147,8 @@ def _check_per_expert(source: RunSource, targets: Dict[str, Target], tmp: str, e
     scaling = written["lora_alpha"] / (math.sqrt(r) if written.get("use_rslora") else r)
     state = load_file(os.path.join(tmp, ADAPTER_FILE))
     listed = set(written.get("target_modules") or [])
-    model = base_model(source)
+    # a serving engine adds the deltas to dense weights: a packed base's experts decoded (exactly, fp32)
+    model = dense_base_model(source) if packed_stacks(source.hf_config) else base_model(source)
     params = dict(model.named_parameters())
     result = CheckResult(tolerance=LOGITS_RTOL)
     unlisted = sorted({_leaf(w) for w in targets} - listed)
@@ -162,34 +178,42 @@ def _write_merged_dir(source: RunSource, targets, tmp: str, layout: str, max_byt
 
     written = write_merged(source.base_path, source.hf_config, targets, source.state, tmp, layout, max_bytes,
                            requantise=requantise)
+    # dense experts carry a dense config; requantised ones the base's (its quantization_config)
+    config = source.hf_config if requantise else dense_config(source.hf_config)
     if layout == "hf":
-        source.hf_config.save_pretrained(tmp)
+        config.save_pretrained(tmp)
     else:
-        k3 = config_to_k3(source.hf_config)
-        from safetensors import safe_open
-
-        with safe_open(os.path.join(tmp, written["files"][0]), framework="pt") as f:
-            k3["torch_dtype"] = str(f.get_tensor(next(iter(f.keys()))).dtype).replace("torch.", "")
+        k3 = config_to_k3(config, multimodal=has_vision(source.base_path))
+        k3["torch_dtype"] = written["float_dtype"]
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(k3, f, indent=2, sort_keys=True)
     _tokenizer(tmp)
     return written
 
 
-def _check_merged(source: RunSource, targets, tmp: str, layout: str, expected, ref_logits) -> CheckResult:
-    from ..models import MoEPluginForCausalLM
-    from ..models.k3_format import load_k3_checkpoint
-
+def _check_merged(source: RunSource, targets, tmp: str, layout: str, expected, ref_logits,
+                  requantised: bool) -> CheckResult:
     from ..fileio import safetensors_weight_map
+    from ..models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
+    from ..models.k3_format import load_k3_checkpoint
     from ..weights.plan import stored_tensors
 
-    dtypes = {s.dtype for s in stored_tensors(safetensors_weight_map(tmp)).values()}
+    # packed scales (INT4's are bf16 as published) say nothing of the weights' precision
+    dtypes = {s.dtype for n, s in stored_tensors(safetensors_weight_map(tmp)).items() if not n.endswith("scale")}
     low = bool(dtypes & {"bfloat16", "float16"})
     result = CheckResult(tolerance=LOW_PRECISION_RTOL if low else LOGITS_RTOL)
-    # both streamed side by side: one base tensor and one written tensor held at a time
-    merged_differences(base_tensors(source.base_path, source.hf_config), base_tensors(tmp, source.hf_config),
-                       targets, expected, result)
-    model = (MoEPluginForCausalLM.from_pretrained(tmp) if layout == "hf" else load_k3_checkpoint(tmp)).float().eval()
+    if requantised:
+        from .requantised import requantised_check
+
+        ref_logits = requantised_check(source, targets, tmp, expected, result)
+    else:  # both streamed side by side: one base tensor and one written tensor held at a time
+        written_config = dense_config(source.hf_config)
+        merged_differences(dense_stream(source.base_path, source.hf_config), dense_stream(tmp, written_config),
+                           targets, expected, result)
+    # an image+text export reloads as the image+text model; the adapters are its language model's
+    cls = MoEPluginForConditionalGeneration if has_vision(tmp) else MoEPluginForCausalLM
+    model = (cls.from_pretrained(tmp) if layout == "hf" else load_k3_checkpoint(tmp, model_cls=cls)).float().eval()
+    model = getattr(model, "language_model", model)
     result.logits_rel_diff = relative_diff(logits_of(model, source.hf_config.vocab_size), ref_logits)
     return result
 
@@ -209,7 +233,7 @@ def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targ
     require(not requantise or to.startswith("merged"), "requantise", "only merged exports hold base weights to "
             "requantise; leave --requantise out for adapter exports")
     source = open_run(run_dir, step)
-    if to.startswith("merged"):  # before the reference loads the base: the packed-base message names the hook
+    if to.startswith("merged"):  # before the reference loads the base
         check_packed_base(source.base_path, requantise)
     chosen = select_targets(source.targets, targets, active=source.targets)
     _, ref_logits, expected = reference(source)
@@ -227,8 +251,10 @@ def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targ
             written = _write_merged_dir(source, chosen, tmp, layout, convert_file_size_to_int(max_shard_size),
                                         requantise)
             report.files, report.peak_expert_layers = written["files"], written["peak_expert_layers"]
+            report.expert_format = written["expert_format"]
             report.requantised_changed_values = written["requantised_changed_values"]
-            check = _check_merged(source, chosen, tmp, layout, expected, ref_logits)
+            report.requantised_values = written["requantised_values"]
+            check = _check_merged(source, chosen, tmp, layout, expected, ref_logits, requantise)
         check.raise_if_failed(f"--to {to}")
         report.check = check
         _write_manifest(tmp, report, source)
@@ -240,7 +266,10 @@ def _write_manifest(tmp: str, report: ExportReport, source: RunSource) -> None:
               "targets": report.targets, "expert_deltas": report.expert_deltas, "files": report.files,
               "check": {"logits_max_rel_diff": report.check.logits_rel_diff, "allowed": report.check.tolerance,
                         "deltas_compared": report.check.deltas_checked},
-              "peak_expert_layers": report.peak_expert_layers,
-              "requantised_changed_values": report.requantised_changed_values}
+              "peak_expert_layers": report.peak_expert_layers, "expert_format": report.expert_format,
+              "requantised_changed_values": report.requantised_changed_values,
+              "requantised_values": report.requantised_values}
+    if report.check.requantised_ties is not None:
+        values["check"]["requantised_ties"] = report.check.requantised_ties
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump(values, f, indent=2, sort_keys=True)

@@ -8,11 +8,10 @@ K3 per-expert through ``models.k3_format``'s rules). The writer flushes a shard 
 would take expert tensors of a second layer, so at most one layer's experts are ever held (at K3 size one
 layer's experts are ~59 GB in BF16, against 5.6 TB for the model).
 
-Packed (MXFP4) bases: the loaders refuse them until the packed-base work provides a codec. The hook is
-``PACKED_CODEC``: an object with ``dequantise(name, handle) -> Tensor`` (a BF16 expert stack from the packed
-tensors) and ``requantise(name, tensor) -> (Dict[str, Tensor], changed: int)`` (the packed tensors of a merged
-stack and how many values the round trip changed). Without ``requantise=True`` a packed base's experts are
-written in BF16; with it, the codec's packed tensors, and the export reports the changed values.
+Packed bases (MXFP4 / INT4 routed experts): ``base_tensors`` streams the experts as a layer keeps them (codes
+and scales), ``export.packed.decoded`` turns them into exact fp32 stacks, and the merged experts are written
+dense in the base's floating dtype (BF16 for the release; fp32 for the tests' tiny bases) or, with
+``requantise=True``, packed again in the base's format, with the count of values that changed from the base.
 """
 
 from __future__ import annotations
@@ -26,21 +25,23 @@ from safetensors.torch import save_file
 
 from ..config import require
 from ..fileio import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, safetensors_weight_map
-from ..weights.names import (is_stacked_expert, k3_expert_name, quantised_tensors, strip_text_prefix,
-                             tensor_to_k3)
+from ..weights.names import (TEXT_PREFIX, VISION_PREFIXES, is_stacked_expert, k3_expert_name, quantised_tensors,
+                             strip_text_prefix, tensor_to_k3)
+from ..weights.packed import is_packed_expert_stack, stack_of
 from .deltas import dense_delta, expert_deltas
+from .packed import decoded, float_dtype, packed_output_tensors, packed_stacks, requantise as requantise_stack
 from .targets import Target
 
-__all__ = ["PACKED_CODEC", "check_packed_base", "ShardWriter", "base_tensors", "write_merged", "expert_layer_of", "delta_for"]
-
-PACKED_CODEC = None  # set by the packed-base work (issue 11); see the module docstring
+__all__ = ["check_packed_base", "has_vision", "ShardWriter", "base_tensors", "write_merged", "expert_layer_of", "delta_for"]
 
 
 def expert_layer_of(name: str) -> Optional[int]:
-    """The layer index of a stacked expert tensor ``model.layers.{i}.block_sparse_moe.experts.w[123]``."""
-    if not is_stacked_expert(strip_text_prefix(name)):
+    """The layer index of a routed-expert tensor: stacked ``model.layers.{i}.block_sparse_moe.experts.w[123]``
+    (and a packed stack's ``..._scale``), or K3's per-expert ``...experts.{e}.w1.weight_packed``."""
+    plain = strip_text_prefix(name)
+    if not (is_stacked_expert(plain) or stack_of(plain) or ".block_sparse_moe.experts." in plain):
         return None
-    return int(strip_text_prefix(name).split(".")[2])
+    return int(plain.split(".")[2])
 
 
 class ShardWriter:
@@ -96,49 +97,57 @@ class ShardWriter:
 
 
 def check_packed_base(base_path: str, requantise: bool) -> bool:
+    """Whether the base at ``base_path`` stores packed experts; ValueError (``requantise``) when requantising is
+    asked of a base that has nothing packed."""
     from ..weights.plan import stored_tensors
 
     stored = stored_tensors(safetensors_weight_map(base_path))
     packed = quantised_tensors({n: s.dtype for n, s in stored.items()})
-    if not packed:
-        require(not requantise, "requantise", "the base's experts are not packed: there is nothing to requantise "
-                "to; leave --requantise out")
-        return False
-    require(PACKED_CODEC is not None, "base", f"{base_path} stores {len(packed)} packed (MXFP4) expert tensors, "
-            "e.g. " f"{packed[:3]}; merging needs the MXFP4 codec of the packed-base support "
-            "(moe_plugin.export.merge.PACKED_CODEC), which is not installed yet: dequantise the experts to BF16 first")
-    require(not requantise or hasattr(PACKED_CODEC, "requantise"), "requantise", "the installed MXFP4 codec cannot "
-            "requantise; leave --requantise out to write BF16 experts")
-    return True
+    require(bool(packed) or not requantise, "requantise", "the base's experts are not packed: there is nothing "
+            "to requantise to; leave --requantise out")
+    return bool(packed)
 
 
 def base_tensors(base_path: str, hf_config) -> Iterator[Tuple[str, torch.Tensor]]:
     """The base checkpoint's tensors under the text model's Hugging Face names, one at a time, in state-dict
-    order (experts stacked ``[E, out, in]``), each a new tensor in the checkpoint's dtype."""
-    from ..models.k3_format import expected_shapes
+    order (experts stacked ``[E, out, in]``), each a new tensor in the checkpoint's dtype. Packed experts come
+    as a layer keeps them: codes ``...experts.w1`` ``[E, out, packed_cols]`` and ``...experts.w1_scale``. An
+    image+text base's vision tensors (``vision_tower.``, ``mm_projector.``) follow, under their stored names."""
+    from ..models import MoEPluginForCausalLM
     from ..weights.loader import LoadStats, _apply, _open_safetensors
-    from ..weights.plan import Target as ReadTarget, plan_reads, stored_tensors
+    from ..weights.plan import Target as ReadTarget, detect_layout, plan_reads, stored_tensors
 
     config = hf_config.to_model_config()
-    shapes = expected_shapes(hf_config)
+    with torch.device("meta"):
+        meta = MoEPluginForCausalLM(hf_config).state_dict()
     if hf_config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)  # stored once, as the embedding
-    targets = {n: ReadTarget(s, (0, s[0]) if is_stacked_expert(n) and len(s) == 3 else None) for n, s in shapes.items()}
-    plan = plan_reads(targets, safetensors_weight_map(base_path), names="hf", config=config, strict=True,
-                      source=base_path)
+        meta.pop("lm_head.weight", None)  # stored once, as the embedding
+    targets = {}
+    for n, t in meta.items():
+        packed = is_packed_expert_stack(n, str(t.dtype).removeprefix("torch."))  # read as stored, never converted
+        expert = (is_stacked_expert(n) or packed) and t.dim() == 3
+        targets[n] = ReadTarget(tuple(t.shape), (0, t.shape[0]) if expert else None,
+                                dtype=str(t.dtype).removeprefix("torch.") if packed else None)
     stored = stored_tensors(safetensors_weight_map(base_path))
+    plan = plan_reads(targets, safetensors_weight_map(base_path), names="hf", config=config, strict=True,
+                      layout=detect_layout(base_path, stored), stored=stored, source=base_path, ignore_vision=True)
     handles: Dict[str, object] = {}
     try:
         for name, reads in plan.reads.items():
             if not reads:
                 continue
             first = reads[0].name
-            tensor = torch.empty(targets[name].shape, dtype=getattr(torch, stored[first].dtype))
+            tensor = torch.empty(targets[name].shape, dtype=getattr(torch, targets[name].dtype or stored[first].dtype))
             for read in reads:
                 if read.file not in handles:
                     handles[read.file] = _open_safetensors(read.file).__enter__()
                 _apply(handles[read.file], read, tensor, targets[name], LoadStats())
             yield name, tensor
+        for name in plan.ignored:  # the vision tower and projector, which no text adapter touches
+            file = stored[name].file
+            if file not in handles:
+                handles[file] = _open_safetensors(file).__enter__()
+            yield name, handles[file].get_tensor(name)
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
@@ -158,31 +167,66 @@ def _merged(tensor: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (tensor.float() + delta).to(tensor.dtype)
 
 
+def has_vision(base_path: str) -> bool:
+    """Whether the checkpoint at ``base_path`` is an image+text one (vision tower and projector tensors)."""
+    return any(n.startswith(VISION_PREFIXES) for n in safetensors_weight_map(base_path))
+
+
+def _write(writer: ShardWriter, name: str, tensor: torch.Tensor, layout: str, prefix: str) -> None:
+    layer = expert_layer_of(name)
+    if name.startswith(VISION_PREFIXES):
+        writer.add(name, tensor, None)  # as stored: both layouts name them alike
+    elif layout == "hf":
+        writer.add(prefix + name, tensor, layer)
+    elif layer is not None:
+        for e in range(tensor.shape[0]):
+            writer.add(prefix + k3_expert_name(name, e), tensor[e].clone(), layer)
+    else:
+        writer.add(prefix + name, tensor_to_k3(name, tensor).contiguous().clone(), None)
+
+
 def write_merged(base_path: str, hf_config, targets: Mapping[str, Target], state: Mapping[str, torch.Tensor],
                  directory: str, layout: str, max_bytes: int, requantise: bool = False,
                  on_tensor: Optional[Callable[[str, torch.Tensor], None]] = None) -> Dict[str, object]:
     """Write base + deltas into ``directory`` in ``layout`` ("hf" or "k3"), streaming; returns what was written
-    (files, merged target names, peak expert layers held, values a requantisation changed)."""
+    (files, merged target names, peak expert layers held; over a packed base the experts' dtype, or with
+    ``requantise`` their format, the values that changed from the base and the values requantised).
+    on_tensor(name, tensor): sees every merged tensor before it is written (dense experts ``[E, out, in]``)."""
+    from ..weights.plan import stored_tensors
+
     require(layout in ("hf", "k3"), "layout", f"must be 'hf' or 'k3', got {layout!r}")
     packed = check_packed_base(base_path, requantise)
+    stacks = packed_stacks(hf_config) if packed else {}
+    dtype = float_dtype(s.dtype for s in stored_tensors(safetensors_weight_map(base_path)).values())
     writer = ShardWriter(directory, max_bytes)
-    merged, changed = [], 0
-    for name, tensor in base_tensors(base_path, hf_config):
+    prefix = TEXT_PREFIX if has_vision(base_path) else ""  # an image+text checkpoint keeps its text under it
+    merged, changed, requantised = [], 0, 0
+    for name, tensor, codes in decoded(base_tensors(base_path, hf_config), stacks, keep_packed=requantise):
         target = targets.get(name)
+        base = tensor
         if target is not None:
             tensor = _merged(tensor, delta_for(target, state))
             merged.append(name)
-        layer = expert_layer_of(name)
         if on_tensor is not None:
             on_tensor(name, tensor)
-        if layout == "hf":
-            writer.add(name, tensor, layer)
-        elif layer is not None:
-            for e in range(tensor.shape[0]):
-                writer.add(k3_expert_name(name, e), tensor[e].clone(), layer)
-        else:
-            writer.add(name, tensor_to_k3(name, tensor).contiguous().clone(), None)
-        del tensor
+        if name in stacks and requantise:
+            stack = stacks[name]
+            if target is None:  # not adapted: the stored bytes, not a re-encoding of them
+                new_codes, new_scales = codes
+            else:
+                new_codes, new_scales, n = requantise_stack(stack, tensor, base)
+                changed, requantised = changed + n, requantised + tensor.numel()
+            for out_name, value in packed_output_tensors(stack, new_codes, new_scales, layout):
+                writer.add(prefix + out_name, value, expert_layer_of(name))
+            continue
+        if name in stacks:
+            tensor = tensor.to(dtype)
+        _write(writer, name, tensor, layout, prefix)
+        del tensor, base
     files = writer.close()
     return {"files": files, "merged": merged, "peak_expert_layers": writer.peak_expert_layers,
-            "requantised_changed_values": changed if packed and requantise else None}
+            "expert_format": (next(iter(stacks.values())).format if requantise else str(dtype).replace("torch.", ""))
+            if packed else None,
+            "requantised_changed_values": changed if packed and requantise else None,
+            "requantised_values": requantised if packed and requantise else None,
+            "float_dtype": str(dtype).replace("torch.", "")}

@@ -1,0 +1,199 @@
+"""Merged exports over a packed base (MXFP4 or INT4 routed experts, docs/k3-formats.md): decode, requantise,
+and the names the packed tensors are written under (docs/exports.md "Packed bases").
+
+A packed base streams its experts as a layer keeps them (``merge.base_tensors``): ``...experts.w1`` holds the
+codes ``[E, out, packed_cols]`` and ``...experts.w1_scale`` the scales (INT4: the bf16 scale's uint8 bytes).
+``decoded`` turns that stream into the dense one (``...experts.w1`` ``[E, out, in]`` fp32, decoded exactly),
+so a merge adds the deltas exactly as over a dense base. The merged experts are then written either dense, in
+the base's own floating dtype (``float_dtype``: BF16 for the published release, fp32 for the tests' tiny
+bases), or packed again in the base's format (``requantise``), which is lossy: ``changed`` counts the expert
+values whose decoded value differs from the base's (a delta smaller than half a quantisation step is lost).
+
+``round_to_grid`` quantises values to a given per-group scale (the encoders' rounding, the scale fixed): the
+requantised self-check (``export/requantised.py``) brackets the written codes with it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+from ..ops.quant import E2M1, GROUP, decode, encode
+from ..weights.packed import k3_packed_name, shape_tensor_name, stack_of
+
+__all__ = ["PackedStack", "packed_stacks", "dense_config", "decoded", "requantise", "packed_output_tensors",
+           "round_to_grid", "round_to_grid_reference", "group_scales", "float_dtype", "dense_stream",
+           "dense_base_model"]
+
+
+@dataclass(frozen=True)
+class PackedStack:
+    """One packed expert stack of the model: ``name`` (``...experts.w1``), its format, logical ``[E, out, in]``."""
+
+    name: str
+    format: str
+    shape: Tuple[int, int, int]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[2]
+
+
+def packed_stacks(hf_config) -> Dict[str, PackedStack]:
+    """``{"model.layers.1.block_sparse_moe.experts.w1": PackedStack}`` of ``MoEPluginForCausalLM(hf_config)``
+    (built on the meta device); empty for dense experts."""
+    from ..models import MoEPluginForCausalLM
+
+    if getattr(hf_config, "expert_format", "dense") == "dense":
+        return {}
+    with torch.device("meta"):
+        model = MoEPluginForCausalLM(hf_config)
+    out = {}
+    for prefix, module in model.named_modules():
+        if getattr(module, "is_packed", False):
+            for kind, shape in module.logical_shapes.items():
+                out[f"{prefix}.{kind}"] = PackedStack(f"{prefix}.{kind}", module.expert_format, tuple(shape))
+    return out
+
+
+def dense_config(hf_config):
+    """The same model with dense (floating) experts: the config a dense merged export carries."""
+    config = copy.deepcopy(hf_config)
+    config.expert_format = "dense"
+    return config
+
+
+def float_dtype(stored_dtypes: Iterable[str]) -> torch.dtype:
+    """The base's floating dtype (what its unquantised tensors are stored in): the most common one."""
+    counts: Dict[str, int] = {}
+    for d in stored_dtypes:
+        if d in ("float32", "bfloat16", "float16", "float64"):
+            counts[d] = counts.get(d, 0) + 1
+    return getattr(torch, max(counts, key=counts.get)) if counts else torch.bfloat16
+
+
+def decoded(stream: Iterable[Tuple[str, torch.Tensor]], stacks: Dict[str, PackedStack],
+            keep_packed: bool = False) -> Iterator[Tuple[str, torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]]:
+    """``(name, tensor, packed)`` of a packed base's stream: each packed stack once, under its dense name, as
+    ``[E, out, in]`` fp32 (decoded exactly) with ``packed = (codes, scales)`` when ``keep_packed``; every other
+    tensor as it comes (``packed`` None). A stack's codes wait for its scales (one stack held at a time)."""
+    pending: Dict[str, Dict[bool, torch.Tensor]] = {}
+    for name, tensor in stream:
+        found = stack_of(name)
+        stack = found and stacks.get(f"{found[0]}.{found[1]}")
+        if not stack:
+            yield name, tensor, None
+            continue
+        parts = pending.setdefault(stack.name, {})
+        parts[found[2]] = tensor
+        if len(parts) < 2:
+            continue
+        codes, scales = pending.pop(stack.name)[False], parts[True]
+        value = decode(stack.format, codes, scales, stack.in_features, torch.float32)
+        yield stack.name, value, (codes, scales) if keep_packed else None
+    if pending:
+        raise ValueError(f"base: packed expert stacks without their scales (or codes): {sorted(pending)}")
+
+
+def requantise(stack: PackedStack, merged: torch.Tensor, base: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """merged ``[E, out, in]`` fp32 -> (codes, scales as a layer keeps them, the number of values whose decoded
+    requantised value differs from the decoded ``base``)."""
+    codes, scales = encode(stack.format, merged, scale_bits=True)
+    changed = int((decode(stack.format, codes, scales, stack.in_features, torch.float32) != base).sum())
+    return codes, scales, changed
+
+
+def packed_output_tensors(stack: PackedStack, codes: torch.Tensor, scales: torch.Tensor, layout: str
+                          ) -> List[Tuple[str, torch.Tensor]]:
+    """The tensors a requantised stack is written as: "hf" the layer's own ``...experts.w1`` / ``w1_scale``;
+    "k3" per expert ``...experts.{e}.w1.weight_packed`` / ``.weight_scale`` (INT4: the bf16 scale as published,
+    and ``.weight_shape`` ``[out, in]`` int32), as ``models.k3_packed`` writes the release layout."""
+    if layout == "hf":
+        return [(stack.name, codes), (stack.name + "_scale", scales)]
+    out = []
+    for e in range(codes.shape[0]):
+        packed_name = k3_packed_name(stack.name, e)
+        scale = scales[e].clone()
+        if stack.format == "int4":
+            scale = scale.view(torch.bfloat16)
+        out += [(packed_name, codes[e].clone()), (k3_packed_name(stack.name + "_scale", e), scale)]
+        if stack.format == "int4":
+            out.append((shape_tensor_name(packed_name), torch.tensor(stack.shape[1:], dtype=torch.int32)))
+    return out
+
+
+def _groups(x: torch.Tensor) -> torch.Tensor:
+    """``[..., in]`` -> ``[..., groups, GROUP]`` (zero padded)."""
+    groups = -(-x.shape[-1] // GROUP)
+    return torch.nn.functional.pad(x, (0, groups * GROUP - x.shape[-1])).view(*x.shape[:-1], groups, GROUP)
+
+
+def group_scales(fmt: str, amax: torch.Tensor) -> torch.Tensor:
+    """The scale (as a float) the encoder picks for a group whose largest magnitude is ``amax`` (monotone in
+    ``amax``): MXFP4 ``2 ** (floor(log2 amax) - 2)`` (E8M0, clamped as the encoder does), INT4 ``bf16(amax / 7)``."""
+    if fmt == "mxfp4":
+        exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -127))) - 2,
+                          torch.full_like(amax, -127.0)).clamp(-127, 127)
+        return torch.ldexp(torch.ones_like(exp), exp.to(torch.int32))
+    return (amax / 7).to(torch.bfloat16).float()
+
+
+def round_to_grid(fmt: str, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., in]`` quantised with the per-group float ``scale [..., ceil(in/32)]`` and decoded (fp32): MXFP4
+    the nearest E2M1 value (saturating at 6) times the scale, INT4 ``clamp(round(x / scale), -8, 7) * scale``.
+    Monotone in ``x`` for a fixed scale (what the requantised check relies on)."""
+    g = _groups(x.float())
+    s = scale.float().unsqueeze(-1)
+    safe = torch.where(s > 0, s, torch.ones(()))
+    if fmt == "mxfp4":
+        magnitudes = torch.tensor(E2M1[:8])
+        y = g / safe
+        nearest = magnitudes[(y.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1)]
+        q = torch.where(y < 0, -nearest, nearest) * s
+    else:
+        q = torch.clamp(torch.round(g / safe), -8, 7) * s
+    return q.flatten(-2)[..., :x.shape[-1]]
+
+
+def round_to_grid_reference(fmt: str, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``round_to_grid`` value by value (the plain reference): the grid value nearest ``x / scale`` (MXFP4 the
+    E2M1 magnitudes with x's sign, the smaller on a tie; INT4 the integers -8..7, halves to even), times the
+    scale, in float64 then fp32."""
+    grid = sorted(set(abs(v) for v in E2M1))
+    flat_x, out = x.reshape(-1, x.shape[-1]).double(), torch.empty(x.reshape(-1, x.shape[-1]).shape, dtype=torch.float64)
+    flat_s = scale.reshape(-1, scale.shape[-1]).double()
+    for i in range(flat_x.shape[0]):
+        for j in range(flat_x.shape[1]):
+            s = float(flat_s[i, j // GROUP])
+            v = float(flat_x[i, j]) / s if s > 0 else 0.0
+            if fmt == "mxfp4":
+                best = min(grid, key=lambda m: (abs(abs(v) - m), m))
+                best = -best if v < 0 else best
+            else:
+                best = max(-8, min(7, round(v)))  # Python rounds halves to even, as torch.round does
+            out[i, j] = best * s
+    return out.view(x.shape).float()
+
+
+def dense_stream(base_path: str, hf_config) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``merge.base_tensors`` with every packed stack decoded (fp32 ``[E, out, in]``): a dense base's stream as is."""
+    from .merge import base_tensors
+
+    stacks = packed_stacks(hf_config)
+    return ((n, t) for n, t, _ in decoded(base_tensors(base_path, hf_config), stacks))
+
+
+def dense_base_model(source):
+    """``source``'s base as a model with dense fp32 experts (a packed base's decoded exactly), eval mode."""
+    from ..models import MoEPluginForCausalLM
+
+    model = MoEPluginForCausalLM(dense_config(source.hf_config)).float()
+    from ..weights.names import VISION_PREFIXES
+
+    state = {n: t.float() for n, t in dense_stream(source.base_path, source.hf_config)
+             if not n.startswith(VISION_PREFIXES)}
+    model.load_state_dict(state, strict=not source.hf_config.tie_word_embeddings)
+    return model.eval()
