@@ -33,13 +33,19 @@ def write_outputs(backend, module, recipe, output_dir: str, rank: int) -> str:
         path = os.path.join(output_dir, "adapter")
         if rank == 0:
             _write_adapter(state, recipe, path, base)
-        return (f"adapter saved to {path}; load it with peft: PeftModel.from_pretrained("
-                f"MoEPluginForCausalLM.from_pretrained({os.path.abspath(base)!r}), {path!r})")
+        return (f"adapter saved to {path}; load it with peft (after `import moe_plugin`): PeftModel.from_pretrained("
+                f"{_model_class(state)}.from_pretrained({os.path.abspath(base)!r}), {path!r})")
     state = backend.full_state(module)
     path = os.path.join(output_dir, "model")
     if rank == 0:
         _write_model(state, recipe, path)
-    return f"model saved to {path}; load it with MoEPluginForCausalLM.from_pretrained({path!r})"
+    return f"model saved to {path}; load it with {_model_class(state)}.from_pretrained({path!r})"
+
+
+def _model_class(state) -> str:
+    """The Hugging Face class whose names the state has: the image model nests the text model."""
+    image = any(".language_model." in k or k.startswith("language_model.") for k in state)
+    return "MoEPluginForConditionalGeneration" if image else "MoEPluginForCausalLM"
 
 
 def _write_adapter(state, recipe, path: str, base_path: str) -> None:

@@ -99,7 +99,7 @@ class MegatronBackend(Backend):
         from ...megatron.lora import adapter_state_to_hf
 
         with gathered([p for n, p in module.named_parameters() if ".lora_" in n]):
-            state = adapter_state_to_hf(module, self.model_config)
+            state = _image_model_names(module, adapter_state_to_hf(module, self.model_config))
         # the keys peft writes: its wrapper prefix, without the adapter name
         return {"base_model.model." + k.replace(".default.", "."): v for k, v in state.items()}
 
@@ -107,10 +107,21 @@ class MegatronBackend(Backend):
         from ...megatron.weights import megatron_to_hf_state_dict
 
         with gathered(list(module.parameters())):
-            return megatron_to_hf_state_dict(module, self.model_config)
+            return _image_model_names(module, megatron_to_hf_state_dict(module, self.model_config))
 
     def teardown(self) -> None:
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+
+
+def _image_model_names(module: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Hugging Face names of the face the state is for: the image model (``MoEPluginForConditionalGeneration``)
+    nests the text model under ``language_model.``, its vision tower and projector keep their names."""
+    from ...megatron.multimodal import MultimodalGPTModel
+    from ...weights.names import VISION_PREFIXES
+
+    if not isinstance(module, MultimodalGPTModel):
+        return state
+    return {k if k.startswith(VISION_PREFIXES) else "language_model." + k: v for k, v in state.items()}
