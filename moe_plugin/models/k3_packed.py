@@ -4,7 +4,10 @@
 "int4") in the published layout: the multimodal form ``{"model_type": "kimi_k3", "text_config": {...,
 "quantization_config": ...}}`` with the text tensors under ``language_model.``, and per expert
 ``...experts.{e}.w1.weight_packed`` / ``.weight_scale`` (INT4: the bf16 scale as published, plus
-``.weight_shape``). ``write_tiny_packed_checkpoint`` generates the tiny one the tests and examples use, and
+``.weight_shape``). ``naming="k2"`` writes the K2 family's names instead (INT4 releases: the MoE block under
+``mlp.``, experts ``...mlp.experts.{e}.{gate,up,down}_proj.weight_packed``), and ``text_prefix=False`` the
+text-only form (K2-Thinking: a top-level text config, no ``language_model.``; K2.5/K2.6 keep the prefix).
+``write_tiny_packed_checkpoint`` generates the tiny one the tests and examples use, and
 optionally its twin with the same experts dequantised once into fp32 (the reference a packed run must equal).
 """
 
@@ -19,7 +22,7 @@ from safetensors.torch import save_file
 
 from ..fileio import SAFETENSORS_SINGLE, atomic_directory
 from ..ops.quant import decode
-from ..weights.packed import k3_packed_name, shape_tensor_name, stack_of
+from ..weights.packed import EXPERT_NAMINGS, k2_block_name, packed_expert_name, shape_tensor_name, stack_of
 from .k3_config import VL_MODEL_TYPE, config_to_k3
 from .k3_format import CONFIG_NAME, save_k3_checkpoint, state_dict_to_k3
 from .modeling import MoEPluginForCausalLM
@@ -35,12 +38,17 @@ def _packed_stacks(model) -> Dict[str, object]:
     return {name: m for name, m in model.named_modules() if getattr(m, "is_packed", False)}
 
 
-def packed_k3_tensors(model) -> Dict[str, torch.Tensor]:
-    """The published K3 tensors of ``model`` (a text model with packed experts), names under ``language_model.``."""
+def packed_k3_tensors(model, naming: str = "k3", text_prefix: bool = True) -> Dict[str, torch.Tensor]:
+    """The published tensors of ``model`` (a text model with packed experts) in ``naming`` ("k3" or "k2"),
+    names under ``language_model.`` when ``text_prefix``."""
+    if naming not in EXPERT_NAMINGS:
+        raise ValueError(f"naming: must be one of {EXPERT_NAMINGS}, got {naming!r}")
+    head = TEXT_PREFIX if text_prefix else ""
+    rename = k2_block_name if naming == "k2" else (lambda n: n)
     state = model.state_dict()
     stacks = _packed_stacks(model)
     packed_names = {f"{p}.{k}" for p in stacks for k in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")}
-    out = {TEXT_PREFIX + n: t.contiguous().clone() for n, t in
+    out = {head + rename(n): t.contiguous().clone() for n, t in
            state_dict_to_k3({n: t for n, t in state.items() if n not in packed_names}, model.config).items()}
     for prefix, experts in stacks.items():
         for kind, (e, rows, cols) in experts.logical_shapes.items():
@@ -51,22 +59,26 @@ def packed_k3_tensors(model) -> Dict[str, torch.Tensor]:
                     value = tensor[j].clone()
                     if suffix and experts.expert_format == "int4":
                         value = value.view(torch.bfloat16)  # published as bf16; the layer keeps the bytes
-                    out[TEXT_PREFIX + k3_packed_name(stacked, j)] = value
+                    out[head + packed_expert_name(stacked, j, naming)] = value
                     if not suffix and experts.expert_format == "int4":
-                        name = TEXT_PREFIX + shape_tensor_name(k3_packed_name(stacked, j))
+                        name = head + shape_tensor_name(packed_expert_name(stacked, j, naming))
                         out[name] = torch.tensor([rows, cols], dtype=torch.int32)
     return out
 
 
-def save_packed_k3_checkpoint(model, path: Union[str, os.PathLike]) -> None:
-    """Write ``model`` (packed experts) as a published-layout K3 directory (one shard; see the module doc)."""
+def save_packed_k3_checkpoint(model, path: Union[str, os.PathLike], naming: str = "k3",
+                              text_prefix: bool = True) -> None:
+    """Write ``model`` (packed experts) as a published-layout directory (one shard; see the module doc)."""
+    tensors = packed_k3_tensors(model, naming, text_prefix)
     text = config_to_k3(model.config)
     text["torch_dtype"] = str(model.get_input_embeddings().weight.dtype).replace("torch.", "")
     config = {"model_type": VL_MODEL_TYPE, "text_config": text, "tie_word_embeddings": model.config.tie_word_embeddings}
+    if not text_prefix:
+        config = {**text, "tie_word_embeddings": model.config.tie_word_embeddings}
     with atomic_directory(path) as tmp:
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
-        save_file(packed_k3_tensors(model), os.path.join(tmp, SAFETENSORS_SINGLE), metadata={"format": "pt"})
+        save_file(tensors, os.path.join(tmp, SAFETENSORS_SINGLE), metadata={"format": "pt"})
 
 
 def dequantized_state_dict(model, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
@@ -88,13 +100,15 @@ def dequantized_state_dict(model, dtype: torch.dtype = torch.float32) -> Dict[st
 
 
 def write_tiny_packed_checkpoint(path: Union[str, os.PathLike], expert_format: str = "mxfp4", seed: int = 0,
-                                 dequantized_path: Optional[Union[str, os.PathLike]] = None, **overrides) -> None:
+                                 dequantized_path: Optional[Union[str, os.PathLike]] = None, naming: str = "k3",
+                                 text_prefix: bool = True, **overrides) -> None:
     """Generate the ``tiny`` preset (``overrides`` applied) with packed experts drawn from ``seed`` and write it
-    in the published layout to ``path``; with ``dequantized_path``, also the same model with the experts
-    dequantised once into fp32, as a dense K3-format checkpoint."""
+    in the published layout (``naming``, ``text_prefix``: see ``save_packed_k3_checkpoint``) to ``path``; with
+    ``dequantized_path``, also the same model with the experts dequantised once into fp32, as a dense
+    K3-format checkpoint."""
     torch.manual_seed(seed)
     model = MoEPluginForCausalLM(preset_config("tiny", expert_format=expert_format, **overrides))
-    save_packed_k3_checkpoint(model, path)
+    save_packed_k3_checkpoint(model, path, naming, text_prefix)
     if dequantized_path is not None:
         dense = MoEPluginForCausalLM(preset_config("tiny", **overrides))
         dense.load_state_dict(dequantized_state_dict(model), strict=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -37,3 +37,20 @@ def gpu_kernel(module: str, attr: str, *tensors: Optional[torch.Tensor]) -> Opti
     if os.environ.get(_DISABLE_ENV) == "1" or not on_cuda(*tensors):
         return None
     return _import_attr(module, attr)
+
+
+# Packed routed experts (ops.quant, docs/packed-experts.md): format -> (module, function) of a fused dequant
+# (-matmul) GPU kernel, or None for the torch decoder. None for both: no installed or pinned package ships
+# one usable here. compressed-tensors 0.20.1's Triton kernels quantise and pack FP4 (cast_to_fp4,
+# pack_fp4_to_uint8, quantize_and_pack_fp4) but none unpacks or multiplies; fla-core 0.6.0 has no
+# quantised kernel; triton itself is only the gpu extra. A kernel written later goes in this table.
+PACKED_DEQUANT_KERNELS: Dict[str, Optional[Tuple[str, str]]] = {"mxfp4": None, "int4": None}
+
+
+def packed_dequant_kernel(fmt: str, *tensors: Optional[torch.Tensor]) -> Optional[Callable[..., Any]]:
+    """The fused dequantisation kernel for packed ``fmt`` experts on these tensors, or None: the torch path.
+    Today always None (``PACKED_DEQUANT_KERNELS``), and nothing is imported for it."""
+    if fmt not in PACKED_DEQUANT_KERNELS:
+        raise ValueError(f"format: unknown packed format {fmt!r}; expected one of {sorted(PACKED_DEQUANT_KERNELS)}")
+    entry = PACKED_DEQUANT_KERNELS[fmt]
+    return None if entry is None else gpu_kernel(*entry, *tensors)

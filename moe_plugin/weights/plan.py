@@ -5,7 +5,9 @@ global ``[first, last)`` experts its rows are, under ZeRO-3 the flat range of th
 checkpoint's weight map, and returns a ``Plan`` of ``Read`` s, or raises ONE ValueError that lists every
 missing tensor, every unknown tensor (``strict``) and every shape mismatch by name. Only what this rank keeps
 is planned: its own experts, and under ZeRO-3 the rows that cover its partition. Shapes and dtypes come from
-the safetensors headers (``stored_tensors``), so planning reads no tensor data.
+the safetensors headers (``stored_tensors``), so planning reads no tensor data, except INT4's 8-byte
+``weight_shape`` records of the experts this rank reads, checked against the model's logical expert shape.
+Packed experts are found under K3's names or the K2 family's (``weights.packed.expert_naming``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..config import ModelConfig, require
 from ..fileio import SAFETENSORS_INDEX
-from .packed import bit_compatible, is_packed_expert_stack, k3_packed_names, shape_tensor_name, viewed_shape
+from .packed import (bit_compatible, expert_naming, is_k2_expert, is_packed_expert_stack, k2_block_name,
+                     logical_shape, packed_expert_names, shape_tensor_name, stack_of, viewed_shape)
 from .names import (NAMINGS, TEXT_PREFIX, VISION_PREFIXES, is_indexer_tensor, is_mtp, k3_expert_name,
                     k3_shape_fits, needs_k3_conversion, parse_k3_expert, quantised_tensors, to_hf_name)
 
@@ -155,7 +158,7 @@ def detect_layout(path: Optional[str], names: Iterable[str]) -> str:
         return "k3"
     if model_type == MoEPluginConfig.model_type:
         return "hf"
-    return "k3" if any(parse_k3_expert(name) for name in names) else "hf"
+    return "k3" if any(parse_k3_expert(name) or is_k2_expert(name) for name in names) else "hf"
 
 
 def _listing(names: List[str]) -> str:
@@ -251,7 +254,10 @@ def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, 
     checkpoint without the DSA indexer leaves indexer targets fresh. ignore_vision / ignore_mtp: vision or
     multi-token-prediction tensors the model lacks are dropped (``Plan.ignored``) instead of being unknown.
     Raises one ValueError ``"<field_name>: ..."`` naming every missing, unknown (strict) and misshapen tensor;
-    MXFP4-quantised checkpoints are refused first.
+    Quantised checkpoints are refused first unless the model's experts are packed; then packed experts are
+    read under K3's names (``...block_sparse_moe.experts.{e}.w1.weight_packed``) or, when the checkpoint uses
+    them, the K2 family's (``...mlp.experts.{e}.gate_proj.weight_packed``, the MoE block under ``mlp.``), and
+    each INT4 ``weight_shape`` read must equal the model's logical ``[out, in]``.
     """
     require(names in NAMINGS, "names", f"must be one of {NAMINGS}, got {names!r}")
     require(isinstance(config, ModelConfig), "config", f"must be a ModelConfig, got {type(config).__name__}")
@@ -266,15 +272,19 @@ def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, 
             f"{len(quantised)} quantised tensor(s): {_listing(quantised)}")
 
     prefix = TEXT_PREFIX if any(n.startswith(TEXT_PREFIX) for n in stored) else ""
+    naming = expert_naming(stored) if layout == "k3" else "k3"  # K2's INT4 releases name their MoE blocks alike
     has_indexer = any(is_indexer_tensor(n) for n in stored)
     num_experts = config.moe.num_experts
     plan = Plan(layout, {})
     expected = {prefix + "lm_head.weight"} if config.tie_word_embeddings else set()  # tied: not an extra
     missing: List[str] = []
     mismatched: List[str] = []
+    shape_checks: List[Tuple[str, Tuple[int, int], str]] = []
     for tname, target in targets.items():
         hf_name = to_hf_name(tname, names, config)
         stored_name = hf_name if hf_name.startswith(VISION_PREFIXES) else prefix + hf_name
+        if naming == "k2":
+            stored_name = k2_block_name(stored_name)
         if config.tie_word_embeddings and hf_name == "lm_head.weight" and stored_name not in stored:
             stored_name = prefix + "model.embed_tokens.weight"  # a tied embedding is stored once
         if layout == "k3" and is_indexer_tensor(hf_name) and not has_indexer:
@@ -288,7 +298,7 @@ def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, 
         per_expert = layout == "k3" and target.experts is not None
         packed = is_packed_expert_stack(tname, target.dtype)
         if per_expert:
-            wanted = k3_packed_names(stored_name, num_experts) if packed else \
+            wanted = packed_expert_names(stored_name, num_experts, naming) if packed else \
                 [k3_expert_name(stored_name, e) for e in range(num_experts)]
         else:
             wanted = [stored_name]
@@ -302,6 +312,9 @@ def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, 
         mismatched += problems
         if not absent and not problems:
             plan.reads[tname] = _reads_of(tname, target, stored_name, wanted, stored, layout)
+            if packed and per_expert:
+                shape_checks += _shape_checks(tname, plan.reads[tname], stored, config, mismatched)
+    mismatched += _weight_shape_problems(shape_checks, stored)
 
     extra = sorted(n for n in stored if n not in expected)
     plan.ignored = [n for n in extra if (ignore_vision and n.startswith(VISION_PREFIXES))
@@ -309,6 +322,51 @@ def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, 
     plan.unknown = [n for n in extra if n not in set(plan.ignored)]
     _raise_problems(field_name, sorted(missing), plan.unknown if strict else [], mismatched, layout, config, source)
     return plan
+
+
+def _shape_checks(tname: str, reads: List[Read], stored: Mapping[str, Stored], config: ModelConfig,
+                  mismatched: List[str]) -> List[Tuple[str, Tuple[int, int], str]]:
+    """(``weight_shape`` name, the logical ``[out, in]`` the model needs, model tensor) of each expert this
+    rank reads into the packed codes ``tname``; a record whose header is not an integer ``[2]`` is added to
+    ``mismatched`` at once (its values could not be read)."""
+    found = stack_of(tname.removeprefix(TEXT_PREFIX))
+    if found is None or found[2]:
+        return []  # the scales: their experts' records are checked with the codes
+    moe = config.moe
+    want = logical_shape(found[1], moe.expert_intermediate_size, moe.latent_size or moe.hidden_size)
+    out = []
+    for read in reads:
+        name = shape_tensor_name(read.name)
+        if name not in stored:
+            continue  # MXFP4 has none; compressed-tensors' INT4 always writes it, but it adds nothing
+        entry = stored[name]
+        if entry.dtype not in ("int32", "int64") or tuple(entry.shape) != (2,):
+            mismatched.append(f"{name}: checkpoint {list(entry.shape)} {entry.dtype}, expected int32 [2] (the "
+                              f"logical [out, in] of one expert of {tname})")
+        else:
+            out.append((name, want, tname))
+    return out
+
+
+def _weight_shape_problems(checks: List[Tuple[str, Tuple[int, int], str]], stored: Mapping[str, Stored]) -> List[str]:
+    """Read each ``weight_shape`` record (8 bytes, once per shard file) and name those that differ from the
+    model's logical expert shape. In-memory plans (no shard file) have no values to read and check headers only."""
+    from safetensors import safe_open  # a header-only planner otherwise; only these records are read
+
+    by_file: Dict[str, List[Tuple[str, Tuple[int, int], str]]] = defaultdict(list)
+    for check in checks:
+        if stored[check[0]].file:
+            by_file[stored[check[0]].file].append(check)
+    out = []
+    for file, items in sorted(by_file.items()):
+        with safe_open(file, framework="pt") as handle:
+            for name, want, tname in items:
+                got = tuple(int(v) for v in handle.get_tensor(name).tolist())
+                if got != tuple(want):
+                    out.append(f"{name}: checkpoint weight_shape {list(got)}, model {list(want)} (the logical "
+                               f"[out, in] of one expert of {tname}; was the model built from this checkpoint's "
+                               "config?)")
+    return out
 
 
 def _raise_problems(field_name: str, missing: List[str], unknown: List[str], mismatched: List[str], layout: str,

@@ -8,7 +8,11 @@ Function saves only the packed tensors themselves and the token counts; backward
 packed base is frozen: no gradient flows to it. ``grouped_lora`` adds the experts' low-rank adapters on the
 activation side, ``scaling * (x_e A_e^T) B_e^T``, which equals adding ``scaling * B_e A_e`` to ``W_e``.
 
-``dequantize_experts`` is where a GPU kernel may replace the torch decoder (``ops.backend`` picks it).
+``dequantize_experts`` decodes a group into one output tensor a slice of rows at a time, so that beyond the
+group's dequantised bytes the decoder's work tensors (integer codes, fp32 products: about 17 bytes a weight)
+cover at most ``1 / DECODE_SPLITS`` of the group (or ``MIN_DECODE_CHUNK`` weights): a training step's peak then
+grows by one group of dequantised experts and little more (tests/layers/test_packed_memory.py measures it).
+``ops.backend.packed_dequant_kernel`` is where a fused GPU kernel would replace it; none exists yet.
 """
 
 from __future__ import annotations
@@ -17,24 +21,32 @@ from typing import Optional
 
 import torch
 
-from ..backend import gpu_kernel
+from ..backend import packed_dequant_kernel
 from ..moe.experts import _grouped_mm_supported
 from .formats import decode, packed_spec
 
-__all__ = ["DEFAULT_GROUP_SIZE", "dequantize_experts", "packed_grouped_linear", "packed_grouped_linear_reference",
+__all__ = ["DEFAULT_GROUP_SIZE", "DECODE_SPLITS", "MIN_DECODE_CHUNK", "dequantize_experts", "packed_grouped_linear", "packed_grouped_linear_reference",
            "grouped_lora", "grouped_lora_reference"]
 
 DEFAULT_GROUP_SIZE = 8  # experts dequantised together: one grouped matmul per group
+DECODE_SPLITS = 16  # a group is decoded in at most this many row slices (work memory ~ 17/16 B a weight)
+MIN_DECODE_CHUNK = 1 << 16  # weights a slice holds at least, so small groups are not cut into tiny pieces
 
 
 def dequantize_experts(fmt: str, packed: torch.Tensor, scale: torch.Tensor, in_features: int,
                        dtype: torch.dtype) -> torch.Tensor:
-    """packed ``[G, out, *]``, scale ``[G, out, ceil(in/32)]`` -> ``[G, out, in]`` of ``dtype``; a Triton kernel
-    on CUDA when it imports (``ops.backend.gpu_kernel``), the torch decoder otherwise."""
-    kernel = gpu_kernel("moe_plugin.ops.quant.triton_dequant", f"dequantize_{fmt}", packed, scale)
+    """packed ``[G, out, *]``, scale ``[G, out, ceil(in/32)]`` -> ``[G, out, in]`` of ``dtype``: a fused kernel
+    where ``ops.backend.packed_dequant_kernel`` has one (none today), else the torch decoder, a slice of rows
+    at a time into the one output tensor (see the module docstring)."""
+    kernel = packed_dequant_kernel(fmt, packed, scale)
     if kernel is not None:
         return kernel(packed, scale, in_features, dtype)
-    return decode(fmt, packed, scale, in_features, dtype)
+    rows_p, rows_s = packed.reshape(-1, packed.shape[-1]), scale.reshape(-1, scale.shape[-1])
+    out = torch.empty(rows_p.shape[0], in_features, dtype=dtype, device=packed.device)
+    step = max(1, max(MIN_DECODE_CHUNK, -(-out.numel() // DECODE_SPLITS)) // max(in_features, 1))
+    for r in range(0, rows_p.shape[0], step):
+        out[r:r + step] = decode(fmt, rows_p[r:r + step], rows_s[r:r + step], in_features, dtype)
+    return out.view(*packed.shape[:-1], in_features)
 
 
 def _mm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
