@@ -53,6 +53,7 @@ class TrainResult:
     output_dir: str = ""
     resumed_from: Optional[int] = None  # the step of the checkpoint this run continued from
     step_time_s: float = 0.0  # mean wall time of this run's steps (start-up excluded)
+    answers: Optional[dict] = None  # rank 0: the held-out answers record of eval.answers (answer_eval.py)
 
 
 def parameter_groups(params, weight_decay: float) -> List[Dict]:
@@ -255,6 +256,11 @@ class Trainer:
             print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps "
                   f"({self.result.step_time_s:.2f} s a step after {self.startup_s:.1f} s of start-up); {where}",
                   flush=True)
+        if recipe.eval.answers is not None:  # generated answers on held-out examples (answer_eval.py)
+            from .answer_eval import report_answers
+
+            self.result.answers = report_answers(recipe.eval.answers, self.output_dir, self.rank,
+                                                 dist.get_world_size(), self.device)
         return self.result
 
     @torch.no_grad()

@@ -273,7 +273,7 @@ class AnswersSection(_Section):
 class EvalSection(_Section):
     every: int = _field(0, "use 0 (evaluate only at the end) or a positive number of steps", ge=0)
     batches: int = _field(4, "use a positive number of held-out batches, e.g. 4", gt=0)
-    answers: Optional[AnswersSection] = None  # generation-based accuracy at the end (LoRA runs only)
+    answers: Optional[AnswersSection] = None  # generated answers at the end: before/after LoRA, or the full model
 
 
 class CheckpointSection(_Section):

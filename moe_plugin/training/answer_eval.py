@@ -1,0 +1,183 @@
+"""Held-out answers by greedy generation (docs/main-job.md): what a user sees of a fine-tune, not its loss.
+
+Each held-out record is a chat (``{"messages": [user, assistant]}``, images inline or listed, as the SFT data
+reads) whose last assistant turn is the expected answer. The prompt (every message before it, with the
+generation prompt) goes to the Hugging Face model's ``generate`` with greedy decoding, which stops at the
+model's end of sequence (``generation_config.eos_token_id``) or after ``max_new_tokens``; the answer is the
+decoded new tokens without special tokens, stripped of surrounding white space, and it counts when it equals
+the expected answer exactly.
+
+``report_answers`` is what the trainer calls at the end of a run whose recipe has ``eval.answers``: every rank
+loads the base and the run's adapter as a user would (plain peft), answers its share of the held-out records
+with the adapter disabled ("before": the base) and enabled ("after"), the counts are summed over the ranks
+(so every rank makes the same collectives), and rank 0 prints the chance level, one line
+``held-out accuracy: before X after Y`` and how to load the adapter, and writes ``answers.json``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ..config import require
+
+__all__ = ["Question", "read_questions", "answer", "accuracy", "chance_level", "load_adapted", "report_answers",
+           "loading_hint"]
+
+
+@dataclass
+class Question:
+    """One held-out record: the prompt's messages, its images (PIL, in placeholder order), the expected answer
+    and where it comes from (file and line, for messages)."""
+
+    messages: List[dict]
+    images: list
+    expected: str
+    where: str
+
+
+def read_questions(path: str, limit: Optional[int] = None) -> List[Question]:
+    """The records of a chat JSONL file as questions (at most ``limit``); each must end with an assistant turn
+    holding a string, the expected answer."""
+    from .chat_data import _checked_messages
+    from .records import read_records as _records
+    from .image_data import image_sources, open_image
+
+    base_dir, questions = os.path.dirname(os.path.abspath(path)), []
+    for where, record in _records(path):
+        messages, inline = _checked_messages(where, record)
+        last = messages[-1]
+        require(last["role"] == "assistant" and isinstance(last["content"], str), "eval.answers.path",
+                f"{where}: the last message must be the assistant's answer as a string, got "
+                f"{last['role']!r} with {type(last['content']).__name__} content; end each record with "
+                '{"role": "assistant", "content": "<answer>"}')
+        images = [open_image(where, s, base_dir) for s in image_sources(where, record, inline)]
+        questions.append(Question(messages[:-1], images, last["content"].strip(), where))
+        if limit is not None and len(questions) == limit:
+            break
+    require(len(questions) > 0, "eval.answers.path", f"{path} holds no records; add held-out chats")
+    return questions
+
+
+@torch.no_grad()
+def answer(model, processor, question: Question, max_new_tokens: int = 16) -> str:
+    """The model's greedy answer to ``question``: new tokens up to end of sequence, decoded, stripped."""
+    text = processor.apply_chat_template(question.messages, add_generation_prompt=True)
+    inputs = processor(text, images=question.images or None)
+    inputs = {k: v.to(model.device) for k, v in inputs.items()}
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1]:]
+    return processor.tokenizer.decode(new, skip_special_tokens=True).strip()
+
+
+def accuracy(model, processor, questions: Sequence[Question], max_new_tokens: int = 16) -> Tuple[int, List[str]]:
+    """(exact answers, the answers given) over ``questions``."""
+    given = [answer(model, processor, q, max_new_tokens) for q in questions]
+    return sum(g == q.expected for g, q in zip(given, questions)), given
+
+
+def chance_level(expected: Sequence[str]) -> float:
+    """The accuracy of always giving the most common expected answer (the best a guess without the image gets,
+    since the question's text is the same for every record)."""
+    require(len(expected) > 0, "expected", "needs at least one answer")
+    return collections.Counter(expected).most_common(1)[0][1] / len(expected)
+
+
+def loading_hint(base: str, adapter: str, images: bool) -> str:
+    """How a user loads the adapter with plain peft (``import moe_plugin`` registers the Auto classes)."""
+    auto = "AutoModelForImageTextToText" if images else "AutoModelForCausalLM"
+    return (f"load it with plain peft:\n"
+            f"    import moe_plugin  # registers the Auto classes\n"
+            f"    from peft import PeftModel\n"
+            f"    from transformers import {auto}\n"
+            f"    model = PeftModel.from_pretrained({auto}.from_pretrained({base!r}), {adapter!r})\n"
+            f"    processor = moe_plugin.MoEProcessor()  # chat template, images; generate() stops at end of sequence")
+
+
+def load_adapted(base: str, adapter: str, images: bool):
+    """The base (``images``: the image+text model) with the adapter of ``adapter`` through plain peft, eval mode."""
+    from peft import PeftModel
+
+    from ..models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
+
+    model_class = MoEPluginForConditionalGeneration if images else MoEPluginForCausalLM
+    return PeftModel.from_pretrained(model_class.from_pretrained(base), adapter).eval()
+
+
+def _load_run(output_dir: str, images: bool):
+    """(model, base path, adapter path or None) of a finished run: its adapter over its base, or for full
+    training the model it wrote."""
+    adapter = os.path.join(output_dir, "adapter")
+    if os.path.isdir(adapter):
+        with open(os.path.join(adapter, "adapter_config.json")) as f:
+            base = json.load(f)["base_model_name_or_path"]
+        return load_adapted(base, adapter, images), base, adapter
+    from ..models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
+
+    path = os.path.join(output_dir, "model")
+    model_class = MoEPluginForConditionalGeneration if images else MoEPluginForCausalLM
+    return model_class.from_pretrained(path).eval(), path, None
+
+
+def _in_file_order(parts: List[List[str]], n: int) -> List[str]:
+    # rank r answered records r, r + world, r + 2 * world, ...
+    out: List[Optional[str]] = [None] * n
+    for r, given in enumerate(parts):
+        for j, g in enumerate(given):
+            out[r + j * len(parts)] = g
+    return out
+
+
+def report_answers(section, output_dir: str, rank: int, world_size: int, device=None) -> Optional[dict]:
+    """Held-out accuracy of the run in ``output_dir`` (collective: every rank calls it once the run's outputs
+    are written): with an adapter, "before" (adapter disabled: the base) and "after"; for full training, the
+    written model ("after" only). ``section`` is the recipe's ``eval.answers``. Returns the record written to
+    ``output_dir/answers.json`` on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    from ..fileio import write_json_atomic
+    from ..models import MoEProcessor
+
+    dist.barrier()  # rank 0 has written the outputs
+    questions = read_questions(section.path, section.limit)
+    images = any(q.images for q in questions)
+    model, base, adapter = _load_run(output_dir, images)
+    if device is not None:
+        model.to(device)
+    processor, mine = MoEProcessor(), questions[rank::world_size]
+    before, before_given = 0, []
+    if adapter is not None:
+        with model.disable_adapter():
+            before, before_given = accuracy(model, processor, mine, section.max_new_tokens)
+    after, after_given = accuracy(model, processor, mine, section.max_new_tokens)
+    counts = torch.tensor([before, after], dtype=torch.float64)
+    dist.all_reduce(counts)
+    parts: List = [None] * world_size
+    dist.all_gather_object(parts, (before_given, after_given))
+    if rank != 0:
+        return None
+    n, expected = len(questions), [q.expected for q in questions]
+    record = {"examples": n, "chance": chance_level(expected), "after": float(counts[1]) / n,
+              "before": float(counts[0]) / n if adapter is not None else None,
+              "distinct_answers": sorted(set(expected)), "expected": expected,
+              "given_after": _in_file_order([p[1] for p in parts], n),
+              "given_before": _in_file_order([p[0] for p in parts], n) if adapter is not None else None,
+              "model": base, "adapter": adapter}
+    write_json_atomic(os.path.join(output_dir, "answers.json"), record)
+    print(f"chance level: {record['chance']:.2f} (always the most common of {len(set(expected))} answers, "
+          f"{n} held-out examples)", flush=True)
+    if adapter is None:
+        print(f"held-out accuracy: {record['after']:.2f} ({path_note(base)})", flush=True)
+    else:
+        print(f"held-out accuracy: before {record['before']:.2f} after {record['after']:.2f}", flush=True)
+        print(f"adapter: {adapter}; " + loading_hint(base, adapter, images), flush=True)
+    return record
+
+
+def path_note(path: str) -> str:
+    return f"the model written to {path}"

@@ -1,0 +1,109 @@
+"""The main job's data (docs/main-job.md): one question per dataset about generated pictures of a coloured shape,
+written as chat JSONL with the images inline as base64 PNGs (one self-contained file, no downloads).
+
+- ``color`` ("What color is the shape?" -> red, green, blue or yellow): the task the shipped base learns;
+- ``shape`` ("Which shape is this?" -> square, circle or triangle): the LoRA task, which the text cannot answer
+  (the question is the same for every picture).
+
+``write_task(path, task, count, seed, exclude)`` writes ``count`` records drawn from ``seed``, none of whose
+images is in ``exclude`` (the PNG bytes of another file's images), so a held-out file holds only pictures the
+training file never shows. ``python -m moe_plugin.training.shape_tasks OUT_DIR`` writes the three files the
+recipes read (``colors_train.jsonl``, ``shapes_train.jsonl``, ``shapes_heldout.jsonl``); the same arguments
+write the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import random
+from typing import Dict, List, Optional, Set, Tuple
+
+from ..config import require
+from .synthetic import COLORS, QUESTIONS, SHAPES, _png_bytes, shape_image
+
+TASKS = ("color", "shape")
+_DATA_URL = "data:image/png;base64,"
+# (file name, task, count, seed): what the recipes read; the held-out seed differs from the training seeds
+MAIN_JOB_FILES = (("colors_train.jsonl", "color", 1200, 11), ("shapes_train.jsonl", "shape", 600, 12),
+                  ("shapes_heldout.jsonl", "shape", 60, 13))
+
+
+def answer_of(task: str, shape: str, color: str) -> str:
+    """The exact expected answer: the colour or the shape's name."""
+    require(task in TASKS, "task", f"must be one of {list(TASKS)}, got {task!r}")
+    return color if task == "color" else shape
+
+
+def task_records(task: str, count: int, seed: int, size: int = 56,
+                 exclude: Optional[Set[bytes]] = None) -> List[Tuple[dict, bytes]]:
+    """``count`` (chat record, PNG bytes) pairs asking ``task``'s question; a picture whose bytes are in
+    ``exclude`` (or already drawn) is drawn again, so every image is new."""
+    require(task in TASKS, "task", f"must be one of {list(TASKS)}, got {task!r}")
+    require(isinstance(count, int) and count > 0, "count", f"must be a positive integer, got {count!r}")
+    rng, seen, out = random.Random(seed), set(exclude or ()), []
+    while len(out) < count:
+        shape, color = rng.choice(SHAPES), rng.choice(sorted(COLORS))
+        data = _png_bytes(shape_image(shape, color, size, rng))
+        if data in seen:
+            continue
+        seen.add(data)
+        source = _DATA_URL + base64.b64encode(data).decode("ascii")
+        out.append(({"messages": [
+            {"role": "user", "content": [{"type": "image", "image": source},
+                                         {"type": "text", "text": QUESTIONS[task]}]},
+            {"role": "assistant", "content": answer_of(task, shape, color)}]}, data))
+    return out
+
+
+def image_bytes(path: str) -> Set[bytes]:
+    """The PNG bytes of every inline base64 image of a JSONL file ``write_task`` wrote."""
+    found = set()
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            for message in json.loads(line)["messages"]:
+                for item in message["content"] if isinstance(message["content"], list) else ():
+                    if item.get("type") == "image" and str(item.get("image", "")).startswith(_DATA_URL):
+                        found.add(base64.b64decode(item["image"][len(_DATA_URL):]))
+    return found
+
+
+def write_task(path: str, task: str, count: int, seed: int, size: int = 56,
+               exclude: Optional[Set[bytes]] = None) -> str:
+    """Write ``task_records`` as JSONL to ``path`` (folders made); returns ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for record, _ in task_records(task, count, seed, size, exclude):
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def write_main_job_data(directory: str, scale: float = 1.0) -> Dict[str, str]:
+    """The main job's three files in ``directory`` (``scale`` shrinks the counts, for tests); the held-out
+    shapes exclude every image of both training files. Returns {file name: path}."""
+    paths: Dict[str, str] = {}
+    seen: Set[bytes] = set()
+    for name, task, count, seed in MAIN_JOB_FILES:
+        held_out = "heldout" in name
+        path = write_task(os.path.join(directory, name), task, max(1, int(count * scale)), seed,
+                          exclude=seen if held_out else None)
+        if not held_out:
+            seen |= image_bytes(path)
+        paths[name] = path
+    return paths
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="write the main job's generated image+text data")
+    parser.add_argument("directory", nargs="?", default="recipes/data")
+    args = parser.parse_args(argv)
+    for name, path in write_main_job_data(args.directory).items():
+        print(f"{path}: {sum(1 for _ in open(path))} records, {os.path.getsize(path) / 1e3:.0f} kB")
+
+
+if __name__ == "__main__":
+    main()
