@@ -8,7 +8,8 @@ written as chat JSONL with the images inline as base64 PNGs (one self-contained 
 ``write_task(path, task, count, seed, exclude)`` writes ``count`` records drawn from ``seed``, none of whose
 images is in ``exclude`` (the PNG bytes of another file's images), so a held-out file holds only pictures the
 training file never shows. ``python -m moe_plugin.training.shape_tasks OUT_DIR`` writes the three files the
-recipes read (``colors_train.jsonl``, ``shapes_train.jsonl``, ``shapes_heldout.jsonl``); the same arguments
+recipes read (``colors_train.jsonl``, ``shapes_train.jsonl`` and the held-out ``shapes_heldout.jsonl``,
+``colors_heldout.jsonl``); the same arguments
 write the same bytes.
 """
 
@@ -28,7 +29,7 @@ TASKS = ("color", "shape")
 _DATA_URL = "data:image/png;base64,"
 # (file name, task, count, seed): what the recipes read; the held-out seed differs from the training seeds
 MAIN_JOB_FILES = (("colors_train.jsonl", "color", 1200, 11), ("shapes_train.jsonl", "shape", 600, 12),
-                  ("shapes_heldout.jsonl", "shape", 60, 13))
+                  ("shapes_heldout.jsonl", "shape", 60, 13), ("colors_heldout.jsonl", "color", 40, 14))
 
 
 def answer_of(task: str, shape: str, color: str) -> str:
