@@ -94,20 +94,31 @@ def _expand_groups(scale: torch.Tensor, in_features: int) -> torch.Tensor:
     return scale.repeat_interleave(GROUP, dim=-1)[..., :in_features]
 
 
+def _pair_lut(values, device) -> torch.Tensor:
+    """``[256, 2]`` fp32: byte b -> (value of its low nibble, value of its high nibble); one gather per byte."""
+    lut = torch.tensor(values, dtype=torch.float32, device=device)
+    b = torch.arange(256, device=device)
+    return torch.stack((lut[b & 0xF], lut[b >> 4]), dim=-1)
+
+
+def _apply_scale(w: torch.Tensor, s: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``w [..., >= in]`` fp32 times ``s [..., groups]`` fp32 per group of 32 inputs, in place where the width is
+    whole groups (no expanded copy of the scales); -> ``[..., in]``."""
+    groups = s.shape[-1]
+    if w.shape[-1] == groups * GROUP:
+        w.view(*w.shape[:-1], groups, GROUP).mul_(s.unsqueeze(-1))
+        return w[..., :in_features]
+    return w[..., :in_features] * _expand_groups(s, in_features)
+
+
 def decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 packed ``[..., out, in/2]``, uint8 scale ``[..., out, ceil(in/32)]`` -> ``[..., out, in]`` dtype.
 
-    Decoded in fp32 (where every E2M1 value times a power of two is exact) and then cast once to ``dtype``."""
-    lut = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
-    w = lut[codes.long()]
-    groups = -(-in_features // GROUP)
-    pad = groups * GROUP - in_features
-    if pad:
-        w = torch.nn.functional.pad(w, (0, pad))
-    w = (w.view(*w.shape[:-1], groups, GROUP) * _pow2(scale).unsqueeze(-1)).flatten(-2)
-    return w[..., :in_features].to(dtype)
+    Decoded in fp32 (where every E2M1 value times a power of two is exact) and then cast once to ``dtype``:
+    one gather of both nibbles a byte, then the scales applied in place."""
+    w = _pair_lut(E2M1, packed.device)[packed.long()].view(*packed.shape[:-1], -1)
+    return _apply_scale(w, _pow2(scale), in_features).to(dtype)
 
 
 def decode_mxfp4_reference(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
@@ -152,10 +163,9 @@ def decode_int4(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
     """int32 packed ``[..., out, ceil(in/8)]``, scale ``[..., out, ceil(in/32)]`` bf16 (or its uint8 bytes)
     -> ``[..., out, in]`` dtype; the product ``(code - 8) * scale`` is computed in fp32 (exact)."""
     nibbles = packed.contiguous().view(torch.uint8)  # little-endian: word byte b holds columns 2b, 2b + 1
-    codes = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(*packed.shape[:-1], -1)[..., :in_features]
-    q = codes.to(torch.float32) - 8
-    s = _expand_groups(_bf16_scale(scale).float(), in_features)
-    return (q * s).to(dtype)
+    q = _pair_lut(tuple(float(c - 8) for c in range(16)), packed.device)[nibbles.long()]
+    w = q.view(*packed.shape[:-1], -1)
+    return _apply_scale(w, _bf16_scale(scale).float(), in_features).to(dtype)
 
 
 def decode_int4_reference(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
