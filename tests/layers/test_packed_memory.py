@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WORKER = os.path.join(ROOT, "tests", "layers", "packed_memory_worker.py")
 EXPERTS, GROUP = 16, 4  # packed_memory_worker.SIZE
 # The bound: one group of dequantised experts (4 x 512 x 512 fp32 = 4 MiB), plus half a group for the decoder's
-# work slices (ops.quant.experts: at most 1/16 of the group at ~17 bytes a weight, about 0.27 of the fp32
+# work slices (ops.quant.experts: at most 1/16 of the group at ~8 bytes a weight, about 0.13 of the fp32
 # group) and page/allocator slack. Measured on the development machine: 2.3 MiB (MXFP4), 2.7 MiB (INT4).
 MARGIN = 0.5
 CASES = [("preallocated", "mxfp4", GROUP), ("packed", "mxfp4", GROUP), ("preallocated", "int4", GROUP),

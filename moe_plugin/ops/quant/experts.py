@@ -9,7 +9,7 @@ packed base is frozen: no gradient flows to it. ``grouped_lora`` adds the expert
 activation side, ``scaling * (x_e A_e^T) B_e^T``, which equals adding ``scaling * B_e A_e`` to ``W_e``.
 
 ``dequantize_experts`` decodes a group into one output tensor a slice of rows at a time, so that beyond the
-group's dequantised bytes the decoder's work tensors (integer codes, fp32 products: about 17 bytes a weight)
+group's dequantised bytes the decoder's work tensors (int64 byte indices, fp32 values: about 8 bytes a weight)
 cover at most ``1 / DECODE_SPLITS`` of the group (or ``MIN_DECODE_CHUNK`` weights): a training step's peak then
 grows by one group of dequantised experts and little more (tests/layers/test_packed_memory.py measures it).
 ``ops.backend.packed_dequant_kernel`` is where a fused GPU kernel would replace it; none exists yet.
@@ -29,7 +29,7 @@ __all__ = ["DEFAULT_GROUP_SIZE", "DECODE_SPLITS", "MIN_DECODE_CHUNK", "dequantiz
            "grouped_lora", "grouped_lora_reference"]
 
 DEFAULT_GROUP_SIZE = 8  # experts dequantised together: one grouped matmul per group
-DECODE_SPLITS = 16  # a group is decoded in at most this many row slices (work memory ~ 17/16 B a weight)
+DECODE_SPLITS = 16  # a group is decoded in at most this many row slices (work memory ~ 1/16 of ~8 B a weight)
 MIN_DECODE_CHUNK = 1 << 16  # weights a slice holds at least, so small groups are not cut into tiny pieces
 
 
