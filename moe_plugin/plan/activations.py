@@ -1,95 +1,30 @@
-"""Activation memory of one micro-batch: what autograd keeps for backward, measured on the implementation and
-extended to any size (docs/planner.md, "Activations").
+"""Activation memory of one micro-batch: what autograd saves for backward, read off the model's own layers run
+at the planned size on the ``meta`` device (docs/planner.md, "Activations").
 
-The bytes a layer saves for backward are a sum of monomials in its sizes (tokens x width, tokens x heads x
-chunk, experts x width x width, ...). Which tensors are saved is the implementation's business (recomputation
-in the SiTU activation and in the attention blocks, a concatenated expert weight, LoRA's inputs, peft's
-wrappers), so the planner does not write that list down: it runs small models of the recipe's own structure
-(same layer kinds, expert format, Attention Residuals, LoRA targets) forward on the CPU with
-``torch.autograd.graph.saved_tensors_hooks``, attributes every saved storage to a segment (a layer's attention
-side, its MLP side, its Attention-Residual mixing, the head and loss), and fits each segment's coefficients
-over the monomials below by least squares. The fit must be exact (``max_rel_residual``, printed by the plan):
-a monomial missing from a basis shows up there instead of as a silently wrong number.
-
-The routed experts are dispatched with the routing of a trained router taken as balanced: each expert
-receives ``tokens x top_k / experts`` rows times ``capacity`` (a stated assumption, 1.25 by default), so the
-dispatched monomials scale by the capacity factor.
+For each kind of decoder layer the recipe's model has (KDA or gated MLA/DSA attention, latent MoE or dense
+MLP) one layer is built on ``meta`` with the recipe's LoRA adapters and dtype, and run forward on meta
+inputs ``[B, T, D]`` under ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor's storage is
+counted once (parameters excluded), attributed to the sublayer that saved it. Nothing is allocated, so the
+full-size layer at 4096 or a million tokens costs seconds. The Attention-Residual mixing is run at every
+layer's own number of candidates, and the head (the final mixing, norm, ``lm_head`` and the fp32 loss) once.
+Ops that decide from values run under ``meta_ops.meta_forward`` (its docstring lists the stand-ins and the
+routing assumption: balanced, times a capacity factor).
 """
 
 from __future__ import annotations
 
 import collections
 import math
-import random
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch import nn
 
-__all__ = ["SEGMENTS", "ActivationModel", "fit_activation_model", "segment_dims"]
+from .meta_ops import MetaDispatch, meta_forward
 
-# segment -> (monomial names); each monomial is a function of the dims dict (see _monomials)
-SEGMENTS: Dict[str, Tuple[str, ...]] = {
-    "kda": ("N", "N*D", "N*P", "N*H", "N*H*C", "N*H*K*K/C", "N*P/C", "N*R", "B*H*K*K"),
-    "mla": ("N", "N*D", "N*H*Q", "N*H*V", "N*QR", "N*KR", "N*H", "N*T", "N*IH*ID", "N*ID", "N*IH", "N*ITK"),
-    "moe": ("N", "N*D", "N*L", "Nk*L", "Nk*F", "N*E", "Nk", "N*FS", "El*F*L", "El*F", "El*L", "El"),
-    "mlp": ("N", "N*D", "N*FD"),
-    "attn_res": ("N", "N*D", "N*D*c", "N*c"),
-    "head": ("N", "N*D", "N*Vo"),
-}
-DISPATCHED = ("Nk*L", "Nk*F", "Nk")  # scaled by the capacity factor
-
-
-def _monomial(name: str, d: Dict[str, float]) -> float:
-    value = 1.0
-    for factor in name.replace("/", "*/").split("*"):
-        if factor.startswith("/"):
-            value /= d[factor[1:]]
-        else:
-            value *= d[factor]
-    return value
-
-
-def _structure_dims(mc) -> Dict[str, float]:
-    """Sizes of the model config (``ModelConfig``) that do not depend on the batch."""
-    k, m, e = mc.kda, mc.mla, mc.moe
-    out = dict(D=mc.hidden_size, Vo=mc.vocab_size, H=k.num_heads, K=k.head_dim, P=k.num_heads * k.head_dim,
-               C=k.chunk_size, R=k.gate_rank, QH=m.num_heads, Q=m.qk_head_dim, V=m.v_head_dim,
-               QR=m.q_lora_rank or 0, KR=m.kv_lora_rank + m.qk_rope_head_dim,
-               IH=getattr(m, "index_n_heads", 0) if getattr(m, "use_indexer", False) else 0,
-               ID=getattr(m, "index_head_dim", 0) if getattr(m, "use_indexer", False) else 0,
-               TK=getattr(m, "index_topk", 0) if getattr(m, "use_indexer", False) else 0,
-               E=e.num_experts, k=e.top_k, L=e.expert_dim, F=e.expert_intermediate_size,
-               FS=e.shared_intermediate_size if e.num_shared_experts else 0, FD=mc.dense_intermediate_size)
-    return out
-
-
-def segment_dims(mc, batch: int, seq_len: int, local_experts: int, capacity: float, segment: str,
-                 candidates: int = 0) -> Dict[str, float]:
-    """The dims dict of one segment at a micro-batch of ``batch`` rows of ``seq_len`` tokens."""
-    d = _structure_dims(mc)
-    n = batch * seq_len
-    d.update(B=batch, T=seq_len, N=n, Nk=n * d["k"], El=local_experts, c=candidates,
-             ITK=min(d["TK"], seq_len) if d["TK"] else 0)
-    if segment == "mla":
-        d["H"] = d["QH"]
-    return d
-
-
-@dataclass
-class ActivationModel:
-    """Fitted bytes per monomial for each segment; ``bytes(segment, dims)`` evaluates one segment."""
-
-    coefficients: Dict[str, Dict[str, float]]
-    max_rel_residual: float
-    probes: int
-
-    def bytes(self, segment: str, dims: Dict[str, float], capacity: float = 1.0) -> float:
-        total = 0.0
-        for name, coef in self.coefficients.get(segment, {}).items():
-            value = _monomial(name, dims)
-            total += coef * value * (capacity if name in DISPATCHED else 1.0)
-        return max(total, 0.0)
+__all__ = ["ActivationPlan", "attn_res_candidates", "final_candidates", "layer_kinds", "layer_saved_bytes",
+           "plan_activations"]
 
 
 def attn_res_candidates(layer: int, block_size: int) -> Tuple[int, int]:
@@ -103,152 +38,224 @@ def final_candidates(num_layers: int, block_size: int) -> int:
     return 1 + num_layers // block_size + (1 if num_layers % block_size else 0)
 
 
-def _probe_config(hf_dict: dict, rng: random.Random):
-    """A 3-layer model of the recipe's structure (a KDA layer with the dense MLP, a KDA and an MLA layer
-    with MoE) at random small sizes."""
-    from ..models.configuration import MoEPluginConfig
-
-    d = dict(hf_dict)
-    heads, head_dim, chunk = rng.choice([1, 2, 3]), rng.choice([8, 16, 24]), rng.choice([8, 16])
-    lin = dict(d.get("linear_attn_config") or {})
-    lin.update(num_heads=heads, head_dim=head_dim, chunk_size=chunk, gate_rank=rng.choice([4, 8, 12]))
-    e = rng.choice([4, 6, 8])
-    idx = bool(d.get("use_dsa_indexer"))
-    d.update(vocab_size=rng.choice([64, 96, 160]), hidden_size=rng.choice([32, 48, 64]), num_hidden_layers=3,
-             layer_types=["kda", "kda", "mla"], linear_attn_config=lin, first_k_dense_replace=1,
-             attn_res_block_size=2, num_attention_heads=rng.choice([1, 2, 3]), q_lora_rank=rng.choice([16, 24]),
-             kv_lora_rank=rng.choice([8, 16]), qk_nope_head_dim=rng.choice([8, 16]),
-             qk_rope_head_dim=rng.choice([4, 8]), v_head_dim=rng.choice([8, 12]),
-             num_experts=e, num_experts_per_token=rng.choice([1, 2, 3]), num_shared_experts=rng.choice([1, 2]),
-             moe_intermediate_size=rng.choice([32, 64]), routed_expert_hidden_size=rng.choice([32, 64]),
-             intermediate_size=rng.choice([32, 64, 96]), index_n_heads=rng.choice([1, 2]) if idx else 1,
-             index_head_dim=rng.choice([8, 16]) if idx else 8, index_topk=rng.choice([8, 24]) if idx else 8,
-             num_expert_group=1, topk_group=1)
-    d.pop("vision_config", None)
-    for key in ("architectures", "transformers_version", "model_type", "auto_map", "quantization_config"):
-        d.pop(key, None)
-    return MoEPluginConfig(**{k: v for k, v in d.items() if k in _init_keys()}), chunk
+def layer_kinds(mc) -> List[Tuple[str, bool]]:
+    """Per decoder layer its kind: (attention type ``"kda"``/``"mla"``, whether its MLP is the MoE)."""
+    return [(t, mc.is_moe_layer(i)) for i, t in enumerate(mc.layer_types)]
 
 
-def _init_keys():
-    import inspect
+@dataclass
+class ActivationPlan:
+    """Saved-for-backward bytes of one micro-batch on one rank.
 
-    from transformers import PretrainedConfig
+    per_layer: each decoder layer's bytes (its attention + MLP kind, and its AttnRes mixing); by_segment:
+    the same summed by segment (``kda``, ``mla``, ``moe``, ``mlp``, ``attn_res``, ``head``); layer_input:
+    bytes of one layer's input state (what activation checkpointing keeps per layer).
+    """
 
-    from ..models.configuration import MoEPluginConfig
+    per_layer: List[float]
+    by_segment: Dict[str, float]
+    layer_inputs: float
+    head: float
+    kinds: Dict[str, float] = field(default_factory=dict)  # one layer of each kind, without mixing
 
-    return (set(inspect.signature(MoEPluginConfig.__init__).parameters)
-            | set(inspect.signature(PretrainedConfig.__init__).parameters)) - {"self", "kwargs"}
+    @property
+    def total(self) -> float:
+        return sum(self.by_segment.values())
 
-
-def _segment_of(module_path: str, layer_kinds: Sequence[Tuple[str, bool]]) -> Tuple[str, int]:
-    parts = module_path.split(".")
-    if "layers" not in parts:
-        return "head", -1
-    i = int(parts[parts.index("layers") + 1])
-    rest = parts[parts.index("layers") + 2:]
-    if not rest or rest[0].endswith(("_res_proj", "_res_norm")):
-        return "attn_res", i
-    if rest[0] in ("input_layernorm", "self_attn"):
-        return layer_kinds[i][0], i
-    return ("moe" if layer_kinds[i][1] else "mlp"), i
+    @property
+    def largest_layer(self) -> float:
+        return max(self.per_layer or [0.0])
 
 
-def probe_saved_bytes(model, batch: int, seq_len: int) -> Dict[Tuple[str, int], int]:
-    """Bytes autograd saves for backward in one forward+loss of ``model`` (a ``MoEPluginForCausalLM`` on the
-    CPU), per (segment, layer index); parameter and buffer storages excluded, each storage counted once."""
-    mc = model.config.to_model_config()
-    kinds = [(t, mc.is_moe_layer(i)) for i, t in enumerate(mc.layer_types)]
-    stack: List[str] = ["head"]
-    handles = []
-    for name, module in model.named_modules():
-        if ".layers." in f".{name}" or name.endswith(("norm", "lm_head", "embed_tokens")):
-            handles.append(module.register_forward_pre_hook(lambda _m, _a, n=name: stack.append(n)))
-            handles.append(module.register_forward_hook(lambda *_: (stack.pop(), None)[1]))
-    own = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-    seen, out = set(), collections.Counter()
+class _SavedBytes:
+    """Counts the storages autograd saves, attributed to the innermost tagged module running."""
 
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own and ptr not in seen:
-            seen.add(ptr)
-            out[_segment_of(stack[-1], kinds)] += t.untyped_storage().nbytes()
+    def __init__(self, modules: Dict[nn.Module, str], default: str):
+        self.stack: List[str] = [default]
+        self.out: Dict[str, int] = collections.Counter()
+        self.seen, self.own = set(), set()
+        self.keep: List[torch.Tensor] = []  # a freed storage's key could be reused by a later one: hold them
+        self.handles = []
+        for module, segment in modules.items():
+            self.own.update(_key(t) for t in list(module.parameters()) + list(module.buffers()))
+            self.handles.append(module.register_forward_pre_hook(lambda *_, s=segment: self.stack.append(s)))
+            self.handles.append(module.register_forward_hook(lambda *_: (self.stack.pop(), None)[1]))
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _key(t)
+        if key not in self.own and key not in self.seen:
+            self.seen.add(key)
+            self.keep.append(t)
+            self.out[self.stack[-1]] += t.untyped_storage().nbytes()
         return t
 
-    ids = torch.randint(0, mc.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids, labels=ids)
-    finally:
-        for h in handles:
+    def close(self) -> None:
+        for h in self.handles:
             h.remove()
-    return dict(out)
 
 
-def _balanced_permute(x, indices, num_experts):
-    # every expert gets the same share of the token copies, as the planner's capacity assumption states
-    from ..ops.moe import permute as real
-
-    n, k = indices.shape
-    return real(x, (torch.arange(n * k, device=x.device) % num_experts).view(n, k), num_experts)
+def _key(t: torch.Tensor) -> int:
+    # a meta storage has no address (data_ptr 0): its StorageImpl tells storages apart, views share it
+    return t.untyped_storage()._cdata
 
 
-def fit_activation_model(hf_config, lora_section, probes: int = 14, seed: int = 0,
-                         progress: Callable[[str], None] = lambda _: None) -> ActivationModel:
-    """Fit ``SEGMENTS``' coefficients on ``probes`` small models shaped like ``hf_config`` (fp32)."""
-    import numpy as np
+def _inputs(shape, count: int, dtype, device: str = "meta") -> Tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(shape, dtype=dtype, device=device).requires_grad_() for _ in range(count))
 
-    from ..layers import moe as moe_layer
-    from ..lora import add_lora, lora_config
-    from ..models import MoEPluginForCausalLM
 
-    rng = random.Random(seed)
-    rows: Dict[str, List[Tuple[List[float], float]]] = collections.defaultdict(list)
-    base = hf_config.to_dict()
-    real_permute = moe_layer.permute
-    moe_layer.permute = _balanced_permute
+def _run(fn, modules: Dict[nn.Module, str], default: str) -> Dict[str, int]:
+    counter = _SavedBytes(modules, default)
     try:
-        for p in range(probes):
-            cfg, chunk = _probe_config(base, rng)
-            torch.manual_seed(p)
-            model = MoEPluginForCausalLM(cfg).float()
-            if lora_section is not None:
-                for param in model.parameters():
-                    param.requires_grad_(False)
-                add_lora(model, lora_config(lora_section.r, lora_section.alpha, lora_section.target_modules,
-                                            lora_section.target_parameters, lora_section.dropout))
-            batch, seq = rng.choice([1, 2]), chunk * rng.choice([2, 3, 5])
-            measured = probe_saved_bytes(model, batch, seq)
-            mc = cfg.to_model_config()
-            collected: Dict[Tuple[str, int], float] = collections.Counter(measured)
-            for i in range(mc.num_layers):
-                for seg in (mc.layer_types[i], "moe" if mc.is_moe_layer(i) else "mlp"):
-                    collected.setdefault((seg, i), 0.0)
-                if mc.attn_res:
-                    collected.setdefault(("attn_res", i), 0.0)
-            for (seg, i), value in collected.items():
-                cands = 0
-                if seg == "attn_res" and mc.attn_res:
-                    cands = sum(attn_res_candidates(i, mc.attn_res_block_size))
-                elif seg == "head" and mc.attn_res:
-                    cands = final_candidates(mc.num_layers, mc.attn_res_block_size)
-                dims = segment_dims(mc, batch, seq, mc.moe.num_experts, 1.0, seg, cands)
-                rows[seg].append(([_monomial(m, dims) for m in SEGMENTS[seg]], float(value)))
-            progress(f"probe {p + 1}/{probes}")
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            fn()
     finally:
-        moe_layer.permute = real_permute
-    coefficients, worst = {}, 0.0
-    for seg, data in rows.items():
-        a = np.array([r[0] for r in data])
-        b = np.array([r[1] for r in data])
-        scale = np.maximum(np.abs(a).max(axis=0), 1.0)
-        coef, *_ = np.linalg.lstsq(a / scale, b, rcond=None)
-        coef = coef / scale
-        fitted = a @ coef
-        big = b > 0.01 * max(b.max(), 1.0)
-        if big.any():
-            err = float(np.max(np.abs(fitted[big] - b[big]) / b[big]))
-            progress(f"{seg}: max relative residual {err:.3f} over {len(b)} rows")
-            worst = max(worst, err)
-        coefficients[seg] = {m: float(c) for m, c in zip(SEGMENTS[seg], coef) if abs(c) > 1e-6}
-    return ActivationModel(coefficients, worst, probes)
+        counter.close()
+    return dict(counter.out)
+
+
+def _add_lora(module: nn.Module, lora_section) -> None:
+    from ..lora import add_lora, lora_config
+
+    for p in module.parameters():
+        p.requires_grad_(False)
+    if lora_section is not None:
+        targets = [t for t in lora_section.target_modules
+                   if any(n.split(".")[-1] == t or n.endswith("." + t) for n, _ in module.named_modules())]
+        params = [t for t in lora_section.target_parameters if any(n.endswith(t) for n, _ in module.named_parameters())]
+        if targets or params:
+            add_lora(module, lora_config(lora_section.r, lora_section.alpha, targets or lora_section.target_modules,
+                                         params, lora_section.dropout))
+
+
+def layer_saved_bytes(mc, index: int, lora_section, shape, dtype, cands: int, device: str = "meta"
+                      ) -> Dict[str, int]:
+    """Saved-for-backward bytes of decoder layer ``index`` of ``mc`` (with the recipe's adapters) on ``cands``
+    input tensors of ``shape`` ``[B, T, D]``, per segment. ``device="cpu"`` runs it for real (the tests'
+    reference for the meta run, which needs ``meta_forward``)."""
+    from ..layers.decoder import DecoderLayer
+
+    with torch.device(device):
+        layer = DecoderLayer(mc, index).to(dtype)
+    _add_lora(layer, lora_section)
+    kind, moe = mc.layer_types[index], mc.is_moe_layer(index)
+    tags = {layer.input_layernorm: kind, layer.self_attn: kind, layer.post_attention_layernorm: "moe" if moe
+            else "mlp", getattr(layer, "block_sparse_moe", None) or layer.mlp: "moe" if moe else "mlp"}
+    state = _inputs(shape, cands, dtype, device)
+    return _run(lambda: layer(state), tags, "attn_res" if mc.attn_res else kind)
+
+
+def _mixing_bytes(mc, shape, dtype, cands: int) -> int:
+    from ..layers.attn_res import attn_res_point, attn_res_read
+
+    with torch.device("meta"):
+        proj, norm = attn_res_point(mc.hidden_size, mc.rms_norm_eps)
+    proj, norm = proj.to(dtype).requires_grad_(False), norm.to(dtype).requires_grad_(False)
+    state = _inputs(shape, cands, dtype)
+    return sum(_run(lambda: attn_res_read(list(state), proj, norm), {proj: "m", norm: "m"}, "m").values())
+
+
+def _head_bytes(mc, shape, dtype, lora_section) -> int:
+    from ..layers.norm import RMSNorm
+    from ..models.inputs import causal_lm_loss
+
+    with torch.device("meta"):
+        norm, head = RMSNorm(mc.hidden_size, mc.rms_norm_eps), nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
+    module = nn.ModuleDict({"norm": norm, "lm_head": head}).to(dtype)
+    _add_lora(module, lora_section)
+    hidden = _inputs(shape, 1, dtype)[0]
+    labels = torch.zeros(shape[:2], dtype=torch.long, device="meta")
+
+    def fn():
+        causal_lm_loss(module["lm_head"](module["norm"](hidden)), labels)
+
+    return sum(_run(fn, {module: "head"}, "head").values())
+
+
+# Above this many tokens the meta forward's Python loops (KDA's chunks, attention's query blocks) take minutes:
+# two runs at RUN_TOKENS and 2 x RUN_TOKENS are extended linearly (every saved tensor is O(T): see docs)
+RUN_TOKENS = 8192
+
+
+def plan_activations(mc, lora_section, batch: int, seq_len: int, local_experts: int, capacity: float,
+                     dtype: torch.dtype = torch.bfloat16, cache: Optional[dict] = None) -> ActivationPlan:
+    """The ``ActivationPlan`` of ``mc`` (a ``ModelConfig``) for ``batch`` rows of ``seq_len`` tokens on a rank
+    holding ``local_experts`` experts, with the recipe's ``lora_section`` (None: no adapters) in ``dtype``."""
+    cache = {} if cache is None else cache
+    if batch * seq_len <= 2 * RUN_TOKENS:
+        return _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache)
+    step = math.lcm(mc.kda.chunk_size, 64)
+    t1 = max(RUN_TOKENS // step, 1) * step
+    if mc.mla.use_indexer:
+        t1 = max(t1, -(-2 * mc.mla.index_topk // step) * step)  # past the indexer's top-k every query keeps k
+    a = _plan_activations(mc, lora_section, 1, t1, local_experts, capacity, dtype, cache)
+    b = _plan_activations(mc, lora_section, 1, 2 * t1, local_experts, capacity, dtype, cache)
+    f = (batch * seq_len - t1) / t1
+
+    def ext(x, y):
+        return x + (y - x) * f
+
+    return ActivationPlan(per_layer=[ext(x, y) for x, y in zip(a.per_layer, b.per_layer)],
+                          by_segment={k: ext(v, b.by_segment[k]) for k, v in a.by_segment.items()},
+                          layer_inputs=ext(a.layer_inputs, b.layer_inputs), head=ext(a.head, b.head),
+                          kinds={k: ext(v, b.kinds[k]) for k, v in a.kinds.items()})
+
+
+def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache) -> ActivationPlan:
+    shape = (batch, seq_len, mc.hidden_size)
+    bs = mc.attn_res_block_size
+    kinds = layer_kinds(mc)
+    per_kind: Dict[Tuple[str, bool], Dict[str, int]] = {}
+    with meta_forward(MetaDispatch(local_experts, capacity)):
+        for kind in dict.fromkeys(kinds):
+            index = kinds.index(kind)
+            key = ("layer", kind, shape, dtype, local_experts, capacity, repr(lora_section))
+            if key not in cache:
+                # the layer's own mixing is measured apart (it depends on the layer's place in the stream)
+                cands = len(_state_shape(index, mc))
+                measured = layer_saved_bytes(mc, index, lora_section, shape, dtype, cands)
+                measured.pop("attn_res", None)
+                cache[key] = measured
+            per_kind[kind] = cache[key]
+        mixing: Dict[int, int] = {}
+        if mc.attn_res:
+            counts = {c for i in range(mc.num_layers) for c in attn_res_candidates(i, bs)}
+            counts.add(final_candidates(mc.num_layers, bs))
+            for c in sorted(counts):
+                key = ("mix", c, shape, dtype)
+                if key not in cache:
+                    cache[key] = _mixing_bytes(mc, shape, dtype, c)
+                mixing[c] = cache[key]
+        key = ("head", shape, dtype, mc.vocab_size, repr(lora_section))
+        if key not in cache:
+            cache[key] = _head_bytes(mc, shape, dtype, lora_section)
+        head = cache[key]
+    by_segment: Dict[str, float] = collections.Counter()
+    per_layer = []
+    for i, kind in enumerate(kinds):
+        layer = 0.0
+        for seg, v in per_kind[kind].items():
+            by_segment[seg] += v
+            layer += v
+        if mc.attn_res:
+            v = sum(mixing[c] for c in attn_res_candidates(i, bs))
+            by_segment["attn_res"] += v
+            layer += v
+        per_layer.append(layer)
+    if mc.attn_res:
+        head += mixing[final_candidates(mc.num_layers, bs)]
+    by_segment["head"] = head
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    # checkpointing keeps each layer's input state: the block values are shared, a partial sum is new per layer
+    inputs = batch * seq_len * mc.hidden_size * itemsize * mc.num_layers
+    names = {("kda", True): "KDA + MoE", ("kda", False): "KDA + dense MLP", ("mla", True): "MLA + MoE",
+             ("mla", False): "MLA + dense MLP"}
+    return ActivationPlan(per_layer=per_layer, by_segment=dict(by_segment), layer_inputs=inputs, head=head,
+                          kinds={names[k]: float(sum(v.values())) for k, v in per_kind.items()})
+
+
+def _state_shape(index: int, mc) -> Sequence[int]:
+    """The number of tensors in the stream's state before layer ``index`` (1 without AttnRes)."""
+    if not mc.attn_res:
+        return [0]
+    bs = mc.attn_res_block_size
+    return [0] * (1 + index // bs + (1 if index % bs else 0))

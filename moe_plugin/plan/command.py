@@ -33,7 +33,7 @@ def format_plan(plan) -> str:
     for seg, v in m.activations_by_segment.items():
         rows.append(f"  activations: {seg:<34}{_gb(v)}")
     rows += [f"  backward transient (logit / layer gradients)    {_gb(m.transient)}",
-             f"  backward working set (measured factor)          {_gb(m.working)}",
+             f"  ZeRO-3 buffers held during the step             {_gb(m.zero_held)}",
              f"  expert all-to-all buffers                       {_gb(m.dispatch)}",
              f"  framework overhead (constant)                   {_gb(m.overhead)}",
              f"  step peak                                       {_gb(m.step_peak + m.overhead)}"]
@@ -54,7 +54,9 @@ def format_plan(plan) -> str:
             rows.append(f"  {k:<46}{_gb(v)}")
     if plan.min_devices is not None or plan.device_memory:
         rows.append(f"smallest device count that fits: {plan.min_devices if plan.min_devices else 'none up to 8192'}")
-    rows.append(f"activation fit: max relative residual {plan.fit_residual:.3f} on the probe models")
+    rows.append("saved for backward by one layer of each kind (meta forward, no AttnRes mixing):")
+    for k, v in plan.kinds_per_layer.items():
+        rows.append(f"  {k:<46}{_gb(v)}")
     return "\n".join(rows)
 
 

@@ -88,10 +88,10 @@ def measure_worker(recipes: List[dict], threads: int = 1) -> List[Dict[str, floa
     return out
 
 
-def planned_peak(recipe_values: dict, world: int, fit_cache: dict) -> float:
+def planned_peak(recipe_values: dict, world: int, cache: dict) -> float:
     """The planner's peak for one measured layout, without the overhead constant (bytes)."""
     from ..training.recipe import recipe_from_dict
     from .planner import plan_recipe
 
-    plan = plan_recipe(recipe_from_dict(recipe_values), devices=world, overhead_bytes=0.0, fit_cache=fit_cache)
+    plan = plan_recipe(recipe_from_dict(recipe_values), devices=world, overhead_bytes=0.0, cache=cache)
     return plan.memory.peak

@@ -7,18 +7,13 @@ and the DeepSpeed config's ZeRO-3 knobs. Every number is bytes on one rank.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
-from .activations import ActivationModel, attn_res_candidates, final_candidates, segment_dims
+from .activations import ActivationPlan, attn_res_candidates
 from .counts import ModelCounts
 
 __all__ = ["Layout", "MemoryPlan", "plan_memory", "ZERO3_DEFAULTS"]
 
-# The trainer's peak over the saved-for-backward fit: the megatron face and autograd's working set during
-# backward hold about as much again as the fitted saved tensors (the HF face's). A measured constant: the ratio
-# (measured peak - weights - overhead) / (fitted activations + transient) on the 1-process layouts of
-# moe_plugin.plan.measure was 1.69 to 1.93; the 2- and 4-process layouts are the independent check.
-BACKWARD_FACTOR = 1.9
 # DeepSpeed 0.19.8's defaults for the keys the planner reads (runtime/zero/config.py)
 ZERO3_DEFAULTS = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000,
                   "stage3_max_reuse_distance": 1_000_000_000, "reduce_bucket_size": 500_000_000,
@@ -53,7 +48,7 @@ class MemoryPlan:
     activations: float  # saved for backward over the whole micro-batch
     activations_by_segment: Dict[str, float]
     transient: float  # the backward's largest working set (logit gradients, one segment's gradients)
-    working: float  # what the trainer holds beyond the fit in backward (BACKWARD_FACTOR, measured)
+    zero_held: float  # ZeRO-3's own buffers during a step (see zero3_held)
     dispatch: float  # expert-parallel all-to-all send and receive buffers
     build_peak: float  # while the model is built and partitioned
     overhead: float
@@ -77,35 +72,10 @@ def _local_full_bytes(counts: ModelCounts, ep: int, precision_bytes: int) -> flo
                                                          + counts.expert_adapter_numel / ep) * precision_bytes
 
 
-def activation_bytes(mc, act: ActivationModel, layout: Layout) -> Dict[str, float]:
-    """Saved-for-backward bytes of one micro-batch per segment kind (and ``"largest_layer"``), fp32-fitted,
-    scaled to the recipe's precision (bf16 halves the floating tensors; the fp32 router scores, SiTU and
-    loss terms make that an estimate)."""
-    b, t, ep = layout.micro_batch, layout.seq_len, layout.ep
-    local = mc.moe.num_experts // ep
-    scale = 1.0 if layout.precision_bytes == 4 else 0.55
-    out: Dict[str, float] = {}
-    largest = 0.0
-    for i, kind in enumerate(mc.layer_types):
-        layer = 0.0
-        for seg in (kind, "moe" if mc.is_moe_layer(i) else "mlp"):
-            v = act.bytes(seg, segment_dims(mc, b, t, local, layout.capacity, seg), layout.capacity) * scale
-            out[seg] = out.get(seg, 0.0) + v
-            layer += v
-        if mc.attn_res:
-            c = sum(attn_res_candidates(i, mc.attn_res_block_size))
-            v = act.bytes("attn_res", segment_dims(mc, b, t, local, 1.0, "attn_res", c)) * scale
-            out["attn_res"] = out.get("attn_res", 0.0) + v
-            layer += v
-        largest = max(largest, layer)
-    c = final_candidates(mc.num_layers, mc.attn_res_block_size) if mc.attn_res else 0
-    out["head"] = act.bytes("head", segment_dims(mc, b, t, local, 1.0, "head", c))  # the loss is fp32
-    out["largest_layer"] = largest
-    return out
-
-
-def plan_memory(counts: ModelCounts, mc, act: ActivationModel, layout: Layout) -> MemoryPlan:
-    """The per-rank memory of ``layout`` (see ``MemoryPlan``'s fields)."""
+def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], ActivationPlan],
+                layout: Layout) -> MemoryPlan:
+    """The per-rank memory of ``layout`` (see ``MemoryPlan``'s fields); ``activations_of(layout)`` gives the
+    meta-measured ``ActivationPlan`` of a layout (``activations.plan_activations``)."""
     L, pb = layout, layout.precision_bytes
     world, ep = L.devices, L.ep
     edp = world // ep
@@ -133,24 +103,23 @@ def plan_memory(counts: ModelCounts, mc, act: ActivationModel, layout: Layout) -
         buckets = min(z["reduce_bucket_size"], trainable_local) * pb
     else:
         gathered, buckets = 0.0, 0.0
-    acts = activation_bytes(mc, act, L)
-    largest = acts.pop("largest_layer")
+    zero_held = 0.0
+    act = activations_of(L)
+    largest = act.largest_layer
     if L.checkpointing:
-        # each layer keeps only its input (the residual stream's candidates), one layer is recomputed at a time
-        per_input = L.micro_batch * L.seq_len * mc.hidden_size * pb
-        inputs = sum(sum(attn_res_candidates(i, mc.attn_res_block_size)) / 2 if mc.attn_res else 1
-                     for i in range(mc.num_layers)) * per_input
-        activations = inputs + largest + acts["head"]
-        by_segment = {"layer inputs": inputs, "one layer recomputed": largest, "head": acts["head"]}
+        # each layer keeps only its input; one layer at a time is recomputed and holds its saved tensors
+        activations = act.layer_inputs + largest + act.head
+        by_segment = {"layer inputs": act.layer_inputs, "one layer recomputed": largest, "head": act.head}
     else:
-        activations = sum(acts.values())
-        by_segment = acts
+        activations = act.total
+        by_segment = dict(act.by_segment)
+    # backward's peak beyond the saved tensors: the loss's logit gradient at the start of backward, or one
+    # layer's activation gradients (at most what that layer saved) while it runs
     n = L.micro_batch * L.seq_len
-    transient = max(n * mc.vocab_size * 4.0, largest)  # logit gradients, or one layer's input gradients
+    transient = max(n * mc.vocab_size * 4.0, largest)
     dispatch = (2 * n * mc.moe.top_k * L.capacity * mc.moe.expert_dim * pb) if ep > 1 else 0.0
     resting = sum(base.values()) + sum(adapters.values())
-    working = (BACKWARD_FACTOR - 1.0) * (activations + transient)
-    step_peak = resting + gathered + buckets + activations + transient + working + dispatch
+    step_peak = resting + gathered + buckets + zero_held + activations + transient + dispatch
     build_peak = 0.0
     if L.preset_build:  # whole local model in the build dtype (fp32), plus the partitions the engine cuts
         build_peak = _local_full_bytes(counts, ep, pb) * (4 / pb) + resting
@@ -158,7 +127,7 @@ def plan_memory(counts: ModelCounts, mc, act: ActivationModel, layout: Layout) -
     peak = max(step_peak, build_peak) + overhead
     context = {"tokens_per_rank_micro_batch": n, "local_experts": mc.moe.num_experts // ep, "edp": edp}
     return MemoryPlan(base=base, adapters=adapters, gathered=gathered, buckets=buckets, activations=activations,
-                      activations_by_segment=by_segment, transient=transient, working=working, dispatch=dispatch,
+                      activations_by_segment=by_segment, transient=transient, zero_held=zero_held, dispatch=dispatch,
                       build_peak=build_peak, overhead=overhead, step_peak=step_peak, peak=peak, context=context)
 
 

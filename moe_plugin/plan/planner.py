@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 from ..config import require
-from .activations import fit_activation_model
+from .activations import plan_activations
 from .counts import ModelCounts, count_model
-from .memory import Layout, MemoryPlan, activation_bytes, plan_memory, zero_settings
+from .memory import Layout, MemoryPlan, plan_memory, zero_settings
 
 __all__ = ["Plan", "plan_recipe", "devices_from_ds_config", "CPU_OVERHEAD_BYTES", "GPU_OVERHEAD_BYTES"]
 
@@ -34,12 +34,24 @@ class Plan:
     million_context: Dict[str, float]
     knobs: Dict[str, float] = field(default_factory=dict)
     min_devices: Optional[int] = None
-    fit_residual: float = 0.0
+    kinds_per_layer: Dict[str, float] = field(default_factory=dict)  # saved bytes of one layer of each kind
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["memory"] = self.memory.to_dict()
         return d
+
+
+def _activations_of(mc, lora_section, cache: dict):
+    """``layout -> ActivationPlan`` for this model, run on meta at the layout's micro-batch and sizes."""
+    import torch
+
+    def of(layout: Layout):
+        dtype = torch.bfloat16 if layout.precision_bytes == 2 else torch.float32
+        return plan_activations(mc, lora_section, layout.micro_batch, layout.seq_len,
+                                mc.moe.num_experts // layout.ep, layout.capacity, dtype, cache)
+
+    return of
 
 
 def devices_from_ds_config(ds: Optional[dict], micro_batch: int, accum: int) -> Optional[int]:
@@ -77,10 +89,10 @@ def _flops(counts: ModelCounts, mc, layout: Layout, tokens: int) -> float:
 def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[float] = None,
                 micro_batch: Optional[int] = None, seq_len: Optional[int] = None,
                 checkpointing: bool = False, expert_format: Optional[str] = None, capacity: float = 1.25,
-                overhead_bytes: Optional[float] = None, fit_cache: Optional[dict] = None,
-                knobs: bool = False, probes: int = 14) -> Plan:
+                overhead_bytes: Optional[float] = None, cache: Optional[dict] = None,
+                knobs: bool = False) -> Plan:
     """Plan ``recipe`` (a validated ``Recipe``) at a layout; arguments left ``None`` come from the recipe and
-    its DeepSpeed config (``devices`` from its ``train_batch_size``). ``fit_cache`` keeps fitted activation
+    its DeepSpeed config (``devices`` from its ``train_batch_size``). ``cache`` keeps counts and meta-measured activation
     models between calls (keyed by the model's structure)."""
     from ..training.backends.common import hf_config
     from ..training.backends.images import wants_images
@@ -107,15 +119,12 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     zero3 = int(((ds or {}).get("zero_optimization") or {}).get("stage", 0)) == 3 or devices > 1
     pb = 2 if s.precision == "bf16" else 4
     images = wants_images(recipe, mc)
-    cache = {} if fit_cache is None else fit_cache
+    cache = {} if cache is None else cache
     key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), repr(recipe.lora), pb, images)
     if ("counts",) + key not in cache:
         cache[("counts",) + key] = count_model(cfg, recipe.lora, precision_bytes=pb, images=images)
     counts = cache[("counts",) + key]
-    fit_key = ("fit", mc.moe.expert_format, mc.attn_res, mc.mla.use_indexer, repr(recipe.lora))
-    if fit_key not in cache:
-        cache[fit_key] = fit_activation_model(cfg, recipe.lora, probes=probes)
-    act = cache[fit_key]
+    act = _activations_of(mc, recipe.lora, cache.setdefault(("meta",) + key, {}))
     if overhead_bytes is None:
         overhead_bytes = GPU_OVERHEAD_BYTES if device_memory and device_memory > 2 ** 36 else CPU_OVERHEAD_BYTES
     layout = Layout(devices=devices, ep=ep, zero3=zero3, micro_batch=micro_batch, seq_len=seq_len,
@@ -133,22 +142,22 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
         million["checkpointing on" if ckpt else "checkpointing off"] = plan_memory(counts, mc, act, big).peak
     kda_state = sum(t == "kda" for t in mc.layer_types) * mc.kda.num_heads * mc.kda.head_dim ** 2 * 4
     million["KDA state per sequence (all layers, fp32)"] = float(kda_state)
-    million["activations per token (no checkpointing)"] = sum(
-        v for k, v in activation_bytes(mc, act, replace(layout, micro_batch=1, seq_len=4096)).items()
-        if k != "largest_layer") / 4096
+    million["activations per token (no checkpointing)"] = act(replace(layout, micro_batch=1)).total / (
+        layout.seq_len)
     kinds = {k: {"parameters": c.numel, "bytes": c.nbytes} for k, c in counts.kinds.items()}
     plan = Plan(recipe=getattr(recipe, "source", "") or "", layout=layout, memory=memory,
                 device_memory=device_memory, fits=None if device_memory is None else memory.peak <= device_memory,
                 counts=kinds, tokens_per_step=tokens, flops_per_step=_flops(counts, mc, layout, tokens),
-                all_to_all_bytes_per_layer_step=a2a, million_context=million, fit_residual=act.max_rel_residual)
+                all_to_all_bytes_per_layer_step=a2a, million_context=million,
+                kinds_per_layer=act(layout).kinds)
     if knobs:
-        plan.knobs = _knobs(recipe, plan, counts, mc, act, cache, capacity, probes, checkpointing, expert_format)
+        plan.knobs = _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert_format)
         if device_memory:
             plan.min_devices = _min_devices(counts, mc, act, layout, device_memory)
     return plan
 
 
-def _knobs(recipe, plan, counts, mc, act, cache, capacity, probes, checkpointing, expert_format) -> Dict[str, float]:
+def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert_format) -> Dict[str, float]:
     """Peak bytes saved (positive) or added (negative) by one change at a time."""
     layout, base = plan.layout, plan.memory.peak
     out: Dict[str, float] = {}
@@ -165,7 +174,7 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, probes, checkpointing
     other = "dense" if (expert_format or mc.moe.expert_format) != "dense" else "mxfp4"
     alt = plan_recipe(recipe, devices=layout.devices, micro_batch=layout.micro_batch, seq_len=layout.seq_len,
                       checkpointing=checkpointing, expert_format=other, capacity=capacity,
-                      overhead_bytes=layout.overhead_bytes, fit_cache=cache, probes=probes)
+                      overhead_bytes=layout.overhead_bytes, cache=cache)
     out[f"experts {other}"] = base - alt.memory.peak
     return out
 

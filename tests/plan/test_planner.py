@@ -11,7 +11,7 @@ import torch
 
 from moe_plugin.parallel.launch import run_distributed
 from moe_plugin.plan.counts import count_model, rank_share
-from moe_plugin.plan.measure import CALIBRATION, LAYOUTS, layout_recipe, planned_peak
+from moe_plugin.plan.measure import CALIBRATION, LAYOUTS, SHAPE, layout_recipe, planned_peak
 from moe_plugin.plan.planner import parse_bytes, plan_recipe
 from moe_plugin.training.recipe import LoraSection, recipe_from_dict
 
@@ -40,6 +40,58 @@ def test_bad_input_names_the_field():
     recipe = recipe_from_dict(layout_recipe("/tmp/never", 4, 2, 256, shape=CALIBRATION))
     with pytest.raises(ValueError, match="--devices.*multiple of parallel.expert_parallel_size"):
         plan_recipe(recipe, devices=3)
+    with pytest.raises(ValueError, match="--capacity"):
+        plan_recipe(recipe, devices=4, capacity=0.5)
+
+
+@pytest.mark.parametrize("expert_format,extras", [("dense", {}),
+                                                  ("mxfp4", dict(use_dsa_indexer=True, index_topk=64, attn_res=True))])
+def test_meta_forward_saves_what_the_real_layer_saves(expert_format, extras):
+    """Each layer kind run on meta (the planner) against the same layer run for real on the CPU: the bytes
+    autograd saves per segment agree (balanced routing is exact here: N x top_k is a multiple of E)."""
+    from moe_plugin.plan.activations import layer_saved_bytes
+    from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
+    from moe_plugin.training.backends.common import hf_config
+
+    recipe = recipe_from_dict(layout_recipe("/tmp/never", 1, 1, 256, expert_format, dict(SHAPE, **extras)))
+    mc = hf_config(recipe.model).to_model_config()
+    cands = 2 if mc.attn_res else 1
+    for index in (0, 1, 3):  # KDA + dense MLP, KDA + MoE, MLA + MoE
+        torch.manual_seed(0)
+        real = layer_saved_bytes(mc, index, recipe.lora, (2, 256, mc.hidden_size), torch.float32, cands, "cpu")
+        with meta_forward(MetaDispatch(mc.moe.num_experts, 1.0)):
+            meta = layer_saved_bytes(mc, index, recipe.lora, (2, 256, mc.hidden_size), torch.float32, cands)
+        assert set(real) == set(meta), (index, real, meta)
+        for segment, value in real.items():
+            assert meta[segment] == pytest.approx(value, rel=0.01), (index, segment, real, meta)
+
+
+def test_seed_layout_plan_by_hand():
+    """The shipped seed layout: experts per device against the config's numbers (E x 3 x F x L per MoE layer,
+    over EP 64 and the expert-data-parallel pair), BF16 and MXFP4; activations with checkpointing are one
+    layer's saved tensors plus a [T, D] input per layer, tens of GB at 1 x 4096 tokens."""
+    from moe_plugin.training.recipe import load_recipe
+
+    recipe = load_recipe("recipes/k3_seed_layout.json")
+    cache: dict = {}
+    bf16 = plan_recipe(recipe, cache=cache)
+    mxfp4 = plan_recipe(recipe, expert_format="mxfp4", cache=cache)
+    ckpt = plan_recipe(recipe, checkpointing=True, cache=cache)
+    mc = bf16.layout
+    assert (mc.devices, mc.ep, mc.micro_batch, mc.seq_len) == (128, 64, 1, 4096)
+    from moe_plugin.models import preset_config
+
+    cfg = preset_config("k3").to_model_config()
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    e = cfg.moe
+    experts = moe_layers * e.num_experts * 3 * e.expert_intermediate_size * e.expert_dim
+    assert bf16.memory.base["experts"] == pytest.approx(experts * 2 / 64 / 2, rel=1e-3)
+    # MXFP4: 4 bits a value plus one 8-bit scale per 32 values
+    assert mxfp4.memory.base["experts"] == pytest.approx(experts * (0.5 + 1 / 32) / 64 / 2, rel=0.01)
+    one_input = 4096 * cfg.hidden_size * 2
+    assert ckpt.memory.activations_by_segment["layer inputs"] == pytest.approx(cfg.num_layers * one_input)
+    assert 5e9 < ckpt.memory.activations < 60e9
+    assert ckpt.memory.activations < bf16.memory.activations / 10
 
 
 def _check(world: int) -> None:

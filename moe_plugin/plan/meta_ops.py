@@ -1,0 +1,210 @@
+"""Running the model's own layers on the ``meta`` device (docs/planner.md, "Activations").
+
+A meta tensor has a shape and a dtype but no values, so a forward at full size costs no memory and autograd
+still records what it would save. A few ops decide something from values; inside ``meta_forward()`` each of
+them gets a stand-in that keeps the op's saved set (read off the op's own source) and replaces the decision
+by the planner's stated assumption:
+
+- argument checks that read values (``check_ids``): skipped on meta tensors (nothing to check);
+- the MoE dispatch (``permute``): balanced routing times a capacity factor. This rank's ``E / EP`` local
+  experts receive ``N x top_k x capacity`` rows (every EP rank sends its share of its tokens' copies), in
+  equal blocks; the combine (``unpermute``) takes its ``N x top_k`` rows back. The experts themselves run
+  unchanged on those rows, sliced to the local experts;
+- KDA's intra-chunk scores: the factorised form, the one a trained model takes (``ops/kda/intra.py`` falls
+  back to elementwise or split blocks only for gates too steep for the factorised exponentials);
+- DSA's top-k tie-breaking: a plain ``topk`` (ties at the k-th score only change which key is chosen);
+- ``torch._grouped_mm`` (the experts' grouped products): its meta kernel takes bf16 only, so on meta a
+  stand-in saves what its backward needs in any dtype;
+- DSA's sparse attention: a key range per query block is read off the indices, so on meta the op saves
+  what ``ops.dsa.attention._BlockedAttention`` saves (q, k, v, output, log-sum-exp) without the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import types
+from typing import Iterator
+
+import torch
+
+__all__ = ["meta_forward", "MetaDispatch"]
+
+
+class MetaDispatch:
+    """The routing assumption of a meta forward: ``local_experts`` run on this rank, ``capacity`` >= 1."""
+
+    def __init__(self, local_experts: int, capacity: float):
+        self.local_experts, self.capacity = local_experts, capacity
+
+    def rows(self, tokens: int, top_k: int) -> int:
+        per_expert = math.ceil(tokens * top_k * self.capacity / self.local_experts)
+        return per_expert * self.local_experts
+
+
+class _MetaCombine(torch.autograd.Function):
+    """``unpermute`` on meta: ``N x k`` of the received rows weighted back onto N tokens; saves what
+    ``ops.moe.permute._WeightedCombine`` saves (the rows, the order and the weights)."""
+
+    @staticmethod
+    def forward(ctx, y_sorted, order, weights):
+        ctx.save_for_backward(y_sorted, order, weights)
+        return y_sorted.new_empty(weights.shape[0], y_sorted.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, order, w = ctx.saved_tensors
+        return torch.zeros_like(y), None, torch.zeros_like(w)
+
+
+class _MetaReplicate(torch.autograd.Function):
+    """``permute``'s row copy on meta: saves the ``[M]`` token index, as ``_ReplicateRows`` does."""
+
+    @staticmethod
+    def forward(ctx, x, rows):
+        token = torch.empty(rows, dtype=torch.long, device=x.device)
+        ctx.save_for_backward(token)
+        ctx.n = x.shape[0]
+        return x.new_empty(rows, x.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_zeros(ctx.n, grad.shape[1]), None
+
+
+class _MetaGroupedMm(torch.autograd.Function):
+    """``torch._grouped_mm`` on meta in any dtype (its meta kernel takes bf16 only, the CUDA rule; the CPU
+    kernel runs fp32 too): saves what its backward needs, the weight for the rows' gradient and the rows
+    for the weight's."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        keep = [b if ctx.needs_input_grad[0] else None, a if ctx.needs_input_grad[1] else None]
+        ctx.save_for_backward(*[t for t in keep if t is not None])
+        ctx.shapes = a.shape, b.shape
+        return a.new_empty(a.shape[0], b.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.shapes
+        return grad.new_zeros(a), grad.new_zeros(b), None
+
+
+class _MetaBlockedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        lse = q.new_empty(q.shape[:3])
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def _patch(stack: contextlib.ExitStack, module, name: str, value) -> None:
+    old = getattr(module, name)
+    setattr(module, name, value)
+    stack.callback(setattr, module, name, old)
+
+
+@contextlib.contextmanager
+def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
+    """Within this context the layers run on meta tensors (see the module docstring); outside, unchanged."""
+    from ..layers import gated_dsa
+    from ..layers import moe as moe_layer
+    from ..ops import checks
+    from ..ops.dsa import indexer
+    from ..ops.kda import intra
+    from ..ops.moe import experts as experts_op
+
+    real_ids, real_intra, real_topk = checks.check_ids, intra.intra_chunk_scores, indexer._topk_latest_on_ties
+    real_sparse, real_supported, real_check = (gated_dsa.sparse_attention, experts_op._grouped_mm_supported,
+                                               experts_op._check_expert_args)
+    real_stacked = moe_layer.StackedExperts.forward
+    from ..layers.packed_experts import PackedStackedExperts
+    real_packed = PackedStackedExperts.forward
+
+    def check_ids(name, ids, low, high, what="ids"):
+        if not ids.is_meta:
+            real_ids(name, ids, low, high, what)
+
+    def intra_chunk_scores(rows, k, g):
+        return intra._factorised(rows, k, g) if rows.is_meta else real_intra(rows, k, g)
+
+    def topk(scores, take):
+        return scores.topk(min(take, scores.shape[-1]), dim=-1, sorted=False).indices if scores.is_meta \
+            else real_topk(scores, take)
+
+    def sparse_attention(q, k, v, indices, scale, *args, **kwargs):
+        return _MetaBlockedAttention.apply(q, k, v) if q.is_meta else real_sparse(q, k, v, indices, scale,
+                                                                                  *args, **kwargs)
+
+    def permute(x, indices, num_experts):
+        if not x.is_meta:
+            return moe_layer_permute(x, indices, num_experts)
+        rows = dispatch.rows(x.shape[0], indices.shape[1])
+        counts = torch.full((num_experts,), rows // dispatch.local_experts, dtype=torch.long, device=x.device)
+        return _MetaReplicate.apply(x, rows), counts, torch.empty(rows, dtype=torch.long, device=x.device)
+
+    def unpermute(y_sorted, order, weights):
+        return _MetaCombine.apply(y_sorted, order, weights) if y_sorted.is_meta else \
+            moe_layer_unpermute(y_sorted, order, weights)
+
+    def stacked_forward(self, x_sorted, tokens_per_expert):
+        if not x_sorted.is_meta:
+            return real_stacked(self, x_sorted, tokens_per_expert)
+        el = dispatch.local_experts  # this rank's experts only: the layer was built with all E on meta
+        local = _LocalExperts(self, el)
+        return real_stacked(local, x_sorted, tokens_per_expert[:el])
+
+    def packed_forward(self, x_sorted, tokens_per_expert):
+        if not x_sorted.is_meta:
+            return real_packed(self, x_sorted, tokens_per_expert)
+        el = dispatch.local_experts  # per-expert blocks are split on the host: give it real counts
+        counts = torch.full((el,), x_sorted.shape[0] // el, dtype=torch.long)
+        return real_packed(_LocalExperts(self, el), x_sorted, counts)
+
+    moe_layer_permute, moe_layer_unpermute = moe_layer.permute, moe_layer.unpermute
+    with contextlib.ExitStack() as stack:
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("moe_plugin.") and getattr(mod, "check_ids", None) is real_ids:
+                _patch(stack, mod, "check_ids", check_ids)
+        _patch(stack, intra, "intra_chunk_scores", intra_chunk_scores)
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("moe_plugin.") and \
+                    getattr(mod, "intra_chunk_scores", None) is real_intra:
+                _patch(stack, mod, "intra_chunk_scores", intra_chunk_scores)
+        _patch(stack, indexer, "_topk_latest_on_ties", topk)
+        _patch(stack, gated_dsa, "sparse_attention", sparse_attention)
+        _patch(stack, experts_op, "_grouped_mm_supported", lambda x, w2: x.is_meta or real_supported(x, w2))
+        _patch(stack, experts_op, "_check_expert_args", lambda x, *a: None if x.is_meta else real_check(x, *a))
+        real_mm = torch._grouped_mm
+
+        def grouped_mm(a, b, offs=None, **kwargs):
+            return _MetaGroupedMm.apply(a, b, offs) if a.is_meta else real_mm(a, b, offs=offs, **kwargs)
+
+        _patch(stack, torch, "_grouped_mm", grouped_mm)
+        _patch(stack, moe_layer, "permute", permute)
+        _patch(stack, moe_layer, "unpermute", unpermute)
+        _patch(stack, moe_layer.StackedExperts, "forward", stacked_forward)
+        _patch(stack, PackedStackedExperts, "forward", packed_forward)
+        yield
+
+
+class _LocalExperts:
+    """The first ``el`` experts of a meta ``StackedExperts`` (or its packed subclass), for its forward."""
+
+    def __init__(self, experts, el: int):
+        self._experts, self._el = experts, el
+
+    def __getattr__(self, name):
+        value = getattr(self._experts, name)
+        if isinstance(value, types.MethodType) and value.__self__ is self._experts:
+            return types.MethodType(value.__func__, self)  # its own methods see the sliced tensors too
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] > self._el:
+            return value[: self._el]
+        return value
