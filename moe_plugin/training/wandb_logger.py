@@ -43,16 +43,39 @@ class WandbLogger(Logger):
             return self._wandb.Histogram([float(v) for v in value.values], num_bins=HISTOGRAM_BINS)
         return float(value)
 
+    # A step's row is kept here and committed (``commit=True``) once a later step arrives or the run closes.
+    # Rows left to W&B's own partial-history flush at exit were lost on a loaded machine (the last row of a
+    # run went missing), and a row committed early could take no later value of its step (the eval loss and
+    # the plot come after the step's training metrics).
+    _pending: Optional[dict] = None
+    _pending_step: int = 0
+
+    def _add(self, step: int, values: dict) -> None:
+        if self._pending is not None and step > self._pending_step:
+            self._flush()
+        if self._pending is None:
+            self._pending, self._pending_step = {}, step
+        self._pending.update(values)
+
+    def _flush(self) -> None:
+        if self._pending:
+            self.run.log(self._pending, step=self._pending_step, commit=True)
+        self._pending = None
+
     def log(self, step: int, metrics: Dict[str, Value]) -> None:
-        self.run.log({name: self._value(v) for name, v in metrics.items()}, step=step)
+        self._add(step, {name: self._value(v) for name, v in metrics.items()})
 
     def image(self, step: int, name: str, path: str) -> None:
-        self.run.log({name: self._wandb.Image(path)}, step=step)
+        self._add(step, {name: self._wandb.Image(path)})
 
     def close(self) -> None:
         if self.run is not None:
+            self._flush()
             self.run.finish()
             self.run = None
+            # finish() returns before W&B's service has written the run's last records (on a loaded machine
+            # the file then ended before the last row); teardown waits for the service to write and stop
+            self._wandb.teardown()
 
 
 def wandb_logger(section, output_dir: str, config: Optional[dict] = None, mode: Optional[str] = None) -> Logger:
