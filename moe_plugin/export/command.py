@@ -23,8 +23,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", default=None, help="comma-separated module/parameter names to export (default: "
                    "every trained target); a list that leaves a trained target out is refused")
     p.add_argument("--max-shard-size", default="5GB", help="merged exports: largest shard (default 5GB)")
-    p.add_argument("--requantise", action="store_true", help="merged exports over a packed (MXFP4) base: pack the "
-                   "merged experts again (lossy; the count of changed values is reported) instead of BF16")
+    p.add_argument("--requantise", action="store_true", help="merged exports over a packed (MXFP4 or INT4) base: "
+                   "pack the merged experts again in the base's format (lossy; the count of values that changed from "
+                   "the base is reported) instead of writing them dense in the base's dtype (BF16 for the release)")
     return p
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import ExitStack
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -131,26 +132,22 @@ def base_tensors(base_path: str, hf_config) -> Iterator[Tuple[str, torch.Tensor]
     stored = stored_tensors(safetensors_weight_map(base_path))
     plan = plan_reads(targets, safetensors_weight_map(base_path), names="hf", config=config, strict=True,
                       layout=detect_layout(base_path, stored), stored=stored, source=base_path, ignore_vision=True)
-    handles: Dict[str, object] = {}
-    try:
-        for name, reads in plan.reads.items():
-            if not reads:
-                continue
-            first = reads[0].name
-            tensor = torch.empty(targets[name].shape, dtype=getattr(torch, targets[name].dtype or stored[first].dtype))
+    for name, reads in plan.reads.items():
+        if not reads:
+            continue
+        first = reads[0].name
+        tensor = torch.empty(targets[name].shape, dtype=getattr(torch, targets[name].dtype or stored[first].dtype))
+        # the files are opened per tensor: a mapping kept open keeps every page read so far resident in this
+        # process, which would make the stream hold the whole checkpoint by the end
+        with ExitStack() as stack:
+            handles = {f: stack.enter_context(_open_safetensors(f)) for f in {r.file for r in reads}}
             for read in reads:
-                if read.file not in handles:
-                    handles[read.file] = _open_safetensors(read.file).__enter__()
                 _apply(handles[read.file], read, tensor, targets[name], LoadStats())
-            yield name, tensor
-        for name in plan.ignored:  # the vision tower and projector, which no text adapter touches
-            file = stored[name].file
-            if file not in handles:
-                handles[file] = _open_safetensors(file).__enter__()
-            yield name, handles[file].get_tensor(name)
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
+        yield name, tensor
+    for name in plan.ignored:  # the vision tower and projector, which no text adapter touches
+        with _open_safetensors(stored[name].file) as handle:
+            tensor = handle.get_tensor(name)
+        yield name, tensor
 
 
 def delta_for(target: Target, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -161,9 +158,11 @@ def delta_for(target: Target, state: Mapping[str, torch.Tensor]) -> torch.Tensor
     return dense_delta(a, b, target.scaling)
 
 
-def _merged(tensor: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+def _merged(tensor: torch.Tensor, delta: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     require(tuple(delta.shape) == tuple(tensor.shape), "adapter", f"a delta of shape {list(delta.shape)} does not "
             f"fit its base tensor {list(tensor.shape)}")
+    if in_place and tensor.dtype == torch.float32:  # no second copy of an expert stack
+        return tensor.add_(delta)
     return (tensor.float() + delta).to(tensor.dtype)
 
 
@@ -197,15 +196,15 @@ def write_merged(base_path: str, hf_config, targets: Mapping[str, Target], state
     require(layout in ("hf", "k3"), "layout", f"must be 'hf' or 'k3', got {layout!r}")
     packed = check_packed_base(base_path, requantise)
     stacks = packed_stacks(hf_config) if packed else {}
-    dtype = float_dtype(s.dtype for s in stored_tensors(safetensors_weight_map(base_path)).values())
+    dtype = float_dtype(stored_tensors(safetensors_weight_map(base_path)))
     writer = ShardWriter(directory, max_bytes)
     prefix = TEXT_PREFIX if has_vision(base_path) else ""  # an image+text checkpoint keeps its text under it
     merged, changed, requantised = [], 0, 0
     for name, tensor, codes in decoded(base_tensors(base_path, hf_config), stacks, keep_packed=requantise):
         target = targets.get(name)
         base = tensor
-        if target is not None:
-            tensor = _merged(tensor, delta_for(target, state))
+        if target is not None:  # a requantised stack's changed values are counted against the base
+            tensor = _merged(tensor, delta_for(target, state), in_place=not (requantise and name in stacks))
             merged.append(name)
         if on_tensor is not None:
             on_tensor(name, tensor)
@@ -222,7 +221,7 @@ def write_merged(base_path: str, hf_config, targets: Mapping[str, Target], state
         if name in stacks:
             tensor = tensor.to(dtype)
         _write(writer, name, tensor, layout, prefix)
-        del tensor, base
+        del tensor, base, codes
     files = writer.close()
     return {"files": files, "merged": merged, "peak_expert_layers": writer.peak_expert_layers,
             "expert_format": (next(iter(stacks.values())).format if requantise else str(dtype).replace("torch.", ""))

@@ -16,8 +16,9 @@ requantised self-check (``export/requantised.py``) brackets the written codes wi
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -66,12 +67,13 @@ def dense_config(hf_config):
     return config
 
 
-def float_dtype(stored_dtypes: Iterable[str]) -> torch.dtype:
-    """The base's floating dtype (what its unquantised tensors are stored in): the most common one."""
+def float_dtype(stored: Mapping[str, object]) -> torch.dtype:
+    """The base's floating dtype: the one holding most of its unquantised values. ``stored``: ``{name: Stored}``
+    (``weights.plan.stored_tensors``); packed scales (INT4's are bf16) are not weights and are left out."""
     counts: Dict[str, int] = {}
-    for d in stored_dtypes:
-        if d in ("float32", "bfloat16", "float16", "float64"):
-            counts[d] = counts.get(d, 0) + 1
+    for name, entry in stored.items():
+        if entry.dtype in ("float32", "bfloat16", "float16", "float64") and not name.endswith("scale"):
+            counts[entry.dtype] = counts.get(entry.dtype, 0) + math.prod(entry.shape)
     return getattr(torch, max(counts, key=counts.get)) if counts else torch.bfloat16
 
 

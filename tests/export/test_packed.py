@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from moe_plugin.export.packed import (PackedStack, decoded, group_scales, packed_output_tensors, requantise,
                                       round_to_grid, round_to_grid_reference)
@@ -122,3 +123,46 @@ def test_a_dropped_or_wrong_expert_is_named(fmt):
     check_requantised_stack(stack, target, base, delta, codes, scales, result)
     assert result.problems == [f"delta wrong for ['{target.weight} expert 2'] (not the requantisation of the "
                                "merged weights)"]
+
+
+def test_the_bases_floating_dtype_counts_values_and_leaves_packed_scales_out():
+    from moe_plugin.export.packed import float_dtype
+    from moe_plugin.weights.plan import Stored
+
+    int4_fp32 = {f"m.experts.{e}.w1.weight_scale": Stored("", (32, 1), "bfloat16") for e in range(72)}
+    int4_fp32.update({"m.embed.weight": Stored("", (384, 64), "float32"), "m.norm": Stored("", (64,), "float32")})
+    assert float_dtype(int4_fp32) == torch.float32
+    release = {f"m.{i}.weight": Stored("", (64, 64), "bfloat16") for i in range(3)}
+    release.update({f"m.{i}.gate.bias": Stored("", (8,), "float32") for i in range(10)})  # many small fp32
+    assert float_dtype(release) == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_bf16_packed_base_merges_into_bf16_experts_decoded_exactly(fmt, tmp_path):
+    """No adapter: the merged experts are the base's decoded values, in the base's dtype (BF16)."""
+    from moe_plugin.export.merge import write_merged
+    from moe_plugin.models import MoEPluginForCausalLM, load_k3_checkpoint, preset_config
+    from moe_plugin.models.k3_packed import save_packed_k3_checkpoint
+
+    torch.manual_seed(3)
+    config = preset_config("tiny", expert_format=fmt, attn_res=False)
+    model = MoEPluginForCausalLM(config).to(torch.bfloat16)  # the packed bytes stay as they are
+    save_packed_k3_checkpoint(model, tmp_path / "base")
+    (tmp_path / "out").mkdir()
+    written = write_merged(str(tmp_path / "base"), config, {}, {}, str(tmp_path / "out"), "hf", 10 ** 9)
+    assert written["expert_format"] == written["float_dtype"] == "bfloat16" and written["merged"] == []
+    state = {}
+    for f in written["files"]:  # one shard per MoE layer's experts
+        if f.endswith(".safetensors"):
+            state.update(load_file(str(tmp_path / "out" / f)))
+    packed = model.state_dict()
+    stacks = [n for n in packed if n.endswith(("experts.w1", "experts.w2", "experts.w3"))]
+    assert len(stacks) == 9
+    for name in stacks:
+        want = decode(fmt, packed[name], packed[name + "_scale"], state[name].shape[-1], torch.float32)
+        assert state[name].dtype == torch.bfloat16 and name + "_scale" not in state
+        if fmt == "mxfp4":  # E2M1 times a power of two is exact in bf16
+            assert torch.equal(state[name].float(), want), name
+        else:  # (q - 8) x a bf16 scale needs up to 11 bits: rounded once to bf16
+            assert torch.equal(state[name], want.to(torch.bfloat16)), name
+    assert all(t.dtype == torch.bfloat16 for n, t in state.items() if "experts" in n)
