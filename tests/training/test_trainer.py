@@ -81,7 +81,10 @@ def _resume_recipes(tmp, world: int, ep: int):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trainer")
     bases = _checkpoints(tmp)
-    one = run_distributed(WORKER, world_size=1, timeout_s=900, scenarios=_scenarios(tmp, 1, 1, bases), recipes=[])
+    accumulation = {"name": "accumulation", "recipe": _recipe(tmp / "accumulation-w1", 1, 1)}
+    accumulation["recipe"]["schedule"].update(micro_batch_size=1, gradient_accumulation_steps=4)
+    one = run_distributed(WORKER, world_size=1, timeout_s=900, recipes=[],
+                          scenarios=_scenarios(tmp, 1, 1, bases) + [accumulation])
     recipes, resume = _resume_recipes(tmp, 4, 2)
     four = run_distributed(WORKER, world_size=4, timeout_s=1800, scenarios=_scenarios(tmp, 4, 2, bases),
                            recipes=recipes, resume=resume)
@@ -154,3 +157,13 @@ def test_resume_gives_the_uninterrupted_losses_bitwise(runs):
     assert whole["resumed_from"] is None and after["resumed_from"] == 2
     assert len(whole["losses"]) == 4 and before == whole["losses"][:2]
     assert after["losses"] == whole["losses"]  # exact: bitwise on CPU, the resumed steps included
+
+
+def test_gradient_accumulation_equals_the_larger_micro_batch(runs):
+    """One process, 4 accumulated micro-batches of 1 row: the same steps as one micro-batch of 4 rows."""
+    one, _ = runs
+    ref, got = one["scenarios"]["free"], one["scenarios"]["accumulation"]
+    for a, b in zip(got["losses"] + got["grad_norms"], ref["losses"] + ref["grad_norms"]):
+        assert math.isclose(a, b, rel_tol=1e-5), (got["losses"], ref["losses"])
+    for name, g in ref["grads"].items():
+        assert _close(got["grads"][name], g), name
