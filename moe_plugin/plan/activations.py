@@ -24,7 +24,7 @@ from torch import nn
 from .meta_ops import MetaDispatch, meta_forward
 
 __all__ = ["ActivationPlan", "attn_res_candidates", "final_candidates", "layer_kinds", "layer_saved_bytes",
-           "plan_activations"]
+           "packed_boundaries", "plan_activations"]
 
 
 def attn_res_candidates(layer: int, block_size: int) -> Tuple[int, int]:
@@ -127,11 +127,12 @@ def _add_lora(module: nn.Module, lora_section) -> None:
                                          params, lora_section.dropout))
 
 
-def layer_saved_bytes(mc, index: int, lora_section, shape, dtype, cands: int, device: str = "meta"
-                      ) -> Dict[str, int]:
+def layer_saved_bytes(mc, index: int, lora_section, shape, dtype, cands: int, device: str = "meta",
+                      cu_seqlens: Optional[torch.Tensor] = None) -> Dict[str, int]:
     """Saved-for-backward bytes of decoder layer ``index`` of ``mc`` (with the recipe's adapters) on ``cands``
     input tensors of ``shape`` ``[B, T, D]``, per segment. ``device="cpu"`` runs it for real (the tests'
-    reference for the meta run, which needs ``meta_forward``)."""
+    reference for the meta run, which needs ``meta_forward``). cu_seqlens ``[n+1]`` (a CPU tensor, batch 1):
+    the packed documents' boundaries, as the trainer passes them."""
     from ..layers.decoder import DecoderLayer
 
     with torch.device(device):
@@ -141,7 +142,7 @@ def layer_saved_bytes(mc, index: int, lora_section, shape, dtype, cands: int, de
     tags = {layer.input_layernorm: kind, layer.self_attn: kind, layer.post_attention_layernorm: "moe" if moe
             else "mlp", getattr(layer, "block_sparse_moe", None) or layer.mlp: "moe" if moe else "mlp"}
     state = _inputs(shape, cands, dtype, device)
-    return _run(lambda: layer(state), tags, "attn_res" if mc.attn_res else kind)
+    return _run(lambda: layer(state, cu_seqlens=cu_seqlens), tags, "attn_res" if mc.attn_res else kind)
 
 
 def _mixing_bytes(mc, shape, dtype, cands: int) -> int:
@@ -176,19 +177,38 @@ def _head_bytes(mc, shape, dtype, lora_section) -> int:
 RUN_TOKENS = 8192
 
 
+def packed_boundaries(batch: int, seq_len: int, documents: Optional[Sequence[int]]) -> Optional[torch.Tensor]:
+    """The ``cu_seqlens`` of a micro-batch as the trainer feeds it (``batch`` rows of ``seq_len`` packed into one
+    row ``[1, batch * seq_len]``): each row filled with the recipe's document lengths in order, cycled, the
+    last one cut at the row's end. None (no documents given): one sequence per row."""
+    bounds, lengths = [0], list(documents or [seq_len])
+    j = 0
+    for _ in range(batch):
+        end = bounds[-1] + seq_len
+        while bounds[-1] < end:
+            bounds.append(min(end, bounds[-1] + max(1, int(lengths[j % len(lengths)]))))
+            j += 1
+    return torch.tensor(bounds, dtype=torch.int64)
+
+
 def plan_activations(mc, lora_section, batch: int, seq_len: int, local_experts: int, capacity: float,
-                     dtype: torch.dtype = torch.bfloat16, cache: Optional[dict] = None) -> ActivationPlan:
+                     dtype: torch.dtype = torch.bfloat16, cache: Optional[dict] = None,
+                     documents: Optional[Sequence[int]] = None) -> ActivationPlan:
     """The ``ActivationPlan`` of ``mc`` (a ``ModelConfig``) for ``batch`` rows of ``seq_len`` tokens on a rank
-    holding ``local_experts`` experts, with the recipe's ``lora_section`` (None: no adapters) in ``dtype``."""
+    holding ``local_experts`` experts, with the recipe's ``lora_section`` (None: no adapters) in ``dtype``.
+    documents: the recipe's document lengths in packing order (KDA and the short convolution restart at each
+    document and pad it to whole chunks, so short documents cost more); None: one document per row."""
     cache = {} if cache is None else cache
+    documents = tuple(documents) if documents else None
     if batch * seq_len <= 2 * RUN_TOKENS:
-        return _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache)
+        return _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache,
+                                 documents)
     step = math.lcm(mc.kda.chunk_size, 64)
     t1 = max(RUN_TOKENS // step, 1) * step
     if mc.mla.use_indexer:
         t1 = max(t1, -(-2 * mc.mla.index_topk // step) * step)  # past the indexer's top-k every query keeps k
-    a = _plan_activations(mc, lora_section, 1, t1, local_experts, capacity, dtype, cache)
-    b = _plan_activations(mc, lora_section, 1, 2 * t1, local_experts, capacity, dtype, cache)
+    a = _plan_activations(mc, lora_section, 1, t1, local_experts, capacity, dtype, cache, documents)
+    b = _plan_activations(mc, lora_section, 1, 2 * t1, local_experts, capacity, dtype, cache, documents)
     f = (batch * seq_len - t1) / t1
 
     def ext(x, y):
@@ -200,19 +220,21 @@ def plan_activations(mc, lora_section, batch: int, seq_len: int, local_experts: 
                           kinds={k: ext(v, b.kinds[k]) for k, v in a.kinds.items()})
 
 
-def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache) -> ActivationPlan:
-    shape = (batch, seq_len, mc.hidden_size)
+def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache,
+                      documents) -> ActivationPlan:
+    cu = packed_boundaries(batch, seq_len, documents)
+    shape = (1, batch * seq_len, mc.hidden_size)
     bs = mc.attn_res_block_size
     kinds = layer_kinds(mc)
     per_kind: Dict[Tuple[str, bool], Dict[str, int]] = {}
     with meta_forward(MetaDispatch(local_experts, capacity)):
         for kind in dict.fromkeys(kinds):
             index = kinds.index(kind)
-            key = ("layer", kind, shape, dtype, local_experts, capacity, repr(lora_section))
+            key = ("layer", kind, shape, dtype, local_experts, capacity, repr(lora_section), documents)
             if key not in cache:
                 # the layer's own mixing is measured apart (it depends on the layer's place in the stream)
                 cands = len(_state_shape(index, mc))
-                measured = layer_saved_bytes(mc, index, lora_section, shape, dtype, cands)
+                measured = layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu)
                 measured.pop("attn_res", None)
                 cache[key] = measured
             per_kind[kind] = cache[key]

@@ -93,5 +93,6 @@ def planned_peak(recipe_values: dict, world: int, cache: dict) -> float:
     from ..training.recipe import recipe_from_dict
     from .planner import plan_recipe
 
-    plan = plan_recipe(recipe_from_dict(recipe_values), devices=world, overhead_bytes=0.0, cache=cache)
+    # the trainer drops no token: every expert computes exactly its rows, a capacity factor of 1
+    plan = plan_recipe(recipe_from_dict(recipe_values), devices=world, overhead_bytes=0.0, cache=cache, capacity=1.0)
     return plan.memory.peak

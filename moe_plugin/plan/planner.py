@@ -42,14 +42,26 @@ class Plan:
         return d
 
 
-def _activations_of(mc, lora_section, cache: dict):
+def document_lengths(recipe, seq_len: int) -> List[int]:
+    """The segment lengths of the recipe's training rows as the trainer packs them (``training.data``), in
+    order: its documents and each row's trailing padding segment."""
+    from ..training.data import load_examples, pack_examples
+
+    train, _ = load_examples(recipe.data, recipe.seed)
+    lengths: List[int] = []
+    for row in pack_examples(train, seq_len, pack=getattr(recipe.data, "pack", True)):
+        lengths += (row.cu_seqlens[1:] - row.cu_seqlens[:-1]).tolist()
+    return lengths
+
+
+def _activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]]):
     """``layout -> ActivationPlan`` for this model, run on meta at the layout's micro-batch and sizes."""
     import torch
 
     def of(layout: Layout):
         dtype = torch.bfloat16 if layout.precision_bytes == 2 else torch.float32
         return plan_activations(mc, lora_section, layout.micro_batch, layout.seq_len,
-                                mc.moe.num_experts // layout.ep, layout.capacity, dtype, cache)
+                                mc.moe.num_experts // layout.ep, layout.capacity, dtype, cache, documents)
 
     return of
 
@@ -124,7 +136,10 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     if ("counts",) + key not in cache:
         cache[("counts",) + key] = count_model(cfg, recipe.lora, precision_bytes=pb, images=images)
     counts = cache[("counts",) + key]
-    act = _activations_of(mc, recipe.lora, cache.setdefault(("meta",) + key, {}))
+    docs_key = ("documents", repr(recipe.data), recipe.seed, seq_len)
+    if docs_key not in cache:
+        cache[docs_key] = document_lengths(recipe, seq_len)
+    act = _activations_of(mc, recipe.lora, cache.setdefault(("meta",) + key, {}), cache[docs_key])
     if overhead_bytes is None:
         overhead_bytes = GPU_OVERHEAD_BYTES if device_memory and device_memory > 2 ** 36 else CPU_OVERHEAD_BYTES
     layout = Layout(devices=devices, ep=ep, zero3=zero3, micro_batch=micro_batch, seq_len=seq_len,
