@@ -1,8 +1,8 @@
 """The trainer, side by side: EP=2 x ZeRO-3 on 4 processes against EP=1 without ZeRO in 1 process (both cores).
 
-Both layouts run the same recipe (LoRA on the seed's targets and every routed expert; the same global batch)
-through the product's ``Trainer`` on a model whose weights dominate a process's memory (about 20 M
-parameters, most of them routed experts). Printed: the aggregate tokens/s of all ranks and their ratio
+Both layouts run the same recipe (LoRA on the seed's targets and every routed expert; the same global batch;
+a checkpoint base, which ZeRO-3 builds partitioned) through the product's ``Trainer`` on a model whose weights
+dominate a process's memory (about 20 M parameters, most of them routed experts). Printed: the aggregate tokens/s of all ranks and their ratio
 (goal >= 0.6 on this 2-core machine), the peak RSS increase of one EP=2 x ZeRO-3 rank over its baseline
 against the one process's (goal <= 0.4), and the start-up time apart from the step time.
 
@@ -24,9 +24,9 @@ SHAPE = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, layer_types=
                                      gate_form="k3", gate_rank=32, chunk_size=64))
 
 
-def recipe(output_dir: str, world: int, ep: int, steps: int) -> dict:
+def recipe(output_dir: str, base: str, world: int, ep: int, steps: int) -> dict:
     return {"output_dir": output_dir, "seed": 0, "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
-            "model": {"preset": "tiny", "overrides": SHAPE},
+            "model": {"from_pretrained": base},
             "lora": {"r": 8, "alpha": 16, "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]},
             "data": {"kind": "arithmetic", "num_documents": 2000, "seq_len": 256, "eval_fraction": 0.0},
             "parallel": {"backend": "megatron", "expert_parallel_size": ep},
@@ -65,10 +65,15 @@ def main(argv=None) -> None:
     tokens = 4 * 256  # global tokens per step in both layouts
     print(machine_line(2))
     with tempfile.TemporaryDirectory() as tmp:
+        # a checkpoint base, as a real run has: under ZeRO-3 it is built partitioned and each rank streams
+        # only its slices (a preset would be drawn whole on every rank first)
+        from moe_plugin.models import MoEPluginForCausalLM, preset_config
+
+        MoEPluginForCausalLM(preset_config("tiny", **SHAPE)).save_pretrained(f"{tmp}/base")
         one = run_distributed("benchmarks.trainer:worker", world_size=1, timeout_s=3000,
-                              recipe_dict=recipe(f"{tmp}/one", 1, 1, args.steps + 1), threads=2)[0]
+                              recipe_dict=recipe(f"{tmp}/one", f"{tmp}/base", 1, 1, args.steps + 1), threads=2)[0]
         four = run_distributed("benchmarks.trainer:worker", world_size=4, timeout_s=3000,
-                               recipe_dict=recipe(f"{tmp}/four", 4, 2, args.steps + 1), threads=1)
+                               recipe_dict=recipe(f"{tmp}/four", f"{tmp}/base", 4, 2, args.steps + 1), threads=1)
     step4 = max(r["step_s"] for r in four)
     rss4 = max(r["peak_increase_mib"] for r in four)
     print(f"trainer EP=1 no ZeRO, 1 process x 2 threads: start-up {one['startup_s']:.1f} s, {one['step_s']:.3f} "
