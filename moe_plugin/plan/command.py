@@ -33,7 +33,6 @@ def format_plan(plan) -> str:
     for seg, v in m.activations_by_segment.items():
         rows.append(f"  activations: {seg:<34}{_gb(v)}")
     rows += [f"  backward transient (logit / layer gradients)    {_gb(m.transient)}",
-             f"  ZeRO-3 buffers held during the step             {_gb(m.zero_held)}",
              f"  expert all-to-all buffers                       {_gb(m.dispatch)}",
              f"  framework overhead (constant)                   {_gb(m.overhead)}",
              f"  step peak                                       {_gb(m.step_peak + m.overhead)}"]

@@ -1,7 +1,7 @@
 """One rank's memory for a recipe at a layout (docs/planner.md): the pieces and the peak.
 
-Inputs are the counts of the meta-built model (``counts.py``), the fitted activation model (``activations.py``)
-and the DeepSpeed config's ZeRO-3 knobs. Every number is bytes on one rank.
+Inputs are the counts of the meta-built model (``counts.py``), the activations its layers save on the meta device
+(``activations.py``) and the DeepSpeed config's ZeRO-3 knobs. Every number is bytes on one rank.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ class MemoryPlan:
     activations: float  # saved for backward over the whole micro-batch
     activations_by_segment: Dict[str, float]
     transient: float  # the backward's largest working set (logit gradients, one segment's gradients)
-    zero_held: float  # ZeRO-3's own buffers during a step (see zero3_held)
     dispatch: float  # expert-parallel all-to-all send and receive buffers
     build_peak: float  # while the model is built and partitioned
     overhead: float
@@ -103,7 +102,6 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
         buckets = min(z["reduce_bucket_size"], trainable_local) * pb
     else:
         gathered, buckets = 0.0, 0.0
-    zero_held = 0.0
     act = activations_of(L)
     largest = act.largest_layer
     if L.checkpointing:
@@ -119,7 +117,7 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
     transient = max(n * mc.vocab_size * 4.0, largest)
     dispatch = (2 * n * mc.moe.top_k * L.capacity * mc.moe.expert_dim * pb) if ep > 1 else 0.0
     resting = sum(base.values()) + sum(adapters.values())
-    step_peak = resting + gathered + buckets + zero_held + activations + transient + dispatch
+    step_peak = resting + gathered + buckets + activations + transient + dispatch
     build_peak = 0.0
     if L.preset_build:  # whole local model in the build dtype (fp32), plus the partitions the engine cuts
         build_peak = _local_full_bytes(counts, ep, pb) * (4 / pb) + resting
@@ -127,7 +125,7 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
     peak = max(step_peak, build_peak) + overhead
     context = {"tokens_per_rank_micro_batch": n, "local_experts": mc.moe.num_experts // ep, "edp": edp}
     return MemoryPlan(base=base, adapters=adapters, gathered=gathered, buckets=buckets, activations=activations,
-                      activations_by_segment=by_segment, transient=transient, zero_held=zero_held, dispatch=dispatch,
+                      activations_by_segment=by_segment, transient=transient, dispatch=dispatch,
                       build_peak=build_peak, overhead=overhead, step_peak=step_peak, peak=peak, context=context)
 
 
