@@ -8,7 +8,9 @@ Formats (docs/exports.md):
   published per-expert names (``base_model.model.model.layers.{L}.block_sparse_moe.experts.{E}.w1.lora_A
   .weight``), the layout serving engines with MoE LoRA expect; ``adapter_config.json`` lists every target module;
 * ``merged-hf`` / ``merged-k3``: full weights with the deltas merged, sharded safetensors in this project's
-  Hugging Face layout or K3's published layout, streamed (``merge``).
+  Hugging Face layout or K3's published layout, streamed (``merge``); over a packed base the experts are
+  decoded and written dense, or requantised (``packed``, ``requantised``); an image+text base keeps its
+  vision tensors.
 
 Every export writes ``moe_plugin_export.json`` (what was exported from where, the targets, the check's numbers).
 The whole directory appears at ``out`` only once the check passed (``fileio.atomic_directory``).
@@ -224,7 +226,9 @@ def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targ
 
     targets: module/parameter names to export (default: every trained target); a list that leaves a trained
     target out is refused. max_shard_size: merged exports' shard size ("5GB", bytes). requantise: over a
-    packed base, write the merged experts packed again (lossy) instead of BF16. Raises ValueError for bad
+    packed (MXFP4/INT4) base, write the merged experts packed again in the base's format (lossy; the report
+    counts the values that changed) instead of dense in the base's floating dtype (BF16 for the release).
+    Raises ValueError for bad
     input, ``ExportCheckError`` when the written export does not reproduce the adapted model (``out`` is then
     left as it was)."""
     from transformers.utils.hub import convert_file_size_to_int

@@ -25,16 +25,21 @@ KINDS = [(to, False) for to in FORMATS] + [("merged-hf", True), ("merged-k3", Tr
 EXPERT_VALUES = 3 * 3 * 8 * 32 * 32  # MoE layers x matrices x experts x 32 x 32
 
 
-def _recipe(output_dir, base) -> dict:
-    return {"output_dir": str(output_dir), "seed": 5, "deepspeed": None,
+LR, STEPS = 2e-2, 2
+BOUND = 1e-3 * LR * STEPS  # tests/training/test_trainer.py's bound for values trained through Adam
+
+
+def _recipe(output_dir, base, world: int = 1, ep: int = 1) -> dict:
+    return {"output_dir": str(output_dir), "seed": 5,
+            "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
             "model": {"from_pretrained": str(base), "overrides": {}},
             "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"],
                      "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]},
             "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64,
                      "eval_fraction": 0.05},
-            "parallel": {"backend": "megatron", "expert_parallel_size": 1},
-            "schedule": {"steps": 2, "micro_batch_size": 4, "lr": 2e-2, "warmup_steps": 0},
-            "eval": {"every": 0, "batches": 1}, "checkpoint": {"every": 0, "keep": 1},
+            "parallel": {"backend": "megatron", "expert_parallel_size": ep},
+            "schedule": {"steps": STEPS, "micro_batch_size": 4 // world, "lr": LR, "warmup_steps": 0},
+            "eval": {"every": 0, "batches": 1}, "checkpoint": {"every": 1 if world > 1 else 0, "keep": 3},
             "logging": {"every": 1, "progress_bar": False}}
 
 
@@ -44,8 +49,12 @@ def runs(tmp_path_factory):
     for fmt in PACKED:
         write_tiny_packed_checkpoint(tmp / fmt, fmt, seed=1, dequantized_path=tmp / f"{fmt}-fp32", attn_res=False)
     run_distributed(WORKER, world_size=1, timeout_s=900, recipes=[_recipe(tmp / f"run-{f}", tmp / f) for f in PACKED])
-    return {fmt: {"run": str(tmp / f"run-{fmt}"), "base": str(tmp / fmt), "twin": str(tmp / f"{fmt}-fp32")}
-            for fmt in PACKED}
+    # the same MXFP4 run at EP=2 x ZeRO-3 on 4 gloo processes
+    run_distributed(WORKER, world_size=4, timeout_s=1500, recipes=[_recipe(tmp / "run-ep2", tmp / "mxfp4", 4, 2)])
+    out = {fmt: {"run": str(tmp / f"run-{fmt}"), "base": str(tmp / fmt), "twin": str(tmp / f"{fmt}-fp32")}
+           for fmt in PACKED}
+    out["ep2"] = dict(out["mxfp4"], run=str(tmp / "run-ep2"))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +268,41 @@ def test_the_command_prints_the_changed_values(runs, exports, tmp_path, capsys):
     assert cli.main(["export", "--run", runs["int4"]["run"], "--to", "merged-hf", "--requantise", str(out)]) == 0
     changed = exports["int4", "merged-hf", True][1].requantised_changed_values
     assert f"experts requantised to int4, {changed} of {EXPERT_VALUES} expert values changed" in capsys.readouterr().out
+
+
+def _all_tensors(directory):
+    out = {}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, f)))
+    return out
+
+
+@pytest.mark.parametrize("to", FORMATS)
+def test_an_ep2_zero3_packed_run_exports_as_the_ep1_run(runs, exports, tmp_path, to):
+    """Tensor for tensor. The bound is looser than tests/export/test_export.py's for dense runs: the packed
+    kernels dequantise per group of the rank's own experts, which leaves gradients equal only to 1e-5 of each
+    tensor's largest (tests/training/test_packed_trainer.py), and Adam's normalised update of an element with a
+    small gradient magnifies that; 1% of the largest move Adam can make, lr x steps, covers it."""
+    one = _all_tensors(exports["mxfp4", to, False][0])
+    four_dir = str(tmp_path / "ep2")
+    export_run(runs["ep2"]["run"], to, four_dir, max_shard_size="20KB")
+    four = _all_tensors(four_dir)
+    assert sorted(one) == sorted(four)
+    bound = 1e-2 * LR * STEPS
+    adapter = load_file(os.path.join(runs["mxfp4"]["run"], "adapter", "adapter_model.safetensors"))
+    largest = max(float(t.abs().max()) for t in adapter.values())
+    merged_bound = 2.0 * 4 * (2 * largest + bound) * bound + 1e-6  # scaling x r x (|B| |dA| + |dB| |A|)
+    for name, value in one.items():
+        diff = float((four[name] - value).abs().max())
+        assert diff <= (bound if to in ("peft", "per-expert") else merged_bound), (name, diff)
+
+
+def test_the_ep2_zero3_checkpoint_over_a_packed_base_rebuilds_the_gathered_adapter(runs, tmp_path):
+    """The last DeepSpeed checkpoint of the 4-process run, stitched across expert-parallel ranks on one
+    process (export/zero_checkpoint.py), is the adapter the run gathered, bit for bit."""
+    export_run(runs["ep2"]["run"], "peft", str(tmp_path / "step"), step=STEPS)
+    rebuilt = load_file(str(tmp_path / "step" / "adapter_model.safetensors"))
+    final = load_file(os.path.join(runs["ep2"]["run"], "adapter", "adapter_model.safetensors"))
+    assert sorted(rebuilt) == sorted(final) and any("experts" in k for k in final)
+    assert all(torch.equal(rebuilt[k], final[k]) for k in final)
