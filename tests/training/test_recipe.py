@@ -334,10 +334,20 @@ def test_shipped_recipes_and_ds_configs_load_and_merge(recipe_path, ds_path):
     recipe = load_recipe(recipe_path)
     recipe.model.model_config()
     recipe.deepspeed = ds_path
-    for world in (1, 2, 4):
+    ep, per_rank = recipe.parallel.expert_parallel_size, recipe.schedule.micro_batch_size * \
+        recipe.schedule.gradient_accumulation_steps
+    pinned = json.load(open(ds_path)).get("train_batch_size") if ds_path else None  # a config for one world
+    worlds = [ep, 2 * ep, 4 * ep] if pinned is None else [pinned // per_rank]
+    for world in worlds:
         check_layout(recipe, world, recipe.model.model_config().moe.num_experts)
+        if pinned is not None and pinned != per_rank * world:
+            with pytest.raises(ValueError, match="train_batch_size"):
+                deepspeed_config(recipe, world)
+            return
         merged = deepspeed_config(recipe, world)
-        assert merged["train_batch_size"] == recipe.schedule.micro_batch_size * world
+        assert merged["train_batch_size"] == per_rank * world
+    if pinned is not None or ep > 1:
+        return  # DeepSpeed's parser below sees a world of one, which such a layout cannot be
     # DeepSpeed's own parser, outside a process group, sees a world of one
     parsed = DeepSpeedConfig(deepspeed_config(recipe, 1))
     assert parsed.train_micro_batch_size_per_gpu == recipe.schedule.micro_batch_size
