@@ -2,8 +2,8 @@
 ``Trainer`` (docs/planner.md, "Checked against measurements").
 
 A rank's measured peak is ``VmHWM`` minus ``VmRSS`` just before the ``Trainer`` starts, after the imports and
-with the high-water mark reset (``/proc/self/clear_refs``), as ``benchmarks/harness.py`` measures. What is not
-the model (DeepSpeed's and megatron's own state, gloo's buffers, the allocator's slack) is planned as one
+with the high-water mark reset (``/proc/self/clear_refs``), as ``benchmarks/harness.py`` measures (``pin_mmap``:
+with glibc's mmap threshold pinned, the diagnosis of docs/planner.md). What is not the model (DeepSpeed's and megatron's own state, gloo's buffers, the allocator's slack) is planned as one
 measured constant: the first layout of every launch is a calibration run of a model too small to matter,
 whose measured peak minus its planned peak is the overhead for that launch's other layouts.
 """
@@ -60,11 +60,30 @@ def _settle() -> None:
         pass
 
 
-def measure_worker(recipes: List[dict], threads: int = 1) -> List[Dict[str, float]]:
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial value, pinned
+
+
+def pin_mmap_threshold() -> bool:
+    """Keep glibc's mmap threshold at its initial 128 KiB (a diagnosis, docs/planner.md). By default glibc
+    raises it each time a large mmapped block is freed; later large blocks then come from the heap, whose
+    freed pages stay resident. Pinned, a freed large block goes back to the system at once, but zero-filled
+    pages never written (KDA's chunk padding) are not resident either, so VmHWM reads below what is
+    allocated."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
+def measure_worker(recipes: List[dict], threads: int = 1, pin_mmap: bool = False) -> List[Dict[str, float]]:
     """Run each recipe's ``Trainer`` for its steps in this process; per recipe the peak increase in bytes."""
     import deepspeed  # noqa: F401  imported before the baseline: imports are not the model
     import megatron.core  # noqa: F401
     import torch
+
+    if pin_mmap:
+        pin_mmap_threshold()
 
     from ..training.loop import Trainer
     from ..training.recipe import recipe_from_dict
