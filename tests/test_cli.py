@@ -27,17 +27,17 @@ def test_train_help_is_the_trainers_own(capsys):
 def test_a_new_subcommand_is_one_function(monkeypatch, capsys):
     monkeypatch.setattr(cli, "SUBCOMMANDS", dict(cli.SUBCOMMANDS))
 
-    @cli.subcommand("plan", "show the parallel layout of a recipe")
-    def plan(argv):
+    @cli.subcommand("layout", "show the parallel layout of a recipe")
+    def layout(argv):
         return 3 if argv == ["--recipe", "r.json"] else 1
 
-    assert cli.main(["plan", "--recipe", "r.json"]) == 3
+    assert cli.main(["layout", "--recipe", "r.json"]) == 3
     with pytest.raises(SystemExit) as info:
         cli.main(["--help"])
     out = capsys.readouterr().out
-    assert info.value.code == 0 and "train" in out and "plan" in out and "show the parallel layout" in out
-    with pytest.raises(ValueError, match="subcommand: 'plan' is already registered"):
-        cli.subcommand("plan", "again")
+    assert info.value.code == 0 and "train" in out and "layout" in out and "show the parallel layout" in out
+    with pytest.raises(ValueError, match="subcommand: 'layout' is already registered"):
+        cli.subcommand("layout", "again")
 
 
 def test_version(capsys):

@@ -281,7 +281,7 @@ def test_shape_mismatch_names_tensor_and_both_shapes():
         state_dict_from_k3(tensors, config_from_k3(k3))
     message = str(err.value)
     assert "model.layers.0.self_attn.q_proj.weight: checkpoint [60, 64], model [64, 64]" in message
-    assert "model.layers.3.block_sparse_moe.experts.5.w2.weight: checkpoint [32, 31], model [32, 32]" in message
+    assert "model.layers.3.block_sparse_moe.experts.5.w2.weight: checkpoint [32, 31] float32, model [32, 32]" in message
 
 
 @pytest.mark.parametrize("form", ["compressed_tensors", "blocks", "uint8"])
