@@ -154,11 +154,12 @@ def _fsync_tree(root: str) -> None:
         for file in files:
             path = os.path.join(directory, file)
             if not os.path.islink(path):
-                _fsync_path(path)
-        _fsync_path(directory)
+                fsync_path(path)
+        fsync_path(directory)
 
 
-def _fsync_path(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """Flush a file's or a directory's entry to disk (a directory: its renames and new names)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -219,7 +220,7 @@ def atomic_directory(path: str | os.PathLike, fsync: bool = True) -> Iterator[st
     finally:
         os.close(lock)
     if fsync:
-        _fsync_path(parent)
+        fsync_path(parent)
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import require
+from ..fileio import fsync_path
 
 COMPLETE = "COMPLETE"
 _STEP = re.compile(r"step-(\d+)")
@@ -160,7 +161,7 @@ class CheckpointManager:
         else:
             listing = own = sorted({_inside(staging, path) for path in returned})
         for path in own:
-            _fsync(os.path.join(staging, path))
+            fsync_path(os.path.join(staging, path))
         sizes = {path: os.path.getsize(os.path.join(staging, path)) for path in listing}
         _write_json_durably(os.path.join(staging, f"rank{self.rank}.done"), {"rank": self.rank, "files": sizes})
 
@@ -183,7 +184,7 @@ class CheckpointManager:
         _write_json_durably(os.path.join(staging, COMPLETE),
                             {"step": step, "world_size": self.world_size, "files": present})
         for directory, _, _ in os.walk(staging):
-            _fsync(directory)
+            fsync_path(directory)
         os.rename(staging, final)  # the last step: a failure up to here publishes nothing
 
     def _prune(self) -> None:
@@ -191,7 +192,7 @@ class CheckpointManager:
             aside = os.path.join(self.root, f".pruning-{os.path.basename(path)}")
             os.rename(path, aside)  # out of latest()'s sight at once, however long the removal takes
             _remove(aside)
-        _fsync(self.root)  # makes the rename to step-<step> durable as well
+        fsync_path(self.root)  # makes the rename to step-<step> durable as well
 
     # ---------------------------------------------------------------- reading and cleaning
 
@@ -274,14 +275,6 @@ def _write_json_durably(path: str, value: object) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove(path: str) -> None:
