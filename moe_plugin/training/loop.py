@@ -37,7 +37,7 @@ from .logger import make_logger
 from .moe_metrics import MoEMetrics
 from .recipe import Recipe, check_layout
 from .run_dir import RunDirectory
-from .runtime import all_ok, choose_device, start_processes
+from .runtime import all_ok, choose_device, forget_processes, start_processes
 from .schedule import lr_scheduler
 
 __all__ = ["TrainResult", "Trainer", "train", "parameter_groups", "step_scale"]
@@ -174,6 +174,7 @@ class Trainer:
             # DeepSpeed's own teardown also drops the groups it cached (so a later run in this process, a
             # notebook or a test, starts clean)
             deepspeed.comm.destroy_process_group()
+            forget_processes()
             self._owns_processes = False
 
     def describe(self) -> str:

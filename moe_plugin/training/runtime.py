@@ -15,7 +15,11 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-__all__ = ["choose_device", "start_processes", "all_ok"]
+__all__ = ["choose_device", "start_processes", "forget_processes", "all_ok"]
+
+# the environment a one-process run set for itself; removed again by forget_processes, so that nothing started
+# later from this process (a launcher, a subprocess) inherits a rendezvous that is gone
+_SET_HERE: dict = {}
 
 
 def choose_device() -> torch.device:
@@ -45,15 +49,24 @@ def start_processes(device: torch.device) -> bool:
     started = not dist.is_initialized()
     if started:
         if "RANK" not in os.environ:  # one process without a launcher
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            os.environ.setdefault(INIT_METHOD_ENV, "file://" + os.path.join(
-                tempfile.mkdtemp(prefix="moe_plugin_"), "rendezvous"))
+            single = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", INIT_METHOD_ENV: "file://" + os.path.join(
+                tempfile.mkdtemp(prefix="moe_plugin_"), "rendezvous")}
+            _SET_HERE.update({k: v for k, v in single.items() if k not in os.environ})
+            os.environ.update(_SET_HERE)
         init_distributed(device=device.type)
     import deepspeed
 
     # DeepSpeed's communication layer wraps the process group that is already up
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     return started
+
+
+def forget_processes() -> None:
+    """Undo what ``start_processes`` put into the environment for a one-process run."""
+    for name, value in list(_SET_HERE.items()):
+        if os.environ.get(name) == value:
+            del os.environ[name]
+    _SET_HERE.clear()
 
 
 def all_ok(ok: bool) -> bool:

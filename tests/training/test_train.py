@@ -133,6 +133,7 @@ def _free_port() -> int:
 
 def _launch(command, env_extra=None, timeout=900):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
+    assert "MOE_PLUGIN_DIST_INIT_METHOD" not in env and "RANK" not in env  # no run in this process leaks its own
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{command} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout + proc.stderr
