@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Optional
 
-from .activations import ActivationPlan, attn_res_candidates
+from .activations import ActivationPlan
 from .counts import ModelCounts
 
 __all__ = ["Layout", "MemoryPlan", "plan_memory", "ZERO3_DEFAULTS"]

@@ -17,7 +17,6 @@ grows by one group of dequantised experts and little more (tests/layers/test_pac
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
