@@ -12,18 +12,19 @@ machine needs (``use_cpu=True`` with a ``ds_configs/`` file): docs/hf-trainer.md
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from .training.data import IGNORE, Example
 from .training.logger import Logger, NullLogger, make_logger
 from .training.moe_metrics import MoEMetrics
 
-__all__ = ["MoEMetricsCallback", "CausalLMDataset", "collate_causal_lm"]
+__all__ = ["MoEMetricsCallback", "MoETrainer", "CausalLMDataset", "collate_causal_lm"]
 
 
 class CausalLMDataset(torch.utils.data.Dataset):
@@ -55,6 +56,27 @@ def collate_causal_lm(rows: Sequence[Dict[str, List[int]]], pad_id: int = 256) -
         labels[i, :n] = torch.as_tensor(r["labels"])
         mask[i, :n] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+class MoETrainer(Trainer):
+    """``transformers.Trainer`` whose ``save_model`` writes the whole adapter of an expert-parallel model.
+
+    With ``moe_plugin.parallel.hf_expert_parallel.parallelize_experts`` each rank holds the adapters of its own
+    experts only, and the Trainer's own save would write rank 0's. Here every rank takes part in
+    ``hf_expert_parallel.adapter_state`` (ZeRO-3 gathered, expert adapters all-gathered over the expert-parallel
+    group) and the saving rank writes it through peft's ``save_pretrained``: a plain peft adapter for all ``E``
+    experts, loadable on one process. Without expert parallelism it is ``Trainer.save_model`` unchanged.
+    """
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
+        # a model can only be expert-parallel once that module was imported (it imports megatron-core)
+        hep = sys.modules.get("moe_plugin.parallel.hf_expert_parallel")
+        if hep is None or hep.expert_parallel_size(self.model) == 1:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state = hep.adapter_state(self.model)  # collective: every rank
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
 
 
 def _wandb_section(wandb: Union[None, str, dict, object]):

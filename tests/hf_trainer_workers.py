@@ -24,18 +24,21 @@ def probe_ids() -> torch.Tensor:
 
 
 def train_runs(runs: list) -> list:
-    """``[{"base", "output_dir", "deepspeed", "per_device", "steps", "wandb"}]`` -> one result per run."""
+    """``[{"base", "output_dir", "deepspeed", "per_device", "steps", "wandb"[, "ep", "expert_adapters"]}]`` -> one
+    result per run. ``ep`` > 1: ``parallelize_experts`` after the load; ``expert_adapters``: LoRA on
+    ``experts.w1/w2/w3`` too, drawn per global expert (``prepare_expert_adapters``)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # accelerate checks it; the group is already up
     os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"]
     return [_train(**run) for run in runs]
 
 
-def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, wandb: str) -> dict:
+def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, wandb: str, ep: int = 1,
+           expert_adapters: bool = False) -> dict:
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, TrainingArguments
 
     import moe_plugin  # noqa: F401  (registers the Auto classes)
-    from moe_plugin.hf_trainer import CausalLMDataset, MoEMetricsCallback, collate_causal_lm
+    from moe_plugin.hf_trainer import CausalLMDataset, MoEMetricsCallback, MoETrainer, collate_causal_lm
     from moe_plugin.training.data import arithmetic_examples
 
     args = TrainingArguments(
@@ -44,12 +47,25 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
         save_strategy="no", report_to="none", seed=0, data_seed=0, average_tokens_across_devices=True,
         dataloader_drop_last=True, max_grad_norm=1.0, disable_tqdm=True)
     model = AutoModelForCausalLM.from_pretrained(base)  # under zero.Init when the config is ZeRO-3
+    local_experts = None
+    if ep > 1:
+        from moe_plugin.parallel.hf_expert_parallel import parallelize_experts
+
+        parallelize_experts(model, ep, device="cpu")
+        w1 = model.model.layers[1].block_sparse_moe.experts.w1
+        local_experts = int(getattr(w1, "ds_shape", w1.shape)[0])
     # seeded after the load, which draws differently under zero.Init: the same lora_A in every layout
     torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate"]))
+    params = ["experts.w1", "experts.w2", "experts.w3"] if expert_adapters else None
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate"],
+                                             target_parameters=params))
+    if expert_adapters:
+        from moe_plugin.parallel.hf_expert_parallel import prepare_expert_adapters
+
+        prepare_expert_adapters(model, seed=0)
     callback = MoEMetricsCallback(wandb=wandb)
-    trainer = Trainer(model=model, args=args, train_dataset=CausalLMDataset(arithmetic_examples(400, 0, "-")),
-                      data_collator=collate_causal_lm, callbacks=[callback])
+    trainer = MoETrainer(model=model, args=args, train_dataset=CausalLMDataset(arithmetic_examples(400, 0, "-")),
+                         data_collator=collate_causal_lm, callbacks=[callback])
     trainer.train()
     adapter = os.path.join(output_dir, "adapter")
     trainer.save_model(adapter)  # collective under ZeRO-3: the adapter is gathered, rank 0 writes it
@@ -64,7 +80,7 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
             "logits": logits, "adapter": adapter, "world": trainer.args.world_size,
             "deepspeed": trainer.is_deepspeed_enabled,
             "distributed_type": str(AcceleratorState().distributed_type),
-            "wandb_dirs": _wandb_dirs(output_dir)}
+            "wandb_dirs": _wandb_dirs(output_dir), "local_experts": local_experts}
 
 
 def _wandb_dirs(output_dir: str) -> list:
