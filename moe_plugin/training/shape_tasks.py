@@ -1,16 +1,17 @@
-"""The main job's data (docs/main-job.md): one question per dataset about generated pictures of a coloured shape,
-written as chat JSONL with the images inline as base64 PNGs (one self-contained file, no downloads).
+"""The main job's data (docs/main-job.md): one question per dataset about generated pictures of a coloured shape
+on a background of another colour, written as chat JSONL with the images inline as base64 PNGs (one
+self-contained file, no downloads). The question is the same for every picture, so only the image answers it.
 
 - ``color`` ("What color is the shape?" -> red, green, blue or yellow): the task the shipped base learns;
-- ``shape`` ("Which shape is this?" -> square, circle or triangle): the LoRA task, which the text cannot answer
-  (the question is the same for every picture).
+- ``background`` ("What color is the background?" -> the same four words): the LoRA task. The base has never
+  been asked it, and its answer to a picture (the shape's colour) is never the background's;
+- ``shape`` ("Which shape is this?" -> square, circle or triangle).
 
 ``write_task(path, task, count, seed, exclude)`` writes ``count`` records drawn from ``seed``, none of whose
 images is in ``exclude`` (the PNG bytes of another file's images), so a held-out file holds only pictures the
-training file never shows. ``python -m moe_plugin.training.shape_tasks OUT_DIR`` writes the three files the
-recipes read (``colors_train.jsonl``, ``shapes_train.jsonl`` and the held-out ``shapes_heldout.jsonl``,
-``colors_heldout.jsonl``); the same arguments
-write the same bytes.
+training file never shows. ``python -m moe_plugin.training.shape_tasks OUT_DIR`` writes the four files the
+recipes read (``colors_train.jsonl``, ``backgrounds_train.jsonl`` and the held-out ``backgrounds_heldout.jsonl``,
+``colors_heldout.jsonl``); the same arguments write the same bytes.
 """
 
 from __future__ import annotations
@@ -25,17 +26,18 @@ from typing import Dict, List, Optional, Set, Tuple
 from ..config import require
 from .synthetic import COLORS, QUESTIONS, SHAPES, _png_bytes, shape_image
 
-TASKS = ("color", "shape")
+TASKS = ("color", "background", "shape")
+QUESTION_OF = dict(QUESTIONS, background="What color is the background?")
 _DATA_URL = "data:image/png;base64,"
 # (file name, task, count, seed): what the recipes read; the held-out seed differs from the training seeds
-MAIN_JOB_FILES = (("colors_train.jsonl", "color", 1200, 11), ("shapes_train.jsonl", "shape", 600, 12),
-                  ("shapes_heldout.jsonl", "shape", 60, 13), ("colors_heldout.jsonl", "color", 40, 14))
+MAIN_JOB_FILES = (("colors_train.jsonl", "color", 1200, 11), ("backgrounds_train.jsonl", "background", 600, 12),
+                  ("backgrounds_heldout.jsonl", "background", 60, 13), ("colors_heldout.jsonl", "color", 40, 14))
 
 
-def answer_of(task: str, shape: str, color: str) -> str:
-    """The exact expected answer: the colour or the shape's name."""
+def answer_of(task: str, shape: str, color: str, background: str) -> str:
+    """The exact expected answer: the shape's colour, the background's colour or the shape's name."""
     require(task in TASKS, "task", f"must be one of {list(TASKS)}, got {task!r}")
-    return color if task == "color" else shape
+    return {"color": color, "background": background, "shape": shape}[task]
 
 
 def task_records(task: str, count: int, seed: int, size: int = 56,
@@ -47,15 +49,16 @@ def task_records(task: str, count: int, seed: int, size: int = 56,
     rng, seen, out = random.Random(seed), set(exclude or ()), []
     while len(out) < count:
         shape, color = rng.choice(SHAPES), rng.choice(sorted(COLORS))
-        data = _png_bytes(shape_image(shape, color, size, rng))
+        background = rng.choice(sorted(set(COLORS) - {color}))
+        data = _png_bytes(shape_image(shape, color, size, rng, background=background))
         if data in seen:
             continue
         seen.add(data)
         source = _DATA_URL + base64.b64encode(data).decode("ascii")
         out.append(({"messages": [
             {"role": "user", "content": [{"type": "image", "image": source},
-                                         {"type": "text", "text": QUESTIONS[task]}]},
-            {"role": "assistant", "content": answer_of(task, shape, color)}]}, data))
+                                         {"type": "text", "text": QUESTION_OF[task]}]},
+            {"role": "assistant", "content": answer_of(task, shape, color, background)}]}, data))
     return out
 
 
@@ -84,7 +87,7 @@ def write_task(path: str, task: str, count: int, seed: int, size: int = 56,
 
 
 def write_main_job_data(directory: str, scale: float = 1.0) -> Dict[str, str]:
-    """The main job's three files in ``directory`` (``scale`` shrinks the counts, for tests); the held-out
+    """The main job's four files in ``directory`` (``scale`` shrinks the counts, for tests); the held-out
     shapes exclude every image of both training files. Returns {file name: path}."""
     paths: Dict[str, str] = {}
     seen: Set[bytes] = set()

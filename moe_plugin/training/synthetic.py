@@ -13,7 +13,7 @@ import io
 import json
 import os
 import random
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from ..config import require
 
@@ -24,19 +24,28 @@ EMBEDS = ("path", "base64")
 LAYOUTS = ("inline", "list")
 
 
-def shape_image(shape: str, color: str, size: int = 56, rng: random.Random = None):
+def shape_image(shape: str, color: str, size: int = 56, rng: random.Random = None,
+                background: Optional[str] = None):
     """A ``size x size`` RGB PIL image: one ``shape`` in ``color`` at a random place and scale on a light
-    background with a little noise in its shade."""
+    background with a little noise in its shade, or, with ``background`` (one of ``COLORS``, not ``color``), a
+    smaller shape (its box at most half the side, so the background is always the larger area) on that
+    colour, its shade jittered a little per picture."""
     from PIL import Image, ImageDraw
 
     require(shape in SHAPES, "shape", f"must be one of {list(SHAPES)}, got {shape!r}")
     require(color in COLORS, "color", f"must be one of {sorted(COLORS)}, got {color!r}")
+    require(background is None or (background in COLORS and background != color), "background",
+            f"must be None or one of {sorted(COLORS)} other than the shape's {color!r}, got {background!r}")
     require(isinstance(size, int) and size >= 28, "size", f"must be an integer >= 28 pixels, got {size!r}")
     rng = rng or random.Random(0)
-    shade = rng.randint(225, 250)
-    image = Image.new("RGB", (size, size), (shade, shade, shade))
+    if background is None:
+        shade = rng.randint(225, 250)
+        fill_background, side = (shade, shade, shade), rng.randint(size // 2, size - 8)
+    else:
+        fill_background = tuple(min(255, max(0, c + rng.randint(-12, 12))) for c in COLORS[background])
+        side = rng.randint(size * 3 // 10, size // 2)
+    image = Image.new("RGB", (size, size), fill_background)
     draw = ImageDraw.Draw(image)
-    side = rng.randint(size // 2, size - 8)
     x0, y0 = rng.randint(2, size - side - 2), rng.randint(2, size - side - 2)
     box = (x0, y0, x0 + side, y0 + side)
     fill = COLORS[color]

@@ -26,39 +26,46 @@ def _image(record):
     return Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))).convert("RGB")
 
 
+def _nearest(rgb):
+    return min(COLORS, key=lambda c: np.abs(rgb - np.array(COLORS[c])).sum())
+
+
 def _read_back(image):
-    """(colour, shape) from the pixels alone: the fill colour, and how much of its bounding box it fills."""
+    """(colour, background, shape) from the pixels alone: the fill colour, the corner's colour (the shape keeps
+    2 pixels from the border), and how much of its bounding box the fill covers."""
     pixels = np.asarray(image).astype(int)
     background = pixels[0, 0]
     filled = np.abs(pixels - background).sum(-1) > 60
-    colour = min(COLORS, key=lambda c: np.abs(pixels[filled].mean(0) - np.array(COLORS[c])).sum())
     rows, cols = np.nonzero(filled)
     share = filled.sum() / ((rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1))
     shape = "square" if share > 0.9 else ("circle" if share > 0.65 else "triangle")
-    return colour, shape
+    assert filled.mean() < 0.3  # the background is always the larger area
+    return {"color": _nearest(pixels[filled].mean(0)), "background": _nearest(background), "shape": shape}
 
 
-@pytest.mark.parametrize("task", ["color", "shape"])
+@pytest.mark.parametrize("task", ["color", "background", "shape"])
 def test_answers_are_what_the_picture_shows(task):
     records = task_records(task, 40, seed=3)
     questions = {r["messages"][0]["content"][1]["text"] for r, _ in records}
     assert len(questions) == 1  # the text is the same for every picture: only the image answers it
     for record, _ in records:
-        colour, shape = _read_back(_image(record))
-        assert record["messages"][1]["content"] == (colour if task == "color" else shape)
+        seen = _read_back(_image(record))
+        assert seen["color"] != seen["background"]
+        assert record["messages"][1]["content"] == seen[task]
     answers = [r["messages"][1]["content"] for r, _ in records]
-    assert len(set(answers)) == (4 if task == "color" else 3)
+    assert len(set(answers)) == (3 if task == "shape" else 4)
 
 
 def test_held_out_images_never_appear_in_training(tmp_path):
     paths = write_main_job_data(str(tmp_path), scale=0.05)
-    train = image_bytes(paths["colors_train.jsonl"]) | image_bytes(paths["shapes_train.jsonl"])
-    held_out = image_bytes(paths["shapes_heldout.jsonl"])
+    train = image_bytes(paths["colors_train.jsonl"]) | image_bytes(paths["backgrounds_train.jsonl"])
+    held_out = image_bytes(paths["backgrounds_heldout.jsonl"])
     assert held_out and not held_out & train
     # the exclusion is what keeps them apart: the held-out seed redrawn with a training file excluded skips
     # exactly the pictures that file holds
-    again = write_task(str(tmp_path / "again.jsonl"), "shape", 30, seed=12, exclude=image_bytes(paths["shapes_train.jsonl"]))
-    assert not image_bytes(again) & image_bytes(paths["shapes_train.jsonl"])
+    trained = image_bytes(paths["backgrounds_train.jsonl"])
+    again = write_task(str(tmp_path / "again.jsonl"), "background", 30, seed=12, exclude=trained)
+    assert not image_bytes(again) & trained
 
 
 def test_chance_level_is_the_most_common_answers_share():

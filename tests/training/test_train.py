@@ -77,8 +77,8 @@ def load_adapter(output_dir: str):
     return model
 
 
-def test_main_recipe_fine_tunes_the_shipped_base(tmp_path):
-    recipe = _recipe("recipes/tiny_lora.json", output_dir=str(tmp_path / "lora"), schedule={"steps": 30},
+def test_arithmetic_recipe_fine_tunes_the_shipped_text_base(tmp_path):
+    recipe = _recipe("recipes/tiny_lora_arith.json", output_dir=str(tmp_path / "lora"), schedule={"steps": 30},
                      logging={"every": 10, "progress_bar": False})
     result = train(recipe_from_dict(recipe))
     assert len(result.losses) == 30 and _mean(result.losses[-5:]) < 0.8 * result.losses[0], result.losses
