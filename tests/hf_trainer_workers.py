@@ -47,13 +47,18 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
         save_strategy="no", report_to="none", seed=0, data_seed=0, average_tokens_across_devices=True,
         dataloader_drop_last=True, max_grad_norm=1.0, disable_tqdm=True)
     model = AutoModelForCausalLM.from_pretrained(base)  # under zero.Init when the config is ZeRO-3
-    local_experts = None
+    local_experts = bad_size = partitioned = None
     if ep > 1:
         from moe_plugin.parallel.hf_expert_parallel import parallelize_experts
 
+        try:  # a size that does not divide the world: the message is checked by the test
+            parallelize_experts(model, ep + 1, device="cpu")
+        except ValueError as e:
+            bad_size = str(e)
         parallelize_experts(model, ep, device="cpu")
         w1 = model.model.layers[1].block_sparse_moe.experts.w1
         local_experts = int(getattr(w1, "ds_shape", w1.shape)[0])
+        partitioned = hasattr(w1, "ds_id")  # read per rank from the checkpoint, then partitioned by ZeRO-3
     # seeded after the load, which draws differently under zero.Init: the same lora_A in every layout
     torch.manual_seed(0)
     params = ["experts.w1", "experts.w2", "experts.w3"] if expert_adapters else None
@@ -80,7 +85,8 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
             "logits": logits, "adapter": adapter, "world": trainer.args.world_size,
             "deepspeed": trainer.is_deepspeed_enabled,
             "distributed_type": str(AcceleratorState().distributed_type),
-            "wandb_dirs": _wandb_dirs(output_dir), "local_experts": local_experts}
+            "wandb_dirs": _wandb_dirs(output_dir), "local_experts": local_experts,
+            "bad_ep_size": bad_size, "experts_partitioned": partitioned}
 
 
 def _wandb_dirs(output_dir: str) -> list:

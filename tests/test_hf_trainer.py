@@ -2,13 +2,16 @@
 ``TrainingArguments(deepspeed=ds_configs/hf_trainer/zero3_lora.json, use_cpu=True)`` trains the model with peft
 LoRA on 2 gloo processes (ZeRO-3 data parallel); its losses equal one process's, the loss falls, the adapter
 loads back in plain peft with the same outputs, and the callback's offline W&B run holds the MoE keys, as many
-with 4x the experts (tests/hf_trainer_workers.py)."""
+with 4x the experts. The same launch trains at expert parallelism 2 x ZeRO-3 (``parallelize_experts``, expert
+adapters included): each rank holds half the experts, the steps equal one process, and ``MoETrainer`` saves the
+whole adapter, which plain peft loads on one process (tests/hf_trainer_workers.py)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -34,12 +37,16 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf_trainer")
     base8, base32 = _save_base(tmp / "base8", 8), _save_base(tmp / "base32", 32)
     run = dict(base=base8, steps=STEPS, wandb="offline")
-    two = run_distributed(WORKER, world_size=2, timeout_s=900,
-                          runs=[dict(run, output_dir=str(tmp / "two"), deepspeed=DS_CONFIG, per_device=4)])
-    one = run_distributed(WORKER, world_size=1, timeout_s=900, runs=[
+    experts = dict(run, wandb="disabled", expert_adapters=True)  # LoRA on the routed experts too
+    two = run_distributed(WORKER, world_size=2, timeout_s=1200, runs=[
+        dict(run, output_dir=str(tmp / "two"), deepspeed=DS_CONFIG, per_device=4),
+        dict(experts, output_dir=str(tmp / "ep2"), deepspeed=DS_CONFIG, per_device=4, ep=2)])
+    one = run_distributed(WORKER, world_size=1, timeout_s=1200, runs=[
         dict(run, output_dir=str(tmp / "one"), deepspeed=None, per_device=8),
-        dict(run, base=base32, output_dir=str(tmp / "one32"), deepspeed=None, per_device=8, steps=2)])
-    return {"two": two, "one": one[0][0], "one32": one[0][1], "base8": base8}
+        dict(run, base=base32, output_dir=str(tmp / "one32"), deepspeed=None, per_device=8, steps=2),
+        dict(experts, output_dir=str(tmp / "one_experts"), deepspeed=None, per_device=8)])
+    return {"two": [[r[0]] for r in two], "ep2": [r[1] for r in two], "one": one[0][0], "one32": one[0][1],
+            "one_experts": one[0][2], "base8": base8}
 
 
 def test_two_processes_train_with_deepspeed_zero3(runs):
@@ -114,3 +121,64 @@ def test_offline_wandb_run_holds_the_moe_keys_bounded_in_the_experts(runs):
     assert _keys(run32) == keys  # 4x the experts, the same keys
     hist32 = [row for row in offline_history(run32) if "moe/layer1/load" in row][-1]["moe/layer1/load"]
     assert len(hist32["values"]) == 32 and sum(hist32["values"]) == 32
+
+
+def _adapter(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "adapter_model.safetensors"))
+
+
+def test_expert_parallel_holds_half_the_experts_and_equals_one_process(runs):
+    one = runs["one_experts"]
+    assert len(one["losses"]) == STEPS
+    for got in runs["ep2"]:
+        assert got["deepspeed"] and got["world"] == 2 and got["local_experts"] == 4  # 8 experts, EP = 2
+        assert got["experts_partitioned"]  # from_pretrained ran under zero.Init: the per-rank checkpoint read
+        assert len(got["losses"]) == STEPS
+        for a, b in zip(got["losses"], one["losses"]):
+            assert math.isclose(a, b, rel_tol=1e-4), (got["losses"], one["losses"])
+        for a, b in zip(got["grad_norms"], one["grad_norms"]):
+            assert math.isclose(a, b, rel_tol=1e-3), (got["grad_norms"], one["grad_norms"])
+        assert "ep_size" in got["bad_ep_size"] and "dividing the world size 2" in got["bad_ep_size"]
+    losses = runs["ep2"][0]["losses"]
+    assert sum(losses[-2:]) / 2 < losses[0] - 0.05, losses
+
+
+def test_expert_parallel_adapter_is_whole_and_loads_in_plain_peft(runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import moe_plugin  # noqa: F401
+    from tests.hf_trainer_workers import probe_ids
+
+    saved, reference = _adapter(runs["ep2"][0]["adapter"]), _adapter(runs["one_experts"]["adapter"])
+    assert saved.keys() == reference.keys()
+    expert_keys = [k for k in saved if re.search(r"\.experts\.(base_layer\.)*lora_", k)]
+    assert len(expert_keys) == 2 * 3 * 3  # lora_A and lora_B of w1, w2, w3 in the 3 MoE layers
+    for key, value in saved.items():
+        assert value.shape == reference[key].shape, key  # lora_A [r * 8, in]: every expert, not rank 0's 4
+        torch.testing.assert_close(value, reference[key], rtol=1e-3, atol=1e-4, msg=key)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(runs["base8"]), runs["ep2"][0]["adapter"])
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe_ids()).logits
+        with model.disable_adapter():
+            untrained = model.get_base_model()(input_ids=probe_ids()).logits
+    for got in runs["ep2"]:
+        torch.testing.assert_close(logits, got["logits"], rtol=1e-4, atol=1e-5)
+    assert float((logits - untrained).abs().max()) > 1e-3
+
+
+def test_parallelize_experts_refuses_a_peft_model_and_a_missing_process_group(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from moe_plugin import MoEPluginForCausalLM, preset_config
+    from moe_plugin.parallel.hf_expert_parallel import parallelize_experts
+
+    model = MoEPluginForCausalLM(preset_config("tiny", num_experts=8))
+    with pytest.raises(ValueError, match="torch.distributed.*TrainingArguments"):
+        parallelize_experts(model, 2)
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="^model: .*before get_peft_model"):
+        parallelize_experts(peft_model, 2)
