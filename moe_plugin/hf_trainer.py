@@ -5,8 +5,10 @@ lines, a W&B run, offline unless told otherwise, and the expert-load plot), what
 have: per-layer expert load (bounded summaries and histograms), dead and overloaded experts, routing drift
 from the base router, the indexer KL where the DSA indexer trains, and tokens/s, beside the Trainer's loss,
 learning rate and gradient norm. ``CausalLMDataset`` and ``collate_causal_lm`` turn the project's examples
-(``moe_plugin.training.data``) into padded batches the model packs itself. Usage, and the settings a CPU
-machine needs (``use_cpu=True`` with a ``ds_configs/`` file): docs/hf-trainer.md.
+(``moe_plugin.training.data``) into padded batches the model packs itself. ``MoETrainer`` is the Trainer whose
+``save_model`` writes the whole adapter of a model given expert parallelism by
+``moe_plugin.parallel.hf_expert_parallel.parallelize_experts``. Usage, and the settings a CPU machine needs
+(``use_cpu=True`` with a ``ds_configs/`` file): docs/hf-trainer.md (expert parallelism: section 3).
 """
 
 from __future__ import annotations

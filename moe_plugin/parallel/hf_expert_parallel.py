@@ -1,4 +1,4 @@
-"""Expert parallelism for the Hugging Face model, applied from outside it (docs/hf-trainer.md 2).
+"""Expert parallelism for the Hugging Face model, applied from outside it (docs/hf-trainer.md section 3).
 
 ``parallelize_experts(model, ep_size)`` turns every ``StableLatentMoE`` (``model.layers.{i}.block_sparse_moe``)
 of a single-device ``MoEPluginForCausalLM`` into the megatron path's own layer: a ``LatentMoELayer``
