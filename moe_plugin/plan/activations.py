@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import collections
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .meta_ops import MetaDispatch, meta_forward
 
@@ -57,6 +60,10 @@ class ActivationPlan:
     layer_inputs: float
     head: float
     kinds: Dict[str, float] = field(default_factory=dict)  # one layer of each kind, without mixing
+    # beyond what it saves, the most a layer's forward holds at once (tensors it makes and drops), per layer;
+    # and the head's forward + backward (the fp32 logit gradients) at the start of backward
+    working: List[float] = field(default_factory=list)
+    head_working: float = 0.0
 
     @property
     def total(self) -> float:
@@ -65,6 +72,39 @@ class ActivationPlan:
     @property
     def largest_layer(self) -> float:
         return max(self.per_layer or [0.0])
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of the storages the ops make that are still alive, and their peak. A storage is alive while a
+    tensor on it is (each output's weakref finalizer drops one reference); parameters and inputs made before
+    are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: Dict[int, int] = collections.Counter()
+        self.size: Dict[int, int] = {}
+        self.made: set = set()  # every storage made during the run (a saved one is counted by _SavedBytes)
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key = _key(t)
+                if not self.refs[key]:
+                    self.size[key] = t.untyped_storage().nbytes()
+                    self.live += self.size[key]
+                    self.peak = max(self.peak, self.live)
+                    self.made.add(key)
+                self.refs[key] += 1
+                weakref.finalize(t, self._drop, key)
+        return out
+
+    def _drop(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            self.live -= self.size.pop(key)
+            del self.refs[key]
 
 
 class _SavedBytes:
@@ -103,13 +143,19 @@ def _inputs(shape, count: int, dtype, device: str = "meta") -> Tuple[torch.Tenso
     return tuple(torch.randn(shape, dtype=dtype, device=device).requires_grad_() for _ in range(count))
 
 
-def _run(fn, modules: Dict[nn.Module, str], default: str) -> Dict[str, int]:
-    counter = _SavedBytes(modules, default)
+def _run(fn, modules: Dict[nn.Module, str], default: str, working: Optional[list] = None) -> Dict[str, int]:
+    """Saved bytes of ``fn()`` per segment; ``working`` (a list) gets the most ``fn`` held at once beyond what
+    it leaves: the peak of the storages its ops made, less those still alive with its result."""
+    counter, live = _SavedBytes(modules, default), _LiveBytes()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-            fn()
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), live:
+            result = fn()
+        held = live.live  # with the result and its graph alive: what the run leaves for backward
+        del result
     finally:
         counter.close()
+    if working is not None:
+        working.append(max(0, live.peak - held))
     return dict(counter.out)
 
 
@@ -128,11 +174,12 @@ def _add_lora(module: nn.Module, lora_section) -> None:
 
 
 def layer_saved_bytes(mc, index: int, lora_section, shape, dtype, cands: int, device: str = "meta",
-                      cu_seqlens: Optional[torch.Tensor] = None) -> Dict[str, int]:
+                      cu_seqlens: Optional[torch.Tensor] = None, working: Optional[list] = None) -> Dict[str, int]:
     """Saved-for-backward bytes of decoder layer ``index`` of ``mc`` (with the recipe's adapters) on ``cands``
     input tensors of ``shape`` ``[B, T, D]``, per segment. ``device="cpu"`` runs it for real (the tests'
     reference for the meta run, which needs ``meta_forward``). cu_seqlens ``[n+1]`` (a CPU tensor, batch 1):
-    the packed documents' boundaries, as the trainer passes them."""
+    the packed documents' boundaries, as the trainer passes them. ``working`` (a list): gets the forward's
+    most bytes held beyond what it saved (``_run``)."""
     from ..layers.decoder import DecoderLayer
 
     with torch.device(device):
@@ -142,7 +189,7 @@ def layer_saved_bytes(mc, index: int, lora_section, shape, dtype, cands: int, de
     tags = {layer.input_layernorm: kind, layer.self_attn: kind, layer.post_attention_layernorm: "moe" if moe
             else "mlp", getattr(layer, "block_sparse_moe", None) or layer.mlp: "moe" if moe else "mlp"}
     state = _inputs(shape, cands, dtype, device)
-    return _run(lambda: layer(state, cu_seqlens=cu_seqlens), tags, "attn_res" if mc.attn_res else kind)
+    return _run(lambda: layer(state, cu_seqlens=cu_seqlens), tags, "attn_res" if mc.attn_res else kind, working)
 
 
 def _mixing_bytes(mc, shape, dtype, cands: int) -> int:
@@ -155,7 +202,9 @@ def _mixing_bytes(mc, shape, dtype, cands: int) -> int:
     return sum(_run(lambda: attn_res_read(list(state), proj, norm), {proj: "m", norm: "m"}, "m").values())
 
 
-def _head_bytes(mc, shape, dtype, lora_section) -> int:
+def _head_bytes(mc, shape, dtype, lora_section) -> Tuple[int, int]:
+    """The head's saved bytes, and the most its forward and backward hold beyond them (the backward starts
+    here: the loss's fp32 logit gradients)."""
     from ..layers.norm import RMSNorm
     from ..models.inputs import causal_lm_loss
 
@@ -167,9 +216,12 @@ def _head_bytes(mc, shape, dtype, lora_section) -> int:
     labels = torch.zeros(shape[:2], dtype=torch.long, device="meta")
 
     def fn():
-        causal_lm_loss(module["lm_head"](module["norm"](hidden)), labels)
+        causal_lm_loss(module["lm_head"](module["norm"](hidden)), labels).backward()
+        hidden.grad = None
 
-    return sum(_run(fn, {module: "head"}, "head").values())
+    working: list = []
+    saved = sum(_run(fn, {module: "head"}, "head", working).values())
+    return saved, working[0]
 
 
 # Above this many tokens the meta forward's Python loops (KDA's chunks, attention's query blocks) take minutes:
@@ -217,7 +269,9 @@ def plan_activations(mc, lora_section, batch: int, seq_len: int, local_experts: 
     return ActivationPlan(per_layer=[ext(x, y) for x, y in zip(a.per_layer, b.per_layer)],
                           by_segment={k: ext(v, b.by_segment[k]) for k, v in a.by_segment.items()},
                           layer_inputs=ext(a.layer_inputs, b.layer_inputs), head=ext(a.head, b.head),
-                          kinds={k: ext(v, b.kinds[k]) for k, v in a.kinds.items()})
+                          kinds={k: ext(v, b.kinds[k]) for k, v in a.kinds.items()},
+                          working=[ext(x, y) for x, y in zip(a.working, b.working)],
+                          head_working=ext(a.head_working, b.head_working))
 
 
 def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache,
@@ -227,6 +281,7 @@ def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity,
     bs = mc.attn_res_block_size
     kinds = layer_kinds(mc)
     per_kind: Dict[Tuple[str, bool], Dict[str, int]] = {}
+    work_of: Dict[Tuple[str, bool], int] = {}
     with meta_forward(MetaDispatch(local_experts, capacity)):
         for kind in dict.fromkeys(kinds):
             index = kinds.index(kind)
@@ -234,10 +289,12 @@ def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity,
             if key not in cache:
                 # the layer's own mixing is measured apart (it depends on the layer's place in the stream)
                 cands = len(_state_shape(index, mc))
-                measured = layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu)
+                working: list = []
+                measured = layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu,
+                                             working=working)
                 measured.pop("attn_res", None)
-                cache[key] = measured
-            per_kind[kind] = cache[key]
+                cache[key] = measured, working[0]
+            per_kind[kind], work_of[kind] = cache[key]
         mixing: Dict[int, int] = {}
         if mc.attn_res:
             counts = {c for i in range(mc.num_layers) for c in attn_res_candidates(i, bs)}
@@ -250,7 +307,7 @@ def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity,
         key = ("head", shape, dtype, mc.vocab_size, repr(lora_section))
         if key not in cache:
             cache[key] = _head_bytes(mc, shape, dtype, lora_section)
-        head = cache[key]
+        head, head_working = cache[key]
     by_segment: Dict[str, float] = collections.Counter()
     per_layer = []
     for i, kind in enumerate(kinds):
@@ -272,7 +329,8 @@ def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity,
     names = {("kda", True): "KDA + MoE", ("kda", False): "KDA + dense MLP", ("mla", True): "MLA + MoE",
              ("mla", False): "MLA + dense MLP"}
     return ActivationPlan(per_layer=per_layer, by_segment=dict(by_segment), layer_inputs=inputs, head=head,
-                          kinds={names[k]: float(sum(v.values())) for k, v in per_kind.items()})
+                          kinds={names[k]: float(sum(v.values())) for k, v in per_kind.items()},
+                          working=[float(work_of[k]) for k in kinds], head_working=float(head_working))
 
 
 def _state_shape(index: int, mc) -> Sequence[int]:

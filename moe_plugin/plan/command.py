@@ -32,7 +32,7 @@ def format_plan(plan) -> str:
              f"  gradient reduce bucket                          {_gb(m.buckets)}"]
     for seg, v in m.activations_by_segment.items():
         rows.append(f"  activations: {seg:<34}{_gb(v)}")
-    rows += [f"  backward transient (logit / layer gradients)    {_gb(m.transient)}",
+    rows += [f"  working tensors at the peak (forward / logits)  {_gb(m.transient)}",
              f"  expert all-to-all buffers                       {_gb(m.dispatch)}",
              f"  framework overhead (constant)                   {_gb(m.overhead)}",
              f"  step peak                                       {_gb(m.step_peak + m.overhead)}"]

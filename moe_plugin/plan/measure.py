@@ -1,20 +1,27 @@
 """The planner against measured runs: tiny layouts trained for real on the CPU through the product's
 ``Trainer`` (docs/planner.md, "Checked against measurements").
 
-A rank's measured peak is ``VmHWM`` minus ``VmRSS`` just before the ``Trainer`` starts, after the imports and
-with the high-water mark reset (``/proc/self/clear_refs``), as ``benchmarks/harness.py`` measures (``pin_mmap``:
-with glibc's mmap threshold pinned, the diagnosis of docs/planner.md). What is not the model (DeepSpeed's and megatron's own state, gloo's buffers, the allocator's slack) is planned as one
-measured constant: the first layout of every launch is a calibration run of a model too small to matter,
-whose measured peak minus its planned peak is the overhead for that launch's other layouts.
+The checked number is a rank's peak of tensor bytes: ``torch.profiler`` with ``profile_memory=True`` reports
+every allocation and free of the CPU allocator with its size, and the running sum of those events, from just
+before the ``Trainer`` starts to the end of its last step, peaks at the bytes the run really held at once. It
+counts neither glibc's retained heap pages (VmHWM's excess under ZeRO-3) nor leaves out allocated pages never
+written (VmHWM's shortfall for KDA's chunk padding). VmHWM is not reported: the profiler's own records
+(tens of MB a step) would be in it.
+What is not the model (DeepSpeed's and megatron's own tensors) is planned as one measured constant: the first
+layout of every launch is a calibration run of a model too small to matter, whose measured peak minus its
+planned peak is the overhead for that launch's other layouts.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-from typing import Dict, List
+import json
+import os
+from typing import Dict, List, Optional
 
-__all__ = ["SHAPE", "CALIBRATION", "layout_recipe", "measure_worker", "planned_peak", "LAYOUTS"]
+__all__ = ["SHAPE", "CALIBRATION", "LAYOUTS", "MEASURED_REDUCE_BUCKET", "layout_recipe", "layout_recipes",
+           "measure_worker", "planned_peak", "tensor_peak"]
 
 # weights of about 20 M parameters (most of them routed experts) and activations of the same order
 SHAPE = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, layer_types=["kda", "kda", "kda", "mla"],
@@ -29,12 +36,31 @@ CALIBRATION = dict(SHAPE, vocab_size=512, hidden_size=32, num_experts=8, moe_int
 LAYOUTS = {1: [(1, 1, 256, "dense"), (1, 1, 1024, "dense"), (1, 1, 512, "mxfp4")],
            2: [(2, 1, 512, "dense"), (2, 2, 256, "dense"), (2, 2, 1024, "mxfp4")],
            4: [(4, 2, 256, "dense"), (4, 2, 1024, "dense"), (4, 1, 512, "dense"), (4, 2, 512, "mxfp4")]}
+# The shipped ZeRO-3 config allocates DeepSpeed's default 5e8-element contiguous-gradient bucket (2 GB in
+# fp32), which would be most of every measured peak and hide the rest of the plan; the measured layouts run
+# that config with a bucket of 1 M elements, and the plan counts whatever the config says.
+MEASURED_REDUCE_BUCKET = 1_000_000
+SHIPPED_DS_CONFIG = "ds_configs/zero3_lora.json"
+
+
+def measured_ds_config(directory: str) -> str:
+    """``ds_configs/zero3_lora.json`` with ``reduce_bucket_size`` = ``MEASURED_REDUCE_BUCKET``, written into
+    ``directory``; returns its path."""
+    with open(SHIPPED_DS_CONFIG) as f:
+        values = json.load(f)
+    values["zero_optimization"]["reduce_bucket_size"] = MEASURED_REDUCE_BUCKET
+    path = os.path.join(directory, "zero3_measured.json")
+    with open(path, "w") as f:
+        json.dump(values, f, indent=2)
+    return path
 
 
 def layout_recipe(output_dir: str, world: int, ep: int, seq_len: int, expert_format: str = "dense",
-                  shape: dict = SHAPE, steps: int = 2) -> dict:
-    """A LoRA recipe on the seed's targets (one micro-batch of 2 rows per rank), fp32 as the CPU trains."""
-    return {"output_dir": output_dir, "seed": 0, "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
+                  shape: dict = SHAPE, steps: int = 2, ds_config: Optional[str] = SHIPPED_DS_CONFIG) -> dict:
+    """A LoRA recipe on the seed's targets (one micro-batch of 2 rows per rank), fp32 as the CPU trains. Two
+    steps: DeepSpeed records its module trace in the first and runs the second in the steady state (the
+    trace complete: parameters kept gathered for reuse, prefetch on)."""
+    return {"output_dir": output_dir, "seed": 0, "deepspeed": ds_config if world > 1 else None,
             "model": {"preset": "tiny", "overrides": dict(shape, expert_format=expert_format)},
             "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "gate"]},
             "data": {"kind": "arithmetic", "num_documents": 400, "seq_len": seq_len, "eval_fraction": 0.0},
@@ -44,46 +70,53 @@ def layout_recipe(output_dir: str, world: int, ep: int, seq_len: int, expert_for
                                                     "wandb": {"mode": "disabled"}}}
 
 
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
+def layout_recipes(directory: str, world: int) -> List[dict]:
+    """The calibration recipe, then ``LAYOUTS[world]``'s, with outputs and the DeepSpeed config in
+    ``directory``."""
+    ds = measured_ds_config(directory) if world > 1 else None
+    return [layout_recipe(f"{directory}/calibration", world, 1, 256, shape=CALIBRATION, ds_config=ds)] + [
+        layout_recipe(f"{directory}/l{i}", *layout, ds_config=ds) for i, layout in enumerate(LAYOUTS[world])]
 
 
 def _settle() -> None:
     gc.collect()
-    try:  # hand freed heap pages back, so that the next layout's baseline is not inflated by the previous one
+    try:  # hand the last layout's freed heap back before the next one starts
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
         pass
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial value, pinned
+def tensor_peak(events, names=()) -> Dict[str, float]:
+    """The peak of the running sum of the CPU allocator's events (``torch.profiler``'s ``[memory]`` events:
+    ``nbytes`` > 0 an allocation, < 0 a free), overall and within each user annotation (``record_function``)
+    of ``names``; bytes above the sum before the first event."""
+    memory, spans = [], []
+    for e in events:
+        if e.name() == "[memory]" and e.device_type().name == "CPU":
+            memory.append((e.start_ns(), e.nbytes()))
+        elif e.is_user_annotation() and e.name() in names:
+            spans.append((e.name(), e.start_ns(), e.end_ns()))
+    memory.sort()
+    out = {"all": 0.0}
+    total, times, sums = 0, [], []
+    for t, n in memory:
+        total += n
+        times.append(t)
+        sums.append(total)
+        out["all"] = max(out["all"], float(total))
+    for name, start, end in spans:
+        inside = [s for t, s in zip(times, sums) if start <= t <= end]
+        out[name] = max([out.get(name, 0.0)] + [float(s) for s in inside])
+    return out
 
 
-def pin_mmap_threshold() -> bool:
-    """Keep glibc's mmap threshold at its initial 128 KiB (a diagnosis, docs/planner.md). By default glibc
-    raises it each time a large mmapped block is freed; later large blocks then come from the heap, whose
-    freed pages stay resident. Pinned, a freed large block goes back to the system at once, but zero-filled
-    pages never written (KDA's chunk padding) are not resident either, so VmHWM reads below what is
-    allocated."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-    except (OSError, AttributeError):
-        return False
-
-
-def measure_worker(recipes: List[dict], threads: int = 1, pin_mmap: bool = False) -> List[Dict[str, float]]:
-    """Run each recipe's ``Trainer`` for its steps in this process; per recipe the peak increase in bytes."""
+def measure_worker(recipes: List[dict], threads: int = 1) -> List[Dict[str, float]]:
+    """Run each recipe's ``Trainer`` for its steps in this process under ``torch.profiler``; per recipe the
+    peak of tensor bytes over the run (``peak_bytes``) and per phase (``phases``: build, step 1, ...)."""
     import deepspeed  # noqa: F401  imported before the baseline: imports are not the model
     import megatron.core  # noqa: F401
     import torch
-
-    if pin_mmap:
-        pin_mmap_threshold()
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     from ..training.loop import Trainer
     from ..training.recipe import recipe_from_dict
@@ -92,17 +125,18 @@ def measure_worker(recipes: List[dict], threads: int = 1, pin_mmap: bool = False
     out = []
     for values in recipes:
         _settle()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-        baseline = _status_kib("VmRSS")
-        with Trainer(recipe_from_dict(values)) as trainer:
-            for _ in range(values["schedule"]["steps"]):
-                trainer.train_step()
-            loss = trainer.result.losses[-1]
-        out.append({"peak_bytes": (_status_kib("VmHWM") - baseline) * 1024.0, "loss": float(loss)})
+        phases = ["build"] + [f"step {i + 1}" for i in range(values["schedule"]["steps"])]
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function(phases[0]):
+                trainer = Trainer(recipe_from_dict(values))
+            with trainer:
+                for phase in phases[1:]:
+                    with record_function(phase):
+                        trainer.train_step()
+                loss = trainer.result.losses[-1]
+        peaks = tensor_peak(prof.profiler.kineto_results.events(), phases)
+        out.append({"peak_bytes": peaks.pop("all"), "phases": peaks, "loss": float(loss)})
+        del prof
         _settle()
     return out
 

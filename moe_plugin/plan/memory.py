@@ -17,7 +17,7 @@ __all__ = ["Layout", "MemoryPlan", "plan_memory", "ZERO3_DEFAULTS"]
 # DeepSpeed 0.19.8's defaults for the keys the planner reads (runtime/zero/config.py)
 ZERO3_DEFAULTS = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000,
                   "stage3_max_reuse_distance": 1_000_000_000, "reduce_bucket_size": 500_000_000,
-                  "stage3_param_persistence_threshold": 100_000}
+                  "stage3_param_persistence_threshold": 100_000, "contiguous_gradients": True}
 
 
 @dataclass
@@ -98,23 +98,33 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
             live = min(full_local, layer_max + min(z["stage3_prefetch_bucket_size"], z["stage3_max_live_parameters"])
                        + z["stage3_max_reuse_distance"])
         gathered = live / full_local * _local_full_bytes(counts, ep, pb)
+        # contiguous_gradients: one torch.empty(reduce_bucket_size) per trainable dtype, allocated when the
+        # engine starts and kept (stage3.py); without it the bucket holds at most the trainable gradients
         trainable_local = dense_ad + counts.expert_adapter_numel / ep
-        buckets = min(z["reduce_bucket_size"], trainable_local) * pb
+        buckets = (z["reduce_bucket_size"] if z["contiguous_gradients"] else
+                   min(z["reduce_bucket_size"], trainable_local)) * pb
     else:
         gathered, buckets = 0.0, 0.0
     act = activations_of(L)
     largest = act.largest_layer
+    head_peak = act.total + act.head_working  # backward's start: everything saved, the logit gradients
     if L.checkpointing:
         # each layer keeps only its input; one layer at a time is recomputed and holds its saved tensors
         activations = act.layer_inputs + largest + act.head
         by_segment = {"layer inputs": act.layer_inputs, "one layer recomputed": largest, "head": act.head}
+        transient = max(act.working + [act.head_working])
     else:
         activations = act.total
         by_segment = dict(act.by_segment)
-    # backward's peak beyond the saved tensors: the loss's logit gradient at the start of backward, or one
-    # layer's activation gradients (at most what that layer saved) while it runs
+        # the step's peak is inside some layer's forward (what it and the layers before saved, plus its own
+        # working tensors) or at the start of backward; past that start each layer's backward frees what it
+        # saved as it makes its gradients (docs/planner.md)
+        held, forward_peak = 0.0, 0.0
+        for saved, working in zip(act.per_layer, act.working):
+            held += saved
+            forward_peak = max(forward_peak, held + working)
+        transient = max(forward_peak, head_peak) - activations
     n = L.micro_batch * L.seq_len
-    transient = max(n * mc.vocab_size * 4.0, largest)
     dispatch = (2 * n * mc.moe.top_k * L.capacity * mc.moe.expert_dim * pb) if ep > 1 else 0.0
     resting = sum(base.values()) + sum(adapters.values())
     step_peak = resting + gathered + buckets + activations + transient + dispatch
@@ -134,6 +144,8 @@ def zero_settings(ds_config: Optional[dict]) -> Dict[str, int]:
     zero = dict(ZERO3_DEFAULTS)
     given = (ds_config or {}).get("zero_optimization", {}) or {}
     for key in zero:
-        if isinstance(given.get(key), (int, float)) and not isinstance(given.get(key), bool):
+        if isinstance(zero[key], bool):
+            zero[key] = bool(given.get(key, zero[key]))
+        elif isinstance(given.get(key), (int, float)) and not isinstance(given.get(key), bool):
             zero[key] = int(given[key])
     return zero
