@@ -3,7 +3,9 @@
 Importing the package registers the Hugging Face classes with the Auto classes.
 """
 
-from .models import MoEPluginConfig, MoEPluginForCausalLM, preset_config
+from .models import (MoEPluginConfig, MoEPluginForCausalLM, MoEPluginForConditionalGeneration, MoEProcessor,
+                     preset_config)
 
 __version__ = "0.1.0"
-__all__ = ["MoEPluginConfig", "MoEPluginForCausalLM", "preset_config", "__version__"]
+__all__ = ["MoEPluginConfig", "MoEPluginForCausalLM", "MoEPluginForConditionalGeneration", "MoEProcessor",
+           "preset_config", "__version__"]

@@ -12,7 +12,10 @@ from .k3_format import (A_LOG_PAD_MULTIPLE, a_log_padded_length, config_from_k3,
                         save_k3_checkpoint, state_dict_from_k3, state_dict_to_k3)
 
 AutoConfig.register(MoEPluginConfig.model_type, MoEPluginConfig, exist_ok=True)
-AutoModelForCausalLM.register(MoEPluginConfig, MoEPluginForCausalLM, exist_ok=True)
+# transformers picks between the two by the checkpoint's `architectures` (as it does for its own image+text
+# models under AutoModelForCausalLM), so an image base loads whole, e.g. under peft's AutoPeftModelForCausalLM
+AutoModelForCausalLM.register(MoEPluginConfig, (MoEPluginForCausalLM, MoEPluginForConditionalGeneration),
+                              exist_ok=True)
 AutoModelForImageTextToText.register(MoEPluginConfig, MoEPluginForConditionalGeneration, exist_ok=True)
 AutoTokenizer.register(MoEPluginConfig, slow_tokenizer_class=ByteTokenizer, exist_ok=True)
 

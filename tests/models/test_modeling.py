@@ -49,6 +49,9 @@ def test_image_text_model_round_trip_through_auto_class(tmp_path):
     assert len(_shards(tmp_path)) > 1
     loaded = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
     assert type(loaded) is MoEPluginForConditionalGeneration
+    # AutoModelForCausalLM (what peft's AutoPeftModelForCausalLM uses) reads the saved `architectures` and builds
+    # the image+text model whole, as it does for a text checkpoint of the same config with the text model
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)) is MoEPluginForConditionalGeneration
     image_id = model.config.image_token_id
     ids = torch.tensor([[1, 2] + [image_id] * 6 + [3, 4]])
     patches, grid = torch.randn(24, 3 * 14 * 14), torch.tensor([[4, 6]])

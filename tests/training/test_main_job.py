@@ -41,19 +41,12 @@ def _shortened_main_job(tmp_path) -> str:
 
 
 @torch.no_grad()
-def _answers_in_plain_peft(adapter: str, held_out: str, limit: int):
-    """Greedy answers of the base + adapter loaded as the job's printed hint says, by ``generate``."""
-    import moe_plugin  # noqa: F401  (registers the Auto classes)
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText
-
-    from moe_plugin.models import MoEProcessor
+def _answers_in_plain_peft(model, held_out: str, limit: int):
+    """Greedy answers of ``model`` (the base + adapter in peft) to the first ``limit`` pictures, by ``generate``."""
+    import moe_plugin
     from moe_plugin.training.answer_eval import read_questions
 
-    with open(os.path.join(adapter, "adapter_config.json")) as f:
-        base = json.load(f)["base_model_name_or_path"]
-    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), adapter).eval()
-    processor, given = MoEProcessor(), []
+    processor, given = moe_plugin.MoEProcessor(), []
     for question in read_questions(held_out, limit):
         text = processor.apply_chat_template(question.messages, add_generation_prompt=True)
         inputs = processor(text, images=question.images)
@@ -83,7 +76,19 @@ def test_shortened_main_job_raises_held_out_accuracy(tmp_path, monkeypatch):
     # the base answers the shape's colour, which is never the background's
     assert reported["given_before"] != expected and reported["before"] == before
     monkeypatch.chdir(tmp_path)  # the adapter loads from any working directory
-    given = _answers_in_plain_peft(str(tmp_path / "run" / "adapter"),
-                                   os.path.join(REPO, "recipes", "data", "backgrounds_heldout.jsonl"), HELD_OUT)
-    assert given == reported["given_after"]
-    assert abs(sum(g == e for g, e in zip(given, expected)) / HELD_OUT - after) < 0.005
+    import moe_plugin  # noqa: F401  (registers the Auto classes)
+    from peft import AutoPeftModelForCausalLM, PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    adapter, held_out = str(tmp_path / "run" / "adapter"), os.path.join(REPO, "recipes", "data", "backgrounds_heldout.jsonl")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        base = json.load(f)["base_model_name_or_path"]
+    # as the job's printed hint says, and through peft's auto class (no import allow-list: the base's
+    # `architectures` makes AutoModelForCausalLM build the image+text model)
+    hinted = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), adapter).eval()
+    auto = AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+    assert type(auto.base_model.model) is type(hinted.base_model.model)
+    for model in (hinted, auto):
+        given = _answers_in_plain_peft(model, held_out, HELD_OUT)
+        assert given == reported["given_after"]
+        assert abs(sum(g == e for g, e in zip(given, expected)) / HELD_OUT - after) < 0.005
