@@ -111,7 +111,7 @@ def _load_local_experts(named: Dict[str, torch.Tensor], first: int, last: int, p
     from safetensors import safe_open
 
     from ..fileio import safetensors_weight_map
-    from ..weights.loader import LoadStats, _run
+    from ..weights.loader import LoadStats, run_reads
     from ..weights.plan import Target, plan_reads, stored_tensors
 
     weight_map = safetensors_weight_map(path)
@@ -119,7 +119,7 @@ def _load_local_experts(named: Dict[str, torch.Tensor], first: int, last: int, p
     # strict=False: every other checkpoint tensor is the rest of the model, already loaded
     plan = plan_reads(targets, weight_map, names="hf", config=model_config, strict=False,
                       stored=stored_tensors(weight_map), source=path)
-    _run(plan, named, targets, lambda f: safe_open(f, framework="pt"), LoadStats())
+    run_reads(plan, named, targets, lambda f: safe_open(f, framework="pt"), LoadStats())
 
 
 def parallelize_experts(model: nn.Module, ep_size: int, device: Optional[str] = None,

@@ -33,8 +33,8 @@ from .names import NAMINGS, base_name, expert_layer, is_expert_tensor, is_stacke
 from .packed import is_packed_expert_stack
 from .plan import Plan, Read, Stored, Target, detect_layout, plan_reads, stored_tensors
 
-__all__ = ["LoadStats", "load_state", "state_from_tensors", "model_tensors", "model_targets", "expert_ranges",
-           "is_partitioned", "partition_range", "zero_padding", "write_flat"]
+__all__ = ["LoadStats", "load_state", "run_reads", "state_from_tensors", "model_tensors", "model_targets",
+           "expert_ranges", "is_partitioned", "partition_range", "zero_padding", "write_flat"]
 
 _EXTRA_STATE = "_extra_state"
 
@@ -148,8 +148,10 @@ def _fetch(handle: Any, read: Read) -> torch.Tensor:
     return handle.get_slice(read.name)[read.rows[0]:read.rows[1]]
 
 
-def _run(plan: Plan, tensors: Mapping[str, torch.Tensor], targets: Mapping[str, Target],
-         open_file: Callable[[str], ContextManager[Any]], stats: LoadStats) -> None:
+def run_reads(plan: Plan, tensors: Mapping[str, torch.Tensor], targets: Mapping[str, Target],
+              open_file: Callable[[str], ContextManager[Any]], stats: LoadStats) -> None:
+    """Carry out ``plan`` (``moe_plugin.weights.plan.plan_reads``) into ``tensors`` (target name -> this rank's
+    tensor, as ``targets`` describes it), file by file through ``open_file`` (a safetensors handle's context)."""
     read_names = set()
     for file, reads in plan.by_file().items():
         with open_file(file) as handle:
@@ -215,7 +217,7 @@ def load_state(model: nn.Module, path: str | os.PathLike, *, names: str, config:
         if is_partitioned(tensors[name]):
             zero_padding(tensors[name])
     stats = LoadStats(ignored=plan.ignored, unknown=plan.unknown, fresh=plan.fresh, layout=layout)
-    _run(plan, tensors, targets, open_file or _open_safetensors, stats)
+    run_reads(plan, tensors, targets, open_file or _open_safetensors, stats)
     return stats
 
 
@@ -253,5 +255,5 @@ def state_from_tensors(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str,
                       ignore_vision=ignore_vision, ignore_mtp=ignore_mtp, stored=stored, field_name="tensors")
     out = {name: torch.empty(targets[name].shape, dtype=tensors[reads[0].name].dtype)
            for name, reads in plan.reads.items() if reads}
-    _run(plan, out, targets, lambda file: _InMemory(tensors), LoadStats())
+    run_reads(plan, out, targets, lambda file: _InMemory(tensors), LoadStats())
     return out

@@ -1,8 +1,9 @@
 """The ``hf`` backend: the Hugging Face ``MoEPluginForCausalLM``, one process or ZeRO-3 data parallel.
 
-Every rank holds the whole (partitioned) model and reads its own batches. There is no expert parallelism on
-this face yet, so the expert mark ``allreduce = False`` that ``add_lora`` sets on expert adapters is removed
-here (``common.hide_expert_marks``).
+Every rank holds the whole (partitioned) model and reads its own batches. This backend runs without expert
+parallelism (recipes give the ``megatron`` backend for it; the Hugging Face Trainer gets it from
+``moe_plugin.parallel.hf_expert_parallel``), so the expert mark ``allreduce = False`` that ``add_lora`` sets on
+expert adapters is removed here (``common.hide_expert_marks``).
 """
 
 from __future__ import annotations
