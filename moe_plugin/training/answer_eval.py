@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -106,7 +107,12 @@ def load_adapted(base: str, adapter: str, images: bool):
     from ..models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
 
     model_class = MoEPluginForConditionalGeneration if images else MoEPluginForCausalLM
-    return PeftModel.from_pretrained(model_class.from_pretrained(base), adapter).eval()
+    base_model = model_class.from_pretrained(base)
+    with warnings.catch_warnings():
+        # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` while wrapping: noise in the
+        # job's last lines, not a problem of the run
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        return PeftModel.from_pretrained(base_model, adapter).eval()
 
 
 def _load_run(output_dir: str, images: bool):
