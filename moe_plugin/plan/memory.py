@@ -97,7 +97,10 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
         else:
             live = min(full_local, layer_max + min(z["stage3_prefetch_bucket_size"], z["stage3_max_live_parameters"])
                        + z["stage3_max_reuse_distance"])
-        gathered = live / full_local * _local_full_bytes(counts, ep, pb)
+        full_bytes = _local_full_bytes(counts, ep, pb)
+        if edp == 1:  # experts partitioned over one rank: DeepSpeed's NoGatherHandle uses the partition itself
+            full_bytes -= counts.kinds["experts"].nbytes / ep + counts.expert_adapter_numel / ep * pb
+        gathered = live / full_local * full_bytes
         # contiguous_gradients: one torch.empty(reduce_bucket_size) per trainable dtype, allocated when the
         # engine starts and kept (stage3.py); without it the bucket holds at most the trainable gradients
         trainable_local = dense_ad + counts.expert_adapter_numel / ep
