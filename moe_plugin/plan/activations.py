@@ -8,7 +8,9 @@ counted once (parameters excluded), attributed to the sublayer that saved it. No
 full-size layer at 4096 or a million tokens costs seconds. The Attention-Residual mixing is run at every
 layer's own number of candidates, and the head (the final mixing, norm, ``lm_head`` and the fp32 loss) once.
 Ops that decide from values run under ``meta_ops.meta_forward`` (its docstring lists the stand-ins and the
-routing assumption: balanced, times a capacity factor).
+routing assumption: balanced, times a capacity factor). The same runs count the working tensors (``_LiveBytes``,
+a dispatch mode): the most each layer's forward, and the head's forward + backward, hold at once beyond what
+they leave for backward.
 """
 
 from __future__ import annotations

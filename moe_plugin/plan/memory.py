@@ -47,7 +47,7 @@ class MemoryPlan:
     buckets: float  # gradient reduce bucket
     activations: float  # saved for backward over the whole micro-batch
     activations_by_segment: Dict[str, float]
-    transient: float  # the backward's largest working set (logit gradients, one segment's gradients)
+    transient: float  # working tensors at the step's peak beyond the saved ones (a layer's forward, logit grads)
     dispatch: float  # expert-parallel all-to-all send and receive buffers
     build_peak: float  # while the model is built and partitioned
     overhead: float
