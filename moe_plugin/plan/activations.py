@@ -66,6 +66,8 @@ class ActivationPlan:
     # and the head's forward + backward (the fp32 logit gradients) at the start of backward
     working: List[float] = field(default_factory=list)
     head_working: float = 0.0
+    # the vision encoder's working tensors (its saved bytes are by_segment["vision"]); it runs before layer 0
+    vision_working: float = 0.0
 
     @property
     def total(self) -> float:

@@ -1,5 +1,6 @@
 """``moe-plugin plan --recipe R [--devices N --device-memory 141GB --micro-batch B --seq-len T
---checkpointing on|off --expert-format dense|mxfp4|int4 --capacity 1.25 --json]`` (docs/planner.md)."""
+--checkpointing on|off --expert-format dense|mxfp4|int4 --capacity 1.25 --images N --image-size PX --json]``
+(docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def format_plan(plan) -> str:
             f"layout: {L.devices} devices, EP {L.ep} (expert-data-parallel {L.devices // L.ep}), "
             f"ZeRO-3 {'on' if L.zero3 else 'off'}, micro-batch {L.micro_batch} x {L.seq_len} tokens, "
             f"accumulation {L.grad_accum}, checkpointing {'on' if L.checkpointing else 'off'}, "
-            f"{'bf16' if L.precision_bytes == 2 else 'fp32'}, capacity factor {L.capacity}",
+            f"{'bf16' if L.precision_bytes == 2 else 'fp32'}, capacity factor {L.capacity}"
+            + (f", {L.images} pictures of {L.image_size} px per micro-batch" if L.images else ""),
             "", "per-device memory                                 bytes"]
     for kind, v in m.base.items():
         rows.append(f"  frozen base: {kind:<34}{_gb(v)}")
@@ -73,6 +75,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--checkpointing", choices=["on", "off"], default="off")
     p.add_argument("--expert-format", choices=["dense", "mxfp4", "int4"])
     p.add_argument("--capacity", type=float, default=1.25)
+    p.add_argument("--images", type=int, help="pictures per micro-batch (default: one per row when the recipe "
+                   "trains on images, else none)")
+    p.add_argument("--image-size", type=int, default=896, help="side of each square picture in pixels")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     problem = recipe_path_problem(args.recipe)
@@ -84,7 +89,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     plan = plan_recipe(recipe, devices=args.devices, device_memory=memory, micro_batch=args.micro_batch,
                        seq_len=args.seq_len, checkpointing=args.checkpointing == "on",
-                       expert_format=args.expert_format, capacity=args.capacity, knobs=True)
+                       expert_format=args.expert_format, capacity=args.capacity, knobs=True,
+                       images=args.images, image_size=args.image_size)
     plan.recipe = args.recipe
     print(json.dumps(plan.to_dict(), indent=1, default=str) if args.json else format_plan(plan))
     return 0

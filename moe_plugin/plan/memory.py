@@ -23,7 +23,8 @@ ZERO3_DEFAULTS = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_pa
 @dataclass
 class Layout:
     """What one step looks like: ``devices`` ranks, EP ``ep``, ZeRO-3 or not, ``micro_batch`` rows of
-    ``seq_len`` tokens per rank, activation checkpointing, capacity factor of the expert dispatch."""
+    ``seq_len`` tokens per rank, activation checkpointing, capacity factor of the expert dispatch, and
+    ``images`` square pictures of ``image_size`` pixels per micro-batch through the vision tower."""
 
     devices: int
     ep: int
@@ -37,6 +38,8 @@ class Layout:
     zero: Dict[str, int] = field(default_factory=lambda: dict(ZERO3_DEFAULTS))
     preset_build: bool = False  # a preset base is built whole on each rank before the engine partitions it
     overhead_bytes: float = 0.0  # the framework's own memory (a measured constant on CPU; an assumption on GPU)
+    images: int = 0
+    image_size: int = 896
 
 
 @dataclass
@@ -115,14 +118,15 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
         # each layer keeps only its input; one layer at a time is recomputed and holds its saved tensors
         activations = act.layer_inputs + largest + act.head
         by_segment = {"layer inputs": act.layer_inputs, "one layer recomputed": largest, "head": act.head}
-        transient = max(act.working + [act.head_working])
+        transient = max(act.working + [act.head_working, act.vision_working])
     else:
         activations = act.total
         by_segment = dict(act.by_segment)
         # the step's peak is inside some layer's forward (what it and the layers before saved, plus its own
         # working tensors) or at the start of backward; past that start each layer's backward frees what it
         # saved as it makes its gradients (docs/planner.md)
-        held, forward_peak = 0.0, 0.0
+        held = act.by_segment.get("vision", 0.0)  # the vision encoder runs first
+        forward_peak = held + act.vision_working
         for saved, working in zip(act.per_layer, act.working):
             held += saved
             forward_peak = max(forward_peak, held + working)

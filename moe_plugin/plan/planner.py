@@ -12,6 +12,7 @@ from ..config import require
 from .activations import plan_activations
 from .counts import ModelCounts, count_model
 from .memory import Layout, MemoryPlan, plan_memory, zero_settings
+from .vision import image_grid, vision_activation_bytes
 
 __all__ = ["Plan", "plan_recipe", "devices_from_ds_config", "CPU_OVERHEAD_BYTES", "GPU_OVERHEAD_BYTES"]
 
@@ -55,13 +56,21 @@ def document_lengths(recipe, seq_len: int) -> List[int]:
 
 
 def _activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]]):
-    """``layout -> ActivationPlan`` for this model, run on meta at the layout's micro-batch and sizes."""
+    """``layout -> ActivationPlan`` for this model, run on meta at the layout's micro-batch and sizes (the
+    vision encoder's on the layout's pictures)."""
     import torch
 
     def of(layout: Layout):
         dtype = torch.bfloat16 if layout.precision_bytes == 2 else torch.float32
-        return plan_activations(mc, lora_section, layout.micro_batch, layout.seq_len,
-                                mc.moe.num_experts // layout.ep, layout.capacity, dtype, cache, documents)
+        act = plan_activations(mc, lora_section, layout.micro_batch, layout.seq_len,
+                               mc.moe.num_experts // layout.ep, layout.capacity, dtype, cache, documents)
+        if not layout.images:
+            return act
+        key = ("vision", layout.images, layout.image_size, dtype, repr(lora_section))
+        if key not in cache:
+            cache[key] = vision_activation_bytes(mc.vision, lora_section, layout.images, layout.image_size, dtype)
+        saved, working, _ = cache[key]
+        return replace(act, by_segment={**act.by_segment, "vision": saved}, vision_working=working)
 
     return of
 
@@ -102,10 +111,11 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
                 micro_batch: Optional[int] = None, seq_len: Optional[int] = None,
                 checkpointing: bool = False, expert_format: Optional[str] = None, capacity: float = 1.25,
                 overhead_bytes: Optional[float] = None, cache: Optional[dict] = None,
-                knobs: bool = False) -> Plan:
+                knobs: bool = False, images: Optional[int] = None, image_size: int = 896) -> Plan:
     """Plan ``recipe`` (a validated ``Recipe``) at a layout; arguments left ``None`` come from the recipe and
-    its DeepSpeed config (``devices`` from its ``train_batch_size``). ``cache`` keeps counts and meta-measured activation
-    models between calls (keyed by the model's structure)."""
+    its DeepSpeed config (``devices`` from its ``train_batch_size``; ``images``, pictures per micro-batch
+    through the vision tower: one per row when the recipe trains on images, else none). ``cache`` keeps
+    counts and meta-measured activation models between calls (keyed by the model's structure)."""
     from ..training.backends.common import hf_config
     from ..training.backends.images import wants_images
 
@@ -130,11 +140,22 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
             f"{ep} does not divide the model's {mc.moe.num_experts} experts")
     zero3 = int(((ds or {}).get("zero_optimization") or {}).get("stage", 0)) == 3 or devices > 1
     pb = 2 if s.precision == "bf16" else 4
-    images = wants_images(recipe, mc)
+    if images is None:
+        images = micro_batch if wants_images(recipe, mc) else 0
+    require(images >= 0, "--images", f"must be >= 0, got {images}")
+    require(images == 0 or mc.vision is not None, "--images",
+            f"the model has no vision tower, so it takes no pictures; drop --images (got {images})")
+    if images:
+        h, w = image_grid(image_size, mc.vision.patch_size, mc.vision.merge_size)
+        per_image = h * w // mc.vision.merge_size ** 2
+        require(images * per_image <= micro_batch * seq_len, "--images",
+                f"{images} pictures of {image_size} px fill {images * per_image} image tokens, more than the "
+                f"micro-batch's {micro_batch} x {seq_len}; use fewer or smaller pictures (--image-size) or "
+                "longer rows")
     cache = {} if cache is None else cache
-    key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), repr(recipe.lora), pb, images)
+    key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), repr(recipe.lora), pb, images > 0)
     if ("counts",) + key not in cache:
-        cache[("counts",) + key] = count_model(cfg, recipe.lora, precision_bytes=pb, images=images)
+        cache[("counts",) + key] = count_model(cfg, recipe.lora, precision_bytes=pb, images=images > 0)
     counts = cache[("counts",) + key]
     docs_key = ("documents", repr(recipe.data), recipe.seed, seq_len)
     if docs_key not in cache:
@@ -145,7 +166,7 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     layout = Layout(devices=devices, ep=ep, zero3=zero3, micro_batch=micro_batch, seq_len=seq_len,
                     grad_accum=s.gradient_accumulation_steps, checkpointing=checkpointing, capacity=capacity,
                     precision_bytes=pb, zero=zero_settings(ds), preset_build=recipe.model.from_pretrained is None,
-                    overhead_bytes=overhead_bytes)
+                    overhead_bytes=overhead_bytes, images=images, image_size=image_size)
     memory = plan_memory(counts, mc, act, layout)
     tokens = devices * micro_batch * s.gradient_accumulation_steps * seq_len
     n = micro_batch * seq_len
@@ -189,7 +210,8 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
     other = "dense" if (expert_format or mc.moe.expert_format) != "dense" else "mxfp4"
     alt = plan_recipe(recipe, devices=layout.devices, micro_batch=layout.micro_batch, seq_len=layout.seq_len,
                       checkpointing=checkpointing, expert_format=other, capacity=capacity,
-                      overhead_bytes=layout.overhead_bytes, cache=cache)
+                      overhead_bytes=layout.overhead_bytes, cache=cache, images=layout.images,
+                      image_size=layout.image_size)
     out[f"experts {other}"] = base - alt.memory.peak
     return out
 
