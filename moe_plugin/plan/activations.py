@@ -92,9 +92,15 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # a view of a storage made before the run (a parameter's slice, an input's reshape) allocates nothing:
+        # on meta a layer holds all E experts, and a rank's E / EP slice would count the whole stack
+        before = {_key(a) for a in tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor) and not self.refs[_key(a)]}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 key = _key(t)
+                if key in before:
+                    continue
                 if not self.refs[key]:
                     self.size[key] = t.untyped_storage().nbytes()
                     self.live += self.size[key]
@@ -249,22 +255,24 @@ def packed_boundaries(batch: int, seq_len: int, documents: Optional[Sequence[int
 
 def plan_activations(mc, lora_section, batch: int, seq_len: int, local_experts: int, capacity: float,
                      dtype: torch.dtype = torch.bfloat16, cache: Optional[dict] = None,
-                     documents: Optional[Sequence[int]] = None) -> ActivationPlan:
+                     documents: Optional[Sequence[int]] = None, kernels: str = "cpu") -> ActivationPlan:
     """The ``ActivationPlan`` of ``mc`` (a ``ModelConfig``) for ``batch`` rows of ``seq_len`` tokens on a rank
     holding ``local_experts`` experts, with the recipe's ``lora_section`` (None: no adapters) in ``dtype``.
     documents: the recipe's document lengths in packing order (KDA and the short convolution restart at each
-    document and pad it to whole chunks, so short documents cost more); None: one document per row."""
+    document and pad it to whole chunks, so short documents cost more); None: one document per row.
+    kernels: ``"cpu"`` (the torch paths, as the CPU runs them) or ``"gpu"`` (the KDA kernel CUDA picks,
+    ``meta_ops``' docstring)."""
     cache = {} if cache is None else cache
     documents = tuple(documents) if documents else None
     if batch * seq_len <= 2 * RUN_TOKENS:
         return _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache,
-                                 documents)
+                                 documents, kernels)
     step = math.lcm(mc.kda.chunk_size, 64)
     t1 = max(RUN_TOKENS // step, 1) * step
     if mc.mla.use_indexer:
         t1 = max(t1, -(-2 * mc.mla.index_topk // step) * step)  # past the indexer's top-k every query keeps k
-    a = _plan_activations(mc, lora_section, 1, t1, local_experts, capacity, dtype, cache, documents)
-    b = _plan_activations(mc, lora_section, 1, 2 * t1, local_experts, capacity, dtype, cache, documents)
+    a = _plan_activations(mc, lora_section, 1, t1, local_experts, capacity, dtype, cache, documents, kernels)
+    b = _plan_activations(mc, lora_section, 1, 2 * t1, local_experts, capacity, dtype, cache, documents, kernels)
     f = (batch * seq_len - t1) / t1
 
     def ext(x, y):
@@ -279,17 +287,17 @@ def plan_activations(mc, lora_section, batch: int, seq_len: int, local_experts: 
 
 
 def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache,
-                      documents) -> ActivationPlan:
+                      documents, kernels) -> ActivationPlan:
     cu = packed_boundaries(batch, seq_len, documents)
     shape = (1, batch * seq_len, mc.hidden_size)
     bs = mc.attn_res_block_size
     kinds = layer_kinds(mc)
     per_kind: Dict[Tuple[str, bool], Dict[str, int]] = {}
     work_of: Dict[Tuple[str, bool], int] = {}
-    with meta_forward(MetaDispatch(local_experts, capacity)):
+    with meta_forward(MetaDispatch(local_experts, capacity, kernels)):
         for kind in dict.fromkeys(kinds):
             index = kinds.index(kind)
-            key = ("layer", kind, shape, dtype, local_experts, capacity, repr(lora_section), documents)
+            key = ("layer", kind, shape, dtype, local_experts, capacity, repr(lora_section), documents, kernels)
             if key not in cache:
                 # the layer's own mixing is measured apart (it depends on the layer's place in the stream)
                 cands = len(_state_shape(index, mc))

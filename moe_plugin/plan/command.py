@@ -1,5 +1,5 @@
 """``moe-plugin plan --recipe R [--devices N --device-memory 141GB --micro-batch B --seq-len T
---checkpointing on|off --expert-format dense|mxfp4|int4 --capacity 1.25 --images N --image-size PX --json]``
+--checkpointing on|off --expert-format dense|mxfp4|int4 --capacity 1.25 --images N --image-size PX --kernels gpu|cpu --json]``
 (docs/planner.md)."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def format_plan(plan) -> str:
             f"ZeRO-3 {'on' if L.zero3 else 'off'}, micro-batch {L.micro_batch} x {L.seq_len} tokens, "
             f"accumulation {L.grad_accum}, checkpointing {'on' if L.checkpointing else 'off'}, "
             f"{'bf16' if L.precision_bytes == 2 else 'fp32'}, capacity factor {L.capacity}"
-            + (f", {L.images} pictures of {L.image_size} px per micro-batch" if L.images else ""),
+            + (f", {L.images} pictures of {L.image_size} px per micro-batch" if L.images else "")
+            + f", {L.kernels.upper()} kernels",
             "", "per-device memory                                 bytes"]
     for kind, v in m.base.items():
         rows.append(f"  frozen base: {kind:<34}{_gb(v)}")
@@ -78,6 +79,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--images", type=int, help="pictures per micro-batch (default: one per row when the recipe "
                    "trains on images, else none)")
     p.add_argument("--image-size", type=int, default=896, help="side of each square picture in pixels")
+    p.add_argument("--kernels", choices=["gpu", "cpu"], default="gpu",
+                   help="whose saved sets to plan: the GPU kernels CUDA picks (default) or the CPU's torch paths")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     problem = recipe_path_problem(args.recipe)
@@ -90,7 +93,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan = plan_recipe(recipe, devices=args.devices, device_memory=memory, micro_batch=args.micro_batch,
                        seq_len=args.seq_len, checkpointing=args.checkpointing == "on",
                        expert_format=args.expert_format, capacity=args.capacity, knobs=True,
-                       images=args.images, image_size=args.image_size)
+                       images=args.images, image_size=args.image_size, kernels=args.kernels)
     plan.recipe = args.recipe
     print(json.dumps(plan.to_dict(), indent=1, default=str) if args.json else format_plan(plan))
     return 0

@@ -40,6 +40,7 @@ class Layout:
     overhead_bytes: float = 0.0  # the framework's own memory (a measured constant on CPU; an assumption on GPU)
     images: int = 0
     image_size: int = 896
+    kernels: str = "cpu"  # whose saved sets: the CPU's torch paths or the GPU kernels (plan/meta_ops.py)
 
 
 @dataclass

@@ -16,7 +16,12 @@ by the planner's stated assumption:
 - ``torch._grouped_mm`` (the experts' grouped products): its meta kernel takes bf16 only, so on meta a
   stand-in saves what its backward needs in any dtype;
 - DSA's sparse attention: a key range per query block is read off the indices, so on meta the op saves
-  what ``ops.dsa.attention._BlockedAttention`` saves (q, k, v, output, log-sum-exp) without the loop.
+  what ``ops.dsa.attention._BlockedAttention`` saves (q, k, v, output, log-sum-exp) without the loop;
+- with ``MetaDispatch(kernels="gpu")``, the KDA chunk op is counted as the GPU kernel that ``ops/backend.py``
+  picks on CUDA holds it (flash-linear-attention 0.6's ``ChunkKDAFunction`` with its default recompute): it
+  saves its inputs, the chunk-local cumulative gate (fp32) and the two intra-chunk matrices ``Aqk``, ``Akk``
+  ``[B, T, H, chunk]``, and its forward makes and drops the per-chunk states ``h [B, chunks, H, K, V]`` and
+  the WY factors; the CPU path (the default) keeps its fp32 chunk tensors, as measured.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ __all__ = ["meta_forward", "MetaDispatch"]
 class MetaDispatch:
     """The routing assumption of a meta forward: ``local_experts`` run on this rank, ``capacity`` >= 1."""
 
-    def __init__(self, local_experts: int, capacity: float):
-        self.local_experts, self.capacity = local_experts, capacity
+    def __init__(self, local_experts: int, capacity: float, kernels: str = "cpu"):
+        if kernels not in ("cpu", "gpu"):
+            raise ValueError(f"kernels: must be 'cpu' or 'gpu', got {kernels!r}")
+        self.local_experts, self.capacity, self.kernels = local_experts, capacity, kernels
 
     def rows(self, tokens: int, top_k: int) -> int:
         per_expert = math.ceil(tokens * top_k * self.capacity / self.local_experts)
@@ -105,6 +112,37 @@ class _MetaBlockedAttention(torch.autograd.Function):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
+class _MetaGpuChunkKDA(torch.autograd.Function):
+    """The GPU KDA kernel's memory on meta (module docstring): q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``,
+    beta ``[B, T, H]`` -> o ``[B, T, H, V]``; ``chunks`` is the number of chunks over every sequence."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, chunks: int, chunk: int):
+        b, t, h, kd = q.shape
+        g_cumsum = g.new_empty(b, t, h, kd, dtype=torch.float32)
+        a_qk, a_kk = q.new_empty(b, t, h, chunk), q.new_empty(b, t, h, chunk)
+        # made and dropped inside the forward: states per chunk, the WY factors, the gated keys, new values
+        work = [q.new_empty(b, chunks, h, kd, v.shape[-1]), q.new_empty(b, t, h, kd), v.new_empty(v.shape),
+                q.new_empty(b, t, h, kd), v.new_empty(v.shape), g.new_empty(b, t, h, 16, dtype=torch.float32)]
+        out = v.new_empty(v.shape)
+        del work
+        ctx.save_for_backward(q, k, v, g, beta, g_cumsum, a_qk, a_kk)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, g, beta = ctx.saved_tensors[:5]
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
+                torch.zeros_like(beta), None, None)
+
+
+def _chunk_count(t: int, batch: int, chunk: int, cu_seqlens) -> int:
+    if cu_seqlens is None:
+        return batch * -(-t // chunk)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    return sum(-(-n // chunk) for n in lengths if n > 0)
+
+
 def _patch(stack: contextlib.ExitStack, module, name: str, value) -> None:
     old = getattr(module, name)
     setattr(module, name, value)
@@ -115,6 +153,7 @@ def _patch(stack: contextlib.ExitStack, module, name: str, value) -> None:
 def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
     """Within this context the layers run on meta tensors (see the module docstring); outside, unchanged."""
     from ..layers import gated_dsa
+    from ..layers import kda as kda_layer
     from ..layers import moe as moe_layer
     from ..ops import checks
     from ..ops.dsa import indexer
@@ -168,8 +207,25 @@ def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
         counts = torch.full((el,), x_sorted.shape[0] // el, dtype=torch.long)
         return real_packed(_LocalExperts(self, el), x_sorted, counts)
 
+    real_chunk_kda = kda_layer.chunk_kda
+
+    def gpu_chunk_kda(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+                      chunk_size=64, **kwargs):
+        if not q.is_meta:
+            return real_chunk_kda(q, k, v, g, beta, initial_state=initial_state,
+                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                  chunk_size=chunk_size, **kwargs)
+        chunks = _chunk_count(q.shape[1], q.shape[0], 64, cu_seqlens)  # fla's chunk is 64 tokens
+        o = _MetaGpuChunkKDA.apply(q, k, v, g, beta, chunks, 64)
+        sequences = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+        final = (q.new_empty(sequences, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+                 if output_final_state else None)
+        return o, final
+
     moe_layer_permute, moe_layer_unpermute = moe_layer.permute, moe_layer.unpermute
     with contextlib.ExitStack() as stack:
+        if dispatch.kernels == "gpu":
+            _patch(stack, kda_layer, "chunk_kda", gpu_chunk_kda)
         for mod in list(sys.modules.values()):
             if getattr(mod, "__name__", "").startswith("moe_plugin.") and getattr(mod, "check_ids", None) is real_ids:
                 _patch(stack, mod, "check_ids", check_ids)

@@ -63,7 +63,8 @@ def _activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]
     def of(layout: Layout):
         dtype = torch.bfloat16 if layout.precision_bytes == 2 else torch.float32
         act = plan_activations(mc, lora_section, layout.micro_batch, layout.seq_len,
-                               mc.moe.num_experts // layout.ep, layout.capacity, dtype, cache, documents)
+                               mc.moe.num_experts // layout.ep, layout.capacity, dtype, cache, documents,
+                               layout.kernels)
         if not layout.images:
             return act
         key = ("vision", layout.images, layout.image_size, dtype, repr(lora_section))
@@ -111,10 +112,12 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
                 micro_batch: Optional[int] = None, seq_len: Optional[int] = None,
                 checkpointing: bool = False, expert_format: Optional[str] = None, capacity: float = 1.25,
                 overhead_bytes: Optional[float] = None, cache: Optional[dict] = None,
-                knobs: bool = False, images: Optional[int] = None, image_size: int = 896) -> Plan:
+                knobs: bool = False, images: Optional[int] = None, image_size: int = 896,
+                kernels: str = "cpu") -> Plan:
     """Plan ``recipe`` (a validated ``Recipe``) at a layout; arguments left ``None`` come from the recipe and
     its DeepSpeed config (``devices`` from its ``train_batch_size``; ``images``, pictures per micro-batch
-    through the vision tower: one per row when the recipe trains on images, else none). ``cache`` keeps
+    through the vision tower: one per row when the recipe trains on images, else none; ``kernels``: whose
+    saved sets, ``"cpu"`` as this machine runs or ``"gpu"`` as CUDA would, plan/meta_ops.py). ``cache`` keeps
     counts and meta-measured activation models between calls (keyed by the model's structure)."""
     from ..training.backends.common import hf_config
     from ..training.backends.images import wants_images
@@ -130,6 +133,7 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     require(devices % ep == 0, "--devices", f"{devices} is not a multiple of parallel.expert_parallel_size "
             f"({ep}); use a multiple of {ep}")
     require(capacity >= 1.0, "--capacity", f"must be >= 1 (1 = perfectly balanced routing), got {capacity}")
+    require(kernels in ("cpu", "gpu"), "--kernels", f"must be 'cpu' or 'gpu', got {kernels!r}")
     overrides = dict(recipe.model.overrides)
     if expert_format is not None:
         overrides["expert_format"] = expert_format
@@ -166,7 +170,7 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     layout = Layout(devices=devices, ep=ep, zero3=zero3, micro_batch=micro_batch, seq_len=seq_len,
                     grad_accum=s.gradient_accumulation_steps, checkpointing=checkpointing, capacity=capacity,
                     precision_bytes=pb, zero=zero_settings(ds), preset_build=recipe.model.from_pretrained is None,
-                    overhead_bytes=overhead_bytes, images=images, image_size=image_size)
+                    overhead_bytes=overhead_bytes, images=images, image_size=image_size, kernels=kernels)
     memory = plan_memory(counts, mc, act, layout)
     tokens = devices * micro_batch * s.gradient_accumulation_steps * seq_len
     n = micro_batch * seq_len
@@ -211,7 +215,7 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
     alt = plan_recipe(recipe, devices=layout.devices, micro_batch=layout.micro_batch, seq_len=layout.seq_len,
                       checkpointing=checkpointing, expert_format=other, capacity=capacity,
                       overhead_bytes=layout.overhead_bytes, cache=cache, images=layout.images,
-                      image_size=layout.image_size)
+                      image_size=layout.image_size, kernels=layout.kernels)
     out[f"experts {other}"] = base - alt.memory.peak
     return out
 
