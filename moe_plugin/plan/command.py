@@ -1,5 +1,6 @@
 """``moe-plugin plan --recipe R [--devices N --device-memory 141GB --micro-batch B --seq-len T
---checkpointing on|off --expert-format dense|mxfp4|int4 --capacity 1.25 --images N --image-size PX --kernels gpu|cpu --json]``
+--checkpointing on|off --expert-format dense|mxfp4|int4 --capacity 1.25 --images N --image-size PX
+--kernels gpu|cpu --from-checkpoint --json]``
 (docs/planner.md)."""
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--image-size", type=int, default=896, help="side of each square picture in pixels")
     p.add_argument("--kernels", choices=["gpu", "cpu"], default="gpu",
                    help="whose saved sets to plan: the GPU kernels CUDA picks (default) or the CPU's torch paths")
+    p.add_argument("--from-checkpoint", action="store_true",
+                   help="plan the base as loaded from a checkpoint (streamed per rank), not built from the preset")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     problem = recipe_path_problem(args.recipe)
@@ -93,7 +96,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan = plan_recipe(recipe, devices=args.devices, device_memory=memory, micro_batch=args.micro_batch,
                        seq_len=args.seq_len, checkpointing=args.checkpointing == "on",
                        expert_format=args.expert_format, capacity=args.capacity, knobs=True,
-                       images=args.images, image_size=args.image_size, kernels=args.kernels)
+                       images=args.images, image_size=args.image_size, kernels=args.kernels,
+                       from_checkpoint=args.from_checkpoint)
     plan.recipe = args.recipe
     print(json.dumps(plan.to_dict(), indent=1, default=str) if args.json else format_plan(plan))
     return 0

@@ -113,11 +113,13 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
                 checkpointing: bool = False, expert_format: Optional[str] = None, capacity: float = 1.25,
                 overhead_bytes: Optional[float] = None, cache: Optional[dict] = None,
                 knobs: bool = False, images: Optional[int] = None, image_size: int = 896,
-                kernels: str = "cpu") -> Plan:
+                kernels: str = "cpu", from_checkpoint: Optional[bool] = None) -> Plan:
     """Plan ``recipe`` (a validated ``Recipe``) at a layout; arguments left ``None`` come from the recipe and
     its DeepSpeed config (``devices`` from its ``train_batch_size``; ``images``, pictures per micro-batch
     through the vision tower: one per row when the recipe trains on images, else none; ``kernels``: whose
-    saved sets, ``"cpu"`` as this machine runs or ``"gpu"`` as CUDA would, plan/meta_ops.py). ``cache`` keeps
+    saved sets, ``"cpu"`` as this machine runs or ``"gpu"`` as CUDA would, plan/meta_ops.py;
+    ``from_checkpoint``: the base streams in per rank, as a ``from_pretrained`` base does, even when the recipe
+    names a preset, whose whole-rank build is otherwise planned). ``cache`` keeps
     counts and meta-measured activation models between calls (keyed by the model's structure)."""
     from ..training.backends.common import hf_config
     from ..training.backends.images import wants_images
@@ -169,7 +171,8 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
         overhead_bytes = GPU_OVERHEAD_BYTES if device_memory and device_memory > 2 ** 36 else CPU_OVERHEAD_BYTES
     layout = Layout(devices=devices, ep=ep, zero3=zero3, micro_batch=micro_batch, seq_len=seq_len,
                     grad_accum=s.gradient_accumulation_steps, checkpointing=checkpointing, capacity=capacity,
-                    precision_bytes=pb, zero=zero_settings(ds), preset_build=recipe.model.from_pretrained is None,
+                    precision_bytes=pb, zero=zero_settings(ds),
+                    preset_build=not from_checkpoint and recipe.model.from_pretrained is None,
                     overhead_bytes=overhead_bytes, images=images, image_size=image_size, kernels=kernels)
     memory = plan_memory(counts, mc, act, layout)
     tokens = devices * micro_batch * s.gradient_accumulation_steps * seq_len
@@ -215,7 +218,8 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
     alt = plan_recipe(recipe, devices=layout.devices, micro_batch=layout.micro_batch, seq_len=layout.seq_len,
                       checkpointing=checkpointing, expert_format=other, capacity=capacity,
                       overhead_bytes=layout.overhead_bytes, cache=cache, images=layout.images,
-                      image_size=layout.image_size, kernels=layout.kernels)
+                      image_size=layout.image_size, kernels=layout.kernels,
+                      from_checkpoint=not layout.preset_build)
     out[f"experts {other}"] = base - alt.memory.peak
     return out
 

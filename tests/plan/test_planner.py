@@ -45,6 +45,19 @@ def test_bad_input_names_the_field():
         plan_recipe(recipe, devices=4, capacity=0.5)
 
 
+def test_a_checkpoint_base_has_no_preset_build_and_gpu_kernels_save_less():
+    recipe = recipe_from_dict(layout_recipe("/tmp/never", 4, 2, 256))
+    preset = plan_recipe(recipe, devices=4)
+    loaded = plan_recipe(recipe, devices=4, from_checkpoint=True)
+    assert preset.memory.build_peak > 0 and loaded.memory.build_peak == 0
+    assert loaded.memory.step_peak == preset.memory.step_peak  # the step does not care how the base came
+    gpu = plan_recipe(recipe, devices=4, kernels="gpu")
+    assert gpu.memory.activations_by_segment["kda"] < preset.memory.activations_by_segment["kda"]
+    assert gpu.memory.activations_by_segment["moe"] == preset.memory.activations_by_segment["moe"]
+    with pytest.raises(ValueError, match="--kernels"):
+        plan_recipe(recipe, devices=4, kernels="tpu")
+
+
 @pytest.mark.parametrize("expert_format,extras", [("dense", {}),
                                                   ("mxfp4", dict(use_dsa_indexer=True, index_topk=64, attn_res=True))])
 def test_meta_forward_saves_what_the_real_layer_saves(expert_format, extras):
