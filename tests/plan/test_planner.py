@@ -181,9 +181,6 @@ def _check(world: int) -> None:
             error = (plan + overhead - peak) / peak
             assert abs(error) < 0.25, (f"rank {rank}, layout {layout}: planned {(plan + overhead) / 2**20:.0f} MiB, "
                                        f"measured {peak / 2**20:.0f} MiB ({error:+.0%})")
-        if world > 1:  # DeepSpeed's second step runs on the recorded trace: whole model kept gathered
-            steps = [m["phases"] for m in measured[rank][1:]]
-            assert all(p["step 2"] > p["step 1"] for p in steps), steps
 
 
 def test_planned_peak_matches_one_process_runs():
