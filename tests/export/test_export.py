@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from moe_plugin import cli
 from moe_plugin.export import FORMATS, ExportCheckError, export_run
 from moe_plugin.parallel.launch import run_distributed
+from tests.export.saved_files import directory_tensors
 
 WORKER = "tests/training/trainer_workers.py:run_recipes"
 LR, STEPS = 2e-2, 2
@@ -156,23 +157,15 @@ def test_merged_exports_hold_one_layers_experts_at_a_time(exports):
         assert layers and all(len(v) == 1 for v in layers.values()), to  # no shard mixes two layers' experts
 
 
-def _tensors(directory):
-    out = {}
-    for f in sorted(os.listdir(directory)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, f)))
-    return out
-
-
 @pytest.mark.parametrize("to", FORMATS)
 def test_ep2_zero3_export_equals_the_ep1_export(runs, exports, to):
-    one, four = _tensors(exports["ep1", to]), _tensors(exports["ep2", to])
+    one, four = directory_tensors(exports["ep1", to]), directory_tensors(exports["ep2", to])
     assert sorted(one) == sorted(four)
     adapter = load_file(os.path.join(runs["ep1"], "adapter", "adapter_model.safetensors"))
     # a merged weight moves by scaling * B @ A: its difference is bounded through the factors' differences
     largest = max(float(t.abs().max()) for t in adapter.values())
     merged_bound = 2.0 * 4 * (2 * largest + BOUND) * BOUND + 1e-6
-    base = _tensors(os.path.join(runs["ep1"], "base"))
+    base = directory_tensors(os.path.join(runs["ep1"], "base"))
     for name, value in one.items():
         diff = float((four[name] - value).abs().max())
         if to in ("peft", "per-expert"):
@@ -188,14 +181,14 @@ def test_checkpoint_step_exports_equal_across_layouts_and_the_last_equals_the_fi
         export_run(runs[run], "peft", str(tmp_path / f"{run}-step1"), step=1)
         export_run(runs[run], "peft", str(tmp_path / f"{run}-step2"), step=STEPS)
     for step in (1, 2):
-        one, four = _tensors(tmp_path / f"ep1-step{step}"), _tensors(tmp_path / f"ep2-step{step}")
+        one, four = directory_tensors(tmp_path / f"ep1-step{step}"), directory_tensors(tmp_path / f"ep2-step{step}")
         assert sorted(one) == sorted(four)
         for name in one:
             assert float((one[name] - four[name]).abs().max()) <= BOUND, (step, name)
     final = load_file(os.path.join(runs["ep2"], "adapter", "adapter_model.safetensors"))
-    last = _tensors(tmp_path / "ep2-step2")
+    last = directory_tensors(tmp_path / "ep2-step2")
     assert all(torch.equal(last[k], final[k]) for k in final)  # the gathered final adapter, rebuilt exactly
-    first = _tensors(tmp_path / "ep2-step1")
+    first = directory_tensors(tmp_path / "ep2-step1")
     assert any(not torch.equal(first[k], final[k]) for k in final)
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from moe_plugin.export import export_run
 from moe_plugin.weights.names import VISION_PREFIXES
+from tests.export.saved_files import directory_tensors
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +47,6 @@ def run(tmp_path_factory):
     for to, out in exports.items():
         export_run(str(tmp / "run"), to, out, max_shard_size="20KB")
     return {"base": str(tmp / "base"), "run": str(tmp / "run"), "exports": exports}
-
-
-def _tensors(directory):
-    out = {}
-    for f in sorted(os.listdir(directory)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, f)))
-    return out
 
 
 def _inputs(image_token_id: int):
@@ -89,7 +82,7 @@ def test_merged_exports_keep_the_vision_tensors_and_reload_as_the_image_text_mod
     from moe_plugin.models import MoEPluginForConditionalGeneration, load_k3_checkpoint
 
     directory = run["exports"][to]
-    base, written = _tensors(run["base"]), _tensors(directory)
+    base, written = directory_tensors(run["base"]), directory_tensors(directory)
     vision = sorted(n for n in base if n.startswith(VISION_PREFIXES))
     assert vision and sorted(n for n in written if n.startswith(VISION_PREFIXES)) == vision
     assert all(torch.equal(written[n], base[n]) for n in vision)

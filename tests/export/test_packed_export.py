@@ -18,6 +18,7 @@ from moe_plugin import cli
 from moe_plugin.export import FORMATS, ExportCheckError, export_run
 from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
 from moe_plugin.parallel.launch import run_distributed
+from tests.export.saved_files import directory_tensors
 
 WORKER = "tests/training/trainer_workers.py:run_recipes"
 PACKED = ("mxfp4", "int4")
@@ -270,24 +271,16 @@ def test_the_command_prints_the_changed_values(runs, exports, tmp_path, capsys):
     assert f"experts requantised to int4, {changed} of {EXPERT_VALUES} expert values changed" in capsys.readouterr().out
 
 
-def _all_tensors(directory):
-    out = {}
-    for f in sorted(os.listdir(directory)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, f)))
-    return out
-
-
 @pytest.mark.parametrize("to", FORMATS)
 def test_an_ep2_zero3_packed_run_exports_as_the_ep1_run(runs, exports, tmp_path, to):
     """Tensor for tensor. The bound is looser than tests/export/test_export.py's for dense runs: the packed
     kernels dequantise per group of the rank's own experts, which leaves gradients equal only to 1e-5 of each
     tensor's largest (tests/training/test_packed_trainer.py), and Adam's normalised update of an element with a
     small gradient magnifies that; 1% of the largest move Adam can make, lr x steps, covers it."""
-    one = _all_tensors(exports["mxfp4", to, False][0])
+    one = directory_tensors(exports["mxfp4", to, False][0])
     four_dir = str(tmp_path / "ep2")
     export_run(runs["ep2"]["run"], to, four_dir, max_shard_size="20KB")
-    four = _all_tensors(four_dir)
+    four = directory_tensors(four_dir)
     assert sorted(one) == sorted(four)
     bound = 1e-2 * LR * STEPS
     adapter = load_file(os.path.join(runs["mxfp4"]["run"], "adapter", "adapter_model.safetensors"))

@@ -22,6 +22,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from tests.training.trainer_workers import _full_grads  # every adapter's reduced gradient, PEFT names
+
 
 def _guarded(check) -> dict:
     try:
@@ -70,30 +72,6 @@ def _direct(case_dir: str) -> dict:
             "names": sorted(n for n, _ in model.named_parameters() if "_res_proj" in n or "_res_norm" in n),
             "logits": logits.detach(), "lm": lm.detach(), "indexer_kl": indexer_kl.detach(),
             "grads": adapter_state_to_hf(model, config, grads=True)}
-
-
-def _full_grads(trainer) -> dict:
-    """Every adapter's reduced gradient, full shape, under the backend's PEFT names (collective)."""
-    from deepspeed.utils import safe_get_full_grad
-
-    from moe_plugin.megatron.lora import adapter_state_to_hf
-
-    module = trainer.engine.module
-    params = dict(module.named_parameters())
-    grads = {}
-    for name, p in params.items():
-        if ".lora_" in name:
-            g = safe_get_full_grad(p) if hasattr(p, "ds_id") else p.grad
-            grads[name] = (g if g is not None else torch.zeros(getattr(p, "ds_shape", p.shape))).clone()
-    backup = {n: params[n].data for n in grads}
-    try:
-        for n, g in grads.items():
-            params[n].data = g
-        state = adapter_state_to_hf(module, trainer.model_config)
-    finally:
-        for n, t in backup.items():
-            params[n].data = t
-    return {"base_model.model." + k.replace(".default.", "."): v for k, v in state.items()}
 
 
 def _trainer(recipe_dict: dict) -> dict:

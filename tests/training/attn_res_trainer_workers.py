@@ -9,21 +9,9 @@ from __future__ import annotations
 
 import copy
 
-import torch
 import torch.distributed as dist
 
-
-def _full_grads(module) -> dict:
-    """Every adapter's reduced gradient, full shape, under PEFT state-dict names (collective under ZeRO-3)."""
-    from deepspeed.utils import safe_get_full_grad
-    from peft import get_peft_model_state_dict
-
-    grads = {}
-    for name, p in module.named_parameters():
-        if ".lora_" in name:
-            g = safe_get_full_grad(p) if hasattr(p, "ds_id") else p.grad
-            grads[name] = (g if g is not None else torch.zeros(getattr(p, "ds_shape", p.shape))).clone()
-    return dict(get_peft_model_state_dict(module, state_dict=grads))
+from tests.training.trainer_workers import _full_grads  # reduced, full-shape adapter gradients, PEFT names
 
 
 def run(recipes: list) -> dict:
@@ -42,7 +30,7 @@ def run(recipes: list) -> dict:
 
             trainer.backend.loss = recording_loss
             grads = {}
-            losses = [trainer.train_step(on_gradients=lambda: grads.update(_full_grads(module)))]
+            losses = [trainer.train_step(on_gradients=lambda: grads.update(_full_grads(trainer)))]
             while trainer.step < trainer.recipe.schedule.steps:
                 losses.append(trainer.train_step())
             results[name] = {

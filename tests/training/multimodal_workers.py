@@ -9,15 +9,11 @@ micro-batch held images. Nothing here asserts.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from moe_plugin.parallel.launch import resolve_function
-
-# the trainer tests' gradient capture: reduced, full-shape adapter gradients under PEFT names
-_full_grads = resolve_function(f"{Path(__file__).with_name('trainer_workers.py')}:_full_grads")
+from tests.training.trainer_workers import _full_grads  # reduced, full-shape adapter gradients, PEFT names
 
 
 def _logits(trainer, micro) -> torch.Tensor:

@@ -11,21 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.training.launchers import BIN, REPO, free_port, launch
+
 HELD_OUT = 24  # pictures answered (the full job answers 60)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _shortened_main_job(tmp_path) -> str:
@@ -57,13 +48,8 @@ def _answers_in_plain_peft(model, held_out: str, limit: int):
 
 
 def test_shortened_main_job_raises_held_out_accuracy(tmp_path, monkeypatch):
-    bin_dir = os.path.dirname(sys.executable)
-    command = [os.path.join(bin_dir, "deepspeed"), "--num_accelerators", "2", "--master_port", str(_free_port()),
-               "--module", "moe_plugin.train", "--recipe", _shortened_main_job(tmp_path)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
+    out = launch([os.path.join(BIN, "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()),
+                  "--module", "moe_plugin.train", "--recipe", _shortened_main_job(tmp_path)], timeout=1500)
     assert "expert parallel 2, ZeRO stage 3" in out
     chance = float(re.search(r"chance level: ([0-9.]+) \(always the most common of 4 answers, "
                              rf"{HELD_OUT} held-out examples\)", out).group(1))

@@ -7,17 +7,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
-import pytest
 import torch
 
 from moe_plugin.training.data import eval_batches, label_token_count, load_examples, pack_examples
 from moe_plugin.training.loop import train
 from moe_plugin.training.recipe import recipe_from_dict
+from tests.training.launchers import BIN, REPO, free_port, launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERTS = ["experts.w1", "experts.w2", "experts.w3"]
 
 
@@ -123,26 +120,9 @@ def test_chat_sft_data(tmp_path):
     assert len(result.losses) == 3 and all(math.isfinite(x) for x in result.losses)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:  # the launchers' default port may be in use by a concurrent job
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(command, env_extra=None, timeout=900):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
-    assert "MOE_PLUGIN_DIST_INIT_METHOD" not in env and "RANK" not in env  # no run in this process leaks its own
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{command} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    return proc.stdout + proc.stderr
-
-
 def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
     """2 CPU processes, megatron EP=2 with ZeRO-3: the deepspeed launcher runs 2 steps, torchrun continues the
     same output_dir to 4 from its checkpoint, and the adapter reproduces the reported evaluation loss."""
-    bin_dir = os.path.dirname(sys.executable)
     recipe = {"output_dir": str(tmp_path / "run"), "seed": 5, "deepspeed": "ds_configs/zero3_lora.json",
               "model": {"preset": "tiny", "overrides": {"attn_res": False}},
               "lora": {"r": 4, "alpha": 8, "target_parameters": EXPERTS},
@@ -150,13 +130,13 @@ def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
               "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-2}, "logging": {"every": 1}}
     first = tmp_path / "first.json"
     first.write_text(json.dumps(recipe))
-    out = _launch([os.path.join(bin_dir, "deepspeed"), "--num_accelerators", "2", "--master_port", str(_free_port()),
+    out = launch([os.path.join(BIN, "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()),
                    "--module", "moe_plugin.train", "--recipe", str(first)])
     assert "expert parallel 2, ZeRO stage 3" in out
     recipe["schedule"]["steps"] = 4
     second = tmp_path / "second.json"
     second.write_text(json.dumps(recipe))
-    out = _launch([os.path.join(bin_dir, "torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    out = launch([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
                    "-m", "moe_plugin.train", "--recipe", str(second)])
     assert "resuming from the checkpoint at step 2" in out
     with open(tmp_path / "run" / "losses.json") as f:
