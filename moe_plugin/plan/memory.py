@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Optional
 
 from .activations import ActivationPlan
-from .counts import ModelCounts
+from .counts import ModelCounts, rank_share
 
 __all__ = ["Layout", "MemoryPlan", "plan_memory", "ZERO3_DEFAULTS"]
 
@@ -66,7 +66,7 @@ class MemoryPlan:
 def _local_full_numel(counts: ModelCounts, ep: int) -> float:
     """Elements of this rank's model gathered whole: every non-expert tensor and its own E / EP experts."""
     experts = counts.kinds["experts"].numel + counts.expert_adapter_numel
-    return counts.total_numel - experts + experts / ep - counts.kinds["vision"].numel * 0
+    return counts.total_numel - experts + experts / ep
 
 
 def _local_full_bytes(counts: ModelCounts, ep: int, precision_bytes: int) -> float:
@@ -83,11 +83,8 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
     world, ep = L.devices, L.ep
     edp = world // ep
     z = L.zero
-    base = {}
-    for kind in ("experts", "dense", "embeddings", "vision"):
-        c = counts.kinds[kind]
-        share = c.nbytes / ep if kind == "experts" else c.nbytes
-        base[kind] = share / (edp if kind == "experts" else world) if L.zero3 else share
+    share = rank_share(counts, world, ep, L.zero3)
+    base = {kind: share[kind] for kind in ("experts", "dense", "embeddings", "vision")}
     dense_ad = counts.adapter_numel - counts.expert_adapter_numel
     ad_local = (dense_ad / world + counts.expert_adapter_numel / ep / edp) if L.zero3 else \
         (dense_ad + counts.expert_adapter_numel / ep)

@@ -60,7 +60,19 @@ def _activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]
     vision encoder's on the layout's pictures)."""
     import torch
 
+    # the cache is shared by recipes of one model; hashed once here, not at every lookup
+    documents_key = (len(documents), hash(tuple(documents))) if documents else None
+
     def of(layout: Layout):
+        # plan_memory asks once per layout it plans (the knobs, the device-count search): the activations do
+        # not depend on the device count, ZeRO or checkpointing, so each distinct shape is planned once
+        shape = ("activations", layout.micro_batch, layout.seq_len, layout.ep, layout.capacity,
+                 layout.precision_bytes, layout.kernels, layout.images, layout.image_size, documents_key)
+        if shape not in cache:
+            cache[shape] = _activations(layout)
+        return cache[shape]
+
+    def _activations(layout: Layout):
         dtype = torch.bfloat16 if layout.precision_bytes == 2 else torch.float32
         act = plan_activations(mc, lora_section, layout.micro_batch, layout.seq_len,
                                mc.moe.num_experts // layout.ep, layout.capacity, dtype, cache, documents,

@@ -40,7 +40,7 @@ def image_grid(image_size: int, patch_size: int, merge_size: int) -> Tuple[int, 
 @contextlib.contextmanager
 def _vision_on_meta(grid_cpu: torch.Tensor) -> Iterator[None]:
     from ..layers import vision
-    from .meta_ops import _MetaBlockedAttention
+    from .meta_ops import _MetaBlockedAttention, _patch
 
     positions, segments, attend = vision.patch_positions, vision.image_segments, vision._attend
 
@@ -55,12 +55,11 @@ def _vision_on_meta(grid_cpu: torch.Tensor) -> Iterator[None]:
     def fused_attend(q, k, v):  # [B, L, H, D] each
         return _MetaBlockedAttention.apply(q, k, v) if q.is_meta else attend(q, k, v)
 
-    vision.patch_positions, vision.image_segments = on_device(positions), on_device(segments)
-    vision._attend = fused_attend
-    try:
+    with contextlib.ExitStack() as stack:
+        _patch(stack, vision, "patch_positions", on_device(positions))
+        _patch(stack, vision, "image_segments", on_device(segments))
+        _patch(stack, vision, "_attend", fused_attend)
         yield
-    finally:
-        vision.patch_positions, vision.image_segments, vision._attend = positions, segments, attend
 
 
 def vision_activation_bytes(vision_config, lora_section, images: int, image_size: int, dtype: torch.dtype
