@@ -138,7 +138,8 @@ def keep_fp32_through(model: nn.Module, convert: Callable[[], nn.Module]) -> nn.
     """Run ``convert`` (``nn.Module._apply`` of ``model``: ``.to(dtype)``, ``.half()``, ``to_empty``) and put
     the listed tensors back in fp32 with their exact values, on the device the conversion chose.
 
-    Only conversions that leave a tensor floating at fp32 or lower are undone for them; a model materialised
+    Only conversions that lowered a tensor below fp32 are undone for them (one that kept it fp32 already moved
+    it exactly, and copying it again would be a second transfer at every nesting level); a model materialised
     from ``meta`` (``to_empty``) has no values to keep, only the fp32 dtype.
     """
     kept = [(module, name, _tensor(module, name).data) for _, module, name in fp32_tensors(model)
@@ -146,7 +147,7 @@ def keep_fp32_through(model: nn.Module, convert: Callable[[], nn.Module]) -> nn.
     result = convert()
     for module, name, original in kept:
         now = _tensor(module, name)
-        if now.dtype not in (torch.float32,) + LOW_PRECISION:
+        if now.dtype not in LOW_PRECISION:
             continue
         restored = now.float() if original.is_meta and not now.is_meta else original.to(now.device)
         if name in module._parameters:

@@ -187,9 +187,11 @@ def prepare_expert_adapters(model: nn.Module, seed: int) -> int:
     on an expert-parallel model mark and tag the expert adapters as expert parameters (docs/zero3-ep.md).
     Call it with the same seed on every rank and in the one-process run compared with; returns the blocks drawn."""
     from ..lora import mark_expert_adapters
+    from ..precision import apply_precision
     from ..training.backends.common import init_expert_adapters
 
     drawn = init_expert_adapters(model, seed)
+    apply_precision(model)  # the base is frozen now: its fp32 tensors become fp32 buffers (docs/precision.md)
     if expert_parallel_size(model) > 1:
         mark_expert_adapters(model)
         tag_expert_parameters(model)

@@ -72,8 +72,7 @@ def _write_model(state, recipe, path: str) -> None:
     config = hf_config(recipe.model)
     # what save_pretrained records, and how AutoModelForCausalLM tells an image+text base from a text one (a
     # config may carry a vision tower that a text run never built: the written names decide)
-    images = any(name.startswith("language_model.") for name in state)
-    config.architectures = ["MoEPluginForConditionalGeneration" if images else "MoEPluginForCausalLM"]
+    config.architectures = [_model_class(state)]
     with atomic_directory(path) as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
                   metadata={"format": "pt"})

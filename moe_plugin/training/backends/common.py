@@ -86,8 +86,7 @@ def init_expert_adapters(model: nn.Module, seed: int) -> int:
     holds it, and on both faces (the key uses no module path, which differs between them; peft draws the
     stacked ``[r * E_local, in]`` from the global generator, which would give each EP rank the same numbers
     for different experts). The bound is peft's (kaiming-uniform with a = sqrt(5): 1/sqrt(in)). ``lora_B``
-    starts at zero as in peft. Returns the number of expert blocks drawn. Called once the adapters are in
-    place (the base frozen), it also applies the precision policy's frozen-tensor rule (docs/precision.md)."""
+    starts at zero as in peft. Returns the number of expert blocks drawn."""
     drawn = 0
     for name, module in model.named_modules():
         experts = _innermost(module)
@@ -104,10 +103,6 @@ def init_expert_adapters(model: nn.Module, seed: int) -> int:
                 g.manual_seed((seed * 1_000_003 + key) * 4099 + experts.first_expert + j)
                 w[j * r:(j + 1) * r].uniform_(-bound, bound, generator=g)
                 drawn += 1
-    from ...precision import apply_precision
-
-    # the base is frozen now: the fp32 tensors become fp32 buffers, which deepspeed.initialize does not cast
-    apply_precision(model)
     return drawn
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ...lora import add_lora
+from ...precision import apply_precision
 from ...training.routing import moe_layers
 from .base import Backend, ParallelInfo
 from .common import (adapter_lora_config, gathered, hf_config, hide_expert_marks, init_expert_adapters, load_base,
@@ -57,6 +58,8 @@ class HFBackend(Backend):
             torch.manual_seed(self.recipe.seed)
             model = add_lora(model, adapter_lora_config(section), wrap=True)
             init_expert_adapters(model, self.recipe.seed)
+            # the base is frozen now: its fp32 tensors become fp32 buffers, which deepspeed.initialize leaves
+            apply_precision(model)  # alone (docs/precision.md)
         hide_expert_marks(model)
         return model
 

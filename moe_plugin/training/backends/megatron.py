@@ -18,6 +18,7 @@ from torch import nn
 from ...lora import add_lora
 from ...models.inputs import causal_lm_loss
 from ...parallel.zero3_ep import create_deepspeed_expert_groups, tag_expert_parameters
+from ...precision import apply_precision
 from .base import Backend, ParallelInfo
 from .common import (adapter_lora_config, gathered, hide_expert_marks, init_expert_adapters, load_base,
                      partition_while_building, zero3_enabled, zero_init)
@@ -59,6 +60,8 @@ class MegatronBackend(Backend):
             torch.manual_seed(self.recipe.seed)  # the same dense adapters on every rank and in every layout
             add_lora(model, adapter_lora_config(section))
             init_expert_adapters(model, self.recipe.seed)
+            # the base is frozen now: its fp32 tensors become fp32 buffers, which deepspeed.initialize leaves
+            apply_precision(model)  # alone (docs/precision.md)
         if zero3:
             tag_expert_parameters(model)
         else:  # one process: the experts are not partitioned (the recipe check allows nothing else)
