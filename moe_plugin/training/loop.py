@@ -115,7 +115,7 @@ class Trainer:
         self.output_dir = os.path.abspath(recipe.output_dir)
         self._owns_processes = start_processes(self.device)
         self.rank = dist.get_rank()
-        self.run_dir, self.backend = None, None
+        self.run_dir, self.backend, self.logger, self.moe_metrics = None, None, None, None
         try:
             error = None
             if self.rank == 0:
@@ -161,7 +161,14 @@ class Trainer:
         self.close()
 
     def close(self) -> None:
-        """Release the output directory and the process groups this trainer started."""
+        """Release the logger (its W&B run), the router hooks, the output directory and the process groups this
+        trainer started. A trainer closed without ``run`` finishing leaves no W&B run open for the next one."""
+        if self.logger is not None:
+            self.logger.close()  # a no-op after run() closed it
+            self.logger = None
+        if self.moe_metrics is not None:
+            self.moe_metrics.close()
+            self.moe_metrics = None
         if self.backend is not None:
             self.backend.teardown()
             self.backend = None

@@ -53,7 +53,8 @@ def _mm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor) -> torch.Tenso
     if x.shape[0] == 0:
         return x.new_zeros(0, w_t.shape[2])
     if _grouped_mm_supported(x, w_t.transpose(1, 2)) and w_t.shape[2] * x.element_size() % 16 == 0:
-        return torch._grouped_mm(x, w_t, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+        # the group sizes are kept on the host (the blocks are split there); the kernel wants its offsets on x's device
+        return torch._grouped_mm(x, w_t, offs=torch.cumsum(counts, 0, dtype=torch.int32).to(x.device))
     blocks = x.split(counts.tolist())
     return torch.cat([b @ w for b, w in zip(blocks, w_t.unbind(0))])
 
