@@ -78,17 +78,18 @@ def child(run_dir: str, what: str) -> None:
     from moe_plugin.export.source import open_run
 
     torch.set_num_threads(2)
-    out = tempfile.mkdtemp(prefix="export-bench-")
-    if what == "merge":
-        source = open_run(run_dir)
-        base = _reset_peak()
-        written = write_merged(source.base_path, source.hf_config, source.targets, source.state, out, "hf",
-                               5 * 10 ** 9)
-        layers = written["peak_expert_layers"]
-    else:
-        base = _reset_peak()
-        layers = export_run(run_dir, "merged-hf", os.path.join(out, "x")).peak_expert_layers
-    print(json.dumps({"peak_kib": _status_kib("VmHWM") - base, "peak_expert_layers": layers}))
+    with tempfile.TemporaryDirectory(prefix="export-bench-") as out:  # merged models of every size: removed
+        if what == "merge":
+            source = open_run(run_dir)
+            base = _reset_peak()
+            written = write_merged(source.base_path, source.hf_config, source.targets, source.state, out, "hf",
+                                   5 * 10 ** 9)
+            layers = written["peak_expert_layers"]
+        else:
+            base = _reset_peak()
+            layers = export_run(run_dir, "merged-hf", os.path.join(out, "x")).peak_expert_layers
+        peak_kib = _status_kib("VmHWM") - base
+    print(json.dumps({"peak_kib": peak_kib, "peak_expert_layers": layers}))
 
 
 def measure(run_dir: str, what: str) -> dict:

@@ -20,7 +20,7 @@ import platform
 import torch
 
 from moe_plugin.layers.kda import KDAAttention
-from moe_plugin.layers.moe import MoERouter, StableLatentMoE
+from moe_plugin.layers.moe import MoERouter, StableLatentMoE, route_logits
 from moe_plugin.models import MoEPluginForCausalLM
 from moe_plugin.ops.moe import route
 
@@ -62,8 +62,8 @@ def tiny_base() -> list:
             r = moe.router
             cfg = moe.config
             logits = torch.nn.functional.linear(x.float(), r.weight.bfloat16().float())
-            _, chosen_bf16, _ = route(logits, cfg.top_k, bias=r.e_score_correction_bias.bfloat16().float(),
-                                      renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor)
+            # the layer's own routing rule (groups included), on the bf16-rounded router
+            _, chosen_bf16, _ = route_logits(cfg, logits, r.e_score_correction_bias.bfloat16().float())
             flips += int((chosen.sort(-1).values != chosen_bf16.sort(-1).values).any(-1).sum())
             total += chosen.shape[0]
         router = _round(model, MoERouter, ("weight", "e_score_correction_bias"))(input_ids=ids).logits
