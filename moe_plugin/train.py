@@ -7,34 +7,57 @@ Run it as one process, or under a launcher that starts one process per device:
     deepspeed --num_gpus 8 --module moe_plugin.train --recipe R                                 # GPUs
     torchrun --nproc_per_node 2 -m moe_plugin.train --recipe recipes/tiny_lora.json
 
-The loop and its backends live in ``moe_plugin.training``; this module only parses the command line.
+A bad input (the command line, the recipe, a file it names) is one line on stderr and exit status 2, on any
+rank; --debug (or MOE_PLUGIN_DEBUG=1) shows its traceback. The recipe is validated before torch, DeepSpeed or
+megatron-core load. The loop and its backends live in ``moe_plugin.training``; this module only parses the
+command line.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import sys
 from typing import List, Optional
 
-__all__ = ["main"]
+from .cli_errors import ArgumentParser, run_command
+
+__all__ = ["main", "parser"]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-plugin train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="moe-plugin train", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True, help="path to a recipe JSON (see recipes/)")
+    p.add_argument("--allow-changed-inputs", action="store_true",
+                   help="resume even though an input of the run (its data, base or DeepSpeed config) changed since "
+                        "the run started")
     # the deepspeed launcher passes --local_rank=N (unless --no_local_rank); the rank also comes from the
     # environment (LOCAL_RANK), which is what the trainer reads
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def _train(argv: List[str]) -> None:
     args = parser().parse_args(argv)
-    from .training.loop import train
     from .training.recipe import load_recipe
 
-    train(load_recipe(args.recipe))
+    recipe = load_recipe(args.recipe)  # before the loop's import: a bad recipe is refused without torch
+    from .training.loop import train
+
+    if args.allow_changed_inputs:
+        if "allow_changed_inputs" not in inspect.signature(train).parameters:
+            raise ValueError("--allow-changed-inputs: this version of the trainer does not check a run's inputs "
+                             "yet, so there is nothing to allow; drop the flag")
+        train(recipe, allow_changed_inputs=True)
+    else:
+        train(recipe)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run ``moe-plugin train`` with ``argv`` (default: the command line); the exit status (2: a bad input)."""
+    return run_command("train", _train, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -30,15 +30,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = parser().parse_args(argv)
-    from .exporter import export_run
+    """Run ``moe-plugin export`` with ``argv`` (default: the command line); the exit status (2: a bad input, in
+    one line on stderr; ``--debug`` shows its traceback)."""
+    from ..cli_errors import one_line_errors, run_command
 
-    try:
+    def export(argv: List[str]) -> int:
+        args = one_line_errors(parser()).parse_args(argv)
+        from .exporter import export_run
+
+        # the flag lives in parser(); passed only when given, so an exporter without the keyword still runs
+        extra = {"allow_changed_inputs": True} if getattr(args, "allow_changed_inputs", False) else {}
         report = export_run(args.run, args.to, args.out, step=args.step,
                             targets=args.targets.split(",") if args.targets is not None else None,
-                            max_shard_size=args.max_shard_size, requantise=args.requantise)
-    except ValueError as err:
-        print(f"moe-plugin export: error: {err}", file=sys.stderr)
-        return 1
-    print(report.summary(), flush=True)
-    return 0
+                            max_shard_size=args.max_shard_size, requantise=args.requantise, **extra)
+        print(report.summary(), flush=True)
+        return 0
+
+    return run_command("export", export, argv)
