@@ -3,6 +3,12 @@
 Every section is a strict pydantic model: a wrong type ("10" for an integer), an out-of-range number or an
 unknown key at any depth is an error. All of a recipe's problems come back together in one ``RecipeError``
 (a ``ValueError``), one line per problem: ``<dotted.path>: <what is wrong>; <what would fix it>``.
+
+Validation runs in two passes so that a bad recipe is refused before torch loads. The first is pydantic alone
+(types, ranges, unknown keys, files that must exist, checks across fields): importing this module loads
+neither torch nor transformers. The second checks the ``model`` section against the model's config (the
+preset's name, the override keys, the config those overrides build); it needs transformers, which imports
+torch, so it runs only once the first pass found nothing, and its problems come in a second error.
 """
 
 from __future__ import annotations
@@ -15,16 +21,17 @@ import os
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ValidationInfo
 from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticUndefined
-from transformers import PretrainedConfig
 
 from ..config import ModelConfig
-from ..models.configuration import MoEPluginConfig
-from ..models.k3_config import config_from_k3
-from ..models.presets import PRESETS, preset_config
 from .recipe_errors import describe_errors
 
-HF_MODEL_TYPE = MoEPluginConfig.model_type  # config.json written by save_pretrained; anything else is K3's layout
+# MoEPluginConfig.model_type (tested equal), the model_type of a config.json save_pretrained wrote; anything
+# else is K3's layout. Spelled out so that reading a recipe does not import transformers.
+HF_MODEL_TYPE = "moe_plugin"
+# the validation context that leaves the model-config checks to the second pass (recipe_from_dict)
+DEFER_MODEL_CHECKS = "defer_model_checks"
 # (path inside its section, "what is wrong; what would fix it"); path "" is the section itself
 Problem = Tuple[str, str]
 
@@ -52,9 +59,15 @@ class _Section(BaseModel):
         """Checks across fields; they run once every field of the section has a valid type and range."""
         return []
 
+    def _model_config_problems(self) -> List[Problem]:
+        """Checks that need transformers (the second pass); they run after ``_problems`` found nothing."""
+        return []
+
     @model_validator(mode="after")
-    def _check_across_fields(self):
+    def _check_across_fields(self, info: ValidationInfo):
         problems = self._problems()
+        if not problems and not (info.context or {}).get(DEFER_MODEL_CHECKS):
+            problems = self._model_config_problems()
         if problems:
             # a ValidationError raised here joins the other sections' errors, each at its own field
             raise ValidationError.from_exception_data(type(self).__name__, [
@@ -66,6 +79,10 @@ class _Section(BaseModel):
 
 @functools.lru_cache(maxsize=None)
 def _override_keys() -> frozenset:
+    from transformers import PretrainedConfig
+
+    from ..models.configuration import MoEPluginConfig
+
     # from_pretrained drops a keyword the config does not have without a word, so unknown keys are refused here
     params = set(inspect.signature(MoEPluginConfig.__init__).parameters)
     params |= set(inspect.signature(PretrainedConfig.__init__).parameters)
@@ -142,6 +159,10 @@ class ModelSection(_Section):
 
     def build_model_config(self) -> ModelConfig:
         """The validated model dataclasses, from the config alone (no weights are read)."""
+        from ..models.configuration import MoEPluginConfig
+        from ..models.k3_config import config_from_k3
+        from ..models.presets import preset_config
+
         source = self.source_format()
         if source == "preset":
             return preset_config(self.preset, **self.overrides).to_model_config()
@@ -156,13 +177,18 @@ class ModelSection(_Section):
                     else "neither model.preset nor model.from_pretrained is given")
             return [("", f'{what}; give exactly one, e.g. {{"preset": "tiny"}} or '
                          f'{{"from_pretrained": "recipes/bases/tiny-arith"}}')]
-        problems: List[Problem] = []
-        if self.preset is not None and self.preset not in PRESETS:
-            problems.append(("preset", f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}"))
         if self.from_pretrained is not None:
             problem = _pretrained_problem(self.from_pretrained)
             if problem:
-                problems.append(("from_pretrained", problem))
+                return [("from_pretrained", problem)]
+        return []
+
+    def _model_config_problems(self) -> List[Problem]:
+        from ..models.presets import PRESETS
+
+        problems: List[Problem] = []
+        if self.preset is not None and self.preset not in PRESETS:
+            problems.append(("preset", f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}"))
         for key in sorted(set(self.overrides) - _override_keys()):
             close = difflib.get_close_matches(key, sorted(_override_keys()), 1)
             hint = f"did you mean {close[0]!r}?" if close else "use a key of MoEPluginConfig"
@@ -336,11 +362,16 @@ class Recipe(_Section):
 
 
 def recipe_from_dict(values: Any, source: str = "(from a dict)") -> Recipe:
-    """The validated recipe; raises ``RecipeError`` listing every problem (``source`` names it there)."""
+    """The validated recipe; raises ``RecipeError`` listing every problem (``source`` names it there): first
+    those pydantic finds without torch, then, once there are none, those of the model section's config."""
     try:
-        return Recipe.model_validate(values)
+        recipe = Recipe.model_validate(values, context={DEFER_MODEL_CHECKS: True})
     except ValidationError as err:
         raise RecipeError(source, describe_errors(err, Recipe)) from None
+    problems = recipe.model._model_config_problems()
+    if problems:
+        raise RecipeError(source, [(f"model.{path}" if path else "model", message) for path, message in problems])
+    return recipe
 
 
 def load_recipe(path: str) -> Recipe:

@@ -120,15 +120,27 @@ def test_from_pretrained_adapter_directory_points_at_its_base(tmp_path):
 
 def test_unknown_keys_at_every_depth_all_in_one_error():
     with pytest.raises(RecipeError) as caught:
-        recipe_from_dict(_with(optimiser={}, schedule={"stepz": 3}, model={"preset": "tiny",
-                                                                           "overrides": {"hiden_size": 32}}))
+        recipe_from_dict(_with(optimiser={}, schedule={"stepz": 3}, lora={"r": 8, "alfa": 16}))
     problems = dict(caught.value.problems)
-    assert set(problems) == {"optimiser", "schedule.stepz", "model.overrides.hiden_size"}
+    assert set(problems) == {"optimiser", "schedule.stepz", "lora.alfa"}
     assert problems["optimiser"].startswith("unknown key; allowed keys are ['checkpoint', 'data', 'deepspeed',")
     assert problems["schedule.stepz"].endswith("did you mean 'steps'?")
-    assert problems["model.overrides.hiden_size"] == "not a model config key; did you mean 'hidden_size'?"
     text = str(caught.value)
     assert text.startswith("recipe (from a dict): 3 problems\n") and "  schedule.stepz: unknown key;" in text
+
+
+def test_model_config_problems_come_once_the_rest_is_valid():
+    # checking an override key needs transformers (and so torch): the first pass reports what pydantic finds
+    values = _with(schedule={"stepz": 3}, model={"preset": "tiny", "overrides": {"hiden_size": 32}})
+    assert set(_problems(values)) == {"schedule.stepz"}
+    values["schedule"] = {}
+    assert _problems(values) == {"model.overrides.hiden_size": "not a model config key; did you mean 'hidden_size'?"}
+
+
+def test_the_model_type_the_recipe_spells_out_is_the_configs():
+    from moe_plugin.training.recipe import HF_MODEL_TYPE
+
+    assert HF_MODEL_TYPE == MoEPluginConfig.model_type
 
 
 def test_an_invalid_override_value_names_overrides():
