@@ -23,11 +23,12 @@ from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional,
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..config import ModelConfig, require
-from ..fileio import safetensors_weight_map
+from ..fileio import read_safetensors_header, safetensors_weight_map
+from .checks import check_dtypes, check_finite, check_packed_scale, config_dtype
 from .names import NAMINGS, base_name, expert_layer, is_expert_tensor, is_stacked_expert, strip_text_prefix, \
     tensor_from_k3
 from .packed import is_packed_expert_stack
@@ -139,44 +140,57 @@ def write_flat(tensor: torch.Tensor, offset: int, value: torch.Tensor) -> None:
 
 
 def _open_safetensors(file: str) -> ContextManager[Any]:
-    return safe_open(file, framework="pt")
+    read_safetensors_header(file)  # a damaged shard named, not safetensors' own error (or a read past its end)
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as err:  # e.g. a header past safetensors' own size limit
+        raise ValueError(f"path: {file}: damaged safetensors file: safetensors cannot open it "
+                         f"({type(err).__name__}: {err}); re-download or re-save it") from None
 
 
 def _fetch(handle: Any, read: Read) -> torch.Tensor:
-    if read.rows is None:
-        return handle.get_tensor(read.name)
-    return handle.get_slice(read.name)[read.rows[0]:read.rows[1]]
+    try:
+        if read.rows is None:
+            return handle.get_tensor(read.name)
+        return handle.get_slice(read.name)[read.rows[0]:read.rows[1]]
+    except SafetensorError as err:  # I/O, or a file changed since its header was checked
+        raise ValueError(f"path: {read.file}: damaged safetensors file: tensor {read.name} cannot be read "
+                         f"({type(err).__name__}: {err}); re-download or re-save it") from None
 
 
 def run_reads(plan: Plan, tensors: Mapping[str, torch.Tensor], targets: Mapping[str, Target],
-              open_file: Callable[[str], ContextManager[Any]], stats: LoadStats) -> None:
+              open_file: Callable[[str], ContextManager[Any]], stats: LoadStats,
+              expert_format: Optional[str] = None) -> None:
     """Carry out ``plan`` (``moe_plugin.weights.plan.plan_reads``) into ``tensors`` (target name -> this rank's
-    tensor, as ``targets`` describes it), file by file through ``open_file`` (a safetensors handle's context)."""
+    tensor, as ``targets`` describes it), file by file through ``open_file`` (a safetensors handle's context).
+    Every value is checked as it is read (``weights.checks``): a NaN or inf raises a ValueError naming the
+    tensor and its file; packed scales by ``expert_format`` (the model's ``MoEConfig.expert_format``)."""
     read_names = set()
     for file, reads in plan.by_file().items():
         with open_file(file) as handle:
             for read in reads:
                 # one tensor at a time: the value is dropped when this iteration's call returns
-                stats.elements += _apply(handle, read, tensors[read.target], targets[read.target], stats)
+                stats.elements += _apply(handle, read, tensors[read.target], targets[read.target], stats,
+                                         expert_format)
                 read_names.add(read.name)
     stats.tensors = len(read_names)
 
 
-def _packed_value(read: Read, value: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """A packed expert tensor's stored bits, reinterpreted (never converted) as the target's dtype; MXFP4 scale
-    bytes checked (0xFF is NaN in the MX specification)."""
+def _packed_value(read: Read, value: torch.Tensor, tensor: torch.Tensor,
+                  expert_format: Optional[str]) -> torch.Tensor:
+    """A packed expert tensor's stored bits, reinterpreted (never converted) as the target's dtype; a scale
+    checked by what it decodes to (``checks.check_packed_scale``)."""
+    if read.target.endswith("_scale"):
+        check_packed_scale(read.name, read.file, value, expert_format)
     if read.bitcast is not None:
         value = value.view(getattr(torch, read.bitcast))
     require(value.dtype == tensor.dtype, read.name, f"holds {value.dtype}, the packed target {read.target} "
             f"{tensor.dtype}: packed bytes are never converted")
-    if read.target.endswith("_scale") and value.dtype == torch.uint8 and bool((value == 0xFF).any()):
-        where = (value == 0xFF).nonzero()[0].tolist()
-        raise ValueError(f"{read.name}: scale byte 0xFF (NaN in the MX specification) at index {where}: the "
-                         "checkpoint is damaged or its experts are not MXFP4")
     return value
 
 
-def _apply(handle: Any, read: Read, tensor: torch.Tensor, target: Target, stats: LoadStats) -> int:
+def _apply(handle: Any, read: Read, tensor: torch.Tensor, target: Target, stats: LoadStats,
+           expert_format: Optional[str]) -> int:
     value = _fetch(handle, read)
     numel = value.numel()
     if read.expert:
@@ -184,7 +198,9 @@ def _apply(handle: Any, read: Read, tensor: torch.Tensor, target: Target, stats:
     if read.convert:
         value = tensor_from_k3(read.name, value, target.shape)
     if target.dtype is not None:
-        value = _packed_value(read, value, tensor)
+        value = _packed_value(read, value, tensor, expert_format)
+    else:
+        check_finite(read.name, read.file, value)
     write_flat(tensor, read.offset, value)
     return numel
 
@@ -213,12 +229,21 @@ def load_state(model: nn.Module, path: str | os.PathLike, *, names: str, config:
     targets = model_targets(tensors, model, names)
     plan = plan_reads(targets, weight_map, names=names, config=config, layout=layout, strict=strict,
                       ignore_vision=ignore_vision, ignore_mtp=ignore_mtp, stored=stored, source=path)
+    check_dtypes(_unpacked_reads(plan, stored, tensors, targets), config_dtype(path), path)
     for name in plan.reads:
         if is_partitioned(tensors[name]):
             zero_padding(tensors[name])
     stats = LoadStats(ignored=plan.ignored, unknown=plan.unknown, fresh=plan.fresh, layout=layout)
-    run_reads(plan, tensors, targets, open_file or _open_safetensors, stats)
+    run_reads(plan, tensors, targets, open_file or _open_safetensors, stats, config.moe.expert_format)
     return stats
+
+
+def _unpacked_reads(plan: Plan, stored: Mapping[str, Stored], tensors: Mapping[str, torch.Tensor],
+                    targets: Mapping[str, Target]) -> List[Tuple[str, str, str, torch.dtype]]:
+    """(stored name, file, stored dtype, model dtype) of each read into a target that is not packed (packed
+    targets take their bits unconverted and ``plan_reads`` checks their dtypes)."""
+    return [(r.name, r.file, stored[r.name].dtype, tensors[r.target].dtype) for target, reads in plan.reads.items()
+            if targets[target].dtype is None for r in reads]
 
 
 class _InMemory:
@@ -255,5 +280,5 @@ def state_from_tensors(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str,
                       ignore_vision=ignore_vision, ignore_mtp=ignore_mtp, stored=stored, field_name="tensors")
     out = {name: torch.empty(targets[name].shape, dtype=tensors[reads[0].name].dtype)
            for name, reads in plan.reads.items() if reads}
-    run_reads(plan, out, targets, lambda file: _InMemory(tensors), LoadStats())
+    run_reads(plan, out, targets, lambda file: _InMemory(tensors), LoadStats(), config.moe.expert_format)
     return out

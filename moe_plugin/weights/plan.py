@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..config import ModelConfig, require
-from ..fileio import SAFETENSORS_INDEX
+from ..fileio import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, read_safetensors_header
 from .packed import (bit_compatible, expert_naming, is_k2_expert, is_packed_expert_stack, k2_block_name,
                      logical_shape, packed_expert_names, shape_tensor_name, stack_of, viewed_shape)
 from .names import (NAMINGS, TEXT_PREFIX, VISION_PREFIXES, is_indexer_tensor, is_mtp, k3_expert_name,
@@ -31,10 +31,6 @@ __all__ = ["LAYOUTS", "Stored", "Target", "Read", "Plan", "stored_tensors", "det
 LAYOUTS = ("hf", "k3")  # stacked experts as the Hugging Face model saves them, or K3's published layout
 LISTED = 20  # names shown per category in an error
 CONFIG_NAME = "config.json"
-# safetensors header dtype -> torch dtype name
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
-           "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2"}
 
 
 @dataclass(frozen=True)
@@ -98,32 +94,17 @@ class Plan:
         return dict(sorted(out.items()))
 
 
-def _header(file: str) -> dict:
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        require(0 < length <= size - 8, "path", f"{file} is not a safetensors file (header length {length}, "
-                f"file size {size}): rewrite it with safetensors' save_file")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as err:
-            raise ValueError(f"path: {file} has an unreadable safetensors header ({err})") from None
-    header.pop("__metadata__", None)
-    return header
-
-
 def stored_tensors(weight_map: Mapping[str, str]) -> Dict[str, Stored]:
     """``{name: Stored}`` of a weight map (``fileio.safetensors_weight_map``), from each shard's header.
 
-    ValueError (``path: ...``) if a shard holds a tensor the index maps elsewhere (or not at all), or the
-    index lists a tensor its shard does not hold."""
+    ValueError (``path: ...``) if a shard is damaged (``fileio.read_safetensors_header``), holds a tensor the
+    index maps elsewhere (or not at all), or the index lists a tensor its shard does not hold."""
     by_file: Dict[str, List[str]] = defaultdict(list)
     for name, file in weight_map.items():
         by_file[file].append(name)
     out: Dict[str, Stored] = {}
     for file, names in sorted(by_file.items()):
-        header = _header(file)
+        header = read_safetensors_header(file)
         strays = sorted(k for k in header if weight_map.get(k) != file)
         require(not strays, "path", f"{os.path.basename(file)} holds tensors that {SAFETENSORS_INDEX} maps to another "
                 f"file or not at all: {strays[:LISTED]}")
@@ -132,7 +113,7 @@ def stored_tensors(weight_map: Mapping[str, str]) -> Dict[str, Stored]:
                 f"{absent[:LISTED]}")
         for name in names:
             entry = header[name]
-            out[name] = Stored(file, tuple(entry["shape"]), _DTYPES.get(entry["dtype"], entry["dtype"].lower()))
+            out[name] = Stored(file, tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]][0])
     return out
 
 

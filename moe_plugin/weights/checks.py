@@ -1,0 +1,119 @@
+"""What a base checkpoint must satisfy beyond its shapes before a model trains on it: stored dtypes that agree
+with its own config, and finite values.
+
+A floating weight stored as integers (or in another float type than the config's ``dtype``/``torch_dtype``)
+would be converted on the copy into the model without a word, and one NaN or inf in a base trains to a NaN
+loss. Both are refused with the tensor and its file named. The dtypes are checked from the headers before
+anything is read; the values per tensor as it is read (one ``isfinite().all()`` over what this rank reads).
+Packed experts (docs/packed-experts.md) take their stored bits unconverted (``weights.plan`` checks their
+dtypes); of their values only the scales mean numbers: an MXFP4 scale byte 0xFF is NaN in the MX
+specification, an INT4 scale is a bf16 (held as its two bytes by the layer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Iterable, List, Mapping, Optional, Tuple
+
+import torch
+
+__all__ = ["config_dtype", "keeps_fp32", "dtype_problems", "check_dtypes", "check_finite", "check_packed_scale"]
+
+LISTED = 20
+_CONFIG = "config.json"
+_FLOATS = ("float64", "float32", "float16", "bfloat16")
+
+
+def config_dtype(path: Optional[str]) -> Optional[str]:
+    """The floating dtype name a checkpoint directory's ``config.json`` declares for its weights (``dtype`` or
+    ``torch_dtype``, at the top or in ``text_config``), or None where it declares none."""
+    file = os.path.join(path, _CONFIG) if path else None
+    if file is None or not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"path: {file} is not valid JSON ({err}); re-download or re-save the checkpoint") from None
+    for section in (config, config.get("text_config") if isinstance(config, dict) else None):
+        if not isinstance(section, dict):
+            continue
+        for key in ("dtype", "torch_dtype"):
+            value = str(section.get(key) or "").removeprefix("torch.")
+            if value in _FLOATS:
+                return value
+    return None
+
+
+def keeps_fp32(stored_name: str) -> bool:
+    """Whether the model keeps this tensor in fp32 whatever its dtype (``precision.FP32_TENSORS``; the K2
+    family's ``mlp.`` MoE blocks seen as K3's ``block_sparse_moe.``), so fp32 is a legal stored dtype for it."""
+    from ..precision import FP32_TENSORS  # imported late: precision imports the layers
+    from .packed import k3_block_name
+
+    name = k3_block_name(stored_name)
+    return any(re.search(pattern, name) for pattern in FP32_TENSORS)
+
+
+def dtype_problems(reads: Iterable[Tuple[str, str, str, torch.dtype]], declared: Optional[str]) -> List[str]:
+    """One entry per stored tensor whose dtype the model must not take: ``reads`` are (stored name, file,
+    stored dtype name, the model tensor's dtype) of the unpacked targets; ``declared``: ``config_dtype``."""
+    problems, seen = [], set()
+    for name, file, stored, model_dtype in reads:
+        if name in seen:
+            continue
+        seen.add(name)
+        model_float = model_dtype.is_floating_point
+        where = f"{name} in {os.path.basename(file) or 'memory'}"
+        if model_float != (stored in _FLOATS):
+            kind = "floating" if model_float else "integer"
+            problems.append(f"{where} is stored as {stored} but the model's tensor is {kind} "
+                            f"({str(model_dtype).removeprefix('torch.')})")
+        elif model_float and declared and stored != declared and not (stored == "float32" and keeps_fp32(name)):
+            problems.append(f"{where} is stored as {stored} but the checkpoint's config.json says {declared}")
+    return problems
+
+
+def check_dtypes(reads: Iterable[Tuple[str, str, str, torch.dtype]], declared: Optional[str], source: str) -> None:
+    """ONE ValueError naming every tensor of ``dtype_problems``, or nothing."""
+    problems = dtype_problems(reads, declared)
+    if not problems:
+        return
+    more = f" ... ({len(problems) - LISTED} more)" if len(problems) > LISTED else ""
+    fix = (f"re-save the checkpoint with its floating weights in {declared} (or correct config.json's dtype)"
+           if declared else "re-save the checkpoint with its weights in their floating dtype")
+    raise ValueError(f"path: {source}: {len(problems)} tensor(s) stored in a dtype the model must not convert "
+                     f"from: {'; '.join(problems[:LISTED])}{more}; {fix}")
+
+
+def _first_index(bad: torch.Tensor) -> list:
+    return bad.nonzero()[0].tolist()
+
+
+def check_finite(name: str, file: str, value: torch.Tensor) -> None:
+    """ValueError naming ``name`` and ``file`` when the floating tensor ``value`` holds a NaN or an inf."""
+    if not value.is_floating_point() or value.numel() == 0:
+        return
+    finite = torch.isfinite(value)
+    if bool(finite.all()):
+        return
+    bad = ~finite
+    raise ValueError(f"path: {file or 'memory'}: tensor {name} holds {int(bad.sum())} non-finite value(s) (NaN or "
+                     f"inf, the first at index {_first_index(bad)}), which would train to a NaN loss; the "
+                     "checkpoint is damaged: re-download it or re-save it from a good copy")
+
+
+def check_packed_scale(name: str, file: str, value: torch.Tensor, expert_format: Optional[str]) -> None:
+    """ValueError naming ``name`` and ``file`` for a packed expert scale that does not decode to a finite
+    number: INT4 scales as bf16 (stored so, or as the layer's bytes), MXFP4 (or an unknown format) uint8
+    exponents by their NaN byte 0xFF."""
+    if expert_format == "int4":
+        scale = value if value.is_floating_point() else value.contiguous().view(torch.bfloat16)
+        check_finite(name, file, scale)
+        return
+    if value.dtype == torch.uint8 and bool((value == 0xFF).any()):
+        raise ValueError(f"path: {file or 'memory'}: tensor {name}: scale byte 0xFF (NaN in the MX specification) "
+                         f"at index {_first_index(value == 0xFF)}: the checkpoint is damaged or its experts are not "
+                         "MXFP4; re-download it")
