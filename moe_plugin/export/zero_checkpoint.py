@@ -8,7 +8,12 @@ What the trainer's ``engine.save_checkpoint(exclude_frozen_parameters=True)`` le
   placeholders) and ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` (``fp32_flat_groups``: per sub-group, this
   rank's fp32 partition, the concatenation over the sub-group's parameters of ``ceil(numel / partition_count)``
   elements each; ``ds_zero_partition_groups``: per sub-group its ``partition_ranks`` and this rank's place
-  in them). A parameter is the concatenation of its slices over ``partition_ranks``, cut to ``numel``.
+  in them; DeepSpeed writes it only when an expert sub-group exists, so a run whose adapters are all dense has
+every sub-group partitioned over the whole world). A parameter is the concatenation of its slices over
+``partition_ranks``, cut to ``numel``.
+
+Nothing here unpickles arbitrary objects: every file is read with ``torch.load(weights_only=True)``, allowing
+only the two DeepSpeed classes these files hold besides tensors and containers (``deepspeed_safe_globals``).
 
 DeepSpeed's ``zero_to_fp32`` assumes one partition group of the whole world; with expert parallelism the expert
 sub-group is partitioned within an expert-data-parallel group (docs/zero3-ep.md) and each such group holds
@@ -19,17 +24,21 @@ stacking is ``lora_A`` rows and ``lora_B`` ``view(out, r, E_local)`` columns con
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
+import pickle
 import re
-from typing import Dict, List, Tuple
+import zipfile
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 
 from ..config import ModelConfig, require
 
-__all__ = ["adapter_from_checkpoint", "zero3_parameters", "stitch_expert_adapter"]
+__all__ = ["adapter_from_checkpoint", "zero3_parameters", "stitch_expert_adapter", "deepspeed_safe_globals",
+           "load_engine_file"]
 
 _ZERO_MODEL = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
 _ZERO_OPTIM = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
@@ -38,8 +47,59 @@ _EXPERT_FAMILY = "autoep_expert"
 _EXPERT_ADAPTER = re.compile(r"(?:^|\.)experts\.(?:base_layer\.)*lora_([AB])\.")
 
 
-def _load(path: str) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+def deepspeed_safe_globals() -> list:
+    """The classes, beyond torch's own weights-only set, that DeepSpeed 0.19.8's engine files pickle.
+
+    Found by ``torch.serialization.get_unsafe_globals_in_checkpoint`` on the trainer's checkpoints (ZeRO-3
+    with and without expert adapters, 1 and 2 processes, fp32 and bf16): the optimizer states hold the
+    ``LossScaler`` (a static scale of 1: the trainer refuses fp16, so no ``DynamicLossScaler``) and the
+    ``ZeroStageEnum``; the model states hold only tensors, sizes and containers."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [LossScaler, ZeroStageEnum]
+
+
+@contextlib.contextmanager
+def _deepspeed_globals_allowed() -> Iterator[None]:
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        yield
+
+
+def load_engine_file(path: str) -> dict:
+    """One DeepSpeed engine file, read without running any code it may carry (weights-only unpickling).
+    ValueError naming the file when it is damaged, truncated, or holds anything but a DeepSpeed checkpoint."""
+    try:
+        with _deepspeed_globals_allowed():
+            value = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile, OSError) as err:
+        # the weights-only refusal message spans many lines (it advises weights_only=False): keep its first
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ValueError(f"{path}: damaged or not a DeepSpeed checkpoint of this run ({type(err).__name__}: "
+                         f"{why}); restore the checkpoint, or export another --step (or the final adapter)") from None
+    require(isinstance(value, dict), path, f"holds a {type(value).__name__}, not a DeepSpeed checkpoint's "
+            "dictionary; restore the checkpoint, or export another --step (or the final adapter)")
+    return value
+
+
+def _entry(values: dict, key: str, path: str):
+    require(key in values, path, f"has no {key!r}: damaged or not a DeepSpeed ZeRO checkpoint of this run; restore "
+            "the checkpoint, or export another --step (or the final adapter)")
+    return values[key]
+
+
+def _partition_groups(optim: dict, world: int, rank: int, path: str) -> list:
+    """Each sub-group's partitioning. DeepSpeed records it only when an expert sub-group exists; otherwise
+    every sub-group is partitioned over all ``world`` ranks (checked against its ``partition_count``)."""
+    if "ds_zero_partition_groups" in optim:
+        return optim["ds_zero_partition_groups"]
+    flats = _entry(optim, "fp32_flat_groups", path)
+    counts = _entry(optim, "partition_count", path)
+    counts = list(counts) if isinstance(counts, (list, tuple)) else [counts] * len(flats)
+    require(all(int(c) == world for c in counts), path, f"its sub-groups are partitioned over {counts} ranks, but "
+            f"the checkpoint holds {world} ranks' files; restore the missing files or export another --step")
+    return [{"sub_group": i, "partition_count": world, "partition_rank": rank, "partition_ranks": list(range(world)),
+             "families": []} for i in range(len(flats))]
 
 
 def zero3_parameters(engine_dir: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, List[torch.Tensor]]]:
@@ -53,9 +113,13 @@ def zero3_parameters(engine_dir: str) -> Tuple[Dict[str, torch.Tensor], Dict[str
     shapes: Dict[str, torch.Size] = {}
     expert_groups: Dict[str, set] = {}
     for rank in ranks:
-        shapes_of = _load(os.path.join(engine_dir, _ZERO_MODEL.format(rank)))["param_shapes"]
-        optim = _load(os.path.join(engine_dir, _ZERO_OPTIM.format(rank)))["optimizer_state_dict"]
-        flats, groups = optim["fp32_flat_groups"], optim["ds_zero_partition_groups"]
+        model_file, optim_file = (os.path.join(engine_dir, n.format(rank)) for n in (_ZERO_MODEL, _ZERO_OPTIM))
+        require(os.path.isfile(model_file), "checkpoint", f"{model_file} is missing; restore it or export another "
+                "--step")
+        shapes_of = _entry(load_engine_file(model_file), "param_shapes", model_file)
+        optim = _entry(load_engine_file(optim_file), "optimizer_state_dict", optim_file)
+        flats, groups = _entry(optim, "fp32_flat_groups", optim_file), _partition_groups(optim, len(ranks), rank,
+                                                                                       optim_file)
         require(len(flats) == len(groups) == len(shapes_of), "checkpoint", f"rank {rank}: {len(flats)} flat groups, "
                 f"{len(groups)} partition groups and {len(shapes_of)} shape groups do not line up")
         for flat, group, names in zip(flats, groups, shapes_of):
@@ -124,7 +188,8 @@ def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backen
                 "(leave --step out to export the final adapter)")
     engine = os.path.join(path, "engine")
     if os.path.isfile(os.path.join(engine, _PLAIN_MODEL)):
-        module = _load(os.path.join(engine, _PLAIN_MODEL))["module"]
+        plain = os.path.join(engine, _PLAIN_MODEL)
+        module = _entry(load_engine_file(plain), "module", plain)
         return {_peft_key(n, config, backend): t.detach().float().clone() for n, t in module.items() if ".lora_" in n}
     dense, experts = zero3_parameters(engine)
     out = {_peft_key(n, config, backend): t for n, t in dense.items() if ".lora_" in n}
