@@ -217,6 +217,12 @@ class CheckpointManager:
             _remove(path)
         return sorted(removed)
 
+    def damaged(self) -> List[str]:
+        """What is wrong with each step directory whose ``COMPLETE`` marker exists but does not match its files
+        (a save never leaves one: something changed it since), newest first."""
+        found = [_problem(path, step) for step, path in self._step_directories()]
+        return [problem for problem in found if problem is not None and problem != _NO_MARKER]
+
     def _step_directories(self) -> List[Tuple[int, str]]:
         """``(step, path)`` of every entry named like a checkpoint, newest first."""
         if not os.path.isdir(self.root):
@@ -229,19 +235,34 @@ class CheckpointManager:
         return [(step, path) for step, path in self._step_directories() if _is_complete(path, step)]
 
 
-def _is_complete(path: str, step: int) -> bool:
-    """Whether ``path`` holds a ``COMPLETE`` marker for ``step`` whose every listed file is there, of the
-    listed size."""
+_NO_MARKER = "has no COMPLETE marker"
+
+
+def _problem(path: str, step: int) -> Optional[str]:
+    """None when ``path`` holds a ``COMPLETE`` marker for ``step`` whose every listed file is there, of the
+    listed size; else what is wrong, naming the file."""
+    marker_path = os.path.join(path, COMPLETE)
+    if not os.path.lexists(marker_path):
+        return _NO_MARKER
     try:
-        with open(os.path.join(path, COMPLETE)) as f:
+        with open(marker_path) as f:
             marker = json.load(f)
         files = marker["files"]
         if marker["step"] != step or not isinstance(files, dict):
-            return False
-        return all(os.path.isfile(os.path.join(path, _inside(path, name)))
-                   and os.path.getsize(os.path.join(path, name)) == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+            return f"{marker_path} is for step {marker['step']!r}, not {step}, or lists no files"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{marker_path} is not a valid marker ({type(err).__name__}: {err})".replace("\n", " ")
+    for name, size in files.items():
+        file = os.path.join(path, str(name))
+        if not os.path.isfile(file) or os.path.relpath(file, path).startswith(os.pardir):
+            return f"{file} is missing (its COMPLETE marker lists it)"
+        if os.path.getsize(file) != size:
+            return f"{file} is {os.path.getsize(file)} bytes, its COMPLETE marker lists {size}"
+    return None
+
+
+def _is_complete(path: str, step: int) -> bool:
+    return _problem(path, step) is None
 
 
 def _inside(directory: str, path: str | os.PathLike) -> str:
@@ -283,3 +304,82 @@ def _remove(path: str) -> None:
         os.remove(path)
     else:
         shutil.rmtree(path)
+
+
+# ---------------------------------------------------------------- the trainer's own state, without pickle
+
+TRAINER_STATE_FORMAT = 1
+
+
+def trainer_state_files(directory: str, rank: int) -> Tuple[str, str]:
+    """This rank's trainer state in a checkpoint: JSON (step, losses, data position, python RNG) and
+    safetensors (the torch RNG)."""
+    return (os.path.join(directory, f"trainer_state_rank{rank}.json"),
+            os.path.join(directory, f"trainer_rng_rank{rank}.safetensors"))
+
+
+def write_trainer_state(directory: str, rank: int, state: Dict) -> List[str]:
+    """Write ``{"step", "losses", "data", "rng": {"torch": uint8 tensor, "python": random.getstate()}}``;
+    returns the two paths. JSON keeps every float exactly (Python writes the shortest repr that reads back)."""
+    from safetensors.torch import save_file
+
+    state_path, rng_path = trainer_state_files(directory, rank)
+    version, internal, gauss = state["rng"]["python"]
+    with open(state_path, "w", encoding="utf-8") as f:
+        json.dump({"format": TRAINER_STATE_FORMAT, "step": state["step"], "losses": list(state["losses"]),
+                   "data": state["data"], "python_rng": [version, list(internal), gauss]}, f)
+    save_file({"torch": state["rng"]["torch"].contiguous()}, rng_path)
+    return [state_path, rng_path]
+
+
+def read_trainer_state(directory: str, rank: int) -> Dict:
+    """What ``write_trainer_state`` wrote (a checkpoint of an earlier version, ``trainer_state_rank{r}.pt``, is
+    read with ``torch.load(weights_only=True)``); ValueError naming the file when it is damaged."""
+    state_path, rng_path = trainer_state_files(directory, rank)
+    legacy = os.path.join(directory, f"trainer_state_rank{rank}.pt")
+    if not os.path.exists(state_path) and os.path.exists(legacy):
+        return _read_legacy_state(legacy)
+    fix = f"the checkpoint is damaged: remove {directory} to resume from an earlier one"
+    try:
+        with open(state_path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{state_path}, line {err.lineno}: not valid JSON ({err.msg}); {fix}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{state_path}: cannot read it ({getattr(err, 'strerror', None) or err}); {fix}") from None
+    python = saved.get("python_rng") if isinstance(saved, dict) else None
+    if not (isinstance(saved, dict) and saved.get("format") == TRAINER_STATE_FORMAT
+            and isinstance(saved.get("step"), int) and isinstance(saved.get("losses"), list)
+            and all(isinstance(x, (int, float)) for x in saved["losses"]) and isinstance(saved.get("data"), dict)
+            and isinstance(python, list) and len(python) == 3 and isinstance(python[1], list)
+            and all(isinstance(x, int) for x in python[1])):
+        raise ValueError(f"{state_path}: not a trainer state (format {TRAINER_STATE_FORMAT}: step, losses, data, "
+                         f"python_rng); {fix}")
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        tensors = load_file(rng_path)
+    except (OSError, SafetensorError, ValueError) as err:
+        raise ValueError(f"{rng_path}: not a readable safetensors file ({err}); {fix}") from None
+    torch_rng = tensors.get("torch")
+    if torch_rng is None or torch_rng.dtype != torch.uint8 or torch_rng.dim() != 1:
+        raise ValueError(f"{rng_path}: holds no 1-D uint8 tensor 'torch' (the torch RNG state); {fix}")
+    return {"step": saved["step"], "losses": [float(x) for x in saved["losses"]], "data": saved["data"],
+            "rng": {"torch": torch_rng, "python": (python[0], tuple(python[1]), python[2])}}
+
+
+def _read_legacy_state(path: str) -> Dict:
+    import pickle
+    import zipfile
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile, ValueError) as err:
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{path}: not a trainer state that loads without running code ({type(err).__name__}: "
+                         f"{first}); remove {os.path.dirname(path)} to resume from an earlier checkpoint") from None
+    if not (isinstance(state, dict) and {"step", "losses", "data", "rng"} <= set(state)):
+        raise ValueError(f"{path}: not a trainer state (step, losses, data, rng); remove {os.path.dirname(path)} "
+                         "to resume from an earlier checkpoint")
+    return state

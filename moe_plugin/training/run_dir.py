@@ -6,6 +6,11 @@ directories that are not a run of this project; a run directory is marked by ``m
 holds the recipe. Claiming a marked directory resumes it, if the recipe is the same run. While a run owns the
 directory it holds an ``flock`` on ``output_dir/.lock``; the kernel drops that lock when its process dies, so a
 crashed run never blocks the next one. Nothing that was in the directory before is ever deleted.
+
+A marked directory that holds no training output yet (no checkpoint, ``adapter/``, ``model/``, ``losses.json``
+or ``results.json``: a run that failed before its first step) is claimed by any recipe, which rewrites the
+marker, so that a corrected recipe can reuse it. ``refuse_overwriting_outputs`` keeps a finished run's outputs
+from being trained over when none of its checkpoints can be resumed.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ MARKER = "moe_plugin_run.json"
 LOCK = ".lock"
 _PROBE = ".moe_plugin_write_probe"
 # a resume may train longer, evaluate or log differently; output_dir names this same directory either way
-RESUMABLE_CHANGES = ("schedule.steps", "eval", "logging", "output_dir")
+RESUMABLE_CHANGES = ("schedule.steps", "eval", "logging", "output_dir", "guards")
+# what a run writes once it has trained: a directory holding none of these has no output to protect
+OUTPUTS = ("checkpoints", "adapter", "model", "losses.json", "results.json")
 
 
 def _refuse(message: str) -> NoReturn:
@@ -38,6 +45,10 @@ def _differences(old: Any, new: Any, prefix: str = "") -> List[str]:
             out += _differences(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else str(key))
         return out
     return [] if old == new else [prefix or "(the whole recipe)"]
+
+
+def _is_output(path: str) -> bool:
+    return os.path.isfile(path) or (os.path.isdir(path) and bool(os.listdir(path)))
 
 
 def _resumable(key: str) -> bool:
@@ -95,7 +106,10 @@ class RunDirectory:
             cls._check_writable(path, real)
             resumed = os.path.exists(marker)
             if resumed:
-                cls._check_same_run(path, marker, recipe_dict)
+                stored = cls._read_marker(marker)
+                resumed = any(_is_output(os.path.join(real, name)) for name in OUTPUTS)
+                if resumed:
+                    cls._check_same_run(path, marker, stored, recipe_dict)
             _write_json_atomic(marker, recipe_dict)
         except BaseException:
             lock_file.close()  # closing the file drops the flock
@@ -134,17 +148,49 @@ class RunDirectory:
             _refuse(f"{path!r} is not writable ({err.strerror}); choose a writable location")
 
     @staticmethod
-    def _check_same_run(path: str, marker: str, recipe_dict: Dict[str, Any]) -> None:
+    def _read_marker(marker: str) -> Dict[str, Any]:
         try:
-            with open(marker) as f:
+            with open(marker, encoding="utf-8") as f:
                 stored = json.load(f)
         except json.JSONDecodeError as err:
             _refuse(f"{marker}, line {err.lineno}: not valid JSON ({err.msg}); repair it or choose a new directory")
+        except (OSError, UnicodeDecodeError) as err:
+            _refuse(f"{marker}: cannot read it ({getattr(err, 'strerror', None) or err}); repair it or choose a new "
+                    "directory")
+        if not isinstance(stored, dict):
+            _refuse(f"{marker}: holds {type(stored).__name__}, not the recipe (a JSON object); repair it or choose "
+                    "a new directory")
+        return stored
+
+    @staticmethod
+    def _check_same_run(path: str, marker: str, stored: Dict[str, Any], recipe_dict: Dict[str, Any]) -> None:
         changed = [key for key in _differences(stored, recipe_dict) if not _resumable(key)]
         if changed:
             _refuse(f"{path!r} holds a run of another recipe: {', '.join(changed)} differ from its {MARKER}, and "
                     f"resuming with another model, adapters or data is not a resume (only "
                     f"{', '.join(RESUMABLE_CHANGES[:3])} may change); choose a new directory or restore those values")
+
+    def refuse_overwriting_outputs(self, latest_step: Optional[int]) -> None:
+        """ValueError naming the outputs of a finished run (``adapter/`` or ``model/``, and ``losses.json``)
+        when the newest usable checkpoint (``latest_step``, None: none) is older than its losses: resuming
+        would train again over them."""
+        finals = [name for name in ("adapter", "model") if os.path.isdir(os.path.join(self.path, name))]
+        losses_path = os.path.join(self.path, "losses.json")
+        if not finals or not os.path.isfile(losses_path):
+            return
+        try:
+            with open(losses_path, encoding="utf-8") as f:
+                trained = len(json.load(f))
+        except (OSError, ValueError, TypeError):
+            trained = None  # unreadable: its run got at least as far as it, so protect it all the same
+        if latest_step is not None and trained is not None and latest_step >= trained:
+            return
+        held = f"its newest usable checkpoint is step {latest_step}" if latest_step is not None else \
+            "none of its checkpoints can be resumed (no complete COMPLETE marker)"
+        shown = ", ".join(os.path.join(self.path, n) for n in finals + ["losses.json"])
+        _refuse(f"{self.path!r} holds the outputs of a finished run ({shown}{f', {trained} steps' if trained else ''}) "
+                f"but {held}, so starting it again would train over them; move them aside or choose a new "
+                "output_dir")
 
     @property
     def held(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import tempfile
 
 import torch
@@ -20,6 +21,9 @@ __all__ = ["choose_device", "start_processes", "forget_processes", "all_ok"]
 # the environment a one-process run set for itself; removed again by forget_processes, so that nothing started
 # later from this process (a launcher, a subprocess) inherits a rendezvous that is gone
 _SET_HERE: dict = {}
+# the temporary folder of a one-process rendezvous, removed by forget_processes (a run leaves nothing behind
+# outside its output_dir)
+_RENDEZVOUS_DIRS: list = []
 
 
 def choose_device() -> torch.device:
@@ -49,24 +53,35 @@ def start_processes(device: torch.device) -> bool:
     started = not dist.is_initialized()
     if started:
         if "RANK" not in os.environ:  # one process without a launcher
-            single = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", INIT_METHOD_ENV: "file://" + os.path.join(
-                tempfile.mkdtemp(prefix="moe_plugin_"), "rendezvous")}
+            _RENDEZVOUS_DIRS.append(tempfile.mkdtemp(prefix="moe_plugin_"))
+            single = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                      INIT_METHOD_ENV: "file://" + os.path.join(_RENDEZVOUS_DIRS[-1], "rendezvous")}
             _SET_HERE.update({k: v for k, v in single.items() if k not in os.environ})
             os.environ.update(_SET_HERE)
-        init_distributed(device=device.type)
-    import deepspeed
+    try:
+        if started:
+            init_distributed(device=device.type)
+        import deepspeed
 
-    # DeepSpeed's communication layer wraps the process group that is already up
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        # DeepSpeed's communication layer wraps the process group that is already up
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    except BaseException:
+        if started and dist.is_initialized():
+            dist.destroy_process_group()
+        if started:
+            forget_processes()
+        raise
     return started
 
 
 def forget_processes() -> None:
-    """Undo what ``start_processes`` put into the environment for a one-process run."""
+    """Undo what ``start_processes`` did for a one-process run: its environment and its rendezvous folder."""
     for name, value in list(_SET_HERE.items()):
         if os.environ.get(name) == value:
             del os.environ[name]
     _SET_HERE.clear()
+    while _RENDEZVOUS_DIRS:
+        shutil.rmtree(_RENDEZVOUS_DIRS.pop(), ignore_errors=True)
 
 
 def all_ok(ok: bool) -> bool:

@@ -95,8 +95,8 @@ def test_an_empty_directory_is_claimed(tmp_path):
 
 def test_resuming_keeps_the_files_and_accepts_more_steps_or_other_logging(tmp_path):
     RunDirectory.claim(str(tmp_path), RECIPE).release()
-    (tmp_path / "checkpoint-5").mkdir()
-    (tmp_path / "checkpoint-5" / "state.pt").write_bytes(b"step 5")
+    (tmp_path / "checkpoints" / "step-00000005").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-00000005" / "state.pt").write_bytes(b"step 5")
     longer = json.loads(json.dumps(RECIPE))
     longer["schedule"]["steps"] = 40
     longer["logging"]["every"] = 1
@@ -104,12 +104,13 @@ def test_resuming_keeps_the_files_and_accepts_more_steps_or_other_logging(tmp_pa
     longer["output_dir"] = str(tmp_path)
     with RunDirectory.claim(str(tmp_path), longer) as run:
         assert run.resumed
-    assert (tmp_path / "checkpoint-5" / "state.pt").read_bytes() == b"step 5"
+    assert (tmp_path / "checkpoints" / "step-00000005" / "state.pt").read_bytes() == b"step 5"
     assert json.loads((tmp_path / MARKER).read_text())["schedule"]["steps"] == 40
 
 
 def test_a_changed_recipe_is_refused(tmp_path):
     RunDirectory.claim(str(tmp_path), RECIPE).release()
+    (tmp_path / "losses.json").write_text("[2.5]")  # it trained a step (an untrained one is reusable)
     other = json.loads(json.dumps(RECIPE))
     other["model"]["preset"] = "k3"
     other["data"]["seq_len"] = 128
@@ -151,7 +152,7 @@ def test_another_process_holds_the_lock_until_it_dies(tmp_path):
     # the kernel dropped the dead holder's lock; its lock file, still on disk, does not block
     assert os.path.exists(os.path.join(path, LOCK))
     with RunDirectory.claim(path, RECIPE) as run:
-        assert run.resumed
+        assert run.held
 
 
 def test_an_unwritable_location_is_refused_before_training(tmp_path):

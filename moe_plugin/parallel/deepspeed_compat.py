@@ -1,0 +1,95 @@
+"""Loading DeepSpeed's engine checkpoint files without running code from them.
+
+DeepSpeed 0.19.8 reads every engine file of ``engine.load_checkpoint`` (``mp_rank_*_model_states.pt``,
+``zero_pp_rank_*_model_states.pt``, ``zero_pp_rank_*_optim_states.pt``, the MoE expert files) through
+``TorchCheckpointEngine.load``, which calls ``torch.load(weights_only=False)``: a crafted file in a checkpoint
+directory would run its payload on resume. ``safe_checkpoint_loading()`` replaces that one method, for the
+duration of a ``with`` block, by ``load_engine_file``: ``torch.load(weights_only=True)`` with the few
+DeepSpeed classes those files hold allowed (``deepspeed_safe_globals()``, the project's single allow-list,
+also used by ``moe-plugin export --step``). A file that is damaged, not a torch file, or holds any other
+global is a one-line ValueError naming it. See docs/training.md ("Checkpoints").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import zipfile
+from typing import Iterator, List
+
+import torch
+
+__all__ = ["deepspeed_safe_globals", "load_engine_file", "safe_checkpoint_loading", "TESTED_DEEPSPEED"]
+
+TESTED_DEEPSPEED = "0.19.8"
+# the one upstream internal patched here: (module, class, method)
+_TARGET = ("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine", "load")
+
+
+def deepspeed_safe_globals() -> List[type]:
+    """The classes DeepSpeed's engine files pickle besides tensors and containers (read off real ZeRO-0/3
+    checkpoints, and ZeRO-1/2's ``state_dict``): the loss scaler (static in bf16/fp32, dynamic in fp16), the
+    ZeRO stage enum and the ZeRO-1/2 parameter slice mappings."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _reason(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for line in lines:  # torch's weights-only refusal is a paragraph; this line names what was refused
+        if "Unsupported global" in line or "Unsupported operand" in line:
+            return line.rstrip(".")
+    return f"{type(err).__name__}: {lines[0] if lines else 'no detail'}"[:300]
+
+
+def load_engine_file(path, map_location=None):
+    """``torch.load(path, weights_only=True)`` allowing ``deepspeed_safe_globals()`` only; a file that cannot
+    load so is a one-line ValueError naming it (nothing in it has run)."""
+    path = os.fspath(path)
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile, ValueError, TypeError,
+            AttributeError, KeyError) as err:
+        checkpoint = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        raise ValueError(f"{path}: not a DeepSpeed checkpoint file that loads without running code "
+                         f"({_reason(err)}): it is damaged or was not written by this run; remove "
+                         f"{checkpoint} to resume from an earlier checkpoint") from None
+
+
+def _target():
+    import importlib
+
+    import deepspeed
+
+    module_name, class_name, method = _TARGET
+    try:
+        owner = getattr(importlib.import_module(module_name), class_name)
+        if not callable(vars(owner).get(method)):  # inherited or gone: patching would miss DeepSpeed's own
+            raise AttributeError(method)
+    except (ImportError, AttributeError):
+        raise RuntimeError(f"DeepSpeed {deepspeed.__version__}: {module_name}.{class_name}.{method} does not exist, "
+                           "so its engine checkpoints cannot be loaded with weights_only=True; install the tested "
+                           f"DeepSpeed {TESTED_DEEPSPEED} (setup.cfg pins it)") from None
+    return owner, method
+
+
+@contextlib.contextmanager
+def safe_checkpoint_loading() -> Iterator[None]:
+    """Inside the block, DeepSpeed loads engine files with ``load_engine_file`` (wrap ``engine.load_checkpoint``
+    in it). RuntimeError naming the DeepSpeed version when the patched internal is missing."""
+    owner, method = _target()
+    original = owner.__dict__[method]
+
+    def load(self, path, map_location=None):
+        return load_engine_file(path, map_location=map_location)
+
+    setattr(owner, method, load)
+    try:
+        yield
+    finally:
+        setattr(owner, method, original)
