@@ -1,14 +1,17 @@
 """``moe-plugin plan --recipe R [--devices N --device-memory 141GB --micro-batch B --seq-len T
 --checkpointing on|off --expert-format dense|mxfp4|int4 --capacity 1.25 --images N --image-size PX
 --kernels gpu|cpu --from-checkpoint --json]``
-(docs/planner.md)."""
+(docs/planner.md). A bad input is one line on stderr and exit status 2 (``--debug``: with its traceback); each
+size has a largest value it accepts (``planner.LIMITS``), named when it is refused."""
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import sys
 from typing import List, Optional
+
+from ..cli_errors import ArgumentParser, run_command
 
 __all__ = ["main", "format_plan"]
 
@@ -63,12 +66,12 @@ def format_plan(plan) -> str:
     return "\n".join(rows)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _plan(argv: List[str]) -> int:
     from ..config import require
     from ..training.recipe import load_recipe
-    from .planner import parse_bytes, plan_recipe, recipe_path_problem
+    from .limits import check_limit, parse_bytes
 
-    p = argparse.ArgumentParser(prog="moe-plugin plan", description=__doc__)
+    p = ArgumentParser(prog="moe-plugin plan", description=__doc__)
     p.add_argument("--recipe", required=True)
     p.add_argument("--devices", type=int)
     p.add_argument("--device-memory")
@@ -86,13 +89,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="plan the base as loaded from a checkpoint (streamed per rank), not built from the preset")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    problem = recipe_path_problem(args.recipe)
-    require(problem is None, "--recipe", problem or "")
-    for name in ("devices", "micro_batch", "seq_len"):
+    require(os.path.isfile(args.recipe), "--recipe", f"{args.recipe!r} is not a file; give a recipe JSON, e.g. "
+            "recipes/k3_seed_layout.json")
+    # the sizes' ranges are checked before the recipe is read (plan_recipe checks them again, with the recipe's
+    # own), so an absurd flag is refused at once
+    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    for name, flag, least in (("devices", "--devices", 1), ("micro_batch", "--micro-batch", 1),
+                              ("seq_len", "--seq-len", 2), ("images", "--images", 0),
+                              ("image_size", "--image-size", 1), ("capacity", "--capacity", 1)):
         value = getattr(args, name)
-        require(value is None or value > 0, f"--{name.replace('_', '-')}", f"must be positive, got {value}")
+        if value is not None:
+            check_limit(value, name, flag, least)
     recipe = load_recipe(args.recipe)
-    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    from .planner import plan_recipe  # torch: only for a valid recipe
+
     plan = plan_recipe(recipe, devices=args.devices, device_memory=memory, micro_batch=args.micro_batch,
                        seq_len=args.seq_len, checkpointing=args.checkpointing == "on",
                        expert_format=args.expert_format, capacity=args.capacity, knobs=True,
@@ -101,6 +111,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan.recipe = args.recipe
     print(json.dumps(plan.to_dict(), indent=1, default=str) if args.json else format_plan(plan))
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run ``moe-plugin plan`` with ``argv`` (default: the command line); the exit status (2: a bad input, in
+    one line on stderr; ``--debug`` shows its traceback)."""
+    return run_command("plan", _plan, argv)
 
 
 if __name__ == "__main__":

@@ -11,15 +11,16 @@ from typing import Dict, List, Optional
 from ..config import require
 from .activations import plan_activations
 from .counts import ModelCounts, count_model
+from .limits import LIMITS, check_limit, parse_bytes  # noqa: F401 - parse_bytes: where callers found it
 from .memory import Layout, MemoryPlan, plan_memory, zero_settings
 from .vision import image_grid, vision_activation_bytes
 
-__all__ = ["Plan", "plan_recipe", "devices_from_ds_config", "CPU_OVERHEAD_BYTES", "GPU_OVERHEAD_BYTES"]
+__all__ = ["Plan", "plan_recipe", "devices_from_ds_config", "CPU_OVERHEAD_BYTES", "GPU_OVERHEAD_BYTES",
+           "packed_lengths", "parse_bytes"]
 
 GPU_OVERHEAD_BYTES = 3 * 2 ** 30  # CUDA context, NCCL buffers, allocator fragmentation: an assumption
 CPU_OVERHEAD_BYTES = 0.0  # measured per launch by moe_plugin.plan.measure (the calibration layout)
 MILLION_CONTEXT = 1 << 20
-
 
 @dataclass
 class Plan:
@@ -43,15 +44,52 @@ class Plan:
         return d
 
 
-def document_lengths(recipe, seq_len: int) -> List[int]:
+def document_lengths(recipe, seq_len: int, seq_len_field: str = "data.seq_len") -> List[int]:
     """The segment lengths of the recipe's training rows as the trainer packs them (``training.data``), in
     order: its documents and each row's trailing padding segment."""
-    from ..training.data import load_examples, pack_examples
+    from ..training.data import load_examples
 
+    if recipe.data.kind == "arithmetic":
+        check_limit(recipe.data.num_documents, "num_documents", "data.num_documents")
     train, _ = load_examples(recipe.data, recipe.seed)
+    for example in train:  # what pack_examples refuses: a cut would split an image from its tokens
+        require(example.images is None or len(example.input_ids) <= seq_len, seq_len_field,
+                f"{example.where or 'an example'} holds images and is {len(example.input_ids)} tokens long, more "
+                f"than {seq_len}; raise it to at least {len(example.input_ids)}")
+    return packed_lengths([len(e.input_ids) for e in train], seq_len, getattr(recipe.data, "pack", True))
+
+
+def packed_lengths(sizes: List[int], seq_len: int, pack: bool = True) -> List[int]:
+    """The segment lengths ``training.data.pack_examples`` gives examples of ``sizes`` tokens: each cut to
+    ``seq_len``, placed in the first row with room (first fit, in order) or one per row, each row's padding
+    its last segment. Lengths only, so a row of 16M tokens costs nothing; the first row with room is found in
+    a max-tree over the rows' free room (log time, where pack_examples scans every row)."""
+    sizes = [min(size, seq_len) for size in sizes]
+    if not pack:
+        return [x for size in sizes for x in ((size, seq_len - size) if size < seq_len else (size,))]
+    leaves = 1 << max(len(sizes) - 1, 0).bit_length()
+    tree = [-1] * (2 * leaves)  # tree[i]: the most room of any row under node i (-1: no row opened there yet)
+    rows: List[List[int]] = []
+    for size in sizes:
+        if tree[1] >= size:
+            node = 1
+            while node < leaves:  # the leftmost row with room, as first fit takes it
+                node = 2 * node if tree[2 * node] >= size else 2 * node + 1
+            index = node - leaves
+        else:
+            index, node = len(rows), len(rows) + leaves
+            rows.append([])
+            tree[node] = seq_len
+        rows[index].append(size)
+        tree[node] -= size
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
     lengths: List[int] = []
-    for row in pack_examples(train, seq_len, pack=getattr(recipe.data, "pack", True)):
-        lengths += (row.cu_seqlens[1:] - row.cu_seqlens[:-1]).tolist()
+    for index, members in enumerate(rows):
+        free = tree[leaves + index]
+        lengths += members + ([free] if free else [])
     return lengths
 
 
@@ -137,16 +175,29 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     from ..training.backends.images import wants_images
 
     s = recipe.schedule
-    micro_batch = micro_batch or s.micro_batch_size
-    seq_len = seq_len or recipe.data.seq_len
+    # a size given here is named as its flag; one left to the recipe, as the recipe's field
+    micro_field = "--micro-batch" if micro_batch is not None else "schedule.micro_batch_size"
+    seq_len_field = "--seq-len" if seq_len is not None else "data.seq_len"
+    micro_batch = s.micro_batch_size if micro_batch is None else micro_batch
+    seq_len = recipe.data.seq_len if seq_len is None else seq_len
+    check_limit(micro_batch, "micro_batch", micro_field)
+    check_limit(seq_len, "seq_len", seq_len_field, least=2)
+    check_limit(s.gradient_accumulation_steps, "grad_accum", "schedule.gradient_accumulation_steps")
     ds = _read_ds(recipe)
-    devices = devices or devices_from_ds_config(ds, micro_batch, s.gradient_accumulation_steps)
+    devices_field = "--devices" if devices is not None else "train_batch_size of the recipe's DeepSpeed config"
+    if devices is None:
+        devices = devices_from_ds_config(ds, micro_batch, s.gradient_accumulation_steps)
     require(devices is not None, "--devices", "the recipe's DeepSpeed config pins no train_batch_size; give the "
             "device count, e.g. --devices 128")
+    check_limit(devices, "devices", devices_field)
+    if device_memory is not None:
+        check_limit(device_memory, "device_memory", "--device-memory")
+    check_limit(capacity, "capacity", "--capacity")
+    check_limit(image_size, "image_size", "--image-size")
     ep = recipe.parallel.expert_parallel_size
     require(devices % ep == 0, "--devices", f"{devices} is not a multiple of parallel.expert_parallel_size "
             f"({ep}); use a multiple of {ep}")
-    require(capacity >= 1.0, "--capacity", f"must be >= 1 (1 = perfectly balanced routing), got {capacity}")
+    require(images is None or isinstance(images, int), "--images", f"must be a whole number, got {images!r}")
     require(kernels in ("cpu", "gpu"), "--kernels", f"must be 'cpu' or 'gpu', got {kernels!r}")
     overrides = dict(recipe.model.overrides)
     if expert_format is not None:
@@ -160,7 +211,7 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     pb = 2 if s.precision == "bf16" else 4
     if images is None:
         images = micro_batch if wants_images(recipe, mc) else 0
-    require(images >= 0, "--images", f"must be >= 0, got {images}")
+    check_limit(images, "images", "--images", least=0)
     require(images == 0 or mc.vision is not None, "--images",
             f"the model has no vision tower, so it takes no pictures; drop --images (got {images})")
     if images:
@@ -177,7 +228,7 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     counts = cache[("counts",) + key]
     docs_key = ("documents", repr(recipe.data), recipe.seed, seq_len)
     if docs_key not in cache:
-        cache[docs_key] = document_lengths(recipe, seq_len)
+        cache[docs_key] = document_lengths(recipe, seq_len, seq_len_field)
     act = _activations_of(mc, recipe.lora, cache.setdefault(("meta",) + key, {}), cache[docs_key])
     if overhead_bytes is None:
         overhead_bytes = GPU_OVERHEAD_BYTES if device_memory and device_memory > 2 ** 36 else CPU_OVERHEAD_BYTES
@@ -242,22 +293,6 @@ def _min_devices(counts, mc, act, layout: Layout, device_memory: float, limit: i
         if plan_memory(counts, mc, act, replace(layout, devices=d, zero3=d > 1)).peak <= device_memory:
             return d
     return None
-
-
-def parse_bytes(text: str) -> float:
-    """``"141GB"``, ``"80GiB"``, ``"512MiB"``, a plain number of bytes -> bytes; ValueError naming the value."""
-    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20,
-             "GIB": 2 ** 30, "TIB": 2 ** 40}
-    t = text.strip().upper().replace(" ", "")
-    number = t.rstrip("KMGTIB")
-    unit = t[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    require(value > 0 and unit in units, "--device-memory",
-            f"{text!r} is not a memory size; write e.g. 141GB, 80GiB or 512MiB")
-    return value * units[unit]
 
 
 def recipe_path_problem(path: str) -> Optional[str]:
