@@ -51,10 +51,19 @@ def _checked_messages(where: str, record) -> Tuple[List[dict], List[str]]:
             require(isinstance(content, str), "data.path",
                     f"{at}.content must be a string or a list of {{\"type\": \"text\", ...}} items, "
                     f"got {describe(content)}{hint}")
+        require(role != "assistant" or not _is_empty(content), "data.path",
+                f"{at} is an assistant turn with empty content, so it would teach only to end at once; write "
+                "the answer or remove the turn")
         checked.append({"role": role, "content": content})
     require(any(m["role"] == "assistant" for m in checked), "data.path",
             f"{where}: has no assistant turn, so nothing would be trained; add an assistant message")
     return checked, inline
+
+
+def _is_empty(content) -> bool:
+    if isinstance(content, str):
+        return not content.strip()
+    return all(item["type"] == "text" and not item["text"].strip() for item in content)
 
 
 def _render(tokenizer, messages: List[dict], add_generation_prompt: bool = False, tokens_per_image=()) -> List[int]:

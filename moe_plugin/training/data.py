@@ -78,15 +78,16 @@ def arithmetic_documents(count: int, seed: int = 0, operation: str = "+") -> Lis
     return docs
 
 
-def _document_example(tokenizer, text: str) -> Example:
+def _document_example(tokenizer, text: str, where: str = "") -> Example:
     ids = [tokenizer.bos_token_id] + encode(tokenizer, text) + [tokenizer.eos_token_id]
-    return Example(ids, list(ids))
+    return Example(ids, list(ids), where=where)
 
 
 def arithmetic_examples(count: int, seed: int = 0, operation: str = "+", tokenizer=None) -> List[Example]:
     """``<|bos|>Q: a - b = ? A: c.<|eos|>`` per document, loss on every token."""
     tokenizer = default_tokenizer(tokenizer)
-    return [_document_example(tokenizer, doc) for doc in arithmetic_documents(count, seed, operation)]
+    return [_document_example(tokenizer, doc, f"generated arithmetic document {i}")
+            for i, doc in enumerate(arithmetic_documents(count, seed, operation), 1)]
 
 
 def text_examples(path: str, tokenizer=None) -> List[Example]:
@@ -96,7 +97,7 @@ def text_examples(path: str, tokenizer=None) -> List[Example]:
     for where, record in read_records(path):
         require(isinstance(record, dict) and isinstance(record.get("text"), str), "data.path",
                 f"{where}: needs an object with a string field 'text', got {describe(record)}")
-        examples.append(_document_example(tokenizer, record["text"]))
+        examples.append(_document_example(tokenizer, record["text"], where))
     return examples
 
 
@@ -153,18 +154,56 @@ def label_token_count(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> int:
     return int(scored.sum())
 
 
+def _first_scored(labels: List[int]) -> Optional[int]:
+    """The first position whose label ``causal_lm_loss`` scores (position 0 never is: nothing predicts it)."""
+    return next((i for i, label in enumerate(labels) if i > 0 and label != IGNORE), None)
+
+
+class _LabelLosses:
+    """The examples whose every scored label lies at or past ``seq_len`` (so truncation leaves them none): one
+    warning with their count and the first one's place, and a ValueError when no example keeps any label."""
+
+    def __init__(self, seq_len: int, total: int):
+        self.seq_len, self.total = seq_len, total
+        self.lost, self.first, self.kept, self.needed = 0, None, 0, None
+
+    def add(self, example: Example, number: int) -> None:
+        first = _first_scored(example.labels)
+        if first is None:
+            return  # nothing to lose (no label at all is not the cut's doing)
+        if first < self.seq_len:
+            self.kept += 1
+            return
+        self.lost += 1
+        self.first = self.first or example.where or f"example {number}"
+        self.needed = first + 1 if self.needed is None else min(self.needed, first + 1)
+
+    def report(self) -> None:
+        if not self.lost:
+            return
+        where = f"data.seq_len={self.seq_len} (first: {self.first})"
+        require(self.kept > 0, "data.seq_len",
+                f"no label survives: all {self.lost} of {self.total} records with labels lose every label to "
+                f"{where}; raise data.seq_len to at least {self.needed} or shorten them")
+        warnings.warn(f"data.seq_len: {self.lost} of {self.total} records lose every label to {where}; raise "
+                      "data.seq_len or shorten them")
+
+
 def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_id: int = 256) -> List[Row]:
     """Rows of exactly ``seq_len`` tokens: whole examples placed greedily into the first row with room (in
     order), or one example per row with ``pack=False``; the rest is ``pad_id`` with labels -100 and forms
     the last segment, so no real token attends to it. An example longer than ``seq_len`` is cut to it (one
     warning with the count), unless it holds images (a ValueError: a cut would split an image from its
-    tokens). A row carries its examples' images in order. ``pad_id`` defaults to the byte tokenizer's
-    ``<|pad|>``."""
+    tokens). Examples the cut leaves without any scored label get one more warning (their count and the
+    first one's place), and a ValueError naming ``data.seq_len`` when no example keeps a label. A row
+    carries its examples' images in order. ``pad_id`` defaults to the byte tokenizer's ``<|pad|>``."""
     require(isinstance(seq_len, int) and seq_len > 1, "data.seq_len", f"must be an integer > 1, got {seq_len!r}")
     bins: List[List[Example]] = []
     room: List[int] = []
     truncated = 0
-    for example in examples:
+    losses = _LabelLosses(seq_len, len(examples))
+    for number, example in enumerate(examples, 1):
+        losses.add(example, number)
         if len(example.input_ids) > seq_len:
             require(example.images is None, "data.seq_len",
                     f"{example.where or 'an example'} holds images and is {len(example.input_ids)} tokens long, "
@@ -182,6 +221,7 @@ def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_
     if truncated:
         warnings.warn(f"data.seq_len: {truncated} of {len(examples)} examples are longer than {seq_len} tokens "
                       f"and were truncated to it; raise data.seq_len to keep them whole")
+    losses.report()
     rows = []
     for members, free in zip(bins, room):
         ids = [t for e in members for t in e.input_ids] + [pad_id] * free

@@ -18,6 +18,9 @@ import base64
 import binascii
 import io
 import os
+import re
+import struct
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -71,8 +74,10 @@ def inline_source(at: str, item: dict) -> Optional[str]:
 
 
 def open_image(where: str, source: str, base_dir: str):
-    """The PIL image of ``source``, fully read; a missing or unreadable image raises a ValueError naming both."""
-    from PIL import Image, UnidentifiedImageError
+    """The PIL image of ``source``, fully read; a missing, unreadable or oversized image raises a ValueError
+    naming both. PIL's pixel limit (``PIL.Image.MAX_IMAGE_PIXELS``) is kept as the caller set it: an image over
+    it is refused here, even where PIL itself would only warn."""
+    from PIL import Image
 
     shown = source if len(source) <= 60 else source[:57] + "..."
     if source.startswith(_DATA_URL):
@@ -82,19 +87,35 @@ def open_image(where: str, source: str, base_dir: str):
         try:
             handle = io.BytesIO(base64.b64decode(payload, validate=True))
         except (binascii.Error, ValueError) as e:
-            raise ValueError(f"data.path: {where}: image {shown!r} has invalid base64 data ({e})") from None
+            raise ValueError(f"data.path: {where}: image {shown!r} has invalid base64 data ({e}); encode the "
+                             "image bytes with standard base64 (A-Z, a-z, 0-9, +, /, = padding, no line breaks)") \
+                from None
     else:
         path = source if os.path.isabs(source) else os.path.join(base_dir, source)
         require(os.path.isfile(path), "data.path", f"{where}: image {shown!r} not found (looked for {path}); "
                 "image paths are relative to the data file's folder")
         handle = path
     try:
-        image = Image.open(handle)
-        image.load()
-    except (OSError, UnidentifiedImageError, ValueError) as e:
-        raise ValueError(f"data.path: {where}: image {shown!r} cannot be read as an image ({e}); give a PNG or "
-                         "JPEG file, or a data:image/...;base64, URL") from None
+        with warnings.catch_warnings():
+            # PIL warns between its limit and twice it and raises beyond; both are refused here
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(handle)
+            image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ValueError(f"data.path: {where}: image {shown!r} has {_pixels(e)} pixels, more than PIL's limit "
+                         f"PIL.Image.MAX_IMAGE_PIXELS = {Image.MAX_IMAGE_PIXELS} (a guard against decompression "
+                         "bombs); downscale the image, or raise PIL.Image.MAX_IMAGE_PIXELS before training if you "
+                         "trust the file") from None
+    # what PIL's decoders raise for damaged bytes (UnidentifiedImageError is an OSError)
+    except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, struct.error, OverflowError) as e:
+        raise ValueError(f"data.path: {where}: image {shown!r} cannot be read as an image ({type(e).__name__}: "
+                         f"{e}); give a PNG or JPEG file, or a data:image/...;base64, URL") from None
     return image
+
+
+def _pixels(error: Exception) -> str:
+    found = re.search(r"\((\d+) pixels\)", str(error))  # PIL names the size only in its message
+    return found.group(1) if found else "too many"
 
 
 def load_images(where: str, sources: List[str], base_dir: str, image_processor) -> Optional[Images]:
