@@ -59,12 +59,13 @@ def check_output_dir(path: str, *, option: str, protected: Protected = (),
         _refuse(option, path, "the current directory or one of its parents", real, fix)
     if is_same_or_inside(home, real):
         _refuse(option, path, "the home directory or one of its parents", real, fix)
-    for label, where in protected:
-        where_real = real_path(where)
+    resolved = [(label, real_path(where)) for label, where in protected]
+    for label, where_real in resolved:  # callers list the most specific first: "the run's adapter", then the run
         if real == where_real:
             _refuse(option, path, f"{label}, which this command reads", real, fix)
         if is_same_or_inside(real, where_real):
             _refuse(option, path, f"inside {label} {where_real}, which this command reads", real, fix)
+    for label, where_real in reversed(resolved):  # so a parent is named by the widest thing it holds
         if is_same_or_inside(where_real, real):
             _refuse(option, path, f"a parent of {label} {where_real}, which this command reads", real, fix)
     if os.path.lexists(real) and not os.path.isdir(real):

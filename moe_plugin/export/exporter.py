@@ -12,8 +12,11 @@ Formats (docs/exports.md):
   decoded and written dense, or requantised (``packed``, ``requantised``); an image+text base keeps its
   vision tensors.
 
-Every export writes ``moe_plugin_export.json`` (what was exported from where, the targets, the check's numbers).
-The whole directory appears at ``out`` only once the check passed (``fileio.atomic_directory``).
+Every export writes ``moe_plugin_export.json`` (what was exported from where, the targets, the check's numbers,
+every entry it wrote). The whole directory appears at ``out`` only once the check passed
+(``fileio.atomic_directory``), and ``out`` must be new, empty, or an earlier export of the same run and format
+holding nothing else (``output_paths.check_output_dir``, checked before any model loads), so that replacing it
+can lose nothing.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import torch
 
 from ..config import require
 from ..fileio import atomic_directory
+from ..output_paths import check_output_dir, real_path
 from .deltas import split_experts
 from .merge import check_packed_base, has_vision, write_merged
 from .packed import dense_base_model, dense_config, dense_stream, packed_stacks
-from .source import RunSource, open_run
+from .source import RunLocation, RunSource, locate_run, open_run
 from .targets import Target, per_expert_key, select_targets
 from .verify import (LOGITS_RTOL, LOW_PRECISION_RTOL, CheckResult, base_model, compare_deltas,
                      logits_of, merged_differences, reference, relative_diff)
@@ -40,6 +44,8 @@ __all__ = ["FORMATS", "ExportReport", "export_run", "MANIFEST"]
 FORMATS = ("peft", "per-expert", "merged-hf", "merged-k3")
 MANIFEST = "moe_plugin_export.json"
 ADAPTER_FILE = "adapter_model.safetensors"
+# what an export wrote besides its tensors, for manifests from before they listed their contents
+_WRITTEN_BESIDES = ("config.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 @dataclass
@@ -220,30 +226,72 @@ def _check_merged(source: RunSource, targets, tmp: str, layout: str, expected, r
     return result
 
 
+def _earlier_export(run_real: str, to: str):
+    """``accept_existing`` for ``check_output_dir``: a directory is an earlier export of this run in format
+    ``to`` when its manifest names both and it holds nothing the export did not write (None), else why not."""
+    def reason(real: str) -> Optional[str]:
+        manifest = os.path.join(real, MANIFEST)
+        if not os.path.isfile(manifest):
+            return f"it has no {MANIFEST}"
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                values = json.load(f)
+        except (OSError, UnicodeDecodeError, ValueError):
+            return f"its {MANIFEST} cannot be read as JSON"
+        if not isinstance(values, dict):
+            return f"its {MANIFEST} is not a JSON object"
+        if not isinstance(values.get("run"), str) or real_path(values["run"]) != run_real:
+            return f"it is an export of the run {values.get('run')!r}, not of {run_real}"
+        if values.get("format") != to:
+            return f"it is a {values.get('format')!r} export, not {to!r}"
+        listed = values.get("contents")
+        if not isinstance(listed, list):
+            listed = list(values.get("files") or []) + list(_WRITTEN_BESIDES)
+        foreign = sorted(set(os.listdir(real)) - set(listed) - {MANIFEST})
+        if foreign:
+            return f"it also holds entries the export did not write ({', '.join(foreign[:5])})"
+        return None
+
+    return reason
+
+
+def _check_out(out: str, to: str, location: RunLocation) -> str:
+    run = location.run_dir
+    protected = [("the run's adapter", os.path.join(run, "adapter")),
+                 ("the run's checkpoints", os.path.join(run, "checkpoints")),
+                 ("the base checkpoint", location.base_path), ("the run directory", run)]
+    return check_output_dir(out, option="OUT", protected=protected, accept_existing=_earlier_export(run, to),
+                            kind=f"an earlier {to} export of this run")
+
+
 def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targets: Optional[Sequence[str]] = None,
-               max_shard_size: str = "5GB", requantise: bool = False) -> ExportReport:
+               max_shard_size: str = "5GB", requantise: bool = False,
+               allow_changed_inputs: bool = False) -> ExportReport:
     """Export the run at ``run_dir`` (final adapter, or checkpoint ``step``) as ``to`` into ``out``.
 
     targets: module/parameter names to export (default: every trained target); a list that leaves a trained
     target out is refused. max_shard_size: merged exports' shard size ("5GB", bytes). requantise: over a
     packed (MXFP4/INT4) base, write the merged experts packed again in the base's format (lossy; the report
     counts the values that changed) instead of dense in the base's floating dtype (BF16 for the release).
-    Raises ValueError for bad
-    input, ``ExportCheckError`` when the written export does not reproduce the adapted model (``out`` is then
-    left as it was)."""
+    allow_changed_inputs: go on when the base differs from what the run recorded (``--allow-changed-inputs``).
+    ``out`` must be new, empty, or an earlier export of this run and format (docs/exports.md "Where it writes").
+    Raises ValueError for bad input, ``ExportCheckError`` when the written export does not reproduce the adapted
+    model (``out`` is then left as it was)."""
     from transformers.utils.hub import convert_file_size_to_int
 
     require(to in FORMATS, "to", f"must be one of {list(FORMATS)}, got {to!r}")
     require(not requantise or to.startswith("merged"), "requantise", "only merged exports hold base weights to "
             "requantise; leave --requantise out for adapter exports")
-    source = open_run(run_dir, step)
+    location = locate_run(run_dir, allow_changed_inputs)
+    out_real = _check_out(out, to, location)  # before anything expensive loads
+    source = open_run(run_dir, step, location=location)
     if to.startswith("merged"):  # before the reference loads the base
         check_packed_base(source.base_path, requantise)
     chosen = select_targets(source.targets, targets, active=source.targets)
     _, ref_logits, expected = reference(source)
-    report = ExportReport(to, os.path.abspath(out), sorted(chosen),
+    report = ExportReport(to, out_real, sorted(chosen),
                           sum(t.experts for t in chosen.values()), CheckResult())
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out_real) as tmp:
         if to == "peft":
             report.files = _write_peft(source, chosen, tmp)
             check = _check_peft(source, chosen, tmp, expected, ref_logits)
@@ -262,6 +310,7 @@ def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targ
         check.raise_if_failed(f"--to {to}")
         report.check = check
         _write_manifest(tmp, report, source)
+        _check_out(out, to, location)  # again: what appeared at OUT while the export ran is not replaced either
     return report
 
 
@@ -272,7 +321,8 @@ def _write_manifest(tmp: str, report: ExportReport, source: RunSource) -> None:
                         "deltas_compared": report.check.deltas_checked},
               "peak_expert_layers": report.peak_expert_layers, "expert_format": report.expert_format,
               "requantised_changed_values": report.requantised_changed_values,
-              "requantised_values": report.requantised_values}
+              "requantised_values": report.requantised_values,
+              "contents": sorted(os.listdir(tmp)) + [MANIFEST]}
     if report.check.requantised_ties is not None:
         values["check"]["requantised_ties"] = report.check.requantised_ties
     with open(os.path.join(tmp, MANIFEST), "w") as f:

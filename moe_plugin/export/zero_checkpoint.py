@@ -5,12 +5,12 @@ What the trainer's ``engine.save_checkpoint(exclude_frozen_parameters=True)`` le
 * without ZeRO-3: ``mp_rank_00_model_states.pt``, whose ``module`` holds every trainable tensor whole;
 * with ZeRO-3, per rank ``r``: ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` (``param_shapes``: per
   optimizer sub-group, the ordered ``{name: full shape}`` of its parameters; ``module`` holds only empty
-  placeholders) and ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` (``fp32_flat_groups``: per sub-group, this
-  rank's fp32 partition, the concatenation over the sub-group's parameters of ``ceil(numel / partition_count)``
-  elements each; ``ds_zero_partition_groups``: per sub-group its ``partition_ranks`` and this rank's place
-  in them; DeepSpeed writes it only when an expert sub-group exists, so a run whose adapters are all dense has
-every sub-group partitioned over the whole world). A parameter is the concatenation of its slices over
-``partition_ranks``, cut to ``numel``.
+  placeholders) and ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` (``bf16_`` in front in a bf16 run;
+  ``fp32_flat_groups``: per sub-group, this rank's fp32 partition, the concatenation over the sub-group's
+  parameters of ``ceil(numel / partition_count)`` elements each; ``ds_zero_partition_groups``: per sub-group
+  its ``partition_ranks`` and this rank's place in them, written only when an expert sub-group exists, so a
+  run whose adapters are all dense has every sub-group partitioned over the whole world). A parameter is the
+  concatenation of its slices over ``partition_ranks``, cut to ``numel``.
 
 Nothing here unpickles arbitrary objects: every file is read with ``torch.load(weights_only=True)``, allowing
 only the two DeepSpeed classes these files hold besides tensors and containers (``deepspeed_safe_globals``).
@@ -41,7 +41,6 @@ __all__ = ["adapter_from_checkpoint", "zero3_parameters", "stitch_expert_adapter
            "load_engine_file"]
 
 _ZERO_MODEL = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
-_ZERO_OPTIM = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 _PLAIN_MODEL = "mp_rank_00_model_states.pt"
 _EXPERT_FAMILY = "autoep_expert"
 _EXPERT_ADAPTER = re.compile(r"(?:^|\.)experts\.(?:base_layer\.)*lora_([AB])\.")
@@ -105,15 +104,21 @@ def _partition_groups(optim: dict, world: int, rank: int, path: str) -> list:
 def zero3_parameters(engine_dir: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, List[torch.Tensor]]]:
     """Rebuild the trainable parameters of a ZeRO-3 checkpoint: ``(dense, experts)``, dense ``{name: tensor}``
     (partitioned over every rank) and experts ``{name: [the EP ranks' local tensors, in EP-rank order]}``."""
-    ranks = sorted(int(m.group(1)) for f in glob.glob(os.path.join(engine_dir, "zero_pp_rank_*_mp_rank_00_optim_states.pt"))
-                   if (m := re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f))))
+    optim_files = {}
+    for f in glob.glob(os.path.join(engine_dir, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")):
+        if m := re.fullmatch(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", os.path.basename(f)):
+            optim_files.setdefault(int(m.group(1)), []).append(f)
+    ranks = sorted(optim_files)
     require(ranks == list(range(len(ranks))) and ranks, "checkpoint", f"{engine_dir} does not hold the optimizer "
             f"states of ranks 0..N-1 (found ranks {ranks})")
+    twice = sorted(r for r, files in optim_files.items() if len(files) > 1)
+    require(not twice, "checkpoint", f"{engine_dir} holds two optimizer files (fp32 and bf16) for ranks {twice}; "
+            "restore the checkpoint as the run saved it")
     slices: Dict[Tuple[str, Tuple[int, ...]], Dict[int, torch.Tensor]] = {}  # (name, partition ranks) -> pieces
     shapes: Dict[str, torch.Size] = {}
     expert_groups: Dict[str, set] = {}
     for rank in ranks:
-        model_file, optim_file = (os.path.join(engine_dir, n.format(rank)) for n in (_ZERO_MODEL, _ZERO_OPTIM))
+        model_file, optim_file = os.path.join(engine_dir, _ZERO_MODEL.format(rank)), optim_files[rank][0]
         require(os.path.isfile(model_file), "checkpoint", f"{model_file} is missing; restore it or export another "
                 "--step")
         shapes_of = _entry(load_engine_file(model_file), "param_shapes", model_file)
