@@ -18,7 +18,8 @@ def parser() -> argparse.ArgumentParser:
                                 "adapted model before it appears at OUT.")
     p.add_argument("--run", required=True, help="the run's output_dir (holds moe_plugin_run.json)")
     p.add_argument("--to", required=True, choices=FORMATS, help="the export format")
-    p.add_argument("out", help="the directory to write (replaced as a whole, only once the check passed)")
+    p.add_argument("out", help="the directory to write: new, empty, or an earlier export of this run in this format "
+                   "(replaced as a whole, only once the check passed); never the run, its base or a parent of either")
     p.add_argument("--step", type=int, default=None, help="export checkpoint N instead of the final adapter")
     p.add_argument("--targets", default=None, help="comma-separated module/parameter names to export (default: "
                    "every trained target); a list that leaves a trained target out is refused")
@@ -26,6 +27,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requantise", action="store_true", help="merged exports over a packed (MXFP4 or INT4) base: "
                    "pack the merged experts again in the base's format (lossy; the count of values that changed from "
                    "the base is reported) instead of writing them dense in the base's dtype (BF16 for the release)")
+    p.add_argument("--allow-changed-inputs", action="store_true", help="export even though the base differs from "
+                   "what the run recorded in moe_plugin_inputs.json (or resolve a relative base path no record pins "
+                   "against the current directory)")
     return p
 
 
