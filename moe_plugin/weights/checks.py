@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Iterable, List, Mapping, Optional, Tuple
+from collections import defaultdict
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -57,35 +58,38 @@ def keeps_fp32(stored_name: str) -> bool:
     return any(re.search(pattern, name) for pattern in FP32_TENSORS)
 
 
-def dtype_problems(reads: Iterable[Tuple[str, str, str, torch.dtype]], declared: Optional[str]) -> List[str]:
-    """One entry per stored tensor whose dtype the model must not take: ``reads`` are (stored name, file,
-    stored dtype name, the model tensor's dtype) of the unpacked targets; ``declared``: ``config_dtype``."""
-    problems, seen = [], set()
+def dtype_problems(reads: Iterable[Tuple[str, str, str, torch.dtype]], declared: Optional[str]) -> Dict[str, List[str]]:
+    """``{what is wrong: [stored tensor names]}`` for the stored tensors whose dtype the model must not take:
+    ``reads`` are (stored name, file, stored dtype name, the model tensor's dtype) of the unpacked targets;
+    ``declared``: ``config_dtype``."""
+    problems: Dict[str, List[str]] = defaultdict(list)
+    seen = set()
     for name, file, stored, model_dtype in reads:
         if name in seen:
             continue
         seen.add(name)
         model_float = model_dtype.is_floating_point
-        where = f"{name} in {os.path.basename(file) or 'memory'}"
         if model_float != (stored in _FLOATS):
             kind = "floating" if model_float else "integer"
-            problems.append(f"{where} is stored as {stored} but the model's tensor is {kind} "
-                            f"({str(model_dtype).removeprefix('torch.')})")
+            problems[f"stored as {stored} but the model's tensor is {kind} "
+                     f"({str(model_dtype).removeprefix('torch.')})"].append(name)
         elif model_float and declared and stored != declared and not (stored == "float32" and keeps_fp32(name)):
-            problems.append(f"{where} is stored as {stored} but the checkpoint's config.json says {declared}")
-    return problems
+            problems[f"stored as {stored} but the checkpoint's config.json says {declared}"].append(name)
+    return dict(problems)
 
 
 def check_dtypes(reads: Iterable[Tuple[str, str, str, torch.dtype]], declared: Optional[str], source: str) -> None:
-    """ONE ValueError naming every tensor of ``dtype_problems``, or nothing."""
+    """ONE ValueError naming the tensors of ``dtype_problems`` (by what is wrong), or nothing."""
     problems = dtype_problems(reads, declared)
     if not problems:
         return
-    more = f" ... ({len(problems) - LISTED} more)" if len(problems) > LISTED else ""
+    parts = []
+    for what, names in problems.items():
+        more = f" ... ({len(names) - LISTED} more)" if len(names) > LISTED else ""
+        parts.append(f"{len(names)} tensor(s) {what}: {names[:LISTED]}{more}")
     fix = (f"re-save the checkpoint with its floating weights in {declared} (or correct config.json's dtype)"
            if declared else "re-save the checkpoint with its weights in their floating dtype")
-    raise ValueError(f"path: {source}: {len(problems)} tensor(s) stored in a dtype the model must not convert "
-                     f"from: {'; '.join(problems[:LISTED])}{more}; {fix}")
+    raise ValueError(f"path: {source}: {'; '.join(parts)}; {fix}")
 
 
 def _first_index(bad: torch.Tensor) -> list:
