@@ -20,7 +20,8 @@ from typing import Iterator, List
 
 import torch
 
-__all__ = ["deepspeed_safe_globals", "load_engine_file", "safe_checkpoint_loading", "TESTED_DEEPSPEED"]
+__all__ = ["deepspeed_safe_globals", "load_engine_file", "check_engine_files", "safe_checkpoint_loading",
+           "TESTED_DEEPSPEED"]
 
 TESTED_DEEPSPEED = "0.19.8"
 # the one upstream internal patched here: (module, class, method)
@@ -59,6 +60,16 @@ def load_engine_file(path, map_location=None):
         raise ValueError(f"{path}: not a DeepSpeed checkpoint file that loads without running code "
                          f"({_reason(err)}): it is damaged or was not written by this run; remove "
                          f"{checkpoint} to resume from an earlier checkpoint") from None
+
+
+def check_engine_files(directory, rank: int = 0, world_size: int = 1) -> None:
+    """Load this rank's share (every ``world_size``-th, sorted) of the engine files under ``directory`` with
+    ``load_engine_file`` and drop them: a damaged file is found before ``engine.load_checkpoint``, whose
+    collectives would leave the other ranks waiting on one that failed."""
+    found = sorted(os.path.join(parent, name) for parent, _, names in os.walk(os.fspath(directory))
+                   for name in names if name.endswith(".pt"))
+    for path in found[rank::world_size]:
+        load_engine_file(path, map_location="cpu")
 
 
 def _target():

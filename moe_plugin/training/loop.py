@@ -10,13 +10,21 @@ sum is divided by the step's global token count times the engine's averaging fac
 
 Checkpoints (every ``checkpoint.every`` steps and at the end) hold the adapters (or, for full training, every
 trainable parameter), optimizer shards, scheduler, step, data position and RNG states, never the frozen base;
-a run started again on the same ``output_dir`` continues from the newest complete one. ``losses.json`` holds
-every optimizer step's loss, ``results.json`` the final and held-out losses and the timings; the adapter is
-written in PEFT format to ``output_dir/adapter`` (``exporting.py``).
+a run started again on the same ``output_dir`` continues from the newest complete one. Nothing read back from a
+checkpoint is unpickled: the trainer's own state is JSON and safetensors (``checkpoint.py``), DeepSpeed's engine
+files load with ``weights_only=True`` (``parallel/deepspeed_compat.py``). ``losses.json`` holds every optimizer
+step's loss, ``results.json`` the final and held-out losses and the timings; the adapter is written in PEFT
+format to ``output_dir/adapter`` (``exporting.py``).
+
+Safety (docs/training.md): the data is read before ``output_dir`` is claimed; a run records the inputs it read
+(``inputs.py``) and a resume refuses changed ones unless ``allow_changed_inputs``; a non-finite or diverging
+loss stops the run before the step is saved or any adapter written (``guards.py``); a finished run started
+again never rewrites its outputs.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -28,19 +36,21 @@ import torch.distributed as dist
 
 from ..fileio import write_json_atomic
 from ..lora import count_parameters
+from ..parallel.deepspeed_compat import check_engine_files, safe_checkpoint_loading
 from .backends import get_backend
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
 from .data import StepBatches, eval_batches, label_token_count, load_examples, pack_examples
 from .ds_config import deepspeed_config
 from .exporting import write_outputs
+from .guards import StepGuard, TrainingStopped
 from .logger import make_logger
 from .moe_metrics import MoEMetrics
 from .recipe import Recipe, check_layout
-from .run_dir import RunDirectory
+from .run_dir import claim_for_training
 from .runtime import all_ok, choose_device, forget_processes, start_processes
 from .schedule import lr_scheduler
 
-__all__ = ["TrainResult", "Trainer", "train", "parameter_groups", "step_scale"]
+__all__ = ["TrainResult", "Trainer", "TrainingStopped", "train", "parameter_groups", "step_scale"]
 
 ENGINE_TAG = "engine"
 
@@ -88,21 +98,22 @@ def _sum(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def train(recipe: Recipe) -> TrainResult:
-    """Run ``recipe`` on this process's share of the job (see the module docstring); every rank calls it."""
-    with Trainer(recipe) as trainer:
+def train(recipe: Recipe, allow_changed_inputs: bool = False) -> TrainResult:
+    """Run ``recipe`` on this process's share of the job (see the module docstring); every rank calls it.
+    ``allow_changed_inputs``: resume although the base or a data file changed since the run recorded them."""
+    with Trainer(recipe, allow_changed_inputs=allow_changed_inputs) as trainer:
         return trainer.run()
 
 
 class Trainer:
     """One run of a recipe on this process: ``run()`` does all of it; tests drive ``train_step`` themselves.
 
-    Construction validates the recipe against the world size, the DeepSpeed config and the output directory
-    before any process group exists, then starts the processes, builds the backend's model, the engine and the
-    data stream, and resumes from the newest complete checkpoint of ``output_dir``.
+    Construction validates the recipe against the world size and the DeepSpeed config before any process group
+    exists, then starts the processes, reads the data, claims ``output_dir`` (rank 0: ``claim_for_training``),
+    builds the backend's model, the engine and the data stream, and resumes from the newest complete checkpoint.
     """
 
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: Recipe, allow_changed_inputs: bool = False):
         import deepspeed
 
         started = time.perf_counter()
@@ -113,29 +124,39 @@ class Trainer:
         self.zero3 = int(self.ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
         self.device = choose_device()
         self.output_dir = os.path.abspath(recipe.output_dir)
+        self.allow_changed_inputs = bool(allow_changed_inputs)
         self._owns_processes = start_processes(self.device)
         self.rank = dist.get_rank()
         self.run_dir, self.backend, self.logger, self.moe_metrics = None, None, None, None
         try:
-            error = None
-            if self.rank == 0:
-                try:
-                    self.run_dir = RunDirectory.claim(self.output_dir, recipe.to_dict())
-                except ValueError as e:
-                    error = e
-            if not all_ok(error is None):
-                raise error if error is not None else RuntimeError("rank 0 could not claim output_dir (its error "
-                                                                   "says why)")
-            self.backend = get_backend(recipe.parallel.backend)(recipe, self.model_config, self.device)
-            self.info = self.backend.setup_parallel()
-            schedule = recipe.schedule
+            schedule, error = recipe.schedule, None
+            # read and checked before output_dir is claimed, so that a bad data file leaves no trace there
             torch.manual_seed(recipe.seed)
             random.seed(recipe.seed)
-            train_examples, held_out = load_examples(recipe.data, recipe.seed)
-            rows = pack_examples(train_examples, recipe.data.seq_len, recipe.data.pack)
+            try:
+                train_examples, held_out = load_examples(recipe.data, recipe.seed)
+                rows = pack_examples(train_examples, recipe.data.seq_len, recipe.data.pack)
+                self.eval_rows = pack_examples(held_out, recipe.data.seq_len, recipe.data.pack) if held_out else []
+            except ValueError as e:
+                error = e
+            _agree(error, "another rank could not read the data (its error says why)")
+            after_data = _rng_state()
+            self.checkpoints = CheckpointManager(os.path.join(self.output_dir, "checkpoints"), self.rank,
+                                                 dist.get_world_size(), dist.barrier, keep=recipe.checkpoint.keep)
+            if self.rank == 0:
+                try:
+                    base = recipe.model.from_pretrained
+                    self.run_dir = claim_for_training(self.output_dir, recipe.to_dict(), self.checkpoints,
+                                                      os.path.realpath(base) if base else None,
+                                                      self.allow_changed_inputs)
+                except ValueError as e:
+                    error = e
+            _agree(error, "rank 0 could not claim output_dir (its error says why)")
+            self.backend = get_backend(recipe.parallel.backend)(recipe, self.model_config, self.device)
+            self.info = self.backend.setup_parallel()
+            _set_rng_state(after_data)  # the model draws what it drew when the data was read right before it
             self.stream = StepBatches(rows, schedule.micro_batch_size, schedule.gradient_accumulation_steps,
                                       self.info.dp_size, recipe.seed)
-            self.eval_rows = pack_examples(held_out, recipe.data.seq_len, recipe.data.pack) if held_out else []
             model = self.backend.build_model(self.ds_config)
             self.counts = count_parameters(model)
             trainable = [p for p in model.parameters() if p.requires_grad]
@@ -145,9 +166,10 @@ class Trainer:
                 config=self.ds_config, dist_init_required=False)
             self.logger = make_logger(self.rank, recipe.logging, self.output_dir, recipe.to_dict())
             self.moe_metrics = MoEMetrics(self.engine.module)  # hooks on the routers: drift, indexer KL
-            self.checkpoints = CheckpointManager(os.path.join(self.output_dir, "checkpoints"), self.rank,
-                                                 dist.get_world_size(), dist.barrier, keep=recipe.checkpoint.keep)
             self.result = TrainResult(output_dir=self.output_dir)
+            guards = getattr(recipe, "guards", None)  # the recipe's guards section, once it has one
+            self.guard = StepGuard(getattr(guards, "divergence", None), self.logger.message)
+            self.last_saved: Optional[int] = None
             self.step = self._resume()
             self.startup_s = time.perf_counter() - started
         except BaseException:
@@ -175,12 +197,13 @@ class Trainer:
         if self.run_dir is not None:
             self.run_dir.release()
             self.run_dir = None
-        if self._owns_processes and dist.is_initialized():
-            import deepspeed.comm
+        if self._owns_processes:
+            if dist.is_initialized():
+                import deepspeed.comm
 
-            # DeepSpeed's own teardown also drops the groups it cached (so a later run in this process, a
-            # notebook or a test, starts clean)
-            deepspeed.comm.destroy_process_group()
+                # DeepSpeed's own teardown also drops the groups it cached (so a later run in this process, a
+                # notebook or a test, starts clean)
+                deepspeed.comm.destroy_process_group()
             forget_processes()
             self._owns_processes = False
 
@@ -215,10 +238,14 @@ class Trainer:
         step_loss = _sum(local, self.device) / (info.dp_size * schedule.gradient_accumulation_steps)
         if self.zero3:
             norm = engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
         self.result.losses.append(step_loss)
-        self.result.grad_norms.append(float(norm) if norm is not None else float("nan"))
+        self.result.grad_norms.append(norm if norm is not None else float("nan"))
         self.last_loads = _balance(self.backend, engine.module, self.recipe.lora is None, self.device)
         self.step += 1
+        # a local norm (no ZeRO) may be finite here and not on another rank: every rank stops alike
+        finite = norm is None or math.isfinite(norm)
+        self.guard.check(self.step, self.result.losses, norm if all_ok(finite) else float("nan"), self.last_saved)
         return step_loss
 
     def run(self) -> TrainResult:
@@ -227,8 +254,16 @@ class Trainer:
         if self.step:
             logger.message(f"resuming from the checkpoint at step {self.step}")
         logger.message(f"start-up {self.startup_s:.1f} s")
+        first = self.step
+        # output_dir is on one file system for every rank (checkpoint.py), so every rank decides alike
+        if first >= schedule.steps and os.path.isdir(os.path.join(self.output_dir, "adapter" if recipe.lora else
+                                                                  "model")):
+            logger.message(f"the run had finished (step {first} of {schedule.steps}): its outputs in "
+                           f"{self.output_dir} stay as they are; raise schedule.steps to train on")
+            logger.close()
+            return self.result
         logger.start(schedule.steps, self.step)
-        first, tokens_per_step = self.step, schedule.micro_batch_size * recipe.data.seq_len * self.info.dp_size \
+        tokens_per_step = schedule.micro_batch_size * recipe.data.seq_len * self.info.dp_size \
             * schedule.gradient_accumulation_steps
         clock = time.perf_counter()
         self.engine.train()
@@ -299,10 +334,11 @@ class Trainer:
 
         def write(staging: str) -> None:
             self.engine.save_checkpoint(staging, tag=ENGINE_TAG, exclude_frozen_parameters=True, save_latest=False)
-            torch.save({"step": step, "losses": self.result.losses, "data": self.stream.state_dict(),
-                        "rng": _rng_state()}, _trainer_state_file(staging, rank))
+            write_trainer_state(staging, rank, {"step": step, "losses": self.result.losses,
+                                                "data": self.stream.state_dict(), "rng": _rng_state()})
 
         path = self.checkpoints.save(step, write)
+        self.last_saved = step
         if rank == 0:
             write_json_atomic(os.path.join(self.output_dir, "losses.json"), self.result.losses)
         return path
@@ -316,13 +352,24 @@ class Trainer:
         if latest is None:
             return 0
         step, path = latest
-        self.engine.load_checkpoint(path, tag=ENGINE_TAG, load_module_strict=False, load_optimizer_states=True,
-                                    load_lr_scheduler_states=True)
-        state = torch.load(_trainer_state_file(path, self.rank), weights_only=False)
-        self.stream.load_state_dict(state["data"])
+        error, state = None, None
+        try:  # engine.load_checkpoint runs collectives: its files are checked first, so that all ranks stop alike
+            check_engine_files(os.path.join(path, ENGINE_TAG), self.rank, dist.get_world_size())
+        except ValueError as e:
+            error = e
+        _agree(error, f"another rank found a damaged file in {path} (its error names it)")
+        try:
+            with safe_checkpoint_loading():
+                self.engine.load_checkpoint(path, tag=ENGINE_TAG, load_module_strict=False,
+                                            load_optimizer_states=True, load_lr_scheduler_states=True)
+            state = read_trainer_state(path, self.rank)
+            self.stream.load_state_dict(state["data"])
+        except ValueError as e:
+            error = e
+        _agree(error, f"another rank could not load the checkpoint {path} (its error names the file)")
         _set_rng_state(state["rng"])
         self.result.losses = list(state["losses"])
-        self.result.resumed_from = step
+        self.result.resumed_from = self.last_saved = step
         return step
 
 
@@ -346,5 +393,7 @@ def _balance(backend, module, full: bool, device: torch.device) -> Optional[torc
     return stacked
 
 
-def _trainer_state_file(path: str, rank: int) -> str:
-    return os.path.join(path, f"trainer_state_rank{rank}.pt")
+def _agree(error: Optional[BaseException], others: str) -> None:
+    """Raise on every rank when any rank has an ``error`` (a collective): its own, or ``others``."""
+    if not all_ok(error is None):
+        raise error if error is not None else RuntimeError(others)

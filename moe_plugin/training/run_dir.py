@@ -18,9 +18,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 from typing import Any, Dict, List, NoReturn, Optional
 
+from .inputs import check_inputs, fingerprint_inputs, read_recorded_inputs, write_recorded_inputs
+
 MARKER = "moe_plugin_run.json"
+OVERRIDE_FLAG = "--allow-changed-inputs"  # moe-plugin train's flag for allow_changed_inputs
 LOCK = ".lock"
 _PROBE = ".moe_plugin_write_probe"
 # a resume may train longer, evaluate or log differently; output_dir names this same directory either way
@@ -208,3 +212,32 @@ class RunDirectory:
     def __exit__(self, *exc) -> Optional[bool]:
         self.release()
         return None
+
+
+def claim_for_training(output_dir: str, recipe_dict: Dict[str, Any], checkpoints, base_path: Optional[str],
+                       allow_changed_inputs: bool = False) -> RunDirectory:
+    """The trainer's claim (rank 0): ``RunDirectory.claim``, then refuse damaged checkpoints and a finished run's
+    outputs that resuming would train over, then compare the inputs with those the run recorded (when there is
+    a checkpoint to resume) and record them. ``checkpoints``: the run's ``CheckpointManager``."""
+    run_dir = RunDirectory.claim(output_dir, recipe_dict)
+    try:
+        damaged = checkpoints.damaged()
+        if damaged:
+            raise ValueError(f"{damaged[0]}, so that checkpoint changed after it was saved; move its step "
+                             "directory aside to resume from an earlier checkpoint")
+        latest = checkpoints.latest()
+        run_dir.refuse_overwriting_outputs(latest[0] if latest else None)
+        current = fingerprint_inputs(recipe_dict, base_path)
+        recorded = read_recorded_inputs(run_dir.path) if latest else None
+        if recorded is not None:
+            try:
+                check_inputs(recorded, current, override_flag=OVERRIDE_FLAG)
+            except ValueError as err:
+                if not allow_changed_inputs:
+                    raise
+                print(f"warning: {err} (going on: {OVERRIDE_FLAG} was given)", file=sys.stderr, flush=True)
+        write_recorded_inputs(run_dir.path, current)
+    except BaseException:
+        run_dir.release()
+        raise
+    return run_dir
