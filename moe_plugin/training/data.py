@@ -218,10 +218,10 @@ def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_
             target = len(bins) - 1
         bins[target].append(example)
         room[target] -= size
+    losses.report()
     if truncated:
         warnings.warn(f"data.seq_len: {truncated} of {len(examples)} examples are longer than {seq_len} tokens "
                       f"and were truncated to it; raise data.seq_len to keep them whole")
-    losses.report()
     rows = []
     for members, free in zip(bins, room):
         ids = [t for e in members for t in e.input_ids] + [pad_id] * free
