@@ -1,6 +1,7 @@
 """What every data source shares: the ``Example`` a record becomes, the tokenizer default, and the reader of
-data files (``.jsonl`` line by line, errors naming the file and the 1-based line; ``.parquet``, ``.csv`` and
-``.json`` through ``datasets.load_dataset``, errors naming the file and the 1-based row)."""
+data files (``.jsonl`` line by line, errors naming the file and the 1-based line: invalid UTF-8 with the byte
+and its column, invalid JSON; ``.parquet``, ``.csv`` and ``.json`` through ``datasets.load_dataset``, errors
+naming the file, and the 1-based row once it is read)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["config_dtype", "keeps_fp32", "dtype_problems", "check_dtypes", "check_finite", "check_packed_scale"]
+__all__ = ["config_dtype", "keeps_fp32", "dtype_problems", "check_dtypes", "check_finite", "check_packed_scale",
+           "check_module_finite"]
 
 LISTED = 20
 _CONFIG = "config.json"
@@ -121,3 +122,13 @@ def check_packed_scale(name: str, file: str, value: torch.Tensor, expert_format:
         raise ValueError(f"path: {file or 'memory'}: tensor {name}: scale byte 0xFF (NaN in the MX specification) "
                          f"at index {_first_index(value == 0xFF)}: the checkpoint is damaged or its experts are not "
                          "MXFP4; re-download it")
+
+
+@torch.no_grad()
+def check_module_finite(module: torch.nn.Module, source: str) -> None:
+    """``check_finite`` over a loaded module's parameters and buffers (a ZeRO-3 parameter: this rank's
+    partition, ``ds_tensor``), for loads that do not go through ``weights.loader`` (transformers'
+    ``from_pretrained``); ``source`` names the checkpoint in the message."""
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        part = getattr(tensor, "ds_tensor", None)
+        check_finite(name, source, tensor if part is None else part)

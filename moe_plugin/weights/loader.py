@@ -1,11 +1,13 @@
 """Stream a safetensors checkpoint (Hugging Face or K3 layout) into a model, tensor by tensor, on this rank.
 
 ``load_state(model, path, names="hf" | "megatron", config=...)`` plans every read first (``weights.plan``: one
-ValueError for every missing, unknown and misshapen tensor, before anything is written), then opens each
+ValueError for every missing, unknown and misshapen tensor, and ``weights.checks``: one for every tensor
+stored in a dtype the model must not convert from, before anything is written), then opens each
 shard once and reads one tensor at a time (an expert stack one expert row at a time: ``get_slice`` rows of a
 stacked tensor, or one K3 per-expert tensor), writing it into the model at once and dropping it before the
 next read. So beyond the model a rank holds at most one checkpoint tensor, or one expert row, at a time, and
-it reads only its own experts.
+it reads only its own experts. Each value is checked as it is read: NaN or inf (a packed expert: its scales)
+raises a ValueError naming the tensor and its file. A damaged shard is named by ``fileio.read_safetensors_header``.
 
 DeepSpeed ZeRO-3: a parameter built under ``deepspeed.zero.Init`` keeps an empty placeholder in ``.data``; its
 values are ``param.ds_tensor``, rank ``i`` of ``param.ds_process_group`` holding elements ``[i*n, (i+1)*n)``

@@ -15,7 +15,7 @@ from moe_plugin.models import MoEPluginForCausalLM, load_k3_checkpoint, preset_c
 from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
 from moe_plugin.training.backends.common import load_base
 from moe_plugin.weights import load_state, stored_tensors
-from moe_plugin.weights.checks import dtype_problems
+from moe_plugin.weights.checks import check_module_finite, dtype_problems
 
 NORM = "model.norm.weight"
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
@@ -179,6 +179,23 @@ def test_the_trainer_backends_refuse_a_nan_base(base, tmp_path):
     model = MoEPluginForCausalLM(tiny_config())
     with pytest.raises(ValueError, match=f"^path: .*model\\.safetensors: tensor {NORM} holds 1 non-finite"):
         load_base(model, SimpleNamespace(from_pretrained=str(path)), model.config.to_model_config(), names="hf")
+
+
+def test_a_model_loaded_elsewhere_is_checked_the_same_way(base):
+    """``check_module_finite``: for a model transformers' ``from_pretrained`` loaded."""
+    model = MoEPluginForCausalLM.from_pretrained(base[0])
+    check_module_finite(model, str(base[0]))
+    with torch.no_grad():
+        model.get_parameter(Q_PROJ)[1, 2] = math.inf
+    assert message_of_check(lambda: check_module_finite(model, str(base[0]))) == (
+        f"path: {base[0]}: tensor {Q_PROJ} holds 1 non-finite value(s) (NaN or inf, the first at index [1, 2]), which "
+        "would train to a NaN loss; the checkpoint is damaged: re-download it or re-save it from a good copy")
+
+
+def message_of_check(call):
+    with pytest.raises(ValueError) as caught:
+        call()
+    return str(caught.value)
 
 
 def test_a_float_weight_stored_as_int32_is_refused(base, tmp_path):
