@@ -13,7 +13,7 @@ What the trainer's ``engine.save_checkpoint(exclude_frozen_parameters=True)`` le
   concatenation of its slices over ``partition_ranks``, cut to ``numel``.
 
 Nothing here unpickles arbitrary objects: every file is read with ``torch.load(weights_only=True)``, allowing
-only the two DeepSpeed classes these files hold besides tensors and containers (``deepspeed_safe_globals``).
+only the project's allow-list of DeepSpeed classes (``deepspeed_safe_globals``).
 
 DeepSpeed's ``zero_to_fp32`` assumes one partition group of the whole world; with expert parallelism the expert
 sub-group is partitioned within an expert-data-parallel group (docs/zero3-ep.md) and each such group holds
@@ -24,14 +24,13 @@ stacking is ``lora_A`` rows and ``lora_B`` ``view(out, r, E_local)`` columns con
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import math
 import os
 import pickle
 import re
 import zipfile
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -47,35 +46,33 @@ _EXPERT_ADAPTER = re.compile(r"(?:^|\.)experts\.(?:base_layer\.)*lora_([AB])\.")
 
 
 def deepspeed_safe_globals() -> list:
-    """The classes, beyond torch's own weights-only set, that DeepSpeed 0.19.8's engine files pickle.
+    """The project's one allow-list of DeepSpeed classes for engine files (``parallel.deepspeed_compat``, which
+    resume uses too). Of it, the trainer's checkpoints (ZeRO-3 with and without expert adapters, 1 and 2
+    processes, fp32 and bf16) hold only ``LossScaler`` and ``ZeroStageEnum`` in their optimizer states, as
+    ``torch.serialization.get_unsafe_globals_in_checkpoint`` reports; the model states hold tensors only."""
+    from ..parallel.deepspeed_compat import deepspeed_safe_globals as allowed
 
-    Found by ``torch.serialization.get_unsafe_globals_in_checkpoint`` on the trainer's checkpoints (ZeRO-3
-    with and without expert adapters, 1 and 2 processes, fp32 and bf16): the optimizer states hold the
-    ``LossScaler`` (a static scale of 1: the trainer refuses fp16, so no ``DynamicLossScaler``) and the
-    ``ZeroStageEnum``; the model states hold only tensors, sizes and containers."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    return [LossScaler, ZeroStageEnum]
+    return allowed()
 
 
-@contextlib.contextmanager
-def _deepspeed_globals_allowed() -> Iterator[None]:
-    with torch.serialization.safe_globals(deepspeed_safe_globals()):
-        yield
+def _reason(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for line in lines:  # torch's weights-only refusal is a paragraph that advises weights_only=False: not that
+        if "Unsupported global" in line or "Unsupported operand" in line:
+            return f"{type(err).__name__}: {line.rstrip('.')}"
+    return f"{type(err).__name__}: {lines[0] if lines else 'no detail'}"[:300]
 
 
 def load_engine_file(path: str) -> dict:
     """One DeepSpeed engine file, read without running any code it may carry (weights-only unpickling).
     ValueError naming the file when it is damaged, truncated, or holds anything but a DeepSpeed checkpoint."""
     try:
-        with _deepspeed_globals_allowed():
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
             value = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile, OSError) as err:
-        # the weights-only refusal message spans many lines (it advises weights_only=False): keep its first
-        why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise ValueError(f"{path}: damaged or not a DeepSpeed checkpoint of this run ({type(err).__name__}: "
-                         f"{why}); restore the checkpoint, or export another --step (or the final adapter)") from None
+    except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile, OSError, ValueError, TypeError,
+            AttributeError, KeyError) as err:
+        raise ValueError(f"{path}: damaged or not a DeepSpeed checkpoint of this run ({_reason(err)}); restore the "
+                         "checkpoint, or export another --step (or the final adapter)") from None
     require(isinstance(value, dict), path, f"holds a {type(value).__name__}, not a DeepSpeed checkpoint's "
             "dictionary; restore the checkpoint, or export another --step (or the final adapter)")
     return value
