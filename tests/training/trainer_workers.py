@@ -2,9 +2,10 @@
 
 Each scenario builds the product's ``Trainer`` from a recipe dict, optionally forces the routing (an expert that
 gets no token, or every token on EP rank 0's experts, through the selection bias, which is a buffer and so the
-same on every rank), runs its steps and returns what the parent compares with one process: the losses, the
-gradient norms, the full adapter gradients of the first step and the final adapter, plus the ZeRO-3 partition
-sizes and gathered expert weights of this rank. Nothing here asserts.
+same on every rank), runs its steps and returns what the parent compares with one process
+(tests/tolerances.py): the losses, the gradient norms, the full adapter gradients of every step and the adapter
+before the first step and after each, plus the ZeRO-3 partition sizes and gathered expert weights of this rank.
+Nothing here asserts.
 """
 
 from __future__ import annotations
@@ -39,6 +40,25 @@ def _full_grads(trainer) -> dict:
             g = safe_get_full_grad(p) if hasattr(p, "ds_id") else p.grad
             saved[name] = (g if g is not None else torch.zeros(p.ds_shape if hasattr(p, "ds_shape") else p.shape)).clone()
     return _state_with(trainer, module, saved)
+
+
+def steps_with_gradients(trainer) -> dict:
+    """Run the recipe's steps, keeping each step's reduced adapter gradients and the adapter around each step:
+    ``losses``, ``step_grads``, ``adapters`` (one more than the steps) and, as before, ``grads`` (the first
+    step's) and ``adapter`` (the final one)."""
+    adapters = [_adapter(trainer)]
+    losses, step_grads = [], []
+    while trainer.step < trainer.recipe.schedule.steps:
+        grads = {}
+        losses.append(trainer.train_step(on_gradients=lambda: grads.update(_full_grads(trainer))))
+        step_grads.append(grads)
+        adapters.append(_adapter(trainer))
+    return {"losses": losses, "step_grads": step_grads, "grads": step_grads[0], "adapters": adapters,
+            "adapter": adapters[-1]}
+
+
+def _adapter(trainer) -> dict:
+    return {k: v.clone() for k, v in trainer.backend.adapter_state(trainer.engine.module).items()}
 
 
 def _state_with(trainer, module, tensors: dict) -> dict:
@@ -98,18 +118,8 @@ def run_scenarios(scenarios: list) -> dict:
         recipe = recipe_from_dict(copy.deepcopy(scenario["recipe"]))
         with Trainer(recipe) as trainer:
             _force_routing(trainer, scenario.get("routing", "free"))
-            result = {"losses": [], "ranges": None}
-            grads = {}
-
-            def capture():
-                grads.update(_full_grads(trainer))
-
-            result["losses"].append(trainer.train_step(on_gradients=capture))
-            result["grads"] = grads
-            while trainer.step < recipe.schedule.steps:
-                result["losses"].append(trainer.train_step())
+            result = steps_with_gradients(trainer)
             result["grad_norms"] = list(trainer.result.grad_norms)
-            result["adapter"] = trainer.backend.adapter_state(trainer.engine.module)
             if scenario.get("inspect"):
                 result["partitions"] = _partitions(trainer)
                 result["experts"] = _gathered_experts(trainer)
