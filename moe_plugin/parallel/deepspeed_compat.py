@@ -43,7 +43,7 @@ def _reason(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     for line in lines:  # torch's weights-only refusal is a paragraph; this line names what was refused
         if "Unsupported global" in line or "Unsupported operand" in line:
-            return line.rstrip(".")
+            return line[line.index("Unsupported"):].split(" was not an allowed")[0].rstrip(".")
     return f"{type(err).__name__}: {lines[0] if lines else 'no detail'}"[:300]
 
 

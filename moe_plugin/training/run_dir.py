@@ -19,7 +19,7 @@ import fcntl
 import json
 import os
 import sys
-from typing import Any, Dict, List, NoReturn, Optional
+from typing import Any, Callable, Dict, List, NoReturn, Optional
 
 from .inputs import check_inputs, fingerprint_inputs, read_recorded_inputs, write_recorded_inputs
 
@@ -77,8 +77,11 @@ class RunDirectory:
         self.path, self._lock_file, self.resumed = path, lock_file, resumed
 
     @classmethod
-    def claim(cls, path: str, recipe_dict: Dict[str, Any]) -> "RunDirectory":
-        """Check ``path`` and take it for the run of ``recipe_dict``; ValueError naming ``output_dir`` if not."""
+    def claim(cls, path: str, recipe_dict: Dict[str, Any],
+              before_marking: Optional[Callable[[str], None]] = None) -> "RunDirectory":
+        """Check ``path`` and take it for the run of ``recipe_dict``; ValueError naming ``output_dir`` if not.
+        ``before_marking(real_path)`` runs under the lock before the marker is written (its refusal leaves the
+        directory as it was)."""
         if not isinstance(path, str) or not path.strip():
             _refuse(f"is empty ({path!r}); give a new directory for this run, e.g. \"outputs/my_run\"")
         real = os.path.realpath(os.path.expanduser(path))  # symlinks resolved: a link to $HOME is $HOME
@@ -114,6 +117,8 @@ class RunDirectory:
                 resumed = any(_is_output(os.path.join(real, name)) for name in OUTPUTS)
                 if resumed:
                     cls._check_same_run(path, marker, stored, recipe_dict)
+            if before_marking is not None:
+                before_marking(real)
             _write_json_atomic(marker, recipe_dict)
         except BaseException:
             lock_file.close()  # closing the file drops the flock
@@ -219,16 +224,17 @@ def claim_for_training(output_dir: str, recipe_dict: Dict[str, Any], checkpoints
     """The trainer's claim (rank 0): ``RunDirectory.claim``, then refuse damaged checkpoints and a finished run's
     outputs that resuming would train over, then compare the inputs with those the run recorded (when there is
     a checkpoint to resume) and record them. ``checkpoints``: the run's ``CheckpointManager``."""
-    run_dir = RunDirectory.claim(output_dir, recipe_dict)
-    try:
+    current: Dict[str, Any] = {}
+
+    def check(real: str) -> None:  # before the marker is written: a refusal changes nothing
         damaged = checkpoints.damaged()
         if damaged:
             raise ValueError(f"{damaged[0]}, so that checkpoint changed after it was saved; move its step "
                              "directory aside to resume from an earlier checkpoint")
         latest = checkpoints.latest()
-        run_dir.refuse_overwriting_outputs(latest[0] if latest else None)
-        current = fingerprint_inputs(recipe_dict, base_path)
-        recorded = read_recorded_inputs(run_dir.path) if latest else None
+        RunDirectory(real, None, True).refuse_overwriting_outputs(latest[0] if latest else None)
+        current.update(fingerprint_inputs(recipe_dict, base_path))
+        recorded = read_recorded_inputs(real) if latest else None
         if recorded is not None:
             try:
                 check_inputs(recorded, current, override_flag=OVERRIDE_FLAG)
@@ -236,6 +242,9 @@ def claim_for_training(output_dir: str, recipe_dict: Dict[str, Any], checkpoints
                 if not allow_changed_inputs:
                     raise
                 print(f"warning: {err} (going on: {OVERRIDE_FLAG} was given)", file=sys.stderr, flush=True)
+
+    run_dir = RunDirectory.claim(output_dir, recipe_dict, before_marking=check)
+    try:
         write_recorded_inputs(run_dir.path, current)
     except BaseException:
         run_dir.release()

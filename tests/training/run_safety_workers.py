@@ -1,0 +1,89 @@
+"""Rank-side code of test_run_safety.py's 2-process launch (EP=2 x ZeRO-3, megatron backend). Nothing here
+asserts: each case returns what the parent checks."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+
+class Payload:
+    """Unpickling this creates ``path``: what a crafted checkpoint file would do."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def plant(checkpoint: str, relative: str, sentinel: str) -> None:
+    """Replace ``checkpoint/relative`` by a torch file holding a payload, and update the COMPLETE marker's size
+    for it (so the checkpoint still counts as complete, as a crafted one would)."""
+    path = os.path.join(checkpoint, relative)
+    torch.save({"module": Payload(sentinel)}, path)
+    marker = os.path.join(checkpoint, "COMPLETE")
+    with open(marker) as f:
+        values = json.load(f)
+    values["files"][relative] = os.path.getsize(path)
+    with open(marker, "w") as f:
+        json.dump(values, f)
+
+
+def _error(recipe: dict) -> str:
+    from moe_plugin.training.loop import Trainer
+    from moe_plugin.training.recipe import recipe_from_dict
+
+    try:
+        Trainer(recipe_from_dict(copy.deepcopy(recipe))).close()
+    except Exception as err:  # what the case is about: the parent checks the message
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _record_loads():
+    """Wrap torch.load to record (path, weights_only) of every call; returns (records, restore)."""
+    real, seen = torch.load, []
+
+    def spy(f, *args, **kwargs):
+        seen.append((os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f), kwargs.get("weights_only")))
+        return real(f, *args, **kwargs)
+
+    torch.load = spy
+    return seen, lambda: setattr(torch, "load", real)
+
+
+def zero3_cases(recipe: dict, sentinel_dir: str) -> dict:
+    """Train 1 step with a checkpoint; a payload planted in rank 1's optimizer file and in rank 0's model file
+    (each in a copy of the run) is refused; then the clean run resumes to step 2 with every torch.load call
+    recorded."""
+    from moe_plugin.training.loop import train
+    from moe_plugin.training.recipe import recipe_from_dict
+
+    rank, root = dist.get_rank(), recipe["output_dir"]
+    train(recipe_from_dict(copy.deepcopy(recipe)))
+    engine = os.path.join(root, "checkpoints", "step-00000001", "engine")
+    files = sorted(os.listdir(engine))
+    planted = {"optim1": "engine/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+               "model0": "engine/zero_pp_rank_0_mp_rank_00_model_states.pt"}
+    if rank == 0:
+        for name, relative in planted.items():
+            shutil.copytree(root, f"{root}-{name}")
+            plant(os.path.join(f"{root}-{name}", "checkpoints", "step-00000001"), relative,
+                  os.path.join(sentinel_dir, name))
+    dist.barrier()
+    errors = {name: _error({**recipe, "output_dir": f"{root}-{name}"}) for name in planted}
+    seen, restore = _record_loads()
+    try:
+        longer = copy.deepcopy(recipe)
+        longer["schedule"]["steps"] = 2
+        result = train(recipe_from_dict(longer))
+    finally:
+        restore()
+    return {"files": files, "errors": errors, "planted": planted, "loads": seen, "losses": result.losses,
+            "resumed_from": result.resumed_from}

@@ -1,0 +1,478 @@
+"""A run that never unpickles, knows its inputs, stops on divergence and never harms its outputs.
+
+Unit checks of the pieces (guards, inputs, run directory, DeepSpeed loading, trainer state), then one-process
+runs in this process (one shared trained run, copied per case) and one 2-process launch (EP=2 x ZeRO-3) for
+the payloads planted in DeepSpeed's ZeRO files."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_plugin.parallel.deepspeed_compat import load_engine_file, safe_checkpoint_loading
+from moe_plugin.training.checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
+from moe_plugin.training.guards import DivergenceSection, StepGuard, TrainingStopped
+from moe_plugin.training.inputs import RECORD, check_inputs, fingerprint_inputs, read_recorded_inputs
+from moe_plugin.training.run_dir import MARKER, RunDirectory
+from tests.training.run_safety_workers import plant
+
+# the loss and gradient norm of lr 1e6 on recipes/bases/tiny-arith (measured with this trainer): the loss rises
+# 2.8x while the clipped norm collapses to ~2e-7, so a NaN-only check never fires
+LR_1E6_LOSSES = [1.652, 3.969, 4.595, 4.715, 4.548, 4.803, 4.93, 4.74, 4.63, 4.634, 4.847, 4.601, 4.352, 4.356,
+                 4.661, 4.603, 4.5, 4.6]
+LR_1E30_LOSSES = [1.652, 2.933, 2.979, 3.061, 2.93, 3.31, 3.351, 3.19, 2.934, 3.158, 3.232, 2.896, 2.683, 2.737,
+                  3.099, 3.138, 3.047, 3.229]
+
+
+def _drive(guard, losses, norm=1e-7):
+    for step in range(1, len(losses) + 1):
+        guard.check(step, losses[:step], norm, last_checkpoint=None)
+
+
+@pytest.mark.parametrize("losses", [LR_1E6_LOSSES, LR_1E30_LOSSES], ids=["lr1e6", "lr1e30"])
+def test_the_default_divergence_rule_warns_once_then_stops(losses):
+    warnings = []
+    with pytest.raises(TrainingStopped) as stopped:
+        _drive(StepGuard(None, warnings.append), losses)
+    # diverging from step 6 (the first window past step 1), stopped on the 11th diverging step in a row
+    assert stopped.value.step == 16 and stopped.value.reason == "diverged"
+    assert str(stopped.value).startswith("step 16: the loss diverged:") and "\n" not in str(stopped.value)
+    assert "guards.divergence.stop_after (10)" in str(stopped.value)
+    assert len(warnings) == 1 and warnings[0].startswith("warning: step 6: the loss is diverging")
+
+
+def test_a_healthy_run_and_warn_only():
+    falling = [2.0 * 0.97 ** i + 0.1 * (i % 2) for i in range(40)]
+    warnings = []
+    _drive(StepGuard(None, warnings.append), falling)
+    assert warnings == []
+    _drive(StepGuard(DivergenceSection(stop_after=None), warnings.append), LR_1E6_LOSSES * 3)
+    assert len(warnings) == 1
+
+
+@pytest.mark.parametrize("loss,norm,named", [(float("nan"), 1.0, "the loss is nan"),
+                                             (2.0, float("inf"), "the gradient norm is inf")])
+def test_a_non_finite_step_stops_naming_the_step(loss, norm, named):
+    guard = StepGuard(None, print)
+    guard.check(1, [2.0], 1.0, None)
+    with pytest.raises(TrainingStopped, match=rf"^step 2: {named};.*newest checkpoint is step 1's") as stopped:
+        guard.check(2, [2.0, loss], norm, last_checkpoint=1)
+    assert isinstance(stopped.value, ValueError) and stopped.value.reason == "non-finite"
+
+
+def _fake_base(path: Path, values: float) -> None:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "moe_plugin", "hidden_size": 8}))
+    save_file({"w": torch.full((64, 512), values), "b": torch.zeros(8)}, str(path / "model.safetensors"))
+
+
+def test_inputs_are_fingerprinted_and_every_change_is_named(tmp_path):
+    base, data = tmp_path / "base", tmp_path / "train.jsonl"
+    _fake_base(base, 1.0)
+    data.write_text('{"text": "1 - 1 = 0"}\n')
+    recipe = {"model": {"from_pretrained": str(base)}, "data": {"kind": "text", "path": str(data)}}
+    recorded = fingerprint_inputs(recipe, str(base))
+    assert recorded["base"]["path"] == str(base.resolve()) and set(recorded["base"]["files"]) == {
+        "config.json", "model.safetensors"}
+    check_inputs(recorded, fingerprint_inputs(recipe, str(base)), override_flag="--allow-changed-inputs")
+
+    def refused(**expect):
+        with pytest.raises(ValueError) as caught:
+            check_inputs(recorded, fingerprint_inputs(recipe, str(base)), override_flag="--allow-changed-inputs")
+        message = str(caught.value)
+        assert "\n" not in message and message.endswith("pass --allow-changed-inputs to go on with the inputs as "
+                                                        "they are now"), message
+        for text in expect.values():
+            assert text in message, message
+
+    data.write_text('{"text": "1 - 1 = 9"}\n')  # same size
+    refused(data=f"data file {data} (data.path): content changed")
+    data.write_text('{"text": "1 - 1 = 0, 2 - 1 = 1"}\n')
+    refused(data=f"data file {data} (data.path): size changed (22 -> 33 bytes)")
+    data.write_text('{"text": "1 - 1 = 0"}\n')
+    _fake_base(base, 2.0)  # another training of the same shapes: the header is byte-identical
+    refused(base=f"the base at {base}: the tensor data of shard model.safetensors changed")
+    _fake_base(base, 1.0)
+    (base / "config.json").write_text(json.dumps({"model_type": "moe_plugin", "hidden_size": 16}))
+    refused(base=f"the base at {base}: its config.json changed")
+    preset = {"model": {"preset": "tiny", "overrides": {}}, "data": {"kind": "arithmetic"}}
+    with pytest.raises(ValueError, match="the base: was preset 'tiny' with overrides {}, now preset 'tiny' with "
+                                         'overrides {"num_experts": 4}'):
+        check_inputs(fingerprint_inputs(preset, None),
+                     fingerprint_inputs({**preset, "model": {"preset": "tiny", "overrides": {"num_experts": 4}}},
+                                        None), override_flag="--x")
+
+
+def test_the_inputs_record_is_read_or_named(tmp_path):
+    assert read_recorded_inputs(str(tmp_path)) is None  # a run from before records existed
+    (tmp_path / RECORD).write_text('{"format": 1,\n "base": ')
+    with pytest.raises(ValueError, match=rf"^{tmp_path / RECORD}, line 2: not valid JSON"):
+        read_recorded_inputs(str(tmp_path))
+    (tmp_path / RECORD).write_text("[1, 2]")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / RECORD}: not a record of inputs"):
+        read_recorded_inputs(str(tmp_path))
+
+
+RECIPE = {"output_dir": "out", "model": {"preset": "tiny"}, "data": {"kind": "arithmetic"}, "schedule": {"steps": 3}}
+
+
+def test_a_run_that_never_trained_is_reusable_by_a_corrected_recipe(tmp_path):
+    RunDirectory.claim(str(tmp_path), RECIPE).release()
+    (tmp_path / "checkpoints").mkdir()  # a first save that failed leaves it empty
+    corrected = {**RECIPE, "data": {"kind": "arithmetic", "seq_len": 64}}
+    with RunDirectory.claim(str(tmp_path), corrected) as run:
+        assert not run.resumed
+    assert json.loads((tmp_path / MARKER).read_text()) == corrected
+    (tmp_path / "losses.json").write_text("[2.0]")
+    with pytest.raises(ValueError, match=r"^output_dir: .* holds a run of another recipe: data.seq_len differ"):
+        RunDirectory.claim(str(tmp_path), RECIPE)
+
+
+@pytest.mark.parametrize("text,named", [("{\n  \"seed\": ", "line 2: not valid JSON"), ("[1]", "holds list")])
+def test_a_corrupt_marker_is_named(tmp_path, text, named):
+    (tmp_path / MARKER).write_text(text)
+    with pytest.raises(ValueError, match=rf"^output_dir: {tmp_path / MARKER}(, |: ){named}") as caught:
+        RunDirectory.claim(str(tmp_path), RECIPE)
+    assert "\n" not in str(caught.value) and (tmp_path / MARKER).read_text() == text
+
+
+def test_a_finished_run_without_a_usable_checkpoint_is_not_trained_over(tmp_path):
+    with RunDirectory.claim(str(tmp_path), RECIPE) as run:
+        (tmp_path / "adapter").mkdir()
+        (tmp_path / "losses.json").write_text("[3.0, 2.0, 1.0]")
+        for latest in (None, 2):
+            with pytest.raises(ValueError, match=rf"^output_dir: .*\({tmp_path}/adapter, {tmp_path}/losses.json, "
+                                                 r"3 steps\).*would train over them"):
+                run.refuse_overwriting_outputs(latest)
+        run.refuse_overwriting_outputs(3)  # its final checkpoint is there: resuming is harmless
+
+
+def _payload_file(path: Path, sentinel: Path) -> None:
+    from tests.training.run_safety_workers import Payload
+
+    torch.save({"optimizer": Payload(str(sentinel))}, str(path))
+
+
+def test_deepspeed_files_load_without_running_code(tmp_path):
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    sentinel, bad = tmp_path / "sentinel", tmp_path / "engine" / "optim.pt"
+    bad.parent.mkdir()
+    _payload_file(bad, sentinel)
+    good = tmp_path / "good.pt"
+    torch.save({"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum(3), "t": torch.ones(2)}, str(good))
+    original = TorchCheckpointEngine.load
+    with safe_checkpoint_loading():
+        loaded = TorchCheckpointEngine().load(str(good))
+        assert loaded["zero_stage"] == ZeroStageEnum(3) and torch.equal(loaded["t"], torch.ones(2))
+        with pytest.raises(ValueError, match=rf"^{bad}: not a DeepSpeed checkpoint file that loads without running "
+                                             rf"code \(Unsupported global: GLOBAL io.open\): it is damaged.*remove {tmp_path} to"):
+            TorchCheckpointEngine().load(str(bad))
+    assert TorchCheckpointEngine.load is original and not sentinel.exists()
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"^{truncated}: not a DeepSpeed checkpoint file") as caught:
+        load_engine_file(truncated)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_missing_deepspeed_internal_names_the_version(monkeypatch):
+    import deepspeed
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    monkeypatch.delattr(TorchCheckpointEngine, "load")
+    with pytest.raises(RuntimeError, match=rf"^DeepSpeed {deepspeed.__version__}: .*TorchCheckpointEngine.load "
+                                           "does not exist.*0.19.8"):
+        with safe_checkpoint_loading():
+            pass
+
+
+def test_trainer_state_is_json_and_safetensors_and_reads_back_exactly(tmp_path):
+    random.seed(5)
+    torch.manual_seed(5)
+    state = {"step": 3, "losses": [1 / 3, 2.5e-8, 7.0], "data": {"epoch": 0, "index": 4, "num_rows": 9, "seed": 1},
+             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+    paths = write_trainer_state(str(tmp_path), 0, state)
+    assert sorted(os.path.basename(p) for p in paths) == ["trainer_rng_rank0.safetensors", "trainer_state_rank0.json"]
+    back = read_trainer_state(str(tmp_path), 0)
+    assert back["losses"] == state["losses"] and back["step"] == 3 and back["data"] == state["data"]
+    assert torch.equal(back["rng"]["torch"], state["rng"]["torch"]) and back["rng"]["python"] == random.getstate()
+    Path(paths[0]).write_text('{"format": 1,\n')
+    with pytest.raises(ValueError, match=rf"^{paths[0]}, line 2: not valid JSON.*remove {tmp_path}"):
+        read_trainer_state(str(tmp_path), 0)
+    Path(paths[1]).write_bytes(b"\xff" * 20)
+    os.remove(paths[0])
+    legacy, sentinel = tmp_path / "trainer_state_rank0.pt", tmp_path / "sentinel"  # an earlier version's file
+    _payload_file(legacy, sentinel)
+    with pytest.raises(ValueError, match=rf"^{legacy}: not a trainer state that loads without running code"):
+        read_trainer_state(str(tmp_path), 0)
+    assert not sentinel.exists()
+
+
+def test_a_changed_checkpoint_is_damaged_not_debris(tmp_path):
+    manager = CheckpointManager(tmp_path, rank=0, world_size=1, barrier=lambda: None)
+    manager.save(1, lambda staging: Path(staging, "engine.pt").write_bytes(b"12345") and None)
+    assert manager.damaged() == []
+    Path(tmp_path, "step-00000001", "engine.pt").write_bytes(b"123")
+    assert manager.damaged() == [f"{tmp_path}/step-00000001/engine.pt is 3 bytes, its COMPLETE marker lists 5"]
+
+
+# ---------------------------------------------------------------- one-process runs, in this process
+
+def _digests(directory) -> dict:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(directory).rglob("*")) if p.is_file()}
+
+
+def _save_base(path: Path, seed: int) -> None:
+    from moe_plugin.models import MoEPluginForCausalLM, preset_config
+
+    torch.manual_seed(seed)
+    MoEPluginForCausalLM(preset_config("tiny", attn_res=False)).save_pretrained(str(path))
+
+
+def _recipe(tmp: Path, name: str, **schedule) -> dict:
+    return {"output_dir": str(tmp / name), "seed": 2, "model": {"from_pretrained": str(tmp / "base")},
+            "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj"]},
+            "data": {"kind": "text", "path": str(tmp / "train.jsonl"), "seq_len": 32, "eval_fraction": 0.0},
+            "parallel": {"backend": "hf"},
+            "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-3, **schedule},
+            "checkpoint": {"every": 1, "keep": 3}, "logging": {"progress_bar": False, "wandb": {"mode": "disabled"}}}
+
+
+def _train(recipe: dict, **kwargs):
+    from moe_plugin.training.loop import train
+    from moe_plugin.training.recipe import recipe_from_dict
+
+    return train(recipe_from_dict(copy.deepcopy(recipe)), **kwargs)
+
+
+def _refused(recipe: dict, **kwargs) -> str:
+    with pytest.raises(ValueError) as caught:
+        _train(recipe, **kwargs)
+    assert "\n" not in str(caught.value), str(caught.value)
+    return str(caught.value)
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """A 2-step run with a checkpoint per step, its inputs, and a fresh temporary directory for all runs."""
+    tmp = tmp_path_factory.mktemp("safety")
+    _save_base(tmp / "base", 1)
+    (tmp / "train.jsonl").write_text("".join(json.dumps({"text": f"{a} - {b} = {a - b}"}) + "\n"
+                                             for a in range(20) for b in range(5)))
+    (tmp / "tmp").mkdir()
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = str(tmp / "tmp"), str(tmp / "tmp")
+    try:
+        result = _train(_recipe(tmp, "run"))
+        yield tmp, result
+    finally:
+        tempfile.tempdir = saved[1]
+        if saved[0] is None:
+            os.environ.pop("TMPDIR")
+        else:
+            os.environ["TMPDIR"] = saved[0]
+    assert [e for e in os.listdir(tmp / "tmp") if e.startswith("moe_plugin_")] == [], "a rendezvous was left"
+
+
+def _copy(tmp: Path, name: str, **schedule) -> dict:
+    """The shared run copied to ``name``, its marker as if it had run there."""
+    shutil.copytree(tmp / "run", tmp / name)
+    marker = json.loads((tmp / name / MARKER).read_text())
+    marker["output_dir"] = str(tmp / name)
+    (tmp / name / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    return _recipe(tmp, name, **schedule)
+
+
+def test_the_run_leaves_no_rendezvous_folder_and_records_its_inputs(one):
+    tmp, result = one
+    assert len(result.losses) == 2 and [e for e in os.listdir(tmp / "tmp") if e.startswith("moe_plugin_")] == []
+    record = read_recorded_inputs(str(tmp / "run"))
+    assert record["base"]["path"] == str((tmp / "base").resolve())
+    assert record["data"]["data.path"]["path"] == str(tmp / "train.jsonl")
+    checkpoint = tmp / "run" / "checkpoints" / "step-00000002"
+    assert not list(checkpoint.glob("*.pt")) and (checkpoint / "trainer_state_rank0.json").is_file()
+
+
+def test_a_changed_data_file_is_refused_then_accepted_with_the_override(one):
+    tmp, _ = one
+    recipe, data = _copy(tmp, "data", steps=3), tmp / "train.jsonl"
+    original = data.read_text()
+    try:
+        data.write_text(original.replace("0 - 0 = 0", "0 - 0 = 9"))
+        message = _refused(recipe)
+        assert message.startswith(f"data file {data} (data.path): content changed (sha256 differs) since the run "
+                                  "recorded")
+        assert "--allow-changed-inputs" in message and not (tmp / "data" / "checkpoints" / "step-00000003").exists()
+        result = _train(recipe, allow_changed_inputs=True)
+        assert result.resumed_from == 2 and len(result.losses) == 3
+    finally:
+        data.write_text(original)
+
+
+def test_a_replaced_base_is_refused_then_accepted_with_the_override(one):
+    tmp, _ = one
+    recipe = _copy(tmp, "base_changed")
+    shutil.move(tmp / "base", tmp / "base.orig")
+    try:
+        _save_base(tmp / "base", 7)  # the same model trained otherwise, at the same path
+        message = _refused(recipe)
+        assert message.startswith(f"the base at {(tmp / 'base').resolve()}: the tensor data of shard "
+                                  "model.safetensors changed")
+        assert _train(recipe, allow_changed_inputs=True).resumed_from == 2
+    finally:
+        shutil.rmtree(tmp / "base")
+        shutil.move(tmp / "base.orig", tmp / "base")
+
+
+def test_payloads_in_the_engine_file_and_an_old_trainer_state_do_not_run(one):
+    tmp, _ = one
+    for name, relative in (("engine_payload", "engine/mp_rank_00_model_states.pt"),
+                           ("state_payload", "trainer_state_rank0.pt")):
+        recipe = _copy(tmp, name)
+        checkpoint = tmp / name / "checkpoints" / "step-00000002"
+        if relative.startswith("trainer"):  # the layout of an earlier version: no JSON state beside it
+            os.remove(checkpoint / "trainer_state_rank0.json")
+            marker = json.loads((checkpoint / "COMPLETE").read_text())
+            del marker["files"]["trainer_state_rank0.json"]
+            (checkpoint / "COMPLETE").write_text(json.dumps(marker))
+        plant(str(checkpoint), relative, str(tmp / f"{name}.sentinel"))
+        assert _refused(recipe).startswith(f"{checkpoint / relative}: not a ")
+        assert not (tmp / f"{name}.sentinel").exists()
+
+
+def test_a_truncated_engine_file_is_named(one):
+    tmp, _ = one
+    recipe = _copy(tmp, "truncated")
+    checkpoint = tmp / "truncated" / "checkpoints" / "step-00000002"
+    engine = checkpoint / "engine" / "mp_rank_00_model_states.pt"
+    engine.write_bytes(engine.read_bytes()[:1000])  # the marker still lists the full size
+    assert _refused(recipe).startswith(f"{engine} is 1000 bytes, its COMPLETE marker lists ")
+    plant(str(checkpoint), "engine/mp_rank_00_model_states.pt", str(tmp / "unused"))  # marker now agrees
+    engine.write_bytes(engine.read_bytes()[:200])
+    marker = json.loads((checkpoint / "COMPLETE").read_text())
+    marker["files"]["engine/mp_rank_00_model_states.pt"] = 200
+    (checkpoint / "COMPLETE").write_text(json.dumps(marker))
+    assert _refused(recipe).startswith(f"{engine}: not a DeepSpeed checkpoint file that loads without running code")
+
+
+def test_a_finished_run_without_markers_is_refused_and_untouched(one):
+    tmp, _ = one
+    recipe = _copy(tmp, "finished")
+    for marker in (tmp / "finished" / "checkpoints").glob("*/COMPLETE"):
+        os.remove(marker)
+    before = _digests(tmp / "finished")
+    message = _refused(recipe)
+    assert message.startswith(f"output_dir: '{tmp / 'finished'}' holds the outputs of a finished run "
+                              f"({tmp / 'finished' / 'adapter'}, {tmp / 'finished' / 'losses.json'}, 2 steps)")
+    assert _digests(tmp / "finished") == before
+    rerun = _copy(tmp, "finished_ok")  # with its checkpoints: started again, it rewrites nothing
+    before = _digests(tmp / "finished_ok")
+    assert _train(rerun).resumed_from == 2 and _digests(tmp / "finished_ok") == before
+
+
+def test_a_nan_step_stops_before_saving_or_writing_the_adapter(one):
+    from moe_plugin.training.loop import Trainer
+    from moe_plugin.training.recipe import recipe_from_dict
+
+    tmp, _ = one
+    with Trainer(recipe_from_dict(_recipe(tmp, "nan", steps=3))) as trainer:
+        head = [m for n, m in trainer.engine.module.named_modules() if n.endswith("lm_head")][0]
+        # data-independent: the second step's logits are poisoned
+        head.register_forward_hook(lambda m, i, out: out * float("nan") if trainer.step == 1 else out)
+        with pytest.raises(TrainingStopped, match=r"^step 2: the loss is nan.*newest checkpoint is step 1's"):
+            trainer.run()
+    assert sorted(os.listdir(tmp / "nan" / "checkpoints")) == ["step-00000001"]
+    assert not (tmp / "nan" / "adapter").exists() and not (tmp / "nan" / "results.json").exists()
+    assert CheckpointManager(tmp / "nan" / "checkpoints", 0, 1, lambda: None).latest()[0] == 1
+
+
+def test_lr_1e6_warns_and_stops_on_divergence(one, capsys):
+    from moe_plugin.training.loop import Trainer
+    from moe_plugin.training.recipe import recipe_from_dict
+
+    tmp, _ = one
+    recipe = {"output_dir": str(tmp / "lr1e6"), "seed": 1, "model": {"from_pretrained": "recipes/bases/tiny-arith"},
+              "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"]},
+              "data": {"kind": "arithmetic", "operation": "-", "num_documents": 200, "seq_len": 64},
+              "parallel": {"backend": "hf"}, "schedule": {"steps": 30, "micro_batch_size": 2, "lr": 1e6,
+                                                          "decay": "constant"},
+              "logging": {"every": 100, "progress_bar": False, "wandb": {"mode": "disabled"}}}
+    cwd = os.getcwd()
+    os.chdir(Path(__file__).parents[2])  # the recipe's base path is relative to the repository
+    try:
+        with Trainer(recipe_from_dict(recipe)) as trainer:
+            trainer.guard = StepGuard(DivergenceSection(window=3, stop_after=2), trainer.logger.message)
+            with pytest.raises(TrainingStopped, match=r"^step 6: the loss diverged: .* for 3 steps in a row"):
+                trainer.run()
+            assert max(trainer.result.grad_norms[2:]) < 1e-3, "the norm collapses: a NaN check would not fire"
+    finally:
+        os.chdir(cwd)
+    assert "warning: step 4: the loss is diverging" in capsys.readouterr().out
+    assert not (tmp / "lr1e6" / "adapter").exists()
+
+
+def test_a_failed_first_start_leaves_output_dir_reusable(one):
+    tmp, _ = one
+    broken = tmp / "broken_base"
+    shutil.copytree(tmp / "base", broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    recipe = _recipe(tmp, "first_start", steps=1)
+    with pytest.raises(Exception):
+        _train({**recipe, "model": {"from_pretrained": str(broken)}})
+    assert sorted(os.listdir(tmp / "first_start")) == sorted([".lock", MARKER, RECORD])
+    assert len(_train(recipe).losses) == 1  # the corrected recipe (another base) claims it
+    bad_data = tmp / "bad.jsonl"
+    bad_data.write_text("{not json\n")
+    with pytest.raises(ValueError):
+        _train({**_recipe(tmp, "never"), "data": {**recipe["data"], "path": str(bad_data)}})
+    assert not (tmp / "never").exists(), "the data is read before output_dir is claimed"
+
+
+# ---------------------------------------------------------------- 2 processes: ZeRO-3's own files
+
+def test_payloads_in_zero3_files_do_not_run_and_every_load_is_weights_only(tmp_path):
+    from moe_plugin.parallel.launch import run_distributed
+
+    recipe = {"output_dir": str(tmp_path / "run"), "seed": 5, "deepspeed": "ds_configs/zero3_lora.json",
+              "model": {"preset": "tiny", "overrides": {"attn_res": False}},
+              "lora": {"r": 2, "alpha": 4, "target_parameters": ["experts.w1"]},
+              "data": {"num_documents": 100, "seq_len": 32},
+              "parallel": {"backend": "megatron", "expert_parallel_size": 2},
+              "schedule": {"steps": 1, "micro_batch_size": 1, "lr": 1e-2},
+              "checkpoint": {"every": 1}, "logging": {"progress_bar": False, "wandb": {"mode": "disabled"}}}
+    ranks = run_distributed("tests/training/run_safety_workers.py:zero3_cases", world_size=2, timeout_s=900,
+                            recipe=recipe, sentinel_dir=str(tmp_path))
+    for name, relative in ranks[0]["planted"].items():
+        planted = str(tmp_path / f"run-{name}" / "checkpoints" / "step-00000001" / relative)
+        messages = [r["errors"][name] for r in ranks]
+        assert sum(m.startswith(f"ValueError: {planted}: not a DeepSpeed checkpoint file") for m in messages) == 1, \
+            messages
+        assert all("another rank found a damaged file" in m or planted in m for m in messages)
+        assert not (tmp_path / name).exists(), f"the payload in {relative} ran"
+    engine = {os.path.join("engine", f) for f in ranks[0]["files"]}
+    assert {"engine/zero_pp_rank_1_mp_rank_00_optim_states.pt", "engine/zero_pp_rank_0_mp_rank_00_model_states.pt"} \
+        <= engine
+    loaded = set()
+    for r in ranks:
+        assert r["resumed_from"] == 1 and len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
+        assert all(weights_only is True for _, weights_only in r["loads"]), r["loads"]
+        loaded |= {os.path.relpath(path, str(tmp_path / "run" / "checkpoints" / "step-00000001"))
+                   for path, _ in r["loads"]}
+    assert engine <= loaded, "every engine file of the checkpoint was read, and only with weights_only=True"
