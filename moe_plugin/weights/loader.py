@@ -40,6 +40,7 @@ __all__ = ["LoadStats", "load_state", "run_reads", "state_from_tensors", "model_
            "expert_ranges", "is_partitioned", "partition_range", "zero_padding", "write_flat"]
 
 _EXTRA_STATE = "_extra_state"
+_CHECKED_SHARDS: set = set()  # (real path, size, mtime) of shards whose header read_safetensors_header passed
 
 
 @dataclass
@@ -142,7 +143,13 @@ def write_flat(tensor: torch.Tensor, offset: int, value: torch.Tensor) -> None:
 
 
 def _open_safetensors(file: str) -> ContextManager[Any]:
-    read_safetensors_header(file)  # a damaged shard named, not safetensors' own error (or a read past its end)
+    # a damaged shard named, not safetensors' own error; checked once per file version (some callers open a
+    # shard once per tensor, and a K3 shard's header is large)
+    stat = os.stat(file)
+    version = (os.path.realpath(file), stat.st_size, stat.st_mtime_ns)
+    if version not in _CHECKED_SHARDS:
+        read_safetensors_header(file)
+        _CHECKED_SHARDS.add(version)
     try:
         return safe_open(file, framework="pt")
     except SafetensorError as err:  # e.g. a header past safetensors' own size limit
@@ -179,7 +186,7 @@ def run_reads(plan: Plan, tensors: Mapping[str, torch.Tensor], targets: Mapping[
 
 
 def _packed_value(read: Read, value: torch.Tensor, tensor: torch.Tensor,
-                  expert_format: Optional[str]) -> torch.Tensor:
+                  expert_format: Optional[str] = None) -> torch.Tensor:
     """A packed expert tensor's stored bits, reinterpreted (never converted) as the target's dtype; a scale
     checked by what it decodes to (``checks.check_packed_scale``)."""
     if read.target.endswith("_scale"):
@@ -192,7 +199,7 @@ def _packed_value(read: Read, value: torch.Tensor, tensor: torch.Tensor,
 
 
 def _apply(handle: Any, read: Read, tensor: torch.Tensor, target: Target, stats: LoadStats,
-           expert_format: Optional[str]) -> int:
+           expert_format: Optional[str] = None) -> int:
     value = _fetch(handle, read)
     numel = value.numel()
     if read.expert:
