@@ -1,12 +1,14 @@
-"""Rank-side code of test_run_safety.py's 2-process launch (EP=2 x ZeRO-3, megatron backend). Nothing here
-asserts: each case returns what the parent checks."""
+"""Helpers of test_run_safety.py: the planted payload, small bases, and the rank-side code of its 2-process
+launch (EP=2 x ZeRO-3, megatron backend). Nothing here asserts: each case returns what the parent checks."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import shutil
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,32 @@ def plant(checkpoint: str, relative: str, sentinel: str) -> None:
     values["files"][relative] = os.path.getsize(path)
     with open(marker, "w") as f:
         json.dump(values, f)
+
+
+# helpers of the one-process cases
+
+def fake_base(path: Path, values: float) -> None:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "moe_plugin", "hidden_size": 8}))
+    save_file({"w": torch.full((64, 512), values), "b": torch.zeros(8)}, str(path / "model.safetensors"))
+
+
+def payload_file(path: Path, sentinel: Path) -> None:
+    torch.save({"optimizer": Payload(str(sentinel))}, str(path))
+
+
+def digests(directory) -> dict:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(directory).rglob("*")) if p.is_file()}
+
+
+def save_base(path: Path, seed: int) -> None:
+    from moe_plugin.models import MoEPluginForCausalLM, preset_config
+
+    torch.manual_seed(seed)
+    MoEPluginForCausalLM(preset_config("tiny", attn_res=False)).save_pretrained(str(path))
 
 
 def _error(recipe: dict) -> str:

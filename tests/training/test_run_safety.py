@@ -7,7 +7,6 @@ the payloads planted in DeepSpeed's ZeRO files."""
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 import os
@@ -24,7 +23,7 @@ from moe_plugin.training.checkpoint import CheckpointManager, read_trainer_state
 from moe_plugin.training.guards import DivergenceSection, StepGuard, TrainingStopped
 from moe_plugin.training.inputs import RECORD, check_inputs, fingerprint_inputs, read_recorded_inputs
 from moe_plugin.training.run_dir import MARKER, RunDirectory
-from tests.training.run_safety_workers import plant
+from tests.training.run_safety_workers import digests, fake_base, payload_file, plant, save_base
 
 # the loss and gradient norm of lr 1e6 on recipes/bases/tiny-arith (measured with this trainer): the loss rises
 # 2.8x while the clipped norm collapses to ~2e-7, so a NaN-only check never fires
@@ -70,17 +69,9 @@ def test_a_non_finite_step_stops_naming_the_step(loss, norm, named):
     assert isinstance(stopped.value, ValueError) and stopped.value.reason == "non-finite"
 
 
-def _fake_base(path: Path, values: float) -> None:
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "moe_plugin", "hidden_size": 8}))
-    save_file({"w": torch.full((64, 512), values), "b": torch.zeros(8)}, str(path / "model.safetensors"))
-
-
 def test_inputs_are_fingerprinted_and_every_change_is_named(tmp_path):
     base, data = tmp_path / "base", tmp_path / "train.jsonl"
-    _fake_base(base, 1.0)
+    fake_base(base, 1.0)
     data.write_text('{"text": "1 - 1 = 0"}\n')
     recipe = {"model": {"from_pretrained": str(base)}, "data": {"kind": "text", "path": str(data)}}
     recorded = fingerprint_inputs(recipe, str(base))
@@ -102,9 +93,9 @@ def test_inputs_are_fingerprinted_and_every_change_is_named(tmp_path):
     data.write_text('{"text": "1 - 1 = 0, 2 - 1 = 1"}\n')
     refused(data=f"data file {data} (data.path): size changed (22 -> 33 bytes)")
     data.write_text('{"text": "1 - 1 = 0"}\n')
-    _fake_base(base, 2.0)  # another training of the same shapes: the header is byte-identical
+    fake_base(base, 2.0)  # another training of the same shapes: the header is byte-identical
     refused(base=f"the base at {base}: the tensor data of shard model.safetensors changed")
-    _fake_base(base, 1.0)
+    fake_base(base, 1.0)
     (base / "config.json").write_text(json.dumps({"model_type": "moe_plugin", "hidden_size": 16}))
     refused(base=f"the base at {base}: its config.json changed")
     preset = {"model": {"preset": "tiny", "overrides": {}}, "data": {"kind": "arithmetic"}}
@@ -159,12 +150,6 @@ def test_a_finished_run_without_a_usable_checkpoint_is_not_trained_over(tmp_path
         run.refuse_overwriting_outputs(3)  # its final checkpoint is there: resuming is harmless
 
 
-def _payload_file(path: Path, sentinel: Path) -> None:
-    from tests.training.run_safety_workers import Payload
-
-    torch.save({"optimizer": Payload(str(sentinel))}, str(path))
-
-
 def test_deepspeed_files_load_without_running_code(tmp_path):
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
@@ -172,7 +157,7 @@ def test_deepspeed_files_load_without_running_code(tmp_path):
 
     sentinel, bad = tmp_path / "sentinel", tmp_path / "engine" / "optim.pt"
     bad.parent.mkdir()
-    _payload_file(bad, sentinel)
+    payload_file(bad, sentinel)
     good = tmp_path / "good.pt"
     torch.save({"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum(3), "t": torch.ones(2)}, str(good))
     original = TorchCheckpointEngine.load
@@ -217,7 +202,7 @@ def test_trainer_state_is_json_and_safetensors_and_reads_back_exactly(tmp_path):
     Path(paths[1]).write_bytes(b"\xff" * 20)
     os.remove(paths[0])
     legacy, sentinel = tmp_path / "trainer_state_rank0.pt", tmp_path / "sentinel"  # an earlier version's file
-    _payload_file(legacy, sentinel)
+    payload_file(legacy, sentinel)
     with pytest.raises(ValueError, match=rf"^{legacy}: not a trainer state that loads without running code"):
         read_trainer_state(str(tmp_path), 0)
     assert not sentinel.exists()
@@ -232,18 +217,6 @@ def test_a_changed_checkpoint_is_damaged_not_debris(tmp_path):
 
 
 # ---------------------------------------------------------------- one-process runs, in this process
-
-def _digests(directory) -> dict:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(directory).rglob("*")) if p.is_file()}
-
-
-def _save_base(path: Path, seed: int) -> None:
-    from moe_plugin.models import MoEPluginForCausalLM, preset_config
-
-    torch.manual_seed(seed)
-    MoEPluginForCausalLM(preset_config("tiny", attn_res=False)).save_pretrained(str(path))
-
 
 def _recipe(tmp: Path, name: str, **schedule) -> dict:
     return {"output_dir": str(tmp / name), "seed": 2, "model": {"from_pretrained": str(tmp / "base")},
@@ -272,7 +245,7 @@ def _refused(recipe: dict, **kwargs) -> str:
 def one(tmp_path_factory):
     """A 2-step run with a checkpoint per step, its inputs, and a fresh temporary directory for all runs."""
     tmp = tmp_path_factory.mktemp("safety")
-    _save_base(tmp / "base", 1)
+    save_base(tmp / "base", 1)
     (tmp / "train.jsonl").write_text("".join(json.dumps({"text": f"{a} - {b} = {a - b}"}) + "\n"
                                              for a in range(20) for b in range(5)))
     (tmp / "tmp").mkdir()
@@ -330,7 +303,7 @@ def test_a_replaced_base_is_refused_then_accepted_with_the_override(one):
     recipe = _copy(tmp, "base_changed")
     shutil.move(tmp / "base", tmp / "base.orig")
     try:
-        _save_base(tmp / "base", 7)  # the same model trained otherwise, at the same path
+        save_base(tmp / "base", 7)  # the same model trained otherwise, at the same path
         message = _refused(recipe)
         assert message.startswith(f"the base at {(tmp / 'base').resolve()}: the tensor data of shard "
                                   "model.safetensors changed")
@@ -376,14 +349,14 @@ def test_a_finished_run_without_markers_is_refused_and_untouched(one):
     recipe = _copy(tmp, "finished")
     for marker in (tmp / "finished" / "checkpoints").glob("*/COMPLETE"):
         os.remove(marker)
-    before = _digests(tmp / "finished")
+    before = digests(tmp / "finished")
     message = _refused(recipe)
     assert message.startswith(f"output_dir: '{tmp / 'finished'}' holds the outputs of a finished run "
                               f"({tmp / 'finished' / 'adapter'}, {tmp / 'finished' / 'losses.json'}, 2 steps)")
-    assert _digests(tmp / "finished") == before
+    assert digests(tmp / "finished") == before
     rerun = _copy(tmp, "finished_ok")  # with its checkpoints: started again, it rewrites nothing
-    before = _digests(tmp / "finished_ok")
-    assert _train(rerun).resumed_from == 2 and _digests(tmp / "finished_ok") == before
+    before = digests(tmp / "finished_ok")
+    assert _train(rerun).resumed_from == 2 and digests(tmp / "finished_ok") == before
 
 
 def test_a_nan_step_stops_before_saving_or_writing_the_adapter(one):
