@@ -249,10 +249,10 @@ def test_the_command(runs, tmp_path, capsys):
     out = tmp_path / "cli"
     assert cli.main(["export", "--run", runs["ep2"], "--to", "per-expert", str(out)]) == 0
     assert "check passed" in capsys.readouterr().out and (out / "adapter_model.safetensors").exists()
-    assert cli.main(["export", "--run", runs["ep2"], "--to", "peft", "--step", "7", str(tmp_path / "x")]) == 1
+    assert cli.main(["export", "--run", runs["ep2"], "--to", "peft", "--step", "7", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "step: the run has no complete checkpoint at step 7; complete checkpoints: [1, 2]" in err
-    assert cli.main(["export", "--run", str(tmp_path), "--to", "peft", str(tmp_path / "y")]) == 1
+    assert cli.main(["export", "--run", str(tmp_path), "--to", "peft", str(tmp_path / "y")]) == 2
     assert "has no moe_plugin_run.json" in capsys.readouterr().err
 
 
