@@ -142,7 +142,7 @@ def base_tensors(base_path: str, hf_config) -> Iterator[Tuple[str, torch.Tensor]
         with ExitStack() as stack:
             handles = {f: stack.enter_context(_open_safetensors(f)) for f in {r.file for r in reads}}
             for read in reads:
-                _apply(handles[read.file], read, tensor, targets[name], LoadStats())
+                _apply(handles[read.file], read, tensor, targets[name], LoadStats(), config.moe.expert_format)
         yield name, tensor
     for name in plan.ignored:  # the vision tower and projector, which no text adapter touches
         with _open_safetensors(stored[name].file) as handle:
