@@ -167,8 +167,7 @@ class Trainer:
             self.logger = make_logger(self.rank, recipe.logging, self.output_dir, recipe.to_dict())
             self.moe_metrics = MoEMetrics(self.engine.module)  # hooks on the routers: drift, indexer KL
             self.result = TrainResult(output_dir=self.output_dir)
-            guards = getattr(recipe, "guards", None)  # the recipe's guards section, once it has one
-            self.guard = StepGuard(getattr(guards, "divergence", None), self.logger.message)
+            self.guard = StepGuard(recipe.guards.divergence, self.logger.message)
             self.last_saved: Optional[int] = None
             self.step = self._resume()
             self.startup_s = time.perf_counter() - started
@@ -394,6 +393,8 @@ def _balance(backend, module, full: bool, device: torch.device) -> Optional[torc
 
 
 def _agree(error: Optional[BaseException], others: str) -> None:
-    """Raise on every rank when any rank has an ``error`` (a collective): its own, or ``others``."""
+    """Raise on every rank when any rank has an ``error`` (a collective): its own, or ``others`` as a
+    ValueError, so that the commands report it in one line on the ranks that only waited (the failing rank's
+    own message names the input)."""
     if not all_ok(error is None):
-        raise error if error is not None else RuntimeError(others)
+        raise error if error is not None else ValueError(others)

@@ -25,6 +25,7 @@ from pydantic import ValidationInfo
 from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticUndefined
 
 from ..config import ModelConfig
+from .guards import GuardsSection
 from .recipe_errors import describe_errors
 
 # MoEPluginConfig.model_type (tested equal), the model_type of a config.json save_pretrained wrote; anything
@@ -350,6 +351,7 @@ class Recipe(_Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    guards: GuardsSection = Field(default_factory=GuardsSection)  # when a run stops itself (training/guards.py)
 
     def _problems(self) -> List[Problem]:
         if not self.output_dir.strip():
