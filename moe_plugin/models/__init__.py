@@ -11,11 +11,36 @@ from .tokenizer import ByteTokenizer
 from .k3_format import (A_LOG_PAD_MULTIPLE, a_log_padded_length, config_from_k3, config_to_k3, load_k3_checkpoint,
                         save_k3_checkpoint, state_dict_from_k3, state_dict_to_k3)
 
+
+
+class _CausalLMByArchitectures:
+    """AutoModelForCausalLM's entry for ``MoEPluginConfig``: the image+text model when the config's
+    ``architectures`` names it, else the text model.
+
+    transformers' own two-class entry (a tuple) iterates ``config.architectures`` and fails on ``None``, which is
+    what every config built in code (``preset_config``) carries, so ``from_config`` would raise a TypeError."""
+
+    config_class = MoEPluginConfig
+
+    @staticmethod
+    def pick(config) -> type:
+        names = getattr(config, "architectures", None) or ()
+        return (MoEPluginForConditionalGeneration if MoEPluginForConditionalGeneration.__name__ in names
+                else MoEPluginForCausalLM)
+
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        return cls.pick(config)._from_config(config, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+        return cls.pick(config).from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+
+
 AutoConfig.register(MoEPluginConfig.model_type, MoEPluginConfig, exist_ok=True)
-# transformers picks between the two by the checkpoint's `architectures` (as it does for its own image+text
-# models under AutoModelForCausalLM), so an image base loads whole, e.g. under peft's AutoPeftModelForCausalLM
-AutoModelForCausalLM.register(MoEPluginConfig, (MoEPluginForCausalLM, MoEPluginForConditionalGeneration),
-                              exist_ok=True)
+# an image base loads whole under AutoModelForCausalLM (as transformers' own image+text models do), e.g. under
+# peft's AutoPeftModelForCausalLM, which builds its base with that class
+AutoModelForCausalLM.register(MoEPluginConfig, _CausalLMByArchitectures, exist_ok=True)
 AutoModelForImageTextToText.register(MoEPluginConfig, MoEPluginForConditionalGeneration, exist_ok=True)
 AutoTokenizer.register(MoEPluginConfig, slow_tokenizer_class=ByteTokenizer, exist_ok=True)
 
