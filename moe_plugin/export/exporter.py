@@ -35,7 +35,7 @@ from .deltas import split_experts
 from .merge import check_packed_base, has_vision, write_merged
 from .packed import dense_base_model, dense_config, dense_stream, packed_stacks
 from .source import RunLocation, RunSource, locate_run, open_run
-from .targets import Target, per_expert_key, select_targets
+from .targets import Target, on_image_model, per_expert_key, select_targets
 from .verify import (LOGITS_RTOL, LOW_PRECISION_RTOL, CheckResult, base_model, compare_deltas,
                      logits_of, merged_differences, reference, relative_diff)
 
@@ -221,7 +221,8 @@ def _check_merged(source: RunSource, targets, tmp: str, layout: str, expected, r
     # an image+text export reloads as the image+text model; the adapters are its language model's
     cls = MoEPluginForConditionalGeneration if has_vision(tmp) else MoEPluginForCausalLM
     model = (cls.from_pretrained(tmp) if layout == "hf" else load_k3_checkpoint(tmp, model_cls=cls)).float().eval()
-    model = getattr(model, "language_model", model)
+    if not on_image_model(targets):  # a text adapter's reference is the text model
+        model = getattr(model, "language_model", model)
     result.logits_rel_diff = relative_diff(logits_of(model, source.hf_config.vocab_size), ref_logits)
     return result
 

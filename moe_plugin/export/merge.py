@@ -200,8 +200,9 @@ def write_merged(base_path: str, hf_config, targets: Mapping[str, Target], state
     writer = ShardWriter(directory, max_bytes)
     prefix = TEXT_PREFIX if has_vision(base_path) else ""  # an image+text checkpoint keeps its text under it
     merged, changed, requantised = [], 0, 0
+    streamed = {t.stream_name: t for t in targets.values()}  # an image run's targets carry language_model.
     for name, tensor, codes in decoded(base_tensors(base_path, hf_config), stacks, keep_packed=requantise):
-        target = targets.get(name)
+        target = streamed.get(name)
         base = tensor
         if target is not None:  # a requantised stack's changed values are counted against the base
             tensor = _merged(tensor, delta_for(target, state), in_place=not (requantise and name in stacks))

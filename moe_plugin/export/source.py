@@ -21,7 +21,7 @@ import torch
 
 from ..config import require
 from ..training.run_dir import MARKER
-from .targets import Target, adapter_targets, check_state_covers
+from .targets import Target, adapter_targets, check_state_covers, is_image_adapter
 
 __all__ = ["RunSource", "RunLocation", "locate_run", "open_run", "OVERRIDE_FLAG"]
 
@@ -224,5 +224,7 @@ def open_run(run_dir: str, step: Optional[int] = None, allow_changed_inputs: boo
 
         state = adapter_from_checkpoint(where_run.run_dir, step, config.to_model_config(), backend, lora.r)
         where = f"checkpoint step {step}"
+    if is_image_adapter(state):  # an image run's adapter: its targets are the image model's (language_model.)
+        targets = adapter_targets(config, trained, image=True)
     check_state_covers(targets, state, where)
     return RunSource(where_run.run_dir, step, recipe, base_path, config, trained, state, targets)

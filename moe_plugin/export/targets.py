@@ -5,6 +5,10 @@ the adapters on it exactly as ``PeftModel.from_pretrained`` would, and every ada
 That matters for the stacked experts: peft nests one ``ParamWrapper`` per targeted parameter, so the key
 ``...experts.lora_A.weight`` belongs to whichever of ``w1``/``w2``/``w3`` ended up outermost (``w2`` here, as
 peft sorts the targets and walks the parameters in registration order); reading the key would guess wrong.
+
+An image run's adapter (the trainer's image+text model, ``MoEPluginForConditionalGeneration``) names its text
+adapters under ``language_model.``; its targets are then mapped on that model (``image=True``), so that every
+name (``Target.weight``, ``Target.module``) is the image model's own.
 """
 
 from __future__ import annotations
@@ -15,17 +19,19 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 import torch
 
 from ..config import require
-from ..weights.names import base_name, k3_expert_name
+from ..weights.names import TEXT_PREFIX, VISION_PREFIXES, base_name, k3_expert_name, strip_text_prefix
 
-__all__ = ["Target", "adapter_targets", "check_state_covers", "select_targets", "per_expert_key", "PEFT_PREFIX"]
+__all__ = ["Target", "adapter_targets", "check_state_covers", "select_targets", "per_expert_key", "PEFT_PREFIX",
+           "is_image_adapter", "on_image_model"]
 
 PEFT_PREFIX = "base_model.model."  # what peft's wrapper puts in front of the model's own names
 
 
 @dataclass(frozen=True)
 class Target:
-    """One adapted base tensor. weight: its Hugging Face name (``model.layers.0.self_attn.q_proj.weight``,
-    ``model.layers.1.block_sparse_moe.experts.w2``); module: the PEFT key prefix of its adapter (``lora_A`` /
+    """One adapted base tensor. weight: its name in the Hugging Face model the adapter is on
+    (``model.layers.0.self_attn.q_proj.weight``, ``model.layers.1.block_sparse_moe.experts.w2``; on the image
+    model ``language_model.model.layers...`` or ``vision_tower...``); module: the PEFT key prefix of its adapter (``lora_A`` /
     ``lora_B`` follow); experts: E for a stacked expert parameter ``[E, out, in]``, 0 for a dense Linear;
     scaling: peft's ``alpha / r`` (or its rsLoRA form)."""
 
@@ -42,6 +48,11 @@ class Target:
     def key_b(self) -> str:
         return f"{self.module}.lora_B.weight"
 
+    @property
+    def stream_name(self) -> str:
+        """The name ``merge.base_tensors`` streams this tensor under (the text model's, or a vision name)."""
+        return strip_text_prefix(self.weight)
+
     def describe(self, expert: Optional[int] = None) -> str:
         return self.weight if expert is None else f"{self.weight} expert {expert}"
 
@@ -52,18 +63,31 @@ def _innermost(module):
     return module
 
 
-def adapter_targets(hf_config, lora_config) -> Dict[str, Target]:
-    """``{weight name: Target}`` of every tensor ``lora_config`` adapts in ``MoEPluginForCausalLM(hf_config)``."""
+def is_image_adapter(keys: Iterable[str]) -> bool:
+    """Whether PEFT keys are the image+text model's (its text model nested under ``language_model.``)."""
+    return any(k.startswith((PEFT_PREFIX + TEXT_PREFIX,) + tuple(PEFT_PREFIX + p for p in VISION_PREFIXES))
+               for k in keys)
+
+
+def on_image_model(targets: Mapping[str, Target]) -> bool:
+    """Whether ``targets`` were mapped on the image+text model (``adapter_targets(..., image=True)``)."""
+    return any(t.weight.startswith((TEXT_PREFIX,) + VISION_PREFIXES) for t in targets.values())
+
+
+def adapter_targets(hf_config, lora_config, image: bool = False) -> Dict[str, Target]:
+    """``{weight name: Target}`` of every tensor ``lora_config`` adapts in ``MoEPluginForCausalLM(hf_config)``,
+    or with ``image`` in ``MoEPluginForConditionalGeneration(hf_config)`` (an image run's adapter)."""
     import copy
 
     from peft import get_peft_model
 
-    from ..models import MoEPluginForCausalLM
+    from ..models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
 
     config = copy.deepcopy(lora_config)
     config.inference_mode = False
+    cls = MoEPluginForConditionalGeneration if image else MoEPluginForCausalLM
     with torch.device("meta"):
-        model = get_peft_model(MoEPluginForCausalLM(hf_config), config)
+        model = get_peft_model(cls(hf_config), config)
     out = {}
     for name, module in model.named_modules():
         if not hasattr(module, "lora_A") or "default" not in module.lora_A:
@@ -81,9 +105,11 @@ def adapter_targets(hf_config, lora_config) -> Dict[str, Target]:
 
 def per_expert_key(target: Target, expert: int, which: str) -> str:
     """The published per-expert adapter name: ``base_model.model.model.layers.1.block_sparse_moe.experts.5.w1
-    .lora_A.weight`` for expert 5 of ``...experts.w1`` (which: "A" or "B")."""
-    stem = k3_expert_name(target.weight, expert)[: -len(".weight")]
-    return f"{PEFT_PREFIX}{stem}.lora_{which}.weight"
+    .lora_A.weight`` for expert 5 of ``...experts.w1`` (which: "A" or "B"); ``language_model.`` stays in front
+    on the image model, as in K3's published multimodal checkpoint."""
+    prefix = TEXT_PREFIX if target.weight.startswith(TEXT_PREFIX) else ""
+    stem = k3_expert_name(target.stream_name, expert)[: -len(".weight")]
+    return f"{PEFT_PREFIX}{prefix}{stem}.lora_{which}.weight"
 
 
 def check_state_covers(targets: Mapping[str, Target], state: Mapping[str, torch.Tensor], what: str) -> None:

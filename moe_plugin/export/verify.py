@@ -10,6 +10,10 @@ fp32. Two comparisons, both before the export is published:
 * logits on a fixed batch (``FIXED_BATCH`` tokens from a seeded generator): the reloaded export against the
   reference, ``max|a - b| / max|b|`` at most ``LOGITS_RTOL`` (fp32 outputs; ``LOW_PRECISION_RTOL`` when a
   merged export is written in bf16/fp16, whose rounding of the weights is larger than that).
+
+An image run's adapter (targets on the image+text model) is checked on that model: the reference is
+``MoEPluginForConditionalGeneration`` with the base's vision tower, and the fixed batch holds one seeded
+picture (``FIXED_IMAGE_GRID`` patches) among its tokens, so the logits cover the image path too.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
-from .targets import Target
+from .targets import Target, on_image_model
 
 __all__ = ["ExportCheckError", "CheckResult", "reference", "base_model", "logits_of", "compare_deltas",
            "LOGITS_RTOL", "LOW_PRECISION_RTOL", "FIXED_BATCH"]
@@ -28,6 +32,7 @@ LOGITS_RTOL = 1e-5
 LOW_PRECISION_RTOL = 2e-2
 DELTA_RTOL = 1e-4  # of the largest element of an expert's (or a dense target's) delta
 FIXED_BATCH = (2, 24)  # rows x tokens
+FIXED_IMAGE_GRID = (4, 6)  # patch rows x columns of the image model's fixed picture (in row 0)
 SEED = 0
 
 
@@ -52,13 +57,16 @@ class CheckResult:
 
 
 def base_model(source):
-    """The base (text) model of ``source`` (a ``RunSource``), loaded strictly, fp32, eval mode."""
-    from ..models import MoEPluginForCausalLM
+    """The base model of ``source`` (a ``RunSource``) the adapter is on, loaded strictly, fp32, eval mode: the
+    text model, or the image+text model for an image run's adapter."""
+    from ..models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
     from ..weights.loader import load_state
 
-    model = MoEPluginForCausalLM(source.hf_config).float()
-    # an image+text base's vision tower is no part of the text model the adapters are on
-    load_state(model, source.base_path, names="hf", config=source.model_config, strict=True, ignore_vision=True)
+    image = on_image_model(source.targets)
+    model = (MoEPluginForConditionalGeneration if image else MoEPluginForCausalLM)(source.hf_config).float()
+    # a text adapter's model has no vision tower: the base's is no part of it
+    load_state(model, source.base_path, names="hf", config=source.model_config, strict=True,
+               ignore_vision=not image)
     return model.eval()
 
 
@@ -83,12 +91,28 @@ def reference(source) -> Tuple[object, torch.Tensor, Dict[str, torch.Tensor]]:
     return model, logits_of(model, source.hf_config.vocab_size), deltas
 
 
+def _image_config(model):
+    """The image model's config (through peft's wrappers), None for a text model."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.config if hasattr(inner, "vision_tower") else None
+
+
 @torch.no_grad()
 def logits_of(model, vocab_size: int) -> torch.Tensor:
-    """Logits ``[rows, tokens, vocab]`` of ``model`` on the fixed batch (the same tokens every call)."""
+    """Logits ``[rows, tokens, vocab]`` of ``model`` on the fixed batch (the same tokens every call); an image
+    model's row 0 holds the fixed picture's placeholders (random patches, seeded), so its tower is used."""
     g = torch.Generator().manual_seed(SEED)
     ids = torch.randint(0, vocab_size, FIXED_BATCH, generator=g)
-    return model(input_ids=ids).logits.float()
+    config = _image_config(model)
+    if config is None:
+        return model(input_ids=ids).logits.float()
+    vision = config.to_model_config().vision
+    ids[ids == config.image_token_id] = 0  # the picture's placeholders are the only ones
+    rows, cols = FIXED_IMAGE_GRID
+    tokens = rows * cols // vision.merge_size ** 2
+    ids[0, 2:2 + tokens] = config.image_token_id
+    patches = torch.randn(rows * cols, vision.patch_dim, generator=g)
+    return model(input_ids=ids, pixel_patches=patches, grid_hw=torch.tensor([[rows, cols]])).logits.float()
 
 
 def relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -130,14 +154,16 @@ def merged_differences(base: Iterable[Tuple[str, torch.Tensor]], written: Iterab
     """Stream the base and the merged export side by side (the same names in the same order): a target's
     written-minus-base is its delta; every other tensor must be the base's, unchanged."""
     written = iter(written)
+    streamed = {t.stream_name: t for t in targets.values()}  # the streams name tensors as the text model does
     for name, base_tensor in base:
         got_name, got = next(written, (None, None))
         if got_name != name:
             result.problems.append(f"the export's tensors do not follow the base's at {name} (found {got_name})")
             return
-        if name in targets:
+        if name in streamed:
+            target = streamed[name]
             eps = torch.finfo(got.dtype).eps if got.is_floating_point() else 0.0
             atol = 4 * eps * max(float(base_tensor.float().abs().max()), float(got.float().abs().max()))
-            compare_deltas(result, targets[name], got.float() - base_tensor.float(), expected[name], atol)
+            compare_deltas(result, target, got.float() - base_tensor.float(), expected[target.weight], atol)
         elif not torch.equal(got, base_tensor.to(got.dtype)):  # a packed base's experts, decoded, may be written in bf16
             result.problems.append(f"{name}: not a target, yet it differs from the base")

@@ -167,12 +167,17 @@ def stitch_expert_adapter(name: str, parts: List[torch.Tensor], r: int) -> torch
 
 
 def _peft_key(name: str, config: ModelConfig, backend: str) -> str:
-    from ..weights.names import megatron_to_hf_name
+    """The PEFT key of a checkpoint tensor. megatron names the text model alike in both of its models, so over
+    a base with a vision tower the key is the image model's (``language_model.``), the face the main job trains
+    and the base's ``architectures`` loads; the Hugging Face backend's names are peft's own already."""
+    from ..weights.names import TEXT_PREFIX, VISION_PREFIXES, megatron_to_hf_name
 
     name = name.replace(".default.", ".")
-    if backend == "megatron":
-        return "base_model.model." + megatron_to_hf_name(name, config)
-    return name
+    if backend != "megatron":
+        return name
+    if name.startswith(VISION_PREFIXES):
+        return "base_model.model." + name
+    return "base_model.model." + (TEXT_PREFIX if config.vision is not None else "") + megatron_to_hf_name(name, config)
 
 
 def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backend: str, r: int
