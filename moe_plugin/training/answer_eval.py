@@ -2,10 +2,10 @@
 
 Each held-out record is a chat (``{"messages": [user, assistant]}``, images inline or listed, as the SFT data
 reads) whose last assistant turn is the expected answer. The prompt (every message before it, with the
-generation prompt) goes to the Hugging Face model's ``generate`` with greedy decoding, which stops at the
-model's end of sequence (``generation_config.eos_token_id``) or after ``max_new_tokens``; the answer is the
-decoded new tokens without special tokens, stripped of surrounding white space, and it counts when it equals
-the expected answer exactly.
+generation prompt, rendered by the base's own chat template) goes to the Hugging Face model's ``generate``
+with greedy decoding, which stops at the base's stop tokens (``ChatTokens.stop_ids``: its eos and end of
+turn) or after ``max_new_tokens``; the answer is the decoded new tokens without special tokens, stripped of
+surrounding white space, and it counts when it equals the expected answer exactly.
 
 ``report_answers`` is what the trainer calls at the end of a run whose recipe has ``eval.answers``: every rank
 loads the base and the run's adapter as a user would (plain peft), answers its share of the held-out records
@@ -66,19 +66,37 @@ def read_questions(path: str, limit: Optional[int] = None) -> List[Question]:
 
 
 @torch.no_grad()
-def answer(model, processor, question: Question, max_new_tokens: int = 16) -> str:
-    """The model's greedy answer to ``question``: new tokens up to end of sequence, decoded, stripped."""
-    text = processor.apply_chat_template(question.messages, add_generation_prompt=True)
-    inputs = processor(text, images=question.images or None)
+def answer(model, processor, question: Question, max_new_tokens: int = 16, tokens=None) -> str:
+    """The model's greedy answer to ``question``: new tokens up to a stop token, decoded without special
+    tokens, stripped. ``processor``: a ``MoEProcessor`` (needed for images) or a bare tokenizer; ``tokens``:
+    the base's ``ChatTokens``, whose stop ids (eos and end of turn) and pad id generation then uses (default:
+    the model's generation config)."""
+    from .chat_template import expand_image_tokens
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    ids = [int(t) for t in tokenizer.apply_chat_template(question.messages, add_generation_prompt=True,
+                                                         tokenize=True, return_dict=True)["input_ids"]]
+    inputs = {}
+    if question.images:
+        vision = processor.image_processor(question.images, return_tensors="pt")
+        merge = processor.image_processor.merge_size
+        image_id = tokens.image_token_id if tokens is not None else processor.image_token_id
+        counts = [int(h) * int(w) // merge ** 2 for h, w in vision["grid_hw"].tolist()]
+        ids, _ = expand_image_tokens(ids, ids, image_id, counts, where=question.where)
+        inputs = {"pixel_patches": vision["pixel_patches"], "grid_hw": vision["grid_hw"]}
+    inputs["input_ids"] = torch.tensor([ids], dtype=torch.int64)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    stops = {} if tokens is None else {"eos_token_id": list(tokens.stop_ids), "pad_token_id": tokens.pad_id}
     inputs = {k: v.to(model.device) for k, v in inputs.items()}
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **stops)
     new = out[0, inputs["input_ids"].shape[1]:]
-    return processor.tokenizer.decode(new, skip_special_tokens=True).strip()
+    return tokenizer.decode(new, skip_special_tokens=True).strip()
 
 
-def accuracy(model, processor, questions: Sequence[Question], max_new_tokens: int = 16) -> Tuple[int, List[str]]:
+def accuracy(model, processor, questions: Sequence[Question], max_new_tokens: int = 16,
+             tokens=None) -> Tuple[int, List[str]]:
     """(exact answers, the answers given) over ``questions``."""
-    given = [answer(model, processor, q, max_new_tokens) for q in questions]
+    given = [answer(model, processor, q, max_new_tokens, tokens) for q in questions]
     return sum(g == q.expected for g, q in zip(given, questions)), given
 
 
@@ -95,9 +113,10 @@ def loading_hint(base: str, adapter: str, images: bool) -> str:
     return (f"load it with plain peft:\n"
             f"    import moe_plugin  # registers the Auto classes\n"
             f"    from peft import PeftModel\n"
-            f"    from transformers import {auto}\n"
+            f"    from transformers import {auto}, AutoTokenizer\n"
             f"    model = PeftModel.from_pretrained({auto}.from_pretrained({base!r}), {adapter!r})\n"
-            f"    processor = moe_plugin.MoEProcessor()  # chat template, images; generate() stops at end of sequence")
+            f"    tokenizer = AutoTokenizer.from_pretrained({adapter!r})  # the base's tokenizer and chat template"
+            + ("\n    processor = moe_plugin.MoEProcessor(tokenizer)  # its images" if images else ""))
 
 
 def load_adapted(base: str, adapter: str, images: bool):
@@ -139,11 +158,13 @@ def _in_file_order(parts: List[List[str]], n: int) -> List[str]:
     return out
 
 
-def report_answers(section, output_dir: str, rank: int, world_size: int, device=None) -> Optional[dict]:
+def report_answers(section, output_dir: str, rank: int, world_size: int, device=None,
+                   resolved=None) -> Optional[dict]:
     """Held-out accuracy of the run in ``output_dir`` (collective: every rank calls it once the run's outputs
     are written): with an adapter, "before" (adapter disabled: the base) and "after"; for full training, the
     written model ("after" only). ``section`` is the recipe's ``eval.answers``. Returns the record written to
-    ``output_dir/answers.json`` on rank 0, None elsewhere."""
+    ``output_dir/answers.json`` on rank 0, None elsewhere. ``resolved``: the run's ``ResolvedModel``, whose
+    tokenizer, processor and stop tokens the answers use (default: the byte tokenizer of the presets)."""
     import torch.distributed as dist
 
     from ..fileio import write_json_atomic
@@ -155,12 +176,16 @@ def report_answers(section, output_dir: str, rank: int, world_size: int, device=
     model, base, adapter = _load_run(output_dir, images)
     if device is not None:
         model.to(device)
-    processor, mine = MoEProcessor(), questions[rank::world_size]
+    if resolved is None:
+        processor, tokens = MoEProcessor(), None
+    else:
+        processor, tokens = resolved.processor or resolved.tokenizer, resolved.tokens
+    mine = questions[rank::world_size]
     before, before_given = 0, []
     if adapter is not None:
         with model.disable_adapter():
-            before, before_given = accuracy(model, processor, mine, section.max_new_tokens)
-    after, after_given = accuracy(model, processor, mine, section.max_new_tokens)
+            before, before_given = accuracy(model, processor, mine, section.max_new_tokens, tokens)
+    after, after_given = accuracy(model, processor, mine, section.max_new_tokens, tokens)
     counts = torch.tensor([before, after], dtype=torch.float64)
     dist.all_reduce(counts)
     parts: List = [None] * world_size

@@ -1,6 +1,6 @@
-"""Chat (SFT) data: ``{"messages": [{"role", "content"}, ...]}`` records rendered with the chat template, loss
-only on the assistant turns; images in the content (docs/multimodal.md 2, ``image_data``) are expanded to
-their merged tokens, never trained, and travel with the example."""
+"""Chat (SFT) data: ``{"messages": [{"role", "content"}, ...]}`` records rendered with the base's own chat
+template (``chat_template``), loss only on the assistant turns; images in the content (docs/multimodal.md 2,
+``image_data``) are expanded to their merged tokens, never trained, and travel with the example."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import os
 from typing import List, Optional, Tuple
 
 from ..config import require
-from .image_data import IMAGE_PLACEHOLDER, Images, expand_placeholders, image_sources, inline_source, load_images, \
-    record_has_images
-from .records import IGNORE, Example, default_tokenizer, describe, encode, read_records
+from .image_data import Images, image_sources, inline_source, load_images, record_has_images
+from .records import Example, default_tokenizer, describe, read_records
 
 _ROLES = ("system", "user", "assistant")
 
@@ -66,54 +65,42 @@ def _is_empty(content) -> bool:
     return all(item["type"] == "text" and not item["text"].strip() for item in content)
 
 
-def _render(tokenizer, messages: List[dict], add_generation_prompt: bool = False, tokens_per_image=()) -> List[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return encode(tokenizer, expand_placeholders(text, tokens_per_image))
-
-
 def chat_example(messages: List[dict], tokenizer=None, where: str = "messages", images: Optional[Images] = None,
-                 merge_size: int = 2) -> Example:
-    """The chat rendered with the tokenizer's template, loss only on each assistant turn's content and its
-    closing ``<|im_end|>``. With ``images`` (one per ``<|image|>`` of the rendering, in order; a different
-    count raises a ValueError), each placeholder becomes its image's ``h * w / merge_size**2`` placeholder
-    tokens, which are never trained.
+                 merge_size: int = 2, tokens=None) -> Example:
+    """The chat rendered by the tokenizer's own chat template (``chat_template.tokenize_chat``): loss only
+    on each assistant turn's content and its end-of-turn tokens. With ``images`` (one per image placeholder
+    token of the rendering, in order; a different count raises a ValueError), each placeholder becomes its
+    image's ``h * w / merge_size**2`` placeholder tokens, which are never trained. ``tokens``: the base's
+    ``ChatTokens`` (default: read from ``tokenizer``; pass them when tokenizing many records)."""
+    from ..models.base_tokenizer import chat_tokens
+    from .chat_template import expand_image_tokens, tokenize_chat
 
-    The spans come from rendering prefixes of the conversation: turn i's content starts after the rendering
-    of ``messages[:i]`` with the generation prompt and ends with the rendering of ``messages[:i+1]``, less
-    what the template writes after ``<|im_end|>``. A template whose prefixes do not render as prefixes of
-    the whole conversation cannot be masked this way and raises a ValueError.
-    """
     tokenizer = default_tokenizer(tokenizer)
-    placeholders = tokenizer.apply_chat_template(messages, tokenize=False).count(IMAGE_PLACEHOLDER)
+    tokens = tokens if tokens is not None else chat_tokens(tokenizer)
+    ids, labels = tokenize_chat(tokenizer, messages, where=f"data.path: {where}", tokens=tokens)
     num_images = 0 if images is None else int(images.grid_hw.shape[0])
-    require(placeholders == num_images, "data.path",
-            f"{where}: the conversation holds {placeholders} {IMAGE_PLACEHOLDER} placeholders but {num_images} "
-            f"images; give exactly one image per placeholder")
-    counts = images.tokens_per_image(merge_size) if images is not None else []
-    ids = _render(tokenizer, messages, tokens_per_image=counts)
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    labels = [IGNORE] * len(ids)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True, tokens_per_image=counts)
-        through = _render(tokenizer, messages[:i + 1], tokens_per_image=counts)
-        require(ids[:len(before)] == before and ids[:len(through)] == through, "data.path",
-                f"{where}: the chat template does not render a prefix of the conversation as a prefix of the "
-                f"whole, so the assistant turns cannot be located; use a ChatML-like template")
-        span = through[len(before):]
-        # the turn ends at its last <|im_end|>; the newline the template writes after it is not trained
-        end = len(before) + (len(span) - span[::-1].index(im_end) if im_end in span else len(span))
-        labels[len(before):end] = ids[len(before):end]
-    image_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
-    labels = [IGNORE if t == image_id else label for t, label in zip(ids, labels)]  # an image is input only
+    image_id = tokens.image_token_id
+    require(image_id is not None or num_images == 0, "data.path",
+            f"{where}: holds {num_images} images but the base's tokenizer has no image placeholder token; give "
+            "a base with a vision tower and an image token (config.json image_token_id), or drop the images")
+    if image_id is not None:
+        placeholders = sum(1 for t in ids if t == image_id)
+        require(placeholders == num_images, "data.path",
+                f"{where}: the conversation holds {placeholders} {tokens.image_token} placeholders but "
+                f"{num_images} images; give exactly one image per placeholder")
+        counts = images.tokens_per_image(merge_size) if images is not None else []
+        ids, labels = expand_image_tokens(ids, labels, image_id, counts, where=f"data.path: {where}")
     return Example(ids, labels, images, where)
 
 
-def sft_examples(path: str, tokenizer=None, processor=None) -> List[Example]:
+def sft_examples(path: str, tokenizer=None, processor=None, tokens=None) -> List[Example]:
     """One ``{"messages": [{"role", "content"}, ...]}`` conversation per record, loss only on assistant turns;
-    images (``image_data``) through ``processor`` (default: a ``MoEProcessor`` around ``tokenizer``)."""
+    images (``image_data``) through ``processor`` (default: a ``MoEProcessor`` around ``tokenizer``);
+    ``tokens``: the base's ``ChatTokens`` (default: read from ``tokenizer`` once)."""
+    from ..models.base_tokenizer import chat_tokens
+
     tokenizer = default_tokenizer(tokenizer)
+    tokens = tokens if tokens is not None else chat_tokens(tokenizer, processor=processor)
     base_dir, examples = os.path.dirname(os.path.abspath(path)), []
     for where, record in read_records(path):
         messages, inline = _checked_messages(where, record)
@@ -123,7 +110,7 @@ def sft_examples(path: str, tokenizer=None, processor=None) -> List[Example]:
             processor = MoEProcessor(tokenizer=tokenizer)
         images = load_images(where, sources, base_dir, processor.image_processor) if sources else None
         merge = processor.image_processor.merge_size if processor is not None else 2
-        examples.append(chat_example(messages, tokenizer, where, images, merge))
+        examples.append(chat_example(messages, tokenizer, where, images, merge, tokens))
     return examples
 
 

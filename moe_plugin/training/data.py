@@ -79,7 +79,9 @@ def arithmetic_documents(count: int, seed: int = 0, operation: str = "+") -> Lis
 
 
 def _document_example(tokenizer, text: str, where: str = "") -> Example:
-    ids = [tokenizer.bos_token_id] + encode(tokenizer, text) + [tokenizer.eos_token_id]
+    # a tokenizer without a bos token (many subword ones) starts the document with its first token
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    ids = bos + encode(tokenizer, text) + [tokenizer.eos_token_id]
     return Example(ids, list(ids), where=where)
 
 
@@ -120,15 +122,21 @@ def split_examples(examples: List[Example], eval_fraction: float) -> Tuple[List[
     return train, held_out
 
 
-def load_examples(section, seed: int = 0, tokenizer=None) -> Tuple[List[Example], List[Example]]:
+def load_examples(section, seed: int = 0, tokenizer=None, tokens=None,
+                  processor=None) -> Tuple[List[Example], List[Example]]:
     """(train, held_out) examples for the recipe's data section (duck-typed: ``kind``, ``path``, ``operation``,
-    ``num_documents``, ``eval_fraction``); ``seed`` draws the arithmetic questions."""
+    ``num_documents``, ``eval_fraction``); ``seed`` draws the arithmetic questions. ``tokenizer``, ``tokens``
+    (its ``ChatTokens``) and ``processor`` are the base's (``ResolvedModel``); without a tokenizer, the byte
+    tokenizer of the presets."""
     kind = section.kind
     if kind == "arithmetic":
         examples = arithmetic_examples(section.num_documents, seed, section.operation, tokenizer)
-    elif kind in ("sft", "text"):
+    elif kind == "sft":
         require(bool(section.path), "data.path", f"is required when data.kind is {kind!r}")
-        examples = (sft_examples if kind == "sft" else text_examples)(section.path, tokenizer)
+        examples = sft_examples(section.path, tokenizer, processor, tokens)
+    elif kind == "text":
+        require(bool(section.path), "data.path", f"is required when data.kind is {kind!r}")
+        examples = text_examples(section.path, tokenizer)
     else:
         raise ValueError(f"data.kind: must be 'arithmetic', 'sft' or 'text', got {kind!r}")
     require(len(examples) > 0, "data.num_documents" if kind == "arithmetic" else "data.path",

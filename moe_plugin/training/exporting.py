@@ -1,4 +1,5 @@
-"""What a run leaves for its user: the PEFT adapter (or, for full training, the whole model) and the tokenizer.
+"""What a run leaves for its user: the PEFT adapter (or, for full training, the whole model) and the base's
+tokenizer beside it (its files copied byte for byte; the byte tokenizer only for a preset, which has no other).
 
 The adapter directory ``output_dir/adapter`` is what plain peft loads onto the Hugging Face model
 (``PeftModel.from_pretrained(MoEPluginForCausalLM.from_pretrained(base), adapter)``): ``adapter_config.json``
@@ -14,8 +15,6 @@ from __future__ import annotations
 import os
 
 from ..fileio import atomic_directory
-from ..models.tokenizer import ByteTokenizer
-from .backends.common import hf_config
 
 __all__ = ["write_outputs"]
 
@@ -28,17 +27,17 @@ def write_outputs(backend, module, recipe, output_dir: str, rank: int) -> str:
             base = os.path.join(output_dir, "base")
             state = backend.full_state(module)
             if rank == 0:
-                _write_model(state, recipe, base)
+                _write_model(state, backend.resolved, base)
         state = backend.adapter_state(module)
         path = os.path.join(output_dir, "adapter")
         if rank == 0:
-            _write_adapter(state, recipe, path, base)
+            _write_adapter(state, recipe, backend.resolved, path, base)
         return (f"adapter saved to {path}; load it with peft (after `import moe_plugin`): PeftModel.from_pretrained("
                 f"{_model_class(state)}.from_pretrained({os.path.abspath(base)!r}), {path!r})")
     state = backend.full_state(module)
     path = os.path.join(output_dir, "model")
     if rank == 0:
-        _write_model(state, recipe, path)
+        _write_model(state, backend.resolved, path)
     return f"model saved to {path}; load it with {_model_class(state)}.from_pretrained({path!r})"
 
 
@@ -48,7 +47,7 @@ def _model_class(state) -> str:
     return "MoEPluginForConditionalGeneration" if image else "MoEPluginForCausalLM"
 
 
-def _write_adapter(state, recipe, path: str, base_path: str) -> None:
+def _write_adapter(state, recipe, resolved, path: str, base_path: str) -> None:
     from safetensors.torch import save_file
 
     from ..lora import lora_config
@@ -63,13 +62,15 @@ def _write_adapter(state, recipe, path: str, base_path: str) -> None:
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "adapter_model.safetensors"),
                   metadata={"format": "pt"})
         config.save_pretrained(tmp)
-        ByteTokenizer().save_pretrained(tmp)
+        resolved.save_tokenizer(tmp)
 
 
-def _write_model(state, recipe, path: str) -> None:
+def _write_model(state, resolved, path: str) -> None:
+    import copy
+
     from safetensors.torch import save_file
 
-    config = hf_config(recipe.model)
+    config = copy.deepcopy(resolved.hf_config)
     # what save_pretrained records, and how AutoModelForCausalLM tells an image+text base from a text one (a
     # config may carry a vision tower that a text run never built: the written names decide)
     config.architectures = [_model_class(state)]
@@ -77,4 +78,4 @@ def _write_model(state, recipe, path: str) -> None:
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
                   metadata={"format": "pt"})
         config.save_pretrained(tmp)
-        ByteTokenizer().save_pretrained(tmp)
+        resolved.save_tokenizer(tmp)

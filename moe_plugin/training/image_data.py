@@ -3,10 +3,11 @@ and the patches that travel with a packed row.
 
 A record names its images in one of two ways, never both:
 
-- inline, as content items ``{"type": "image", "image": SOURCE}``: each item is one ``<|image|>`` placeholder
-  at its place in the conversation;
+- inline, as content items ``{"type": "image", "image": SOURCE}``: each item is one image placeholder token
+  (the base's: ``ChatTokens.image_token``, ``<|image|>`` for the byte tokenizer) where the base's chat
+  template renders it;
 - a top-level ``"images": [SOURCE, ...]`` list filling, in order, the placeholders the conversation holds
-  (``{"type": "image"}`` items without a source, or ``<|image|>`` written in the text).
+  (``{"type": "image"}`` items without a source, or the placeholder token written in the text).
 
 A SOURCE is a file path, relative to the data file's folder (or absolute), or a ``data:image/...;base64,``
 URL. Every error names the data file and line (``where``) and the image.
@@ -28,7 +29,7 @@ import torch
 
 from ..config import require
 
-IMAGE_PLACEHOLDER = "<|image|>"
+IMAGE_PLACEHOLDER = "<|image|>"  # the byte tokenizer's; the trainer takes the base's (ChatTokens.image_token)
 _DATA_URL = "data:image/"
 
 
@@ -130,13 +131,13 @@ def load_images(where: str, sources: List[str], base_dir: str, image_processor) 
     return Images(out["pixel_patches"], out["grid_hw"])
 
 
-def expand_placeholders(text: str, tokens_per_image: Sequence[int]) -> str:
-    """Each ``<|image|>`` of ``text`` repeated as many times as its image has merged tokens (the first
+def expand_placeholders(text: str, tokens_per_image: Sequence[int], placeholder: str = IMAGE_PLACEHOLDER) -> str:
+    """Each ``placeholder`` of ``text`` repeated as many times as its image has merged tokens (the first
     placeholders take the first counts: a prefix of the conversation holds the first images)."""
-    pieces = text.split(IMAGE_PLACEHOLDER)
+    pieces = text.split(placeholder)
     out = [pieces[0]]
     for count, piece in zip(tokens_per_image, pieces[1:]):
-        out.append(IMAGE_PLACEHOLDER * count + piece)
+        out.append(placeholder * count + piece)
     return "".join(out)
 
 

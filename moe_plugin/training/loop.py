@@ -45,7 +45,8 @@ from .exporting import write_outputs
 from .guards import StepGuard, TrainingStopped
 from .logger import make_logger
 from .moe_metrics import MoEMetrics
-from .recipe import Recipe, check_layout
+from .recipe import Recipe, check_layout, env_world_size
+from .resolved_model import resolve_model
 from .run_dir import claim_for_training
 from .runtime import all_ok, choose_device, forget_processes, start_processes
 from .schedule import lr_scheduler
@@ -117,8 +118,10 @@ class Trainer:
         import deepspeed
 
         started = time.perf_counter()
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.recipe, self.model_config = recipe, recipe.model.build_model_config()
+        world = env_world_size()
+        # the base's configs and tokenizer, read once here; everything after takes this object
+        self.recipe, self.resolved = recipe, resolve_model(recipe.model)
+        self.model_config = self.resolved.model_config
         check_layout(recipe, world, self.model_config.moe.num_experts)
         self.ds_config = deepspeed_config(recipe, world)
         self.zero3 = int(self.ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
@@ -134,9 +137,12 @@ class Trainer:
             torch.manual_seed(recipe.seed)
             random.seed(recipe.seed)
             try:
-                train_examples, held_out = load_examples(recipe.data, recipe.seed)
-                rows = pack_examples(train_examples, recipe.data.seq_len, recipe.data.pack)
-                self.eval_rows = pack_examples(held_out, recipe.data.seq_len, recipe.data.pack) if held_out else []
+                resolved, pad = self.resolved, self.resolved.tokens.pad_id
+                train_examples, held_out = load_examples(recipe.data, recipe.seed, resolved.tokenizer,
+                                                         resolved.tokens, resolved.processor)
+                rows = pack_examples(train_examples, recipe.data.seq_len, recipe.data.pack, pad)
+                self.eval_rows = pack_examples(held_out, recipe.data.seq_len, recipe.data.pack, pad) \
+                    if held_out else []
             except ValueError as e:
                 error = e
             _agree(error, "another rank could not read the data (its error says why)")
@@ -152,7 +158,7 @@ class Trainer:
                 except ValueError as e:
                     error = e
             _agree(error, "rank 0 could not claim output_dir (its error says why)")
-            self.backend = get_backend(recipe.parallel.backend)(recipe, self.model_config, self.device)
+            self.backend = get_backend(recipe.parallel.backend)(recipe, self.resolved, self.device)
             self.info = self.backend.setup_parallel()
             _set_rng_state(after_data)  # the model draws what it drew when the data was read right before it
             self.stream = StepBatches(rows, schedule.micro_batch_size, schedule.gradient_accumulation_steps,
@@ -250,6 +256,7 @@ class Trainer:
     def run(self) -> TrainResult:
         recipe, logger, schedule = self.recipe, self.logger, self.recipe.schedule
         logger.message(self.describe())
+        logger.message(self.resolved.tokenizer_note)
         if self.step:
             logger.message(f"resuming from the checkpoint at step {self.step}")
         logger.message(f"start-up {self.startup_s:.1f} s")
@@ -302,7 +309,7 @@ class Trainer:
             from .answer_eval import report_answers
 
             self.result.answers = report_answers(recipe.eval.answers, self.output_dir, self.rank,
-                                                 dist.get_world_size(), self.device)
+                                                 dist.get_world_size(), self.device, self.resolved)
         return self.result
 
     @torch.no_grad()

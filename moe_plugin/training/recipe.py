@@ -150,6 +150,8 @@ class ModelSection(_Section):
     preset: Optional[str] = _field(None, example="tiny")
     from_pretrained: Optional[str] = _field(None, example="recipes/bases/tiny-arith")
     overrides: Dict[str, Any] = _field(default_factory=dict, example={"num_experts": 8})
+    # run the code a base's tokenizer or config maps to in its directory (auto_map), as transformers does
+    trust_remote_code: bool = False
 
     def source_format(self) -> Literal["preset", "hf", "k3"]:
         """"preset", "hf" (a ``save_pretrained`` directory) or "k3" (a K3-layout checkpoint)."""
@@ -159,18 +161,10 @@ class ModelSection(_Section):
         return "hf" if model_type == HF_MODEL_TYPE else "k3"
 
     def build_model_config(self) -> ModelConfig:
-        """The validated model dataclasses, from the config alone (no weights are read)."""
-        from ..models.configuration import MoEPluginConfig
-        from ..models.k3_config import config_from_k3
-        from ..models.presets import preset_config
+        """The validated model dataclasses, from the config alone (no weights or tokenizer are read)."""
+        from .resolved_model import base_hf_config
 
-        source = self.source_format()
-        if source == "preset":
-            return preset_config(self.preset, **self.overrides).to_model_config()
-        if source == "hf":
-            return MoEPluginConfig.from_pretrained(self.from_pretrained, **self.overrides).to_model_config()
-        k3 = _read_json(os.path.join(self.from_pretrained, "config.json"))
-        return config_from_k3(k3, **self.overrides).to_model_config()
+        return base_hf_config(self).to_model_config()
 
     def _problems(self) -> List[Problem]:
         if (self.preset is None) == (self.from_pretrained is None):

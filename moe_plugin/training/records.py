@@ -35,6 +35,8 @@ class Example:
 
 
 def default_tokenizer(tokenizer):
+    """``tokenizer``, or the byte tokenizer when None: the presets' tokenizer (a base from a directory brings
+    its own, ``resolved_model``), and the default of the data functions' callers that give none."""
     if tokenizer is not None:
         return tokenizer
     from ..models.tokenizer import ByteTokenizer  # imported late: transformers is slow to import

@@ -38,13 +38,15 @@ class ParallelInfo:
 
 
 class Backend(abc.ABC):
-    """One model face (see the module docstring). ``recipe`` is the validated recipe, ``model_config`` its
-    ``ModelConfig``, ``device`` the torch device the model computes on."""
+    """One model face (see the module docstring). ``recipe`` is the validated recipe, ``resolved`` its
+    ``ResolvedModel`` (``training/resolved_model.py``: path, configs, tokenizer), ``device`` the torch device
+    the model computes on."""
 
     name: str = ""
 
-    def __init__(self, recipe, model_config, device: torch.device):
-        self.recipe, self.model_config, self.device = recipe, model_config, device
+    def __init__(self, recipe, resolved, device: torch.device):
+        self.recipe, self.resolved, self.device = recipe, resolved, device
+        self.model_config = resolved.model_config
 
     @abc.abstractmethod
     def setup_parallel(self) -> ParallelInfo:
@@ -72,4 +74,4 @@ class Backend(abc.ABC):
     @property
     def base_path(self) -> Optional[str]:
         """The base checkpoint directory the adapter applies to (None for a preset built from the seed)."""
-        return self.recipe.model.from_pretrained
+        return self.resolved.path

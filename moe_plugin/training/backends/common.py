@@ -106,31 +106,23 @@ def init_expert_adapters(model: nn.Module, seed: int) -> int:
     return drawn
 
 
-def load_base(model: nn.Module, model_section, model_config, names: str) -> None:
-    """Load ``model.from_pretrained`` (a Hugging Face or K3-layout checkpoint, detected by the loader) into
-    ``model`` strictly, each rank writing only its own slices and ZeRO-3 partitions; a preset keeps the weights
-    it was initialised with from the seed."""
-    if model_section.from_pretrained is None:
+def load_base(model: nn.Module, resolved, names: str) -> None:
+    """Load the resolved base (a Hugging Face or K3-layout checkpoint, ``resolved.path``) into ``model``
+    strictly, each rank writing only its own slices and ZeRO-3 partitions; a preset keeps the weights it was
+    initialised with from the seed."""
+    if resolved.path is None:
         return
     from ...precision import apply_precision
     from ...weights.loader import load_state
 
     apply_precision(model)  # built under zero.Init, the fp32 tensors are bf16 partitions: whole fp32 before loading
 
-    load_state(model, model_section.from_pretrained, names=names, config=model_config, strict=True)
+    load_state(model, resolved.path, names=names, config=resolved.model_config, strict=True)
 
 
 def hf_config(model_section):
-    """The Hugging Face ``MoEPluginConfig`` of the recipe's base model (a preset, or a checkpoint's config)."""
-    import json
+    """The Hugging Face ``MoEPluginConfig`` of the recipe's base model (a preset, or a checkpoint's config);
+    ``resolved_model.base_hf_config``, kept for callers that hold only a model section (the planner)."""
+    from ..resolved_model import base_hf_config
 
-    from ...models import MoEPluginConfig, preset_config
-    from ...models.k3_config import config_from_k3
-
-    overrides = dict(model_section.overrides)
-    if model_section.from_pretrained is None:
-        return preset_config(model_section.preset, **overrides)
-    if model_section.source_format() == "hf":
-        return MoEPluginConfig.from_pretrained(model_section.from_pretrained, **overrides)
-    with open(f"{model_section.from_pretrained}/config.json") as f:
-        return config_from_k3(json.load(f), **overrides)
+    return base_hf_config(model_section)

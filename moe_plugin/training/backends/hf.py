@@ -8,6 +8,7 @@ expert adapters is removed here (``common.hide_expert_marks``).
 
 from __future__ import annotations
 
+import copy
 from typing import Dict, List, Tuple
 
 import torch
@@ -17,7 +18,7 @@ from ...lora import add_lora
 from ...precision import apply_precision
 from ...training.routing import moe_layers
 from .base import Backend, ParallelInfo
-from .common import (adapter_lora_config, gathered, hf_config, hide_expert_marks, init_expert_adapters, load_base,
+from .common import (adapter_lora_config, gathered, hide_expert_marks, init_expert_adapters, load_base,
                      partition_while_building, zero3_enabled, zero_init)
 
 __all__ = ["HFBackend"]
@@ -47,12 +48,12 @@ class HFBackend(Backend):
             # the checkpoint overwrites every weight: skip transformers' post-init draws, which would run
             # on the empty ZeRO-3 placeholders (as transformers' own from_pretrained does under ZeRO-3)
             with no_init_weights(), zero_init(ds_config):
-                model = model_class(hf_config(self.recipe.model))
+                model = model_class(copy.deepcopy(self.resolved.hf_config))
         else:
-            model = model_class(hf_config(self.recipe.model))
+            model = model_class(copy.deepcopy(self.resolved.hf_config))
         if not zero3:
             model.to(self.device)
-        load_base(model, self.recipe.model, self.model_config, names="hf")
+        load_base(model, self.resolved, names="hf")
         section = self.recipe.lora
         if section is not None:
             torch.manual_seed(self.recipe.seed)

@@ -54,7 +54,7 @@ class MegatronBackend(Backend):
             model = build(mc, tc, indexer_loss=self._indexer_loss_coeff() > 0)
         if not zero3:
             model.to(self.device)
-        load_base(model, self.recipe.model, mc, names="megatron")
+        load_base(model, self.resolved, names="megatron")
         section = self.recipe.lora
         if section is not None:
             torch.manual_seed(self.recipe.seed)  # the same dense adapters on every rank and in every layout
@@ -89,11 +89,7 @@ class MegatronBackend(Backend):
 
     def _indexer_loss_coeff(self) -> float:
         """The base config's ``indexer_loss_coeff`` (0 = the indexer is not trained)."""
-        if not hasattr(self, "_indexer_coeff"):
-            from .common import hf_config
-
-            self._indexer_coeff = float(getattr(hf_config(self.recipe.model), "indexer_loss_coeff", 0.0))
-        return self._indexer_coeff
+        return float(getattr(self.resolved.hf_config, "indexer_loss_coeff", 0.0))
 
     def moe_layers(self, module: nn.Module) -> List[nn.Module]:
         return [layer.mlp for layer in module.decoder.layers if layer.is_moe_layer]
