@@ -19,8 +19,9 @@ import fcntl
 import json
 import os
 import sys
-from typing import Any, Callable, Dict, List, NoReturn, Optional
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
+from ..output_paths import check_output_dir
 from .inputs import check_inputs, fingerprint_inputs, read_recorded_inputs, write_recorded_inputs
 
 MARKER = "moe_plugin_run.json"
@@ -35,10 +36,6 @@ OUTPUTS = ("checkpoints", "adapter", "model", "losses.json", "results.json")
 
 def _refuse(message: str) -> NoReturn:
     raise ValueError(f"output_dir: {message}")
-
-
-def _is_same_or_parent(path: str, of: str) -> bool:
-    return of == path or of.startswith(path.rstrip(os.sep) + os.sep)
 
 
 def _differences(old: Any, new: Any, prefix: str = "") -> List[str]:
@@ -67,6 +64,22 @@ def _write_json_atomic(path: str, values: Dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _inputs_of(recipe_dict: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """What a run reads, which its output_dir may be none of, nor inside or around: the base and the data."""
+    model, data = recipe_dict.get("model") or {}, recipe_dict.get("data") or {}
+    found = [("the base checkpoint model.from_pretrained", model.get("from_pretrained")),
+             ("the data file data.path", data.get("path"))]
+    return [(label, where) for label, where in found if isinstance(where, str) and where.strip()]
+
+
+def _run_or_leftovers(real: str) -> Optional[str]:
+    """None when an existing directory may be claimed: a run of this project (its marker), or only the lock and
+    probe files a claim that died before writing the marker left; else why not."""
+    if os.path.exists(os.path.join(real, MARKER)):
+        return None
+    return None if not set(os.listdir(real)) - {LOCK, _PROBE} else f"it has no {MARKER}"
+
+
 class RunDirectory:
     """A claimed output directory; ``release()`` (or leaving the ``with`` block) drops its lock.
 
@@ -82,28 +95,10 @@ class RunDirectory:
         """Check ``path`` and take it for the run of ``recipe_dict``; ValueError naming ``output_dir`` if not.
         ``before_marking(real_path)`` runs under the lock before the marker is written (its refusal leaves the
         directory as it was)."""
-        if not isinstance(path, str) or not path.strip():
-            _refuse(f"is empty ({path!r}); give a new directory for this run, e.g. \"outputs/my_run\"")
-        real = os.path.realpath(os.path.expanduser(path))  # symlinks resolved: a link to $HOME is $HOME
-        cwd, home = os.path.realpath(os.getcwd()), os.path.realpath(os.path.expanduser("~"))
-        if real == os.path.realpath(os.sep):
-            _refuse(f"{path!r} is the filesystem root; give a new directory, e.g. \"outputs/my_run\"")
-        if _is_same_or_parent(real, cwd):
-            _refuse(f"{path!r} is the current directory or one of its parents ({real}); give a new "
-                    "directory below it, e.g. \"outputs/my_run\"")
-        if _is_same_or_parent(real, home):
-            _refuse(f"{path!r} is the home directory or one of its parents ({real}); give a new directory, "
-                    "e.g. \"outputs/my_run\"")
-        if os.path.lexists(real) and not os.path.isdir(real):
-            _refuse(f"{path!r} is an existing file, not a directory; choose a new or empty directory")
+        real = check_output_dir(path, option="output_dir", protected=_inputs_of(recipe_dict),
+                                accept_existing=_run_or_leftovers, kind="a run of this project",
+                                fix='choose a new or empty directory, e.g. "outputs/my_run"')
         marker = os.path.join(real, MARKER)
-        if os.path.isdir(real) and not os.path.exists(marker):
-            # a lock or probe file left by a claim that died before writing the marker is ours, not data
-            foreign = sorted(set(os.listdir(real)) - {LOCK, _PROBE})
-            if foreign:
-                shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-                _refuse(f"{path!r} is not empty ({shown}) and is not a run of this project (it has no {MARKER}); "
-                        "choose a new or empty directory")
         try:
             os.makedirs(real, exist_ok=True)
         except OSError as err:

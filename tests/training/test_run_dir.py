@@ -73,8 +73,8 @@ def test_a_non_empty_foreign_directory_is_left_untouched(tmp_path):
     (tmp_path / "thesis.tex").write_text("years of work")
     before = _snapshot(tmp_path)
     message = _claim_refused(str(tmp_path))
-    assert f"is not empty (thesis.tex) and is not a run of this project (it has no {MARKER})" in message
-    assert message.endswith("choose a new or empty directory")
+    assert f"is a non-empty directory (thesis.tex) that is not a run of this project: it has no {MARKER}" in message
+    assert message.endswith("choose a new or empty directory, e.g. \"outputs/my_run\"")
     assert _snapshot(tmp_path) == before
 
 
@@ -159,3 +159,21 @@ def test_an_unwritable_location_is_refused_before_training(tmp_path):
     (tmp_path / "somefile").write_text("not a directory")
     message = _claim_refused(str(tmp_path / "somefile" / "sub"))
     assert "cannot create" in message and "choose a writable location" in message
+
+
+@pytest.mark.parametrize("where", ["base/run", "base", "data_dir"])
+def test_an_output_dir_inside_or_around_an_input_is_refused(tmp_path, where):
+    """The one output rule (moe_plugin/output_paths.py): a run never writes into, over or around what it reads,
+    even where the directory would be new (inside the base) and so nothing would be deleted."""
+    base, data_dir = tmp_path / "base", tmp_path / "data_dir"
+    base.mkdir()
+    data_dir.mkdir()
+    (base / "config.json").write_text("{}")
+    (data_dir / "train.jsonl").write_text("{}\n")
+    recipe = {**RECIPE, "model": {"preset": None, "from_pretrained": str(base), "overrides": {}},
+              "data": {"path": str(data_dir / "train.jsonl")}}
+    before = {d: _snapshot(d) for d in (base, data_dir)}
+    message = _claim_refused(str(tmp_path / where), recipe)
+    label = "the data file data.path" if where == "data_dir" else "the base checkpoint model.from_pretrained"
+    assert label in message and "\n" not in message, message
+    assert {d: _snapshot(d) for d in (base, data_dir)} == before and not (base / "run").exists()
