@@ -5,7 +5,8 @@ lines, a W&B run, offline unless told otherwise, and the expert-load plot), what
 have: per-layer expert load (bounded summaries and histograms), dead and overloaded experts, routing drift
 from the base router, the indexer KL where the DSA indexer trains, and tokens/s, beside the Trainer's loss,
 learning rate and gradient norm. ``CausalLMDataset`` and ``collate_causal_lm`` turn the project's examples
-(``moe_plugin.training.data``) into padded batches the model packs itself. ``MoETrainer`` is the Trainer whose
+(``moe_plugin.training.data``) into padded batches the model packs itself; ``datasets_for`` makes them from a
+recipe's data section with the resolved base's tokenizer. ``MoETrainer`` is the Trainer whose
 ``save_model`` writes the whole adapter of a model given expert parallelism by
 ``moe_plugin.parallel.hf_expert_parallel.parallelize_experts``. Usage, and the settings a CPU machine needs
 (``use_cpu=True`` with a ``ds_configs/`` file): docs/hf-trainer.md (expert parallelism: section 3).
@@ -26,7 +27,7 @@ from .training.data import IGNORE, Example
 from .training.logger import Logger, NullLogger, make_logger
 from .training.moe_metrics import MoEMetrics
 
-__all__ = ["MoEMetricsCallback", "MoETrainer", "CausalLMDataset", "collate_causal_lm"]
+__all__ = ["MoEMetricsCallback", "MoETrainer", "CausalLMDataset", "collate_causal_lm", "datasets_for"]
 
 
 class CausalLMDataset(torch.utils.data.Dataset):
@@ -58,6 +59,19 @@ def collate_causal_lm(rows: Sequence[Dict[str, List[int]]], pad_id: int = 256) -
         labels[i, :n] = torch.as_tensor(r["labels"])
         mask[i, :n] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def datasets_for(resolved, data_section, seed: int = 0):
+    """``(train, held_out, collator)`` for the Trainer: the recipe's data section tokenized with the resolved
+    base's own tokenizer (``training/resolved_model.py``: its chat template, image token, labels) and batches
+    padded with its pad id."""
+    import functools
+
+    from .training.data import load_examples
+
+    train, held_out = load_examples(data_section, seed, resolved.tokenizer, resolved.tokens, resolved.processor)
+    collator = functools.partial(collate_causal_lm, pad_id=resolved.tokens.pad_id)
+    return CausalLMDataset(train), CausalLMDataset(held_out), collator
 
 
 class MoETrainer(Trainer):

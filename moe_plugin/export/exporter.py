@@ -82,10 +82,12 @@ def _leaf(weight: str) -> str:
     return parts[-2] if parts[-1] == "weight" else parts[-1]
 
 
-def _tokenizer(directory: str) -> None:
-    from ..models.tokenizer import ByteTokenizer
+def _tokenizer(source: RunSource, directory: str) -> List[str]:
+    """The base's tokenizer files copied unchanged (a preset run's base/ holds the byte tokenizer it trained
+    with); a base that holds none gets none, never a tokenizer other than the one the run trained with."""
+    from ..training.resolved_model import copy_tokenizer_files
 
-    ByteTokenizer().save_pretrained(directory)
+    return copy_tokenizer_files(source.base_path, directory)
 
 
 def _write_peft(source: RunSource, targets: Dict[str, Target], tmp: str) -> List[str]:
@@ -195,7 +197,7 @@ def _write_merged_dir(source: RunSource, targets, tmp: str, layout: str, max_byt
         k3["torch_dtype"] = written["float_dtype"]
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(k3, f, indent=2, sort_keys=True)
-    _tokenizer(tmp)
+    _tokenizer(source, tmp)
     return written
 
 

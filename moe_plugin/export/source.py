@@ -194,8 +194,9 @@ def open_run(run_dir: str, step: Optional[int] = None, allow_changed_inputs: boo
              location: Optional[RunLocation] = None) -> RunSource:
     """Read the run at ``run_dir`` (its final adapter, or checkpoint ``step``); ValueError naming what is wrong.
     location: what ``locate_run`` found already (it is not looked up again)."""
-    from ..training.backends.common import adapter_lora_config, hf_config
+    from ..training.backends.common import adapter_lora_config
     from ..training.recipe import LoraSection, ModelSection, ParallelSection
+    from ..training.resolved_model import base_hf_config
 
     where_run = location or locate_run(run_dir, allow_changed_inputs)
     recipe, base_path = where_run.recipe, where_run.base_path
@@ -205,7 +206,7 @@ def open_run(run_dir: str, step: Optional[int] = None, allow_changed_inputs: boo
     model = ModelSection.model_validate(model_values)
     lora = LoraSection.model_validate(recipe["lora"])
     backend = ParallelSection.model_validate(recipe.get("parallel", {})).backend
-    config = hf_config(model)
+    config = base_hf_config(model)  # the trainer's one reading of a base's config (training/resolved_model.py)
     trained = adapter_lora_config(lora)
     targets = adapter_targets(config, trained)
     if step is None:
