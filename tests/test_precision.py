@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import moe_plugin
 from moe_plugin import MoEPluginForCausalLM
+from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.parallel.launch import run_distributed
 from moe_plugin.precision import FP32_TENSORS, apply_precision, fp32_tensors
 
@@ -119,6 +120,7 @@ def _recipe(tmp, name, backend, world, ep, base, lora=True, precision="bf16") ->
 def base(tmp_path_factory):
     path = tmp_path_factory.mktemp("precision") / "base"
     _tiny(2).save_pretrained(path)
+    ByteTokenizer().save_pretrained(path)  # a base brings its tokenizer (the preset's ids are the byte tokenizer's)
     return path
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from moe_plugin import cli
 from moe_plugin.export import FORMATS, ExportCheckError, export_run
 from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
+from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.parallel.launch import run_distributed
 from tests.export.saved_files import directory_tensors
 
@@ -49,6 +50,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("packed-runs")
     for fmt in PACKED:
         write_tiny_packed_checkpoint(tmp / fmt, fmt, seed=1, dequantized_path=tmp / f"{fmt}-fp32", attn_res=False)
+        for base in (fmt, f"{fmt}-fp32"):  # a base the trainer reads brings its tokenizer (byte ids here)
+            ByteTokenizer().save_pretrained(tmp / base)
     run_distributed(WORKER, world_size=1, timeout_s=900, recipes=[_recipe(tmp / f"run-{f}", tmp / f) for f in PACKED])
     # the same MXFP4 run at EP=2 x ZeRO-3 on 4 gloo processes
     run_distributed(WORKER, world_size=4, timeout_s=1500, recipes=[_recipe(tmp / "run-ep2", tmp / "mxfp4", 4, 2)])

@@ -21,6 +21,7 @@ from peft import set_peft_model_state_dict
 from moe_plugin.lora import add_lora, lora_config
 from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config
+from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.parallel.launch import run_distributed
 from moe_plugin.training.data import label_token_count
 
@@ -92,6 +93,7 @@ def _rel(a, b):
 def case(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_attn_res")
     base_model().save_pretrained(root / "base", max_shard_size="100KB")
+    ByteTokenizer().save_pretrained(root / "base")  # a base the trainer reads brings its tokenizer
     model = hf_lora_model(root / "base")
     adapters = {n.replace("base_model.model.", "", 1): p.detach().clone()
                 for n, p in model.named_parameters() if ".lora_" in n}

@@ -60,7 +60,10 @@ def save_base(path: Path, seed: int) -> None:
     from moe_plugin.models import MoEPluginForCausalLM, preset_config
 
     torch.manual_seed(seed)
+    from moe_plugin.models.tokenizer import ByteTokenizer
+
     MoEPluginForCausalLM(preset_config("tiny", attn_res=False)).save_pretrained(str(path))
+    ByteTokenizer().save_pretrained(str(path))  # a base brings its tokenizer (the preset's ids are the byte one's)
 
 
 def _error(recipe: dict) -> str:

@@ -17,6 +17,7 @@ import torch
 
 from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config
+from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.parallel.launch import run_distributed
 from tests.tolerances import chain_length, check_run
 
@@ -47,6 +48,7 @@ def _checkpoint(path) -> str:
             elif name.endswith("block_sparse_moe.gate.weight"):
                 p.normal_(0.0, 0.3)  # routing far from ties: no expert flips from rounding differences
     model.save_pretrained(path)
+    ByteTokenizer().save_pretrained(path)  # a base brings its tokenizer (the preset's ids are the byte tokenizer's)
     return str(path)
 
 

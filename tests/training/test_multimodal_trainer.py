@@ -17,6 +17,7 @@ import torch
 
 from moe_plugin.models.modeling_vl import MoEPluginForConditionalGeneration
 from moe_plugin.models.presets import preset_config
+from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.parallel.launch import run_distributed
 from moe_plugin.training.synthetic import write_shapes_dataset
 
@@ -38,6 +39,7 @@ def _base(path):
                 layer.block_sparse_moe.gate.weight.normal_(0.0, 0.3)
                 layer.block_sparse_moe.gate.e_score_correction_bias.normal_(0.0, 0.05)
     model.save_pretrained(path)
+    ByteTokenizer().save_pretrained(path)  # a base brings its tokenizer (the preset's ids are the byte tokenizer's)
 
 
 def _data(tmp):

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
+from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.parallel.launch import run_distributed
 
 WORKER = "tests/training/packed_trainer_workers.py:run_packed"
@@ -50,6 +51,8 @@ def runs(tmp_path_factory):
     for fmt in ("mxfp4", "int4"):
         write_tiny_packed_checkpoint(tmp / fmt, fmt, seed=1, dequantized_path=tmp / f"{fmt}-fp32", attn_res=False)
         bases[fmt], bases[f"{fmt}-fp32"] = tmp / fmt, tmp / f"{fmt}-fp32"
+        for base in (bases[fmt], bases[f"{fmt}-fp32"]):  # a base brings its tokenizer (byte ids here)
+            ByteTokenizer().save_pretrained(base)
     one = run_distributed(WORKER, world_size=1, timeout_s=900, scenarios=_scenarios(tmp, bases, 1, 1))[0]
     four = run_distributed(WORKER, world_size=4, timeout_s=1500, scenarios=_scenarios(tmp, bases, 4, 2))
     return bases, one, four

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.parallel.launch import run_distributed
 from tests.tolerances import chain_length, check_run
 
@@ -57,6 +58,8 @@ def _checkpoints(tmp) -> dict:
                 buffer.normal_(0, 0.01)
     model.save_pretrained(tmp / "base_hf")
     save_k3_checkpoint(model, tmp / "base_k3")
+    for base in ("base_hf", "base_k3"):  # a base brings its tokenizer: these bases' ids are the byte tokenizer's
+        ByteTokenizer().save_pretrained(tmp / base)
     return {"hf_checkpoint": {"from_pretrained": str(tmp / "base_hf")},
             "k3_checkpoint": {"from_pretrained": str(tmp / "base_k3")},
             "hf_backend": {"from_pretrained": str(tmp / "base_hf")}}

@@ -178,7 +178,7 @@ def test_the_trainer_backends_refuse_a_nan_base(base, tmp_path):
     path = copy_with(base, tmp_path, {NORM: bad})
     model = MoEPluginForCausalLM(tiny_config())
     with pytest.raises(ValueError, match=f"^path: .*model\\.safetensors: tensor {NORM} holds 1 non-finite"):
-        load_base(model, SimpleNamespace(from_pretrained=str(path)), model.config.to_model_config(), names="hf")
+        load_base(model, SimpleNamespace(path=str(path), model_config=model.config.to_model_config()), names="hf")
 
 
 def test_a_model_loaded_elsewhere_is_checked_the_same_way(base):

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from moe_plugin.models.k3_format import load_k3_checkpoint
 from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
 from moe_plugin.models.presets import preset_config
+from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.ops.quant import decode
 from moe_plugin.parallel.launch import run_distributed
 from moe_plugin.weights.packed import expert_naming, k2_block_name, k2_packed_name
@@ -35,6 +36,8 @@ def checkpoints(tmp_path_factory):
                                  dequantized_path=tmp / "fp32", attn_res=False)
     write_tiny_packed_checkpoint(tmp / "k2.5", "int4", seed=5, naming="k2", attn_res=False)
     write_tiny_packed_checkpoint(tmp / "k3", "int4", seed=5, attn_res=False)
+    for base in ("k2", "fp32", "k2.5", "k3"):  # a base the trainer reads brings its tokenizer (byte ids here)
+        ByteTokenizer().save_pretrained(tmp / base)
     return tmp
 
 
