@@ -85,8 +85,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = TOL) -> bool:
 
 
 def _hf_names(state: dict) -> dict:
-    """The image model's PEFT names with the text model's ``language_model.`` prefix dropped (megatron's export
-    names the text model as the text-only model does)."""
+    """The image model's PEFT names with the text model's ``language_model.`` prefix dropped, so that every run is
+    compared under one naming (both backends' adapters carry the prefix; this only normalises them)."""
     return {k.replace("base_model.model.language_model.", "base_model.model."): v for k, v in state.items()}
 
 
