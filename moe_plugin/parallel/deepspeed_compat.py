@@ -8,6 +8,10 @@ duration of a ``with`` block, by ``load_engine_file``: ``torch.load(weights_only
 DeepSpeed classes those files hold allowed (``deepspeed_safe_globals()``, the project's single allow-list,
 also used by ``moe-plugin export --step``). A file that is damaged, not a torch file, or holds any other
 global is a one-line ValueError naming it. See docs/training.md ("Checkpoints").
+
+``use_current_collectives()`` makes DeepSpeed's ZeRO-3 call torch's ``reduce_scatter_single`` (and
+``all_gather_single``) instead of their deprecated aliases ``reduce_scatter_tensor``/``all_gather_into_tensor``,
+whose FutureWarning every rank printed into the progress bar. No warning is filtered.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Iterator, List
 import torch
 
 __all__ = ["deepspeed_safe_globals", "load_engine_file", "check_engine_files", "safe_checkpoint_loading",
-           "TESTED_DEEPSPEED"]
+           "use_current_collectives", "TESTED_DEEPSPEED"]
 
 TESTED_DEEPSPEED = "0.19.8"
 # the one upstream internal patched here: (module, class, method)
@@ -104,3 +108,23 @@ def safe_checkpoint_loading() -> Iterator[None]:
         yield
     finally:
         setattr(owner, method, original)
+
+
+
+# DeepSpeed's communication backend attribute -> (torch's deprecated function it holds, torch's replacement)
+_DEPRECATED_COLLECTIVES = {"reduce_scatter_function": ("reduce_scatter_tensor", "reduce_scatter_single"),
+                           "all_gather_function": ("all_gather_into_tensor", "all_gather_single")}
+
+
+def use_current_collectives() -> None:
+    """Point DeepSpeed's communication backend (started by ``deepspeed.init_distributed``) at torch's
+    current ``reduce_scatter_single``/``all_gather_single`` where it holds their deprecated aliases, which
+    only forward to them. Call after ``deepspeed.init_distributed``; a backend or torch without those names
+    is left as it is (the calls work either way: this only stops the FutureWarnings)."""
+    import deepspeed.comm.comm as ds_comm
+
+    backend = getattr(ds_comm, "cdb", None)
+    for attribute, (old, new) in _DEPRECATED_COLLECTIVES.items():
+        current = getattr(torch.distributed, new, None)
+        if current is not None and getattr(backend, attribute, None) is getattr(torch.distributed, old, None):
+            setattr(backend, attribute, current)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..fileio import write_json_atomic
 from ..lora import count_parameters
-from ..parallel.deepspeed_compat import check_engine_files, safe_checkpoint_loading
+from ..parallel.deepspeed_compat import check_engine_files, safe_checkpoint_loading, use_current_collectives
 from .backends import get_backend
 from .checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
 from .data import StepBatches, eval_batches, label_token_count, load_examples, pack_examples
@@ -129,6 +129,7 @@ class Trainer:
         self.output_dir = os.path.abspath(recipe.output_dir)
         self.allow_changed_inputs = bool(allow_changed_inputs)
         self._owns_processes = start_processes(self.device)
+        use_current_collectives()  # ZeRO-3's collectives without torch's deprecation warnings in the progress bar
         self.rank = dist.get_rank()
         self.run_dir, self.backend, self.logger, self.moe_metrics = None, None, None, None
         try:

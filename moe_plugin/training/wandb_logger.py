@@ -2,28 +2,37 @@
 
 Offline by default: the run is written under ``<dir>/wandb/offline-run-*`` with no network at all (``wandb sync
 <that directory>`` uploads it later); ``online`` streams it and needs a W&B login; ``disabled`` gives a
-``NullLogger`` without importing wandb. A ``Distribution`` becomes a ``wandb.Histogram`` of ``HISTOGRAM_BINS``
-bins, so a layer's expert load is a fixed number of values whatever the number of experts.
+``NullLogger`` without importing wandb. Closing the run prints one line: where it is and, offline, the
+``wandb sync`` command that uploads it (``sync_line``). A ``Distribution`` becomes a ``wandb.Histogram`` of
+``HISTOGRAM_BINS`` bins, so a layer's expert load is a fixed number of values whatever the number of experts.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Dict, Optional
 
 from .logger import Distribution, Logger, NullLogger, Value
 
-__all__ = ["WandbLogger", "wandb_logger", "HISTOGRAM_BINS", "MODES"]
+__all__ = ["WandbLogger", "wandb_logger", "sync_line", "HISTOGRAM_BINS", "MODES"]
 
 HISTOGRAM_BINS = 32
 MODES = ("offline", "online", "disabled")
+
+
+def sync_line(mode: str, run_dir: str, url: Optional[str] = None) -> str:
+    """The line a closed run prints: its directory and, offline, the command that uploads it."""
+    if mode == "offline":
+        return f"W&B run (offline): {run_dir}; upload it with: wandb sync {run_dir}"
+    return f"W&B run (online): {url or run_dir}"
 
 
 class WandbLogger(Logger):
     """One W&B run: ``mode`` "offline" or "online", files under ``directory`` (``directory/wandb/...``)."""
 
     def __init__(self, mode: str, project: str, name: Optional[str], directory: str,
-                 config: Optional[dict] = None):
+                 config: Optional[dict] = None, stream=None):
         if mode not in ("offline", "online"):
             raise ValueError(f"logging.wandb.mode: a WandbLogger records offline or online, got {mode!r}; use "
                              '"offline" (no network) or "online", or NullLogger for "disabled"')
@@ -34,7 +43,8 @@ class WandbLogger(Logger):
         self.run = wandb.init(mode=mode, project=project, name=name, dir=directory, config=config or {},
                               settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
                                                       disable_git=True, save_code=False))
-        self._wandb = wandb
+        self._wandb, self.mode, self.stream = wandb, mode, stream
+        self.url: Optional[str] = self.run.url if mode == "online" else None
         # this run's files (``<directory>/wandb/offline-run-<time>-<id>`` when offline)
         self.run_dir: str = self.run.settings.sync_dir
 
@@ -76,6 +86,7 @@ class WandbLogger(Logger):
             # finish() returns before W&B's service has written the run's last records (on a loaded machine
             # the file then ended before the last row); teardown waits for the service to write and stop
             self._wandb.teardown()
+            print(sync_line(self.mode, self.run_dir, self.url), file=self.stream or sys.stdout, flush=True)
 
 
 def wandb_logger(section, output_dir: str, config: Optional[dict] = None, mode: Optional[str] = None) -> Logger:

@@ -3,7 +3,8 @@
 (``recipes/bases/tiny-shapes``, trained on the shapes' colours) learning to name the background's colour.
 
 What is checked is what a user sees: the printed chance level and ``held-out accuracy: before X after Y`` line,
-with the accuracy risen; and, independently of the trainer's own evaluation, the adapter loaded with plain peft
+with the accuracy risen; the offline W&B run it names (with its ``wandb sync`` command) holding the logged steps;
+no deprecation warning of a collective in the output (they used to break the progress bar); and, independently of the trainer's own evaluation, the adapter loaded with plain peft
 from another working directory answers the held-out pictures by ``generate`` as the trainer reported."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 import torch
 
 from tests.training.launchers import BIN, REPO, free_port, launch
+from tests.training.wandb_records import offline_history
 
 HELD_OUT = 24  # pictures answered (the full job answers 60)
 
@@ -49,8 +51,16 @@ def _answers_in_plain_peft(model, held_out: str, limit: int):
 
 def test_shortened_main_job_raises_held_out_accuracy(tmp_path, monkeypatch):
     out = launch([os.path.join(BIN, "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()),
-                  "--module", "moe_plugin.train", "--recipe", _shortened_main_job(tmp_path)], timeout=1500)
+                  "--module", "moe_plugin.train", "--recipe", _shortened_main_job(tmp_path)],
+                 env_extra={"WANDB_MODE": "offline"}, timeout=1500)  # no network, whatever the machine's setting
     assert "expert parallel 2, ZeRO stage 3" in out
+    for collective in ("reduce_scatter_tensor", "all_gather_into_tensor"):
+        assert f"`torch.distributed.{collective}` is deprecated" not in out
+    # the recipe's W&B run is offline by default, inside the run's directory
+    run_dir, synced = re.search(r"^W&B run \(offline\): (\S+); upload it with: wandb sync (\S+)$", out, re.M).groups()
+    assert run_dir == synced and run_dir.startswith(str(tmp_path / "run" / "wandb" / "offline-run-"))
+    logged = [row["_step"] for row in offline_history(run_dir) if "train/loss" in row]
+    assert logged == [1, 25, 40]  # logging.every 25, the first and the last step
     chance = float(re.search(r"chance level: ([0-9.]+) \(always the most common of 4 answers, "
                              rf"{HELD_OUT} held-out examples\)", out).group(1))
     before, after = map(float, re.search(r"held-out accuracy: before ([0-9.]+) after ([0-9.]+)", out).groups())

@@ -30,8 +30,10 @@ class MegatronBackend(Backend):
     name = "megatron"
 
     def setup_parallel(self) -> ParallelInfo:
+        from ...megatron.collectives import use_current_collectives
         from ...parallel.distributed import initialize_megatron
 
+        use_current_collectives()  # no deprecation warnings from the dispatcher's gathers in the progress bar
         ep = self.recipe.parallel.expert_parallel_size
         initialize_megatron(expert_model_parallel_size=ep, seed=self.recipe.seed)
         create_deepspeed_expert_groups(ep)
