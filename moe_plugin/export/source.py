@@ -221,9 +221,11 @@ def open_run(run_dir: str, step: Optional[int] = None, allow_changed_inputs: boo
         state = _adapter_state(adapter)
         where = f"{adapter}/{ADAPTER_WEIGHTS}"
     else:
+        from .merge import has_vision
         from .zero_checkpoint import adapter_from_checkpoint
 
-        state = adapter_from_checkpoint(where_run.run_dir, step, config.to_model_config(), backend, lora.r)
+        state = adapter_from_checkpoint(where_run.run_dir, step, config.to_model_config(), backend, lora.r,
+                                        vision=has_vision(base_path))
         where = f"checkpoint step {step}"
     if is_image_adapter(state):  # an image run's adapter: its targets are the image model's (language_model.)
         targets = adapter_targets(config, trained, image=True)

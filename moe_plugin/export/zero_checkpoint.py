@@ -166,10 +166,22 @@ def stitch_expert_adapter(name: str, parts: List[torch.Tensor], r: int) -> torch
     return torch.cat([p.reshape(out, r, -1) for p in parts], dim=2).reshape(out, -1)
 
 
-def _peft_key(name: str, config: ModelConfig, backend: str) -> str:
-    """The PEFT key of a checkpoint tensor. megatron names the text model alike in both of its models, so over
-    a base with a vision tower the key is the image model's (``language_model.``), the face the main job trains
-    and the base's ``architectures`` loads; the Hugging Face backend's names are peft's own already."""
+def _image_names(run_dir: str, vision: bool) -> bool:
+    """Whether a megatron checkpoint's keys take the image model's names. megatron names the text model alike
+    in its text and image models, so: as the run's final adapter names them if it finished, else the image
+    model's over a base with a vision tower (the face the main job trains and the base's ``architectures``
+    loads)."""
+    from ..fileio import read_safetensors_header
+    from .targets import is_image_adapter
+
+    final = os.path.join(run_dir, "adapter", "adapter_model.safetensors")
+    if os.path.isfile(final):
+        return is_image_adapter(read_safetensors_header(final))
+    return vision
+
+
+def _peft_key(name: str, config: ModelConfig, backend: str, image: bool = False) -> str:
+    """The PEFT key of a checkpoint tensor (the Hugging Face backend's names are peft's own already)."""
     from ..weights.names import TEXT_PREFIX, VISION_PREFIXES, megatron_to_hf_name
 
     name = name.replace(".default.", ".")
@@ -177,13 +189,14 @@ def _peft_key(name: str, config: ModelConfig, backend: str) -> str:
         return name
     if name.startswith(VISION_PREFIXES):
         return "base_model.model." + name
-    return "base_model.model." + (TEXT_PREFIX if config.vision is not None else "") + megatron_to_hf_name(name, config)
+    return "base_model.model." + (TEXT_PREFIX if image else "") + megatron_to_hf_name(name, config)
 
 
-def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backend: str, r: int
-                            ) -> Dict[str, torch.Tensor]:
+def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backend: str, r: int,
+                            vision: bool = False) -> Dict[str, torch.Tensor]:
     """The adapter tensors of checkpoint ``step`` of the run under PEFT keys, experts stacked over all E (fp32
-    master weights under ZeRO-3). ValueError naming the available steps if ``step`` has no complete checkpoint."""
+    master weights under ZeRO-3); vision: whether the base checkpoint has a vision tower (``_image_names``).
+    ValueError naming the available steps if ``step`` has no complete checkpoint."""
     from ..training.checkpoint import step_name
 
     root = os.path.join(run_dir, "checkpoints")
@@ -194,12 +207,13 @@ def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backen
         require(False, "step", f"the run has no complete checkpoint at step {step}; complete checkpoints: {found} "
                 "(leave --step out to export the final adapter)")
     engine = os.path.join(path, "engine")
+    image = backend == "megatron" and _image_names(run_dir, vision)
     if os.path.isfile(os.path.join(engine, _PLAIN_MODEL)):
         plain = os.path.join(engine, _PLAIN_MODEL)
         module = _entry(load_engine_file(plain), "module", plain)
-        return {_peft_key(n, config, backend): t.detach().float().clone() for n, t in module.items() if ".lora_" in n}
+        return {_peft_key(n, config, backend, image): t.detach().float().clone() for n, t in module.items() if ".lora_" in n}
     dense, experts = zero3_parameters(engine)
-    out = {_peft_key(n, config, backend): t for n, t in dense.items() if ".lora_" in n}
+    out = {_peft_key(n, config, backend, image): t for n, t in dense.items() if ".lora_" in n}
     for name, parts in experts.items():
-        out[_peft_key(name, config, backend)] = stitch_expert_adapter(name, parts, r)
+        out[_peft_key(name, config, backend, image)] = stitch_expert_adapter(name, parts, r)
     return out
