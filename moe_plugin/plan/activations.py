@@ -16,6 +16,7 @@ they leave for backward.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -179,8 +180,10 @@ def _add_lora(module: nn.Module, lora_section) -> None:
                    if any(n.split(".")[-1] == t or n.endswith("." + t) for n, _ in module.named_modules())]
         params = [t for t in lora_section.target_parameters if any(n.endswith(t) for n, _ in module.named_parameters())]
         if targets or params:
-            add_lora(module, lora_config(lora_section.r, lora_section.alpha, targets or lora_section.target_modules,
-                                         params, lora_section.dropout))
+            # made where the layer is: on meta an adapter costs no allocation and no random draws
+            with torch.device(next(module.parameters()).device):
+                add_lora(module, lora_config(lora_section.r, lora_section.alpha,
+                                             targets or lora_section.target_modules, params, lora_section.dropout))
 
 
 def layer_saved_bytes(mc, index: int, lora_section, shape, dtype, cands: int, device: str = "meta",
@@ -191,10 +194,15 @@ def layer_saved_bytes(mc, index: int, lora_section, shape, dtype, cands: int, de
     the packed documents' boundaries, as the trainer passes them. ``working`` (a list): gets the forward's
     most bytes held beyond what it saved (``_run``)."""
     from ..layers.decoder import DecoderLayer
+    from ..precision import apply_precision
 
     with torch.device(device):
-        layer = DecoderLayer(mc, index).to(dtype)
+        layer = DecoderLayer(mc, index)
     _add_lora(layer, lora_section)
+    # as the trainer holds it (docs/precision.md): everything in the run's dtype, adapters included, but the
+    # frozen router and KDA's A_log, dt_bias stay fp32 buffers, so the router's weight.float() is the weight
+    # itself and saves no fp32 copy (E x hidden x 4 bytes a MoE layer)
+    apply_precision(layer, dtype)
     kind, moe = mc.layer_types[index], mc.is_moe_layer(index)
     tags = {layer.input_layernorm: kind, layer.self_attn: kind, layer.post_attention_layernorm: "moe" if moe
             else "mlp", getattr(layer, "block_sparse_moe", None) or layer.mlp: "moe" if moe else "mlp"}
@@ -236,7 +244,7 @@ def _head_bytes(mc, shape, dtype, lora_section) -> Tuple[int, int]:
 
 # Above this many tokens the meta forward's Python loops (KDA's chunks, attention's query blocks) take minutes:
 # two runs at RUN_TOKENS and 2 x RUN_TOKENS are extended linearly (every saved tensor is O(T): see docs)
-RUN_TOKENS = 8192
+RUN_TOKENS = 4096
 
 
 def packed_boundaries(batch: int, seq_len: int, documents: Optional[Sequence[int]]) -> Optional[torch.Tensor]:
@@ -294,10 +302,14 @@ def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity,
     kinds = layer_kinds(mc)
     per_kind: Dict[Tuple[str, bool], Dict[str, int]] = {}
     work_of: Dict[Tuple[str, bool], int] = {}
+    config = _built_from(mc)
     with meta_forward(MetaDispatch(local_experts, capacity, kernels)):
         for kind in dict.fromkeys(kinds):
             index = kinds.index(kind)
-            key = ("layer", kind, shape, dtype, local_experts, capacity, repr(lora_section), documents, kernels)
+            # a dense-MLP layer is the same at any EP, capacity or expert format: keyed without them; the rows'
+            # split (batch, seq_len) places the documents' cuts
+            routed = (config, local_experts, capacity) if kind[1] else _built_from(mc, routed=False)
+            key = ("layer", kind, routed, batch, seq_len, dtype, repr(lora_section), documents, kernels)
             if key not in cache:
                 # the layer's own mixing is measured apart (it depends on the layer's place in the stream)
                 cands = len(_state_shape(index, mc))
@@ -312,11 +324,11 @@ def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity,
             counts = {c for i in range(mc.num_layers) for c in attn_res_candidates(i, bs)}
             counts.add(final_candidates(mc.num_layers, bs))
             for c in sorted(counts):
-                key = ("mix", c, shape, dtype)
+                key = ("mix", c, shape, dtype, mc.hidden_size, mc.rms_norm_eps)
                 if key not in cache:
                     cache[key] = _mixing_bytes(mc, shape, dtype, c)
                 mixing[c] = cache[key]
-        key = ("head", shape, dtype, mc.vocab_size, repr(lora_section))
+        key = ("head", shape, dtype, config, repr(lora_section))
         if key not in cache:
             cache[key] = _head_bytes(mc, shape, dtype, lora_section)
         head, head_working = cache[key]
@@ -343,6 +355,16 @@ def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity,
     return ActivationPlan(per_layer=per_layer, by_segment=dict(by_segment), layer_inputs=inputs, head=head,
                           kinds={names[k]: float(sum(v.values())) for k, v in per_kind.items()},
                           working=[float(work_of[k]) for k in kinds], head_working=float(head_working))
+
+
+def _built_from(mc, routed: bool = True) -> str:
+    """What a layer of ``mc`` is built from, as a cache key; ``routed=False``: without the routed experts (a
+    dense-MLP layer reads only the MoE config's activation)."""
+    parts = {f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}
+    if not routed:
+        moe = mc.moe
+        parts["moe"] = (moe.activation, moe.situ_beta, moe.situ_linear_beta)
+    return repr(sorted(parts.items()))
 
 
 def _state_shape(index: int, mc) -> Sequence[int]:

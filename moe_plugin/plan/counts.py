@@ -91,8 +91,9 @@ def count_model(model_config_hf, lora_section=None, precision_bytes: int = 2, im
     if lora_section is not None:
         for p in model.parameters():
             p.requires_grad_(False)
-        add_lora(model, lora_config(lora_section.r, lora_section.alpha, lora_section.target_modules,
-                                    lora_section.target_parameters, lora_section.dropout))
+        with torch.device(next(model.parameters()).device):  # on meta: no allocation, no random draws
+            add_lora(model, lora_config(lora_section.r, lora_section.alpha, lora_section.target_modules,
+                                        lora_section.target_parameters, lora_section.dropout))
     fp32_names = {re.sub(r"\.base_layer", "", n) for n, _, _ in fp32_tensors(model)}
     counts = ModelCounts(kinds={k: TensorCount() for k in KINDS},
                          expert_format=model_config_hf.to_model_config().moe.expert_format,

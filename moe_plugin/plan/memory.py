@@ -12,7 +12,7 @@ from typing import Callable, Dict, Optional
 from .activations import ActivationPlan
 from .counts import ModelCounts, rank_share
 
-__all__ = ["Layout", "MemoryPlan", "plan_memory", "ZERO3_DEFAULTS"]
+__all__ = ["Layout", "MemoryPlan", "plan_memory", "zero3_at", "ZERO3_DEFAULTS"]
 
 # DeepSpeed 0.19.8's defaults for the keys the planner reads (runtime/zero/config.py)
 ZERO3_DEFAULTS = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000,
@@ -142,6 +142,14 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
     return MemoryPlan(base=base, adapters=adapters, gathered=gathered, buckets=buckets, activations=activations,
                       activations_by_segment=by_segment, transient=transient, dispatch=dispatch,
                       build_peak=build_peak, overhead=overhead, step_peak=step_peak, peak=peak, context=context)
+
+
+def zero3_at(ds_config: Optional[dict], devices: int) -> bool:
+    """Whether the trainer partitions with ZeRO-3 at ``devices`` ranks: the DeepSpeed config asks for stage 3, or
+    there is more than one rank (``training.ds_config``: the default config is ZeRO-3 then, and a given one
+    must be). The one rule for every device count the planner plans."""
+    stage = ((ds_config or {}).get("zero_optimization") or {}).get("stage", 0)
+    return int(stage) == 3 or devices > 1
 
 
 def zero_settings(ds_config: Optional[dict]) -> Dict[str, int]:

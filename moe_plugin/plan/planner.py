@@ -12,12 +12,13 @@ from ..config import require
 from .activations import plan_activations
 from .counts import ModelCounts, count_model
 from .limits import LIMITS, check_limit, parse_bytes  # noqa: F401 - parse_bytes: where callers found it
-from .memory import Layout, MemoryPlan, plan_memory, zero_settings
+from .memory import Layout, MemoryPlan, plan_memory, zero3_at, zero_settings
 from .vision import image_grid, vision_activation_bytes
 
 __all__ = ["Plan", "plan_recipe", "devices_from_ds_config", "CPU_OVERHEAD_BYTES", "GPU_OVERHEAD_BYTES",
            "packed_lengths", "parse_bytes"]
 
+# the framework's own memory, by the kernels planned (not by the device's size: a small GPU has a CUDA context too)
 GPU_OVERHEAD_BYTES = 3 * 2 ** 30  # CUDA context, NCCL buffers, allocator fragmentation: an assumption
 CPU_OVERHEAD_BYTES = 0.0  # measured per launch by moe_plugin.plan.measure (the calibration layout)
 MILLION_CONTEXT = 1 << 20
@@ -93,9 +94,11 @@ def packed_lengths(sizes: List[int], seq_len: int, pack: bool = True) -> List[in
     return lengths
 
 
-def _activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]]):
+def _activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]], shared: dict):
     """``layout -> ActivationPlan`` for this model, run on meta at the layout's micro-batch and sizes (the
-    vision encoder's on the layout's pictures)."""
+    vision encoder's on the layout's pictures). ``cache`` is this model's; ``shared`` holds the layer forwards,
+    keyed by what each layer is built from, so a model that differs only in its experts (the knob's other
+    expert format) reuses its dense layers."""
     import torch
 
     # the cache is shared by recipes of one model; hashed once here, not at every lookup
@@ -113,7 +116,7 @@ def _activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]
     def _activations(layout: Layout):
         dtype = torch.bfloat16 if layout.precision_bytes == 2 else torch.float32
         act = plan_activations(mc, lora_section, layout.micro_batch, layout.seq_len,
-                               mc.moe.num_experts // layout.ep, layout.capacity, dtype, cache, documents,
+                               mc.moe.num_experts // layout.ep, layout.capacity, dtype, shared, documents,
                                layout.kernels)
         if not layout.images:
             return act
@@ -169,8 +172,18 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     through the vision tower: one per row when the recipe trains on images, else none; ``kernels``: whose
     saved sets, ``"cpu"`` as this machine runs or ``"gpu"`` as CUDA would, plan/meta_ops.py;
     ``from_checkpoint``: the base streams in per rank, as a ``from_pretrained`` base does, even when the recipe
-    names a preset, whose whole-rank build is otherwise planned). ``cache`` keeps
-    counts and meta-measured activation models between calls (keyed by the model's structure)."""
+    names a preset, whose whole-rank build is otherwise planned; ``overhead_bytes``: the framework's own
+    memory, by default ``GPU_OVERHEAD_BYTES`` with GPU kernels and ``CPU_OVERHEAD_BYTES`` with CPU ones).
+    ``cache`` keeps counts and meta-measured activation models between calls (keyed by the model's
+    structure)."""
+    return _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, expert_format, capacity,
+                 overhead_bytes, cache, knobs, images, image_size, kernels, from_checkpoint, context=True)
+
+
+def _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, expert_format, capacity,
+          overhead_bytes, cache, knobs, images, image_size, kernels, from_checkpoint, context: bool) -> Plan:
+    """``plan_recipe``; ``context=False`` leaves out the 1M-token context (``million_context`` empty), which
+    costs two meta forwards of every layer kind at 8k and 16k tokens, for a plan read only for its peak."""
     from ..training.backends.common import hf_config
     from ..training.backends.images import wants_images
 
@@ -207,7 +220,7 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     mc = cfg.to_model_config()
     require(mc.moe.num_experts % ep == 0, "parallel.expert_parallel_size",
             f"{ep} does not divide the model's {mc.moe.num_experts} experts")
-    zero3 = int(((ds or {}).get("zero_optimization") or {}).get("stage", 0)) == 3 or devices > 1
+    zero3 = zero3_at(ds, devices)
     pb = 2 if s.precision == "bf16" else 4
     if images is None:
         images = micro_batch if wants_images(recipe, mc) else 0
@@ -229,9 +242,10 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     docs_key = ("documents", repr(recipe.data), recipe.seed, seq_len)
     if docs_key not in cache:
         cache[docs_key] = document_lengths(recipe, seq_len, seq_len_field)
-    act = _activations_of(mc, recipe.lora, cache.setdefault(("meta",) + key, {}), cache[docs_key])
+    act = _activations_of(mc, recipe.lora, cache.setdefault(("meta",) + key, {}), cache[docs_key],
+                          cache.setdefault(("layers",), {}))
     if overhead_bytes is None:
-        overhead_bytes = GPU_OVERHEAD_BYTES if device_memory and device_memory > 2 ** 36 else CPU_OVERHEAD_BYTES
+        overhead_bytes = GPU_OVERHEAD_BYTES if kernels == "gpu" else CPU_OVERHEAD_BYTES
     layout = Layout(devices=devices, ep=ep, zero3=zero3, micro_batch=micro_batch, seq_len=seq_len,
                     grad_accum=s.gradient_accumulation_steps, checkpointing=checkpointing, capacity=capacity,
                     precision_bytes=pb, zero=zero_settings(ds),
@@ -242,6 +256,21 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     n = micro_batch * seq_len
     a2a = (4 * n * mc.moe.top_k * capacity * mc.moe.expert_dim * pb * (ep - 1) / ep
            * s.gradient_accumulation_steps) if ep > 1 else 0.0
+    million = _million_context(counts, mc, act, layout) if context else {}
+    kinds = {k: {"parameters": c.numel, "bytes": c.nbytes} for k, c in counts.kinds.items()}
+    plan = Plan(recipe=getattr(recipe, "source", "") or "", layout=layout, memory=memory,
+                device_memory=device_memory, fits=None if device_memory is None else memory.peak <= device_memory,
+                counts=kinds, tokens_per_step=tokens, flops_per_step=_flops(counts, mc, layout, tokens),
+                all_to_all_bytes_per_layer_step=a2a, million_context=million,
+                kinds_per_layer=act(layout).kinds)
+    if knobs:
+        plan.knobs = _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert_format, ds)
+        if device_memory:
+            plan.min_devices = _min_devices(counts, mc, act, layout, device_memory, ds)
+    return plan
+
+
+def _million_context(counts, mc, act, layout: Layout) -> Dict[str, float]:
     million = {}
     for ckpt in (False, True):
         big = replace(layout, micro_batch=1, seq_len=MILLION_CONTEXT, checkpointing=ckpt)
@@ -250,20 +279,10 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     million["KDA state per sequence (all layers, fp32)"] = float(kda_state)
     million["activations per token (no checkpointing)"] = act(replace(layout, micro_batch=1)).total / (
         layout.seq_len)
-    kinds = {k: {"parameters": c.numel, "bytes": c.nbytes} for k, c in counts.kinds.items()}
-    plan = Plan(recipe=getattr(recipe, "source", "") or "", layout=layout, memory=memory,
-                device_memory=device_memory, fits=None if device_memory is None else memory.peak <= device_memory,
-                counts=kinds, tokens_per_step=tokens, flops_per_step=_flops(counts, mc, layout, tokens),
-                all_to_all_bytes_per_layer_step=a2a, million_context=million,
-                kinds_per_layer=act(layout).kinds)
-    if knobs:
-        plan.knobs = _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert_format)
-        if device_memory:
-            plan.min_devices = _min_devices(counts, mc, act, layout, device_memory)
-    return plan
+    return million
 
 
-def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert_format) -> Dict[str, float]:
+def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert_format, ds) -> Dict[str, float]:
     """Peak bytes saved (positive) or added (negative) by one change at a time."""
     layout, base = plan.layout, plan.memory.peak
     out: Dict[str, float] = {}
@@ -274,23 +293,24 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
     for ep in (layout.ep // 2, layout.ep * 2):
         if ep >= 1 and e % ep == 0 and layout.devices % ep == 0 and ep != layout.ep:
             variants[f"EP {ep}"] = replace(layout, ep=ep)
-    variants[f"{layout.devices * 2} devices"] = replace(layout, devices=layout.devices * 2)
+    variants[f"{layout.devices * 2} devices"] = replace(layout, devices=layout.devices * 2,
+                                                        zero3=zero3_at(ds, layout.devices * 2))
     for name, variant in variants.items():
         out[name] = base - plan_memory(counts, mc, act, variant).peak
     other = "dense" if (expert_format or mc.moe.expert_format) != "dense" else "mxfp4"
-    alt = plan_recipe(recipe, devices=layout.devices, micro_batch=layout.micro_batch, seq_len=layout.seq_len,
-                      checkpointing=checkpointing, expert_format=other, capacity=capacity,
-                      overhead_bytes=layout.overhead_bytes, cache=cache, images=layout.images,
-                      image_size=layout.image_size, kernels=layout.kernels,
-                      from_checkpoint=not layout.preset_build)
+    alt = _plan(recipe, layout.devices, None, layout.micro_batch, layout.seq_len, checkpointing, other, capacity,
+                layout.overhead_bytes, cache, False, layout.images, layout.image_size, layout.kernels,
+                not layout.preset_build, context=False)
     out[f"experts {other}"] = base - alt.memory.peak
     return out
 
 
-def _min_devices(counts, mc, act, layout: Layout, device_memory: float, limit: int = 8192) -> Optional[int]:
-    """The fewest devices (a multiple of EP) whose per-rank peak fits, the recipe's EP and micro-batch kept."""
+def _min_devices(counts, mc, act, layout: Layout, device_memory: float, ds: Optional[dict],
+                 limit: int = 8192) -> Optional[int]:
+    """The fewest devices (a multiple of EP) whose per-rank peak fits, the recipe's EP and micro-batch kept,
+    each planned as ``plan_recipe`` plans that count (``zero3_at``)."""
     for d in range(layout.ep, limit + 1, layout.ep):
-        if plan_memory(counts, mc, act, replace(layout, devices=d, zero3=d > 1)).peak <= device_memory:
+        if plan_memory(counts, mc, act, replace(layout, devices=d, zero3=zero3_at(ds, d))).peak <= device_memory:
             return d
     return None
 
