@@ -25,6 +25,7 @@ from pydantic import ValidationInfo
 from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticUndefined
 
 from ..config import ModelConfig
+from ..plan.limits import LIMITS
 from .guards import GuardsSection
 from .recipe_errors import describe_errors
 
@@ -35,6 +36,9 @@ HF_MODEL_TYPE = "moe_plugin"
 DEFER_MODEL_CHECKS = "defer_model_checks"
 # (path inside its section, "what is wrong; what would fix it"); path "" is the section itself
 Problem = Tuple[str, str]
+# the sizes a run accepts are the planner's (plan/limits.py), so whatever trains can be planned; steps: a
+# billion optimizer steps is centuries of any real run, and keeps every count exact in float64 metrics
+MAX_STEPS = 10 ** 9
 
 
 class RecipeError(ValueError):
@@ -225,9 +229,10 @@ class DataSection(_Section):
     kind: Literal["arithmetic", "sft", "text"] = "arithmetic"
     path: Optional[str] = _field(None, example="data/train.jsonl")
     operation: Literal["+", "-", "*"] = "+"
-    num_documents: int = _field(2000, "use a positive count, e.g. 2000", gt=0)
-    seq_len: int = _field(256, "a window needs at least 2 tokens (an input and its next token); use e.g. 256",
-                          gt=1)
+    num_documents: int = _field(2000, f"use a positive count up to {LIMITS['num_documents']:,}, e.g. 2000", gt=0,
+                                le=LIMITS["num_documents"])
+    seq_len: int = _field(256, "a window needs at least 2 tokens (an input and its next token), and at most "
+                               f"{LIMITS['seq_len']:,}; use e.g. 256", gt=1, le=LIMITS["seq_len"])
     eval_fraction: float = _field(0.05, "use a fraction in [0, 0.5], e.g. 0.05 (0: no held-out set)", ge=0, le=0.5)
     pack: bool = True
 
@@ -254,9 +259,12 @@ class ScheduleSection(_Section):
     """Optimizer steps; one step is ``gradient_accumulation_steps`` micro-batches of ``micro_batch_size``
     windows on every data-parallel rank."""
 
-    steps: int = _field(60, "use a positive number of optimizer steps, e.g. 60", gt=0)
-    micro_batch_size: int = _field(2, "use a positive batch size, e.g. 2", gt=0)
-    gradient_accumulation_steps: int = _field(1, "use 1 (no accumulation) or more", gt=0)
+    steps: int = _field(60, f"use a positive number of optimizer steps up to {MAX_STEPS:,}, e.g. 60", gt=0,
+                        le=MAX_STEPS)
+    micro_batch_size: int = _field(2, f"use a positive batch size up to {LIMITS['micro_batch']:,}, e.g. 2", gt=0,
+                                   le=LIMITS["micro_batch"])
+    gradient_accumulation_steps: int = _field(1, f"use 1 (no accumulation) or more, up to {LIMITS['grad_accum']:,}",
+                                              gt=0, le=LIMITS["grad_accum"])
     lr: float = _field(3e-3, "use a positive learning rate, e.g. 0.003", gt=0)
     min_lr: float = _field(0.0, "use 0 or a positive floor for the decayed learning rate", ge=0)
     warmup_steps: int = _field(0, "use 0 (no warm-up) or a positive number of steps", ge=0)

@@ -364,3 +364,15 @@ def test_shipped_recipes_and_ds_configs_load_and_merge(recipe_path, ds_path):
     parsed = DeepSpeedConfig(deepspeed_config(recipe, 1))
     assert parsed.train_micro_batch_size_per_gpu == recipe.schedule.micro_batch_size
     assert parsed.gradient_accumulation_steps == recipe.schedule.gradient_accumulation_steps
+
+
+@pytest.mark.parametrize("section, key, value, largest", [
+    ("data", "seq_len", 10 ** 30, "16,777,216"), ("data", "num_documents", 10 ** 9, "1,000,000"),
+    ("schedule", "steps", 10 ** 20, "1,000,000,000"), ("schedule", "micro_batch_size", 10 ** 6, "65,536"),
+    ("schedule", "gradient_accumulation_steps", 10 ** 6, "65,536")])
+def test_absurd_sizes_are_refused_naming_the_field_and_the_largest(section, key, value, largest):
+    """Before: seq_len 1e30 ended in an OverflowError traceback deep in the data pipeline, and steps 1e20 trained."""
+    with pytest.raises(RecipeError) as caught:
+        recipe_from_dict(_with(**{section: {key: value}}))
+    message = str(caught.value)
+    assert f"{section}.{key}: must be <=" in message and largest in message and "\n" not in message, message
