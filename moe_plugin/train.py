@@ -16,7 +16,7 @@ command line.
 from __future__ import annotations
 
 import argparse
-import inspect
+import os
 import sys
 from typing import List, Optional
 
@@ -43,15 +43,20 @@ def _train(argv: List[str]) -> None:
     from .training.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)  # before the loop's import: a bad recipe is refused without torch
+    _name_deepspeed_accelerator()
     from .training.loop import train
 
-    if args.allow_changed_inputs:
-        if "allow_changed_inputs" not in inspect.signature(train).parameters:
-            raise ValueError("--allow-changed-inputs: this version of the trainer does not check a run's inputs "
-                             "yet, so there is nothing to allow; drop the flag")
-        train(recipe, allow_changed_inputs=True)
-    else:
-        train(recipe)
+    train(recipe, allow_changed_inputs=args.allow_changed_inputs)
+
+
+def _name_deepspeed_accelerator() -> None:
+    """On a machine without CUDA, tell DeepSpeed its accelerator (``DS_ACCELERATOR``, its documented setting)
+    so that it does not guess and print a warning line before every run's first line (and before an error's one
+    line). The choice is the one DeepSpeed's guess makes; a GPU machine, or a user's own setting, is left alone."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
