@@ -93,3 +93,53 @@ def _wandb_dirs(output_dir: str) -> list:
     import glob
 
     return sorted(glob.glob(os.path.join(output_dir, "wandb", "offline-run-*")))
+
+
+def count_checkpoint_reads(base: str) -> dict:
+    """``parallelize_experts`` on ``base`` built under ``deepspeed.zero.Init`` (so each MoE layer's experts are
+    read again from the checkpoint), with the checkpoint's index and shard-header readers counted: how often
+    each ran, and whether the local experts equal the checkpoint's."""
+    import collections
+
+    import deepspeed
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from moe_plugin import fileio
+    from moe_plugin.parallel.distributed import prepare_device
+    from moe_plugin.parallel.hf_expert_parallel import parallelize_experts
+    from moe_plugin.weights import plan as weights_plan
+
+    index_reads, header_reads = [0], collections.Counter()
+    real_map, real_header = fileio.safetensors_weight_map, weights_plan.read_safetensors_header
+
+    def weight_map(path):
+        index_reads[0] += 1
+        return real_map(path)
+
+    def header(path):
+        header_reads[os.fspath(path)] += 1
+        return real_header(path)
+
+    fileio.safetensors_weight_map, weights_plan.read_safetensors_header = weight_map, header
+    try:
+        prepare_device("cpu")
+        # alive during the load: from_pretrained builds under zero.Init, as under the Trainer's deepspeed=
+        zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+        model = AutoModelForCausalLM.from_pretrained(base)
+        parallelize_experts(model, 1, device="cpu", checkpoint=base)
+        del zero3
+    finally:
+        fileio.safetensors_weight_map, weights_plan.read_safetensors_header = real_map, real_header
+    stored = {}
+    for file in sorted(f for f in os.listdir(base) if f.endswith(".safetensors")):
+        stored.update(load_file(os.path.join(base, file)))
+    layers = [m for m in model.modules() if type(m).__name__ == "ExpertParallelMoE"]
+    match = True
+    for name, p in model.named_parameters():
+        if ".experts.w" in name:
+            with deepspeed.zero.GatheredParameters([p]):
+                match &= torch.equal(p.detach(), stored[name])
+    return {"index_reads": index_reads[0], "header_reads": dict(header_reads), "moe_layers": len(layers),
+            "partitioned": all(hasattr(m.experts.w1, "ds_id") for m in layers), "experts_match": bool(match)}

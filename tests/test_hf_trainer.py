@@ -182,3 +182,22 @@ def test_parallelize_experts_refuses_a_peft_model_and_a_missing_process_group(tm
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="^model: .*before get_peft_model"):
         parallelize_experts(peft_model, 2)
+
+
+def test_parallelize_experts_reads_the_index_and_each_shard_header_once(tmp_path):
+    """Experts ZeRO-3 partitioned over all ranks are read again from the checkpoint: on a 2-layer model whose
+    layers are both MoE, saved in several shards, the index is read once and each shard's header once (they
+    were read again for every MoE layer), and the local experts equal the checkpoint's."""
+    from moe_plugin import MoEPluginForCausalLM, preset_config
+
+    torch.manual_seed(0)
+    model = MoEPluginForCausalLM(preset_config("tiny", num_hidden_layers=2, layer_types=["kda", "mla"],
+                                               first_k_dense_replace=0))
+    model.save_pretrained(str(tmp_path), max_shard_size="200KB")
+    shards = sorted(str(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
+    assert len(shards) > 1  # the premise: an index over several shards
+    got = run_distributed("tests/hf_trainer_workers.py:count_checkpoint_reads", world_size=1, timeout_s=1200,
+                          base=str(tmp_path))[0]
+    assert got["moe_layers"] == 2 and got["partitioned"] and got["experts_match"]
+    assert got["index_reads"] == 1
+    assert got["header_reads"] == {shard: 1 for shard in shards}

@@ -26,7 +26,7 @@ over the expert-parallel group): what ``moe_plugin.hf_trainer.MoETrainer`` saves
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -104,21 +104,31 @@ def _checkpoint_of(model: nn.Module, checkpoint: Optional[str]) -> str:
     return path
 
 
-@torch.no_grad()
-def _load_local_experts(named: Dict[str, torch.Tensor], first: int, last: int, path: str, model_config) -> None:
-    """Rows ``[first, last)`` of the stacked expert tensors ``named`` (Hugging Face names -> this rank's whole
-    ``[E_local, ...]`` tensors) from checkpoint ``path``, through the recipe trainer's loader (any layout)."""
-    from safetensors import safe_open
-
+def _checkpoint_index(path: str) -> Tuple[dict, dict]:
+    """The checkpoint's weight map and every shard's stored tensors (its header), read once per model."""
     from ..fileio import safetensors_weight_map
-    from ..weights.loader import LoadStats, run_reads
-    from ..weights.plan import Target, plan_reads, stored_tensors
+    from ..weights.plan import stored_tensors
 
     weight_map = safetensors_weight_map(path)
+    return weight_map, stored_tensors(weight_map)
+
+
+@torch.no_grad()
+def _load_local_experts(named: Dict[str, torch.Tensor], first: int, last: int, path: str, model_config,
+                        index: Tuple[dict, dict]) -> None:
+    """Rows ``[first, last)`` of the stacked expert tensors ``named`` (Hugging Face names -> this rank's whole
+    ``[E_local, ...]`` tensors) from checkpoint ``path``, through the recipe trainer's loader (any layout);
+    ``index``: ``_checkpoint_index(path)``."""
+    from safetensors import safe_open
+
+    from ..weights.loader import LoadStats, run_reads
+    from ..weights.plan import Target, plan_reads
+
+    weight_map, stored = index
     targets = {n: Target(tuple(t.shape), (first, last)) for n, t in named.items()}
     # strict=False: every other checkpoint tensor is the rest of the model, already loaded
-    plan = plan_reads(targets, weight_map, names="hf", config=model_config, strict=False,
-                      stored=stored_tensors(weight_map), source=path)
+    plan = plan_reads(targets, weight_map, names="hf", config=model_config, strict=False, stored=stored,
+                      source=path)
     run_reads(plan, named, targets, lambda f: safe_open(f, framework="pt"), LoadStats())
 
 
@@ -144,6 +154,7 @@ def parallelize_experts(model: nn.Module, ep_size: int, device: Optional[str] = 
 
     model_config = model.config.to_model_config()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
+    index = None  # the checkpoint's index and shard headers, read at the first partitioned layer only
     for name, old in layers:
         moe = old.moe_config
         require(moe.expert_format == "dense", f"{name}.experts", f"are {moe.expert_format!r}: expert parallelism "
@@ -162,7 +173,9 @@ def parallelize_experts(model: nn.Module, ep_size: int, device: Optional[str] = 
         first, last = ep_rank * local, (ep_rank + 1) * local
         ours = {f"{name}.experts.{w}": getattr(new.experts, w) for w in _WEIGHTS}
         if _is_partitioned(experts.w1):
-            _load_local_experts(ours, first, last, _checkpoint_of(model, checkpoint), model_config)
+            path = _checkpoint_of(model, checkpoint)
+            index = _checkpoint_index(path) if index is None else index
+            _load_local_experts(ours, first, last, path, model_config, index)
             # partitioned as zero.Init does, within the group the tags name (the expert-data-parallel group)
             experts.w1.convert_to_zero_parameters(param_list=list(new.experts.parameters()))
         else:
