@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from ..fileio import write_json_atomic
-from ..lora import count_parameters
 from ..parallel.deepspeed_compat import check_engine_files, safe_checkpoint_loading, use_current_collectives
 from .backends import get_backend
 from .checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
@@ -44,7 +43,7 @@ from .ds_config import deepspeed_config
 from .exporting import write_outputs
 from .guards import StepGuard, TrainingStopped
 from .logger import make_logger
-from .moe_metrics import MoEMetrics
+from .moe_metrics import MoEMetrics, global_parameter_counts
 from .recipe import Recipe, check_layout, env_world_size
 from .resolved_model import resolve_model
 from .run_dir import claim_for_training
@@ -165,7 +164,7 @@ class Trainer:
             self.stream = StepBatches(rows, schedule.micro_batch_size, schedule.gradient_accumulation_steps,
                                       self.info.dp_size, recipe.seed)
             model = self.backend.build_model(self.ds_config)
-            self.counts = count_parameters(model)
+            self.counts = global_parameter_counts(model, self.info.ep_size)  # every EP rank's experts
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(parameter_groups(trainable, schedule.weight_decay), lr=schedule.lr)
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -218,8 +217,8 @@ class Trainer:
         what = "every parameter" if recipe.lora is None else (
             f"LoRA r={recipe.lora.r} on {list(recipe.lora.target_modules) + list(recipe.lora.target_parameters)}")
         source = recipe.model.from_pretrained or f"preset {recipe.model.preset}"
-        stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
-        return (f"model: {source} ({self.backend.name} backend, {dist.get_world_size()} processes, expert "
+        stage, world = self.ds_config.get("zero_optimization", {}).get("stage", 0), dist.get_world_size()
+        return (f"model: {source} ({self.backend.name} backend, {world} process{'es' * (world != 1)}, expert "
                 f"parallel {self.info.ep_size}, ZeRO stage {stage}): {n_total:,} parameters, {n_trainable:,} "
                 f"trainable ({what})")
 
@@ -232,7 +231,8 @@ class Trainer:
         local, norm = 0.0, None
         self.lr = self.optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves on in engine.step)
         for m, micro in enumerate(micro_batches):
-            loss, _ = self.backend.loss(engine, micro, scale)
+            loss, metrics = self.backend.loss(engine, micro, scale)
+            self.moe_metrics.add_loss_metrics(metrics)  # megatron's indexer KL (the HF model's: by a hook)
             engine.backward(loss)
             if m == len(micro_batches) - 1:
                 if on_gradients is not None:

@@ -10,8 +10,11 @@ Face Trainer callback alike.
   frozen base router would not have made. It is computed from the router's own forward through hooks, the base
   logits read from peft's ``base_layer`` on its way through, so no module runs an extra time: under ZeRO-3 an
   extra module call gathers parameters, a collective, and one made on some ranks only deadlocks.
-* Indexer KL: the DSA indexer's KL loss of the forwards that computed it (the Hugging Face model trains the
-  indexer when its weights are trainable).
+* Indexer KL: the DSA indexer's KL loss of the forwards that computed it (the model trains the indexer when its
+  weights are trainable): read off the Hugging Face model's output by a hook, and handed over by the loop from
+  the backend's loss metrics for a model without one (megatron's ``GPTModel``: ``add_loss_metrics``).
+* Parameter counts (``global_parameter_counts``): the whole model's, every expert-parallel rank's experts
+  included, for the run's "model:" line.
 
 Drift and KL are this process's sums until ``collect`` adds them over every rank (a collective: every rank
 calls it at the same step).
@@ -29,7 +32,7 @@ from torch import nn
 from ..layers.moe import LatentMoEMixin, route_logits
 from .logger import Distribution, Value
 
-__all__ = ["OVERLOAD_FACTOR", "MoEMetrics", "load_metrics", "moe_layer_labels"]
+__all__ = ["OVERLOAD_FACTOR", "MoEMetrics", "global_parameter_counts", "load_metrics", "moe_layer_labels"]
 
 OVERLOAD_FACTOR = 2.0
 
@@ -99,8 +102,11 @@ class MoEMetrics:
             layer = self.layers[i][1]
             self._handles.append(layer.gate.base_layer.register_forward_hook(self._keep_base(i)))
             self._handles.append(layer.gate.register_forward_hook(self._compare(i, slot, layer)))
-        for module in _outermost_models(model):
+        hooked = _outermost_models(model)
+        for module in hooked:
             self._handles.append(module.register_forward_hook(self._indexer_kl))
+        # a model whose output carries no indexer_loss (megatron) reports it through the backend's loss instead
+        self._kl_from_loss = not hooked
 
     def _keep_base(self, i: int):
         def hook(module, inputs, logits):
@@ -127,8 +133,18 @@ class MoEMetrics:
     def _indexer_kl(self, module, inputs, output):
         kl = getattr(output, "indexer_loss", None)
         if kl is not None and torch.is_grad_enabled():
-            self._sums[-2] += float(kl.detach())
-            self._sums[-1] += 1
+            self._add_kl(kl)
+
+    def _add_kl(self, kl: torch.Tensor) -> None:
+        self._sums[-2] += float(kl.detach())
+        self._sums[-1] += 1
+
+    def add_loss_metrics(self, metrics: Dict[str, torch.Tensor]) -> None:
+        """A training micro-batch's metrics from the backend's ``loss``: its ``indexer_kl`` counts for a model
+        whose forward no hook reads it from (on the Hugging Face model the hook has counted it already)."""
+        kl = metrics.get("indexer_kl")
+        if kl is not None and self._kl_from_loss:
+            self._add_kl(kl)
 
     def collect(self, loads: Optional[torch.Tensor]) -> Dict[str, Value]:
         """The metrics of the logged step (see the class docstring); ``loads`` ``[L, E]`` summed over ranks, or
@@ -159,6 +175,18 @@ class MoEMetrics:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def global_parameter_counts(model: nn.Module, ep_size: int) -> Tuple[int, int]:
+    """(trainable, total) element counts of the whole model: ZeRO-3 partitions count their full size, and this
+    rank's expert parameters and adapters (megatron's mark ``allreduce = False``) count ``ep_size`` times, since
+    each expert-parallel rank holds a different ``1 / ep_size`` of the experts."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel()) * (ep_size if getattr(p, "allreduce", True) is False else 1)
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
 
 
 def _outermost_models(model: nn.Module) -> List[nn.Module]:
