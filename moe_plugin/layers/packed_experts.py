@@ -48,7 +48,7 @@ class PackedStackedExperts(StackedExperts):
                  device: Optional[torch.device] = None, seed: Optional[int] = None, first_expert: int = 0,
                  expert_format: Optional[str] = None, group_size: int = DEFAULT_GROUP_SIZE):
         nn.Module.__init__(self)
-        fmt = expert_format or getattr(self, "pending_format", None)
+        fmt = expert_format
         if fmt not in FORMATS:
             raise ValueError(f"MoEConfig.expert_format: PackedStackedExperts takes one of {FORMATS}, got {fmt!r}")
         if group_size < 1:

@@ -34,7 +34,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 
 from ..config import MoEConfig, require
 from ..layers.mlp import GLUMLP
-from ..layers.moe import LatentMoEMixin, MoERouter, StackedExperts, expert_load
+from ..layers.moe import LatentMoEMixin, MoERouter, StackedExperts, expert_load, experts_kwargs
 from ..layers.packed_experts import PackedStackedExperts
 from ..parallel.zero3_ep import tag_expert_parameter
 
@@ -126,10 +126,11 @@ class MegatronStackedExperts(StackedExperts):
             ep_group = parallel_state.get_expert_model_parallel_group()
             expert_dp_group = parallel_state.get_expert_data_parallel_group()
         seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+        # experts_kwargs: the packed format when the next class in the MRO is PackedStackedExperts
         super().__init__(num_local_experts, moe.expert_dim, moe.expert_intermediate_size, moe.activation,
                          moe.situ_beta, moe.situ_linear_beta, dtype=config.params_dtype,
                          device=_param_device(config), seed=seed,
-                         first_expert=get_pg_rank(ep_group) * num_local_experts)
+                         first_expert=get_pg_rank(ep_group) * num_local_experts, **experts_kwargs(moe))
         for p in self.parameters():
             # megatron's mark for expert parameters (its DDP reduces their gradients over the
             # expert-data-parallel group), and ZeRO-3's placement within that group: set here, inside
@@ -148,12 +149,8 @@ class MegatronStackedExperts(StackedExperts):
 
 class MegatronPackedExperts(MegatronStackedExperts, PackedStackedExperts):
     """``MegatronStackedExperts`` over packed experts (``MoEConfig.expert_format``, docs/packed-experts.md): the
-    same interface, seeding and ZeRO-3 expert tags, with ``PackedStackedExperts``' storage and forward."""
-
-    def __init__(self, num_local_experts: int, config: TransformerConfig, moe: MoEConfig,
-                 pg_collection: Optional[ProcessGroupCollection] = None):
-        self.pending_format = moe.expert_format  # read by PackedStackedExperts.__init__ through the MRO
-        super().__init__(num_local_experts, config, moe, pg_collection)
+    same interface, seeding and ZeRO-3 expert tags, with ``PackedStackedExperts``' storage and forward (its
+    ``expert_format`` comes from ``MegatronStackedExperts.__init__`` through ``experts_kwargs``)."""
 
 
 class MegatronSharedExperts(GLUMLP):

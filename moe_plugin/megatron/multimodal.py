@@ -3,8 +3,8 @@
 ``MultimodalGPTModel`` is megatron's own ``GPTModel`` (the specs' decoder block, unchanged) that owns
 ``vision_tower``, ``patch_merger`` and ``mm_projector``, the single-device layers of ``moe_plugin.layers.vision``.
 Its forward embeds the tokens with megatron's embedding, encodes the micro-batch's images, puts the merged image
-tokens in place of the ``<|image|>`` placeholders (in order, row-major over ``[B, T]``, exactly as
-``MoEPluginForConditionalGeneration.embed``) and hands the result to ``GPTModel.forward`` as ``decoder_input``.
+tokens in place of the ``<|image|>`` placeholders (``moe_plugin.models.modeling_vl.scatter_image_tokens``, the
+Hugging Face model's own placement) and hands the result to ``GPTModel.forward`` as ``decoder_input``.
 
 The vision parameters are named ``vision_tower.*`` / ``mm_projector.*`` as in the Hugging Face checkpoint, so the
 loader and the adapter export need no rule beyond ``moe_plugin.weights.names``. They are ordinary (non-expert)
@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..config import ModelConfig, VisionConfig, require
 from ..layers.vision import MultimodalProjector, PatchMerger, VisionTower
 from ..layers.vision_blank import blank_image_tokens
+from ..models.modeling_vl import scatter_image_tokens
 from .specs import build_gpt_model
 
 __all__ = ["MultimodalGPTModel", "build_multimodal_gpt_model"]
@@ -61,20 +62,12 @@ class MultimodalGPTModel(GPTModel):
                           grid_hw: Optional[torch.Tensor]) -> torch.Tensor:
         """megatron's token embeddings ``[T, B, D]`` with every placeholder replaced by an image token."""
         embeds = self.embedding(input_ids=input_ids, position_ids=None)
-        placeholders = input_ids == self.image_token_id
-        count = int(placeholders.sum())
+        # the Hugging Face model's placement, on [B, T] (the order the processor expanded the placeholders in)
+        merged = scatter_image_tokens(embeds.transpose(0, 1), input_ids, self.image_token_id, self.encode_images,
+                                      pixel_patches, grid_hw).transpose(0, 1)
         if pixel_patches is None:
-            require(count == 0, "pixel_patches", f"input_ids hold {count} image placeholders but no image was "
-                    "given; pass the micro-batch's pixel_patches and grid_hw")
-            return embeds + blank_image_tokens(self.encode_images, self.vision, embeds.device).to(embeds.dtype)
-        require(grid_hw is not None, "grid_hw", "is required with pixel_patches ([num_images, 2] patch rows and "
-                "columns)")
-        tokens = self.encode_images(pixel_patches.to(embeds.device), grid_hw.to(embeds.device))
-        require(tokens.shape[0] == count, "input_ids", f"{count} image placeholders for {tokens.shape[0]} image "
-                "tokens; expand the placeholders with MoEProcessor")
-        # scatter in [B, T] order (the order the processor expanded the placeholders in), then back to [T, B]
-        merged = embeds.transpose(0, 1).masked_scatter(placeholders.unsqueeze(-1), tokens.to(embeds.dtype))
-        return merged.transpose(0, 1).contiguous()
+            merged = merged + blank_image_tokens(self.encode_images, self.vision, embeds.device).to(embeds.dtype)
+        return merged.contiguous()
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
                 attention_mask: Optional[torch.Tensor], decoder_input: Optional[torch.Tensor] = None,

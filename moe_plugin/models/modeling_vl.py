@@ -1,21 +1,45 @@
 """Image + text model: the vision tower's merged, projected patches replace the image placeholders' embeddings.
 
 Names follow K3's multimodal checkpoint: ``language_model.*`` (the causal LM), ``vision_tower.*`` and
-``mm_projector.*``.
+``mm_projector.*``. ``scatter_image_tokens`` is the one placement of image tokens, also used by megatron's
+``MultimodalGPTModel``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from transformers import GenerationMixin
 
+from ..config import require
 from ..layers.vision import MultimodalProjector, PatchMerger, VisionTower
 from .cache import HybridCache
 from .configuration import MoEPluginConfig
 from .inputs import check_inputs, check_labels
 from .modeling import MoECausalLMOutput, MoEPluginForCausalLM, MoEPluginPreTrainedModel
+
+__all__ = ["MoEPluginForConditionalGeneration", "scatter_image_tokens"]
+
+
+def scatter_image_tokens(embeds: torch.Tensor, input_ids: torch.LongTensor, image_token_id: int,
+                         encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                         pixel_patches: Optional[torch.Tensor], grid_hw: Optional[torch.Tensor]) -> torch.Tensor:
+    """``embeds`` ``[B, T, D]`` with the placeholders of ``input_ids`` ``[B, T]`` replaced, in row-major order over
+    ``[B, T]`` (the order MoEProcessor expanded them in), by ``encode(pixel_patches, grid_hw)`` ``[count, D]``.
+    Without ``pixel_patches`` the embeddings are returned as they are, and no placeholder may be there."""
+    placeholders = input_ids == image_token_id
+    count = int(placeholders.sum())
+    if pixel_patches is None:
+        require(count == 0, "pixel_patches", f"input_ids hold {count} image placeholders but no image was "
+                "given; pass the batch's pixel_patches and grid_hw")
+        return embeds
+    require(grid_hw is not None, "grid_hw", "is required with pixel_patches ([num_images, 2] patch rows and "
+            "columns)")
+    tokens = encode(pixel_patches.to(embeds.device), grid_hw.to(embeds.device))
+    require(tokens.shape[0] == count, "input_ids", f"{count} image placeholders for {tokens.shape[0]} image "
+            "tokens; expand the placeholders with MoEProcessor")
+    return embeds.masked_scatter(placeholders.unsqueeze(-1), tokens.to(embeds.dtype))
 
 
 class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixin):
@@ -45,20 +69,12 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
     def embed(self, input_ids: torch.LongTensor, pixel_patches: Optional[torch.Tensor] = None,
               grid_hw: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token embeddings ``[B, T, D]`` with every image placeholder replaced, in order, by an image token."""
-        embeds = self.language_model.model.embed_tokens(input_ids)
-        placeholders = input_ids == self.config.image_token_id
-        count = int(placeholders.sum())
-        if pixel_patches is None:
-            if count:
-                raise ValueError(f"pixel_patches: input_ids hold {count} image placeholders but no image was given")
-            return embeds
-        if grid_hw is None:
-            raise ValueError("grid_hw: required with pixel_patches ([num_images, 2] patch rows and columns)")
-        image_tokens = self.mm_projector(self.patch_merger(self.vision_tower(pixel_patches, grid_hw)))
-        if image_tokens.shape[0] != count:
-            raise ValueError(f"input_ids: {count} image placeholders for {image_tokens.shape[0]} image tokens; "
-                             "expand the placeholders with MoEProcessor")
-        return embeds.masked_scatter(placeholders.unsqueeze(-1), image_tokens.to(embeds.dtype))
+        return scatter_image_tokens(self.language_model.model.embed_tokens(input_ids), input_ids,
+                                    self.config.image_token_id, self.encode_images, pixel_patches, grid_hw)
+
+    def encode_images(self, pixel_patches: torch.Tensor, grid_hw: torch.Tensor) -> torch.Tensor:
+        """pixel_patches ``[N, C * P * P]``, grid_hw ``[num_images, 2]`` -> image tokens ``[N / m^2, hidden]``."""
+        return self.mm_projector(self.patch_merger(self.vision_tower(pixel_patches, grid_hw)))
 
     def forward(self, input_ids: torch.LongTensor, pixel_patches: Optional[torch.Tensor] = None,
                 grid_hw: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
