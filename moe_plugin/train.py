@@ -43,20 +43,27 @@ def _train(argv: List[str]) -> None:
     from .training.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)  # before the loop's import: a bad recipe is refused without torch
-    _name_deepspeed_accelerator()
+    _quiet_cpu_imports()
     from .training.loop import train
 
     train(recipe, allow_changed_inputs=args.allow_changed_inputs)
 
 
-def _name_deepspeed_accelerator() -> None:
-    """On a machine without CUDA, tell DeepSpeed its accelerator (``DS_ACCELERATOR``, its documented setting)
-    so that it does not guess and print a warning line before every run's first line (and before an error's one
-    line). The choice is the one DeepSpeed's guess makes; a GPU machine, or a user's own setting, is left alone."""
+def _quiet_cpu_imports() -> None:
+    """On a machine without CUDA, keep the lines DeepSpeed and megatron-core print as they load on a CPU off the
+    command's output (above every run's first line, and above an error's one line): tell DeepSpeed its accelerator
+    (``DS_ACCELERATOR``, its documented setting; the one its guess would pick, but without the warning), and
+    drop megatron-core's "Apex is not installed" / "Transformer Engine and Apex are not installed" warnings, which on a CPU say nothing
+    (neither ever runs there). A GPU machine, or a user's own DS_ACCELERATOR, is left alone."""
+    import warnings
+
     import torch
 
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed",
+                            category=UserWarning)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -61,6 +61,24 @@ def test_a_bad_recipe_is_refused_before_torch_loads(tmp_path):
                                         "got '10' (a str); write a whole number without quotes, e.g. 60"]
 
 
+def test_an_error_found_after_deepspeed_loads_is_the_only_stderr_line(tmp_path):
+    """A valid recipe whose DeepSpeed config is broken is refused inside the trainer, after torch and DeepSpeed
+    loaded: stderr holds that one line and nothing else (DeepSpeed's accelerator guess printed a warning above it)."""
+    broken = tmp_path / "broken_ds.json"
+    broken.write_text("{oops")
+    recipe = _recipe(tmp_path, "ds", **{})
+    values = json.loads(open(recipe).read())
+    values["deepspeed"] = str(broken)
+    open(recipe, "w").write(json.dumps(values))
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-m", "moe_plugin.train", "--recipe", recipe], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"moe-plugin train: error: {broken}, line 1 column 2: not valid JSON "
+                                        "(Expecting property name enclosed in double quotes); fix the DeepSpeed "
+                                        "config's syntax"], proc.stderr
+
+
 def test_train_input_errors_are_one_line(capsys, tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text('{\n  "output_dir": "x",\n}\n')
