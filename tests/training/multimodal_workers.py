@@ -1,9 +1,10 @@
 """Rank-side code of the image+text trainer tests (test_multimodal_trainer.py), run by run_distributed.
 
 Each run builds the product's ``Trainer`` from a recipe dict (image+text SFT data, a base checkpoint with a
-vision tower), computes the logits of this rank's first micro-batch, then trains: the first step's reduced
-adapter gradients (full shape, Hugging Face PEFT names), every step's loss, and whether this rank's first
-micro-batch held images. Nothing here asserts.
+vision tower), computes the logits of this rank's first micro-batch, then trains
+(``trainer_workers.steps_with_gradients``): every step's loss, gradient norm and reduced adapter gradients (full
+shape, Hugging Face PEFT names), the adapter before the first step and after each (what tests/tolerances.py
+checks), and whether this rank's first micro-batch held images. Nothing here asserts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from tests.training.trainer_workers import _full_grads  # reduced, full-shape adapter gradients, PEFT names
+from tests.training.trainer_workers import steps_with_gradients
 
 
 def _logits(trainer, micro) -> torch.Tensor:
@@ -41,15 +42,10 @@ def run_recipes(recipes: list) -> list:
         with Trainer(recipe) as trainer:
             micro = copy.deepcopy(trainer.stream).next_step(trainer.info.dp_rank)[0][0]
             result = {"model": type(trainer.engine.module).__name__, "has_images": micro.pixel_patches is not None,
-                      "input_ids": micro.input_ids, "logits": _logits(trainer, micro), "losses": []}
+                      "input_ids": micro.input_ids, "logits": _logits(trainer, micro)}
             if hasattr(trainer.engine.module, "get_base_model"):
                 result["model"] = type(trainer.engine.module.get_base_model()).__name__
-            grads = {}
-            result["losses"].append(trainer.train_step(on_gradients=lambda: grads.update(_full_grads(trainer))))
-            while trainer.step < recipe.schedule.steps:
-                result["losses"].append(trainer.train_step())
-            result["grads"] = grads
-            result["adapter"] = trainer.backend.adapter_state(trainer.engine.module)
+            result.update(steps_with_gradients(trainer), grad_norms=list(trainer.result.grad_norms))
         results.append(result)
         dist.barrier()
     return results
