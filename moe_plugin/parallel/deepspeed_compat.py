@@ -110,7 +110,6 @@ def safe_checkpoint_loading() -> Iterator[None]:
         setattr(owner, method, original)
 
 
-
 # DeepSpeed's communication backend attribute -> (torch's deprecated function it holds, torch's replacement)
 _DEPRECATED_COLLECTIVES = {"reduce_scatter_function": ("reduce_scatter_tensor", "reduce_scatter_single"),
                            "all_gather_function": ("all_gather_into_tensor", "all_gather_single")}
