@@ -73,7 +73,14 @@ def load_base_tokenizer(path: str, *, trust_remote_code: bool = False, field: st
     check_remote_code(path, trust_remote_code)
     from transformers import AutoTokenizer  # imported late: slow to import; the package registers its tokenizer
 
+    declared = (read_json(os.path.join(path, "tokenizer_config.json"), field) or {}).get("tokenizer_class")
     try:
+        if declared == "ByteTokenizer":
+            # this package's own class, named by its saved config: AutoTokenizer finds it only through the
+            # model_type registration, which a base of another model_type (a packed K3/K2 layout, say) lacks
+            from .tokenizer import ByteTokenizer
+
+            return ByteTokenizer.from_pretrained(path, local_files_only=True)
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     except Exception as e:  # transformers raises many types for a broken tokenizer; all are bad input here
         first = (str(e).strip().splitlines() or [""])[0]
