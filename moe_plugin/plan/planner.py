@@ -49,10 +49,13 @@ def document_lengths(recipe, seq_len: int, seq_len_field: str = "data.seq_len") 
     """The segment lengths of the recipe's training rows as the trainer packs them (``training.data``), in
     order: its documents and each row's trailing padding segment."""
     from ..training.data import load_examples
+    from ..training.resolved_model import resolve_model
 
     if recipe.data.kind == "arithmetic":
         check_limit(recipe.data.num_documents, "num_documents", "data.num_documents")
-    train, _ = load_examples(recipe.data, recipe.seed)
+    # tokenized as the trainer does, with the base's own tokenizer and template (a preset: the byte tokenizer)
+    resolved = resolve_model(recipe.model)
+    train, _ = load_examples(recipe.data, recipe.seed, resolved.tokenizer, resolved.tokens, resolved.processor)
     for example in train:  # what pack_examples refuses: a cut would split an image from its tokens
         require(example.images is None or len(example.input_ids) <= seq_len, seq_len_field,
                 f"{example.where or 'an example'} holds images and is {len(example.input_ids)} tokens long, more "
