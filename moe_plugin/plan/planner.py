@@ -53,9 +53,14 @@ def document_lengths(recipe, seq_len: int, seq_len_field: str = "data.seq_len") 
 
     if recipe.data.kind == "arithmetic":
         check_limit(recipe.data.num_documents, "num_documents", "data.num_documents")
-    # tokenized as the trainer does, with the base's own tokenizer and template (a preset: the byte tokenizer)
-    resolved = resolve_model(recipe.model)
-    train, _ = load_examples(recipe.data, recipe.seed, resolved.tokenizer, resolved.tokens, resolved.processor)
+    # tokenized as the trainer does, with a base directory's own tokenizer and template; a preset's documents
+    # in the byte tokenizer (a full-size preset, K3's, is planned but never trained here, and its config holds
+    # K3's own token ids, beyond the byte tokenizer's)
+    if recipe.model.from_pretrained is None:
+        train, _ = load_examples(recipe.data, recipe.seed)
+    else:
+        resolved = resolve_model(recipe.model)
+        train, _ = load_examples(recipe.data, recipe.seed, resolved.tokenizer, resolved.tokens, resolved.processor)
     for example in train:  # what pack_examples refuses: a cut would split an image from its tokens
         require(example.images is None or len(example.input_ids) <= seq_len, seq_len_field,
                 f"{example.where or 'an example'} holds images and is {len(example.input_ids)} tokens long, more "
