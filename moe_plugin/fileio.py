@@ -238,6 +238,19 @@ def write_json_atomic(path: str | os.PathLike, value: Any) -> None:
             os.remove(tmp)
 
 
+def read_json(path: str | os.PathLike, fix: str) -> Any:
+    """The JSON value in ``path``; a one-line ValueError naming the file (and the line) when it cannot be read or
+    is not JSON, ending with ``fix``. Callers check the value's shape themselves."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}, line {err.lineno}: not valid JSON ({err.msg}); {fix}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read it ({getattr(err, 'strerror', None) or err}); {fix}") from None
+
+
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # safetensors header dtype -> (torch dtype name, bits per element)

@@ -12,7 +12,6 @@ directory (docs/exports.md "Which base"). Every damaged file is named in a one-l
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
@@ -20,6 +19,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..config import require
+from ..fileio import read_json
 from ..training.run_dir import MARKER
 from .targets import Target, adapter_targets, check_state_covers, is_image_adapter
 
@@ -62,13 +62,7 @@ class RunSource:
 
 def _read_json_object(path: str, fix: str) -> Dict[str, Any]:
     """The JSON object in ``path``; ValueError naming the file (and line) when it is not one."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}, line {err.lineno}: not valid JSON ({err.msg}); {fix}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: cannot be read ({getattr(err, 'strerror', None) or err}); {fix}") from None
+    value = read_json(path, fix)
     require(isinstance(value, dict), path, f"holds a JSON {type(value).__name__}, not an object; {fix}")
     return value
 

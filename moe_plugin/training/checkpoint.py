@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import require
-from ..fileio import fsync_path
+from ..fileio import fsync_path, read_json
 
 COMPLETE = "COMPLETE"
 _STEP = re.compile(r"step-(\d+)")
@@ -340,13 +340,7 @@ def read_trainer_state(directory: str, rank: int) -> Dict:
     if not os.path.exists(state_path) and os.path.exists(legacy):
         return _read_legacy_state(legacy)
     fix = f"the checkpoint is damaged: remove {directory} to resume from an earlier one"
-    try:
-        with open(state_path, encoding="utf-8") as f:
-            saved = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{state_path}, line {err.lineno}: not valid JSON ({err.msg}); {fix}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{state_path}: cannot read it ({getattr(err, 'strerror', None) or err}); {fix}") from None
+    saved = read_json(state_path, fix)
     python = saved.get("python_rng") if isinstance(saved, dict) else None
     if not (isinstance(saved, dict) and saved.get("format") == TRAINER_STATE_FORMAT
             and isinstance(saved.get("step"), int) and isinstance(saved.get("losses"), list)

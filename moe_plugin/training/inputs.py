@@ -18,6 +18,8 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
+from ..fileio import read_json
+
 __all__ = ["RECORD", "fingerprint_inputs", "write_recorded_inputs", "read_recorded_inputs", "check_inputs"]
 
 RECORD = "moe_plugin_inputs.json"
@@ -108,13 +110,7 @@ def read_recorded_inputs(run_dir: str) -> Optional[Dict[str, Any]]:
     if not os.path.exists(path):
         return None
     fix = "restore it, or delete it to resume without comparing the inputs (the run records them again)"
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}, line {err.lineno}: not valid JSON ({err.msg}); {fix}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: cannot read it ({getattr(err, 'strerror', None) or err}); {fix}") from None
+    record = read_json(path, fix)
     if not (isinstance(record, dict) and record.get("format") == FORMAT and isinstance(record.get("base"), dict)
             and isinstance(record.get("data"), dict)):
         raise ValueError(f"{path}: not a record of inputs (format {FORMAT} with 'base' and 'data'); {fix}")
