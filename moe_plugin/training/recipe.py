@@ -13,29 +13,18 @@ torch, so it runs only once the first pass found nothing, and its problems come 
 
 from __future__ import annotations
 
-import difflib
-import functools
-import inspect
 import json
 import os
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic import ValidationInfo
-from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticUndefined
+from pydantic import Field, ValidationError
 
-from ..config import ModelConfig
 from ..plan.limits import LIMITS
 from .guards import GuardsSection
 from .recipe_errors import describe_errors
+from .recipe_model import HF_MODEL_TYPE, ModelSection  # noqa: F401 (HF_MODEL_TYPE: read from here too)
+from .recipe_section import DEFER_MODEL_CHECKS, Problem, _field, _Section
 
-# MoEPluginConfig.model_type (tested equal), the model_type of a config.json save_pretrained wrote; anything
-# else is K3's layout. Spelled out so that reading a recipe does not import transformers.
-HF_MODEL_TYPE = "moe_plugin"
-# the validation context that leaves the model-config checks to the second pass (recipe_from_dict)
-DEFER_MODEL_CHECKS = "defer_model_checks"
-# (path inside its section, "what is wrong; what would fix it"); path "" is the section itself
-Problem = Tuple[str, str]
 # the sizes a run accepts are the planner's (plan/limits.py), so whatever trains can be planned; steps: a
 # billion optimizer steps is centuries of any real run, and keeps every count exact in float64 metrics
 MAX_STEPS = 10 ** 9
@@ -49,159 +38,6 @@ class RecipeError(ValueError):
         lines = [f"{path}: {message}" for path, message in self.problems]
         super().__init__(f"recipe {source}: {lines[0]}" if len(lines) == 1 else
                          f"recipe {source}: {len(lines)} problems\n" + "\n".join(f"  {line}" for line in lines))
-
-
-def _field(default: Any = PydanticUndefined, fix: Optional[str] = None, example: Any = None, **kwargs) -> Any:
-    """A pydantic Field carrying the fix for a range error and an example value for a type error."""
-    extra = {k: v for k, v in (("fix", fix), ("example", example)) if v is not None}
-    return Field(default, json_schema_extra=extra or None, **kwargs)
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    def _problems(self) -> List[Problem]:
-        """Checks across fields; they run once every field of the section has a valid type and range."""
-        return []
-
-    def _model_config_problems(self) -> List[Problem]:
-        """Checks that need transformers (the second pass); they run after ``_problems`` found nothing."""
-        return []
-
-    @model_validator(mode="after")
-    def _check_across_fields(self, info: ValidationInfo):
-        problems = self._problems()
-        if not problems and not (info.context or {}).get(DEFER_MODEL_CHECKS):
-            problems = self._model_config_problems()
-        if problems:
-            # a ValidationError raised here joins the other sections' errors, each at its own field
-            raise ValidationError.from_exception_data(type(self).__name__, [
-                InitErrorDetails(type=PydanticCustomError("recipe", "{message}", {"message": message}),
-                                 loc=tuple(path.split(".")) if path else (), input=None)
-                for path, message in problems])
-        return self
-
-
-@functools.lru_cache(maxsize=None)
-def _override_keys() -> frozenset:
-    from transformers import PretrainedConfig
-
-    from ..models.configuration import MoEPluginConfig
-
-    # from_pretrained drops a keyword the config does not have without a word, so unknown keys are refused here
-    params = set(inspect.signature(MoEPluginConfig.__init__).parameters)
-    params |= set(inspect.signature(PretrainedConfig.__init__).parameters)
-    return frozenset(params - {"self", "kwargs"}) | {"bos_token_id", "eos_token_id", "pad_token_id"}
-
-
-def _read_json(path: str) -> Dict[str, Any]:
-    try:
-        with open(path) as f:
-            values = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}, line {err.lineno} column {err.colno}: not valid JSON ({err.msg})") from None
-    except OSError as err:
-        raise ValueError(f"cannot read {path} ({err.strerror})") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: must hold a JSON object, got {type(values).__name__}")
-    return values
-
-
-def _pretrained_problem(directory: str) -> Optional[str]:
-    if not os.path.isdir(directory):
-        what = "is a file" if os.path.exists(directory) else "does not exist"
-        return (f"{directory!r} {what} (relative paths resolve against {os.getcwd()}); "
-                "give the directory that save_pretrained wrote (or a K3 checkpoint directory)")
-    adapter = os.path.join(directory, "adapter_config.json")
-    if os.path.exists(adapter):
-        try:
-            base = _read_json(adapter).get("base_model_name_or_path")
-        except ValueError:
-            base = None
-        return (f"{directory!r} holds a LoRA adapter (adapter_config.json), not a base model; point "
-                f"model.from_pretrained at its base model ({base!r}, the adapter's base_model_name_or_path)")
-    if not os.path.isfile(os.path.join(directory, "config.json")):
-        return (f"{directory!r} has no config.json, so it is not a saved model; give the directory that "
-                "save_pretrained wrote (or a K3 checkpoint directory)")
-    try:
-        _read_json(os.path.join(directory, "config.json"))
-    except ValueError as err:
-        return f"{err}; repair or replace the model's config.json"
-    return None
-
-
-class _ConfigAndBuilder(dict):
-    """pydantic reserves the class attribute ``model_config`` for its settings, while the trainer calls
-    ``section.model_config()``. Read on the class, this is the settings dict pydantic uses; read on an instance
-    it is the same dict bound to that section, and calling it builds the section's ``ModelConfig``."""
-
-    _section: Optional["ModelSection"] = None
-
-    def __get__(self, section, owner=None):
-        if section is None:
-            return self
-        bound = _ConfigAndBuilder(self)
-        bound._section = section
-        return bound
-
-    def __call__(self) -> ModelConfig:
-        return self._section.build_model_config()
-
-
-class ModelSection(_Section):
-    """Exactly one of ``preset`` (a name in ``PRESETS``) and ``from_pretrained`` (a model directory)."""
-
-    preset: Optional[str] = _field(None, example="tiny")
-    from_pretrained: Optional[str] = _field(None, example="recipes/bases/tiny-arith")
-    overrides: Dict[str, Any] = _field(default_factory=dict, example={"num_experts": 8})
-    # run the code a base's tokenizer or config maps to in its directory (auto_map), as transformers does
-    trust_remote_code: bool = False
-
-    def source_format(self) -> Literal["preset", "hf", "k3"]:
-        """"preset", "hf" (a ``save_pretrained`` directory) or "k3" (a K3-layout checkpoint)."""
-        if self.preset is not None:
-            return "preset"
-        model_type = _read_json(os.path.join(self.from_pretrained, "config.json")).get("model_type")
-        return "hf" if model_type == HF_MODEL_TYPE else "k3"
-
-    def build_model_config(self) -> ModelConfig:
-        """The validated model dataclasses, from the config alone (no weights or tokenizer are read)."""
-        from .resolved_model import base_hf_config
-
-        return base_hf_config(self).to_model_config()
-
-    def _problems(self) -> List[Problem]:
-        if (self.preset is None) == (self.from_pretrained is None):
-            what = ("both model.preset and model.from_pretrained are given" if self.preset is not None
-                    else "neither model.preset nor model.from_pretrained is given")
-            return [("", f'{what}; give exactly one, e.g. {{"preset": "tiny"}} or '
-                         f'{{"from_pretrained": "recipes/bases/tiny-arith"}}')]
-        if self.from_pretrained is not None:
-            problem = _pretrained_problem(self.from_pretrained)
-            if problem:
-                return [("from_pretrained", problem)]
-        return []
-
-    def _model_config_problems(self) -> List[Problem]:
-        from ..models.presets import PRESETS
-
-        problems: List[Problem] = []
-        if self.preset is not None and self.preset not in PRESETS:
-            problems.append(("preset", f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}"))
-        for key in sorted(set(self.overrides) - _override_keys()):
-            close = difflib.get_close_matches(key, sorted(_override_keys()), 1)
-            hint = f"did you mean {close[0]!r}?" if close else "use a key of MoEPluginConfig"
-            problems.append((f"overrides.{key}", f"not a model config key; {hint}"))
-        if not problems:
-            try:
-                self.build_model_config()
-            except (ValueError, TypeError, KeyError) as err:
-                where = "overrides" if self.overrides else ("preset" if self.preset else "from_pretrained")
-                problems.append((where, f"the model config is invalid: {err}; fix that value"))
-        return problems
-
-
-ModelSection.model_config = _ConfigAndBuilder(ModelSection.model_config)
 
 
 class LoraSection(_Section):
