@@ -9,8 +9,8 @@ the base's own floating dtype (``float_dtype``: BF16 for the published release, 
 bases), or packed again in the base's format (``requantise``), which is lossy: ``changed`` counts the expert
 values whose decoded value differs from the base's (a delta smaller than half a quantisation step is lost).
 
-``round_to_grid`` quantises values to a given per-group scale (the encoders' rounding, the scale fixed): the
-requantised self-check (``export/requantised.py``) brackets the written codes with it.
+The encoders' rules the requantised self-check (``export/requantised.py``) brackets the written codes with
+(``group_scales``, ``round_to_grid``) live beside the encoders, in ``ops.quant``.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-from ..ops.quant import E2M1, GROUP, decode, encode
+from ..ops.quant import decode, encode
 from ..weights.packed import k3_packed_name, shape_tensor_name, stack_of
 
 __all__ = ["PackedStack", "packed_stacks", "dense_config", "decoded", "requantise", "packed_output_tensors",
-           "round_to_grid", "round_to_grid_reference", "group_scales", "float_dtype", "dense_stream",
-           "dense_base_model"]
+           "float_dtype", "dense_stream", "dense_base_model"]
 
 
 @dataclass(frozen=True)
@@ -125,59 +124,6 @@ def packed_output_tensors(stack: PackedStack, codes: torch.Tensor, scales: torch
         if stack.format == "int4":
             out.append((shape_tensor_name(packed_name), torch.tensor(stack.shape[1:], dtype=torch.int32)))
     return out
-
-
-def _groups(x: torch.Tensor) -> torch.Tensor:
-    """``[..., in]`` -> ``[..., groups, GROUP]`` (zero padded)."""
-    groups = -(-x.shape[-1] // GROUP)
-    return torch.nn.functional.pad(x, (0, groups * GROUP - x.shape[-1])).view(*x.shape[:-1], groups, GROUP)
-
-
-def group_scales(fmt: str, amax: torch.Tensor) -> torch.Tensor:
-    """The scale (as a float) the encoder picks for a group whose largest magnitude is ``amax`` (monotone in
-    ``amax``): MXFP4 ``2 ** (floor(log2 amax) - 2)`` (E8M0, clamped as the encoder does), INT4 ``bf16(amax / 7)``."""
-    if fmt == "mxfp4":
-        exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -127))) - 2,
-                          torch.full_like(amax, -127.0)).clamp(-127, 127)
-        return torch.ldexp(torch.ones_like(exp), exp.to(torch.int32))
-    return (amax / 7).to(torch.bfloat16).float()
-
-
-def round_to_grid(fmt: str, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [..., in]`` quantised with the per-group float ``scale [..., ceil(in/32)]`` and decoded (fp32): MXFP4
-    the nearest E2M1 value (saturating at 6) times the scale, INT4 ``clamp(round(x / scale), -8, 7) * scale``.
-    Monotone in ``x`` for a fixed scale (what the requantised check relies on)."""
-    g = _groups(x.float())
-    s = scale.float().unsqueeze(-1)
-    safe = torch.where(s > 0, s, torch.ones(()))
-    if fmt == "mxfp4":
-        magnitudes = torch.tensor(E2M1[:8])
-        y = g / safe
-        nearest = magnitudes[(y.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1)]
-        q = torch.where(y < 0, -nearest, nearest) * s
-    else:
-        q = torch.clamp(torch.round(g / safe), -8, 7) * s
-    return q.flatten(-2)[..., :x.shape[-1]]
-
-
-def round_to_grid_reference(fmt: str, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``round_to_grid`` value by value (the plain reference): the grid value nearest ``x / scale`` (MXFP4 the
-    E2M1 magnitudes with x's sign, the smaller on a tie; INT4 the integers -8..7, halves to even), times the
-    scale, in float64 then fp32."""
-    grid = sorted(set(abs(v) for v in E2M1))
-    flat_x, out = x.reshape(-1, x.shape[-1]).double(), torch.empty(x.reshape(-1, x.shape[-1]).shape, dtype=torch.float64)
-    flat_s = scale.reshape(-1, scale.shape[-1]).double()
-    for i in range(flat_x.shape[0]):
-        for j in range(flat_x.shape[1]):
-            s = float(flat_s[i, j // GROUP])
-            v = float(flat_x[i, j]) / s if s > 0 else 0.0
-            if fmt == "mxfp4":
-                best = min(grid, key=lambda m: (abs(abs(v) - m), m))
-                best = -best if v < 0 else best
-            else:
-                best = max(-8, min(7, round(v)))  # Python rounds halves to even, as torch.round does
-            out[i, j] = best * s
-    return out.view(x.shape).float()
 
 
 def dense_stream(base_path: str, hf_config) -> Iterator[Tuple[str, torch.Tensor]]:

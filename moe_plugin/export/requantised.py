@@ -10,7 +10,7 @@ requantisation of *some* weight within ``eps`` of ``m``, element by element. Bot
 monotone, so that is two bounds each:
 
 * every group's written scale lies between the scales the encoder picks for a group maximum of
-  ``amax(|m|) - eps`` and ``amax(|m|) + eps`` (``packed.group_scales``);
+  ``amax(|m|) - eps`` and ``amax(|m|) + eps`` (``ops.quant.group_scales``);
 * with that scale, every written value lies between ``round_to_grid(m - eps)`` and ``round_to_grid(m + eps)``.
 
 A dropped expert delta (written = the base) or any other change fails these bounds unless the delta was below
@@ -25,19 +25,12 @@ from typing import Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 
-from ..ops.quant import decode, encode
-from .packed import PackedStack, _groups, group_scales, round_to_grid
+from ..ops.quant import decode, encode, group_scales, groups, round_to_grid, scale_values
+from .packed import PackedStack
 from .targets import Target
 from .verify import DELTA_RTOL, CheckResult
 
-__all__ = ["check_requantised_stack", "requantised_differences", "requantised_check", "written_scales"]
-
-
-def written_scales(fmt: str, scales: torch.Tensor) -> torch.Tensor:
-    """A layer's stored scales (uint8: MXFP4 E8M0 exponents, INT4 the bf16 bytes) as float values."""
-    if fmt == "mxfp4":
-        return torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - 127)
-    return scales.contiguous().view(torch.bfloat16).float()
+__all__ = ["check_requantised_stack", "requantised_differences", "requantised_check"]
 
 
 @torch.no_grad()
@@ -48,8 +41,8 @@ def check_requantised_stack(stack: PackedStack, target: Target, base: torch.Tens
     fmt = stack.format
     merged = base + delta
     eps = DELTA_RTOL * delta.abs().amax(dim=(1, 2), keepdim=True)  # [E, 1, 1]
-    amax = _groups(merged.abs()).amax(-1)  # [E, out, groups]
-    got_scale = written_scales(fmt, scales)
+    amax = groups(merged.abs()).amax(-1)  # [E, out, groups]
+    got_scale = scale_values(fmt, scales)
     scale_ok = (got_scale >= group_scales(fmt, amax - eps)) & (got_scale <= group_scales(fmt, amax + eps))
     got = decode(fmt, codes, scales, stack.in_features, torch.float32)
     low, high = round_to_grid(fmt, merged - eps, got_scale), round_to_grid(fmt, merged + eps, got_scale)

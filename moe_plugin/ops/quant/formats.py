@@ -25,11 +25,15 @@ from typing import Optional, Tuple
 import torch
 
 __all__ = ["FORMATS", "GROUP", "PackedSpec", "packed_spec", "check_packed", "decode_mxfp4", "decode_mxfp4_reference",
-           "encode_mxfp4", "decode_int4", "decode_int4_reference", "encode_int4", "decode", "encode", "E2M1"]
+           "encode_mxfp4", "decode_int4", "decode_int4_reference", "encode_int4", "decode", "encode", "E2M1",
+           "INT4_VALUES", "groups", "stored_scales", "scale_values", "group_scales", "grid_codes", "round_to_grid",
+           "round_to_grid_reference"]
 
 FORMATS = ("mxfp4", "int4")
 GROUP = 32  # inputs sharing one scale, both formats
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+INT4_VALUES = tuple(float(c - 8) for c in range(16))  # code c holds q = c - 8
+_CODE_VALUES = {"mxfp4": E2M1, "int4": INT4_VALUES}
 _NAN_SCALE = 0xFF
 
 
@@ -134,22 +138,13 @@ def decode_mxfp4_reference(packed: torch.Tensor, scale: torch.Tensor, in_feature
 
 
 def encode_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``[..., out, in]`` float -> (packed uint8, scale uint8): per group the OCP MX scale
-    ``2 ** (floor(log2(amax)) - 2)`` (E2M1's largest exponent is 2), codes rounded to the nearest E2M1 value
-    (ties to the even code), values beyond 6 x scale saturating."""
+    """``[..., out, in]`` float -> (packed uint8 ``[..., out, in/2]``, scale uint8 ``[..., out, ceil(in/32)]``): per
+    group the scale ``stored_scales`` picks, codes ``grid_codes`` (see there)."""
     in_features = w.shape[-1]
     packed_spec("mxfp4", in_features, "w")
-    groups = -(-in_features // GROUP)
-    x = torch.nn.functional.pad(w.float(), (0, groups * GROUP - in_features)).view(*w.shape[:-1], groups, GROUP)
-    amax = x.abs().amax(-1)
-    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -127))) - 2,
-                      torch.full_like(amax, -127.0)).clamp(-127, 127)
-    scale = (exp + 127).to(torch.uint8)
-    y = x / torch.ldexp(torch.ones_like(exp), exp.to(torch.int32)).unsqueeze(-1)
-    magnitudes = torch.tensor(E2M1[:8])
-    # nearest magnitude; argmin takes the first (the even code) on a tie
-    idx = (y.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1)
-    codes = (idx | (torch.signbit(y).to(torch.int64) << 3)).flatten(-2)[..., :in_features].to(torch.uint8)
+    x = groups(w.float())
+    scale = stored_scales("mxfp4", x.abs().amax(-1))
+    codes = grid_codes("mxfp4", x, scale_values("mxfp4", scale)).flatten(-2)[..., :in_features].to(torch.uint8)
     codes = codes.view(*codes.shape[:-1], -1, 2)
     return (codes[..., 0] | (codes[..., 1] << 4)).contiguous(), scale
 
@@ -163,7 +158,7 @@ def decode_int4(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
     """int32 packed ``[..., out, ceil(in/8)]``, scale ``[..., out, ceil(in/32)]`` bf16 (or its uint8 bytes)
     -> ``[..., out, in]`` dtype; the product ``(code - 8) * scale`` is computed in fp32 (exact)."""
     nibbles = packed.contiguous().view(torch.uint8)  # little-endian: word byte b holds columns 2b, 2b + 1
-    q = _pair_lut(tuple(float(c - 8) for c in range(16)), packed.device)[nibbles.long()]
+    q = _pair_lut(INT4_VALUES, packed.device)[nibbles.long()]
     w = q.view(*packed.shape[:-1], -1)
     return _apply_scale(w, _bf16_scale(scale).float(), in_features).to(dtype)
 
@@ -181,14 +176,12 @@ def decode_int4_reference(packed: torch.Tensor, scale: torch.Tensor, in_features
 
 
 def encode_int4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``[..., out, in]`` float -> (packed int32, scale bf16): symmetric, ``scale = amax / 7`` per group (in bf16),
-    ``q = clamp(round(w / scale), -8, 7)``."""
+    """``[..., out, in]`` float -> (packed int32 ``[..., out, ceil(in/8)]``, scale bf16 ``[..., out, ceil(in/32)]``):
+    per group the scale ``stored_scales`` picks (``bf16(amax / 7)``), codes ``grid_codes`` (``q + 8``)."""
     in_features = w.shape[-1]
-    groups = -(-in_features // GROUP)
-    x = torch.nn.functional.pad(w.float(), (0, groups * GROUP - in_features)).view(*w.shape[:-1], groups, GROUP)
-    scale = (x.abs().amax(-1) / 7).to(torch.bfloat16)
-    safe = torch.where(scale.float() > 0, scale.float(), torch.ones(()))
-    q = torch.clamp(torch.round(x / safe.unsqueeze(-1)), -8, 7).flatten(-2)[..., :in_features].to(torch.int64) + 8
+    x = groups(w.float())
+    scale = stored_scales("int4", x.abs().amax(-1))
+    q = grid_codes("int4", x, scale_values("int4", scale)).flatten(-2)[..., :in_features]
     words = -(-in_features // 8)
     q = torch.nn.functional.pad(q, (0, words * 8 - in_features), value=8).view(*w.shape[:-1], words, 8)
     packed = (q << (4 * torch.arange(8))).sum(-1)
@@ -217,3 +210,90 @@ def encode(fmt: str, w: torch.Tensor, scale_bits: bool = False) -> Tuple[torch.T
 def nbytes(fmt: str, out: int, in_features: int, experts: Optional[int] = 1) -> int:
     """Bytes of ``experts`` packed ``[out, in]`` weights with their scales."""
     return (experts or 1) * packed_spec(fmt, in_features).nbytes(out)
+
+
+# The encoders' rules, one definition each: the grouping, the scale picked for a group, the code a value
+# rounds to under a scale. The encoders above are built from them and the requantised export's self-check
+# (export/requantised.py) brackets written codes with them, so the two cannot drift apart.
+
+
+def groups(x: torch.Tensor) -> torch.Tensor:
+    """``[..., in]`` -> ``[..., ceil(in/32), 32]``, zero padded: the groups sharing one scale."""
+    n = -(-x.shape[-1] // GROUP)
+    return torch.nn.functional.pad(x, (0, n * GROUP - x.shape[-1])).view(*x.shape[:-1], n, GROUP)
+
+
+def stored_scales(fmt: str, amax: torch.Tensor) -> torch.Tensor:
+    """The scale the encoder picks for groups whose largest magnitude is ``amax`` (fp32 ``[...]``), as stored:
+    MXFP4 the uint8 E8M0 exponent of ``2 ** (floor(log2 amax) - 2)`` (E2M1's largest exponent is 2; a zero group
+    gets the smallest, 2**-127; clamped to [-127, 127], 0xFF never), INT4 ``bf16(amax / 7)``."""
+    if fmt == "mxfp4":
+        exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -127))) - 2,
+                          torch.full_like(amax, -127.0)).clamp(-127, 127)
+        return (exp + 127).to(torch.uint8)
+    if fmt == "int4":
+        return (amax / 7).to(torch.bfloat16)
+    raise ValueError(f"format: unknown packed format {fmt!r}; expected one of {FORMATS}")
+
+
+def scale_values(fmt: str, scales: torch.Tensor) -> torch.Tensor:
+    """Stored scales as fp32 values: MXFP4 uint8 E8M0 ``2 ** (s - 127)``; INT4 bf16, or its uint8 bytes as a layer
+    keeps them (``[..., 2 * groups]`` -> ``[..., groups]``)."""
+    if fmt == "mxfp4":
+        return _pow2(scales)
+    if fmt == "int4":
+        return _bf16_scale(scales).float()
+    raise ValueError(f"format: unknown packed format {fmt!r}; expected one of {FORMATS}")
+
+
+def group_scales(fmt: str, amax: torch.Tensor) -> torch.Tensor:
+    """``scale_values`` of ``stored_scales``: the encoder's scale for ``amax`` as fp32; monotone in ``amax``."""
+    return scale_values(fmt, stored_scales(fmt, amax))
+
+
+def grid_codes(fmt: str, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Grouped ``x [..., groups, 32]`` under fp32 ``scale [..., groups]`` -> int64 codes ``[..., groups, 32]``: MXFP4
+    the E2M1 code nearest ``x / scale``, saturating at 6, the sign bit x's; on a tie the smaller magnitude (so
+    0.75, 1.75, 3.5 go down, where the OCP MX round-half-to-even would take 1, 2, 4). INT4
+    ``clamp(round(x / scale), -8, 7) + 8`` (halves to even). A zero scale divides by 1 (its values are 0)."""
+    s = scale.unsqueeze(-1)
+    y = x / torch.where(s > 0, s, torch.ones((), device=s.device))
+    if fmt == "mxfp4":
+        magnitudes = torch.tensor(E2M1[:8], device=x.device)
+        # nearest magnitude; argmin takes the first (the smaller) on a tie
+        idx = (y.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1)
+        return idx | (torch.signbit(y).to(torch.int64) << 3)
+    if fmt == "int4":
+        return torch.clamp(torch.round(y), -8, 7).to(torch.int64) + 8
+    raise ValueError(f"format: unknown packed format {fmt!r}; expected one of {FORMATS}")
+
+
+def round_to_grid(fmt: str, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., in]`` quantised with the per-group fp32 ``scale [..., ceil(in/32)]`` and decoded, fp32 ``[..., in]``:
+    what the encoder's codes decode to when it picks ``scale``. Monotone in ``x`` for a fixed scale (what the
+    requantised check relies on)."""
+    values = torch.tensor(_CODE_VALUES[fmt], device=x.device)
+    s = scale.float()
+    q = values[grid_codes(fmt, groups(x.float()), s)] * s.unsqueeze(-1)
+    return q.flatten(-2)[..., :x.shape[-1]]
+
+
+def round_to_grid_reference(fmt: str, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``round_to_grid`` value by value (the plain reference): the grid value nearest ``x / scale`` (MXFP4 the
+    E2M1 magnitudes with x's sign, the smaller on a tie; INT4 the integers -8..7, halves to even), times the
+    scale, in float64 then fp32."""
+    grid = sorted(set(abs(v) for v in E2M1))
+    flat_x = x.reshape(-1, x.shape[-1]).double()
+    out = torch.empty(flat_x.shape, dtype=torch.float64)
+    flat_s = scale.reshape(-1, scale.shape[-1]).double()
+    for i in range(flat_x.shape[0]):
+        for j in range(flat_x.shape[1]):
+            s = float(flat_s[i, j // GROUP])
+            v = float(flat_x[i, j]) / s if s > 0 else 0.0
+            if fmt == "mxfp4":
+                best = min(grid, key=lambda m: (abs(abs(v) - m), m))
+                best = -best if v < 0 else best
+            else:
+                best = max(-8, min(7, round(v)))  # Python rounds halves to even, as torch.round does
+            out[i, j] = best * s
+    return out.view(x.shape).float()
