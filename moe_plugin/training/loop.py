@@ -11,10 +11,11 @@ sum is divided by the step's global token count times the engine's averaging fac
 Checkpoints (every ``checkpoint.every`` steps and at the end) hold the adapters (or, for full training, every
 trainable parameter), optimizer shards, scheduler, step, data position and RNG states, never the frozen base;
 a run started again on the same ``output_dir`` continues from the newest complete one. Nothing read back from a
-checkpoint is unpickled: the trainer's own state is JSON and safetensors (``checkpoint.py``), DeepSpeed's engine
-files load with ``weights_only=True`` (``parallel/deepspeed_compat.py``). ``losses.json`` holds every optimizer
-step's loss, ``results.json`` the final and held-out losses and the timings; the adapter is written in PEFT
-format to ``output_dir/adapter`` (``exporting.py``).
+checkpoint is unpickled (``engine_state.py`` writes and reads a step): the trainer's own state is JSON and
+safetensors (``checkpoint.py``), DeepSpeed's engine files load with ``weights_only=True``
+(``parallel/deepspeed_compat.py``). ``losses.json`` holds every optimizer step's loss, ``results.json`` the
+final and held-out losses and the timings; the adapter is written in PEFT format to ``output_dir/adapter``
+(``exporting.py``).
 
 Safety (docs/training.md): the data is read before ``output_dir`` is claimed; a run records the inputs it read
 (``inputs.py``) and a resume refuses changed ones unless ``allow_changed_inputs``; a non-finite or diverging
@@ -35,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 from ..fileio import write_json_atomic
-from ..parallel.deepspeed_compat import check_engine_files, safe_checkpoint_loading, use_current_collectives
+from ..parallel.deepspeed_compat import use_current_collectives
 from .backends import get_backend
-from .checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
+from .checkpoint import CheckpointManager
+from .engine_state import agree, load_latest, rng_state, save_step, set_rng_state
 from .data import StepBatches, eval_batches, label_token_count, load_examples, pack_examples
 from .ds_config import deepspeed_config
 from .exporting import write_outputs
@@ -51,9 +53,6 @@ from .runtime import all_ok, choose_device, forget_processes, start_processes
 from .schedule import lr_scheduler
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped", "train", "parameter_groups", "step_scale"]
-
-ENGINE_TAG = "engine"
-
 
 @dataclass
 class TrainResult:
@@ -81,15 +80,6 @@ def step_scale(label_tokens: int, dp_size: int, accumulation: int) -> float:
     """What a micro-batch's token-loss sum is divided by: the engine divides by ``accumulation`` (backward)
     and averages over ``dp_size`` ranks, so this makes the step's gradient that of the global token mean."""
     return max(label_tokens, 1) / (dp_size * accumulation)
-
-
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
 
 
 def _sum(value: float, device: torch.device) -> float:
@@ -145,8 +135,8 @@ class Trainer:
                     if held_out else []
             except ValueError as e:
                 error = e
-            _agree(error, "another rank could not read the data (its error says why)")
-            after_data = _rng_state()
+            agree(error, "another rank could not read the data (its error says why)")
+            after_data = rng_state()
             self.checkpoints = CheckpointManager(os.path.join(self.output_dir, "checkpoints"), self.rank,
                                                  dist.get_world_size(), dist.barrier, keep=recipe.checkpoint.keep)
             if self.rank == 0:
@@ -157,10 +147,10 @@ class Trainer:
                                                       self.allow_changed_inputs)
                 except ValueError as e:
                     error = e
-            _agree(error, "rank 0 could not claim output_dir (its error says why)")
+            agree(error, "rank 0 could not claim output_dir (its error says why)")
             self.backend = get_backend(recipe.parallel.backend)(recipe, self.resolved, self.device)
             self.info = self.backend.setup_parallel()
-            _set_rng_state(after_data)  # the model draws what it drew when the data was read right before it
+            set_rng_state(after_data)  # the model draws what it drew when the data was read right before it
             self.stream = StepBatches(rows, schedule.micro_batch_size, schedule.gradient_accumulation_steps,
                                       self.info.dp_size, recipe.seed)
             model = self.backend.build_model(self.ds_config)
@@ -337,44 +327,25 @@ class Trainer:
 
     def save(self) -> str:
         """A complete checkpoint of this step (collective; atomic across ranks)."""
-        step, rank = self.step, self.rank
-
-        def write(staging: str) -> None:
-            self.engine.save_checkpoint(staging, tag=ENGINE_TAG, exclude_frozen_parameters=True, save_latest=False)
-            write_trainer_state(staging, rank, {"step": step, "losses": self.result.losses,
-                                                "data": self.stream.state_dict(), "rng": _rng_state()})
-
-        path = self.checkpoints.save(step, write)
-        self.last_saved = step
-        if rank == 0:
+        path = save_step(self.checkpoints, self.engine, self.step, self.rank,
+                         lambda: {"losses": self.result.losses, "data": self.stream.state_dict()})
+        self.last_saved = self.step
+        if self.rank == 0:
             write_json_atomic(os.path.join(self.output_dir, "losses.json"), self.result.losses)
         return path
 
     def _resume(self) -> int:
-        """Continue from the newest complete checkpoint, if any (after removing leftovers of failed saves)."""
-        if self.rank == 0:
-            self.checkpoints.clean_leftovers()
-        dist.barrier()
-        latest = self.checkpoints.latest()
+        """Continue from the newest complete checkpoint, if any; the step it continues from (0: none)."""
+        latest = load_latest(self.checkpoints, self.engine, self.rank)
         if latest is None:
             return 0
-        step, path = latest
-        error, state = None, None
-        try:  # engine.load_checkpoint runs collectives: its files are checked first, so that all ranks stop alike
-            check_engine_files(os.path.join(path, ENGINE_TAG), self.rank, dist.get_world_size())
-        except ValueError as e:
-            error = e
-        _agree(error, f"another rank found a damaged file in {path} (its error names it)")
+        step, path, state = latest
+        error = None
         try:
-            with safe_checkpoint_loading():
-                self.engine.load_checkpoint(path, tag=ENGINE_TAG, load_module_strict=False,
-                                            load_optimizer_states=True, load_lr_scheduler_states=True)
-            state = read_trainer_state(path, self.rank)
             self.stream.load_state_dict(state["data"])
         except ValueError as e:
             error = e
-        _agree(error, f"another rank could not load the checkpoint {path} (its error names the file)")
-        _set_rng_state(state["rng"])
+        agree(error, f"another rank could not restore the data position of {path} (its error says why)")
         self.result.losses = list(state["losses"])
         self.result.resumed_from = self.last_saved = step
         return step
@@ -398,11 +369,3 @@ def _balance(backend, module, full: bool, device: torch.device) -> Optional[torc
         for layer, load in zip(layers, stacked):
             layer.update_routing_bias(load)
     return stacked
-
-
-def _agree(error: Optional[BaseException], others: str) -> None:
-    """Raise on every rank when any rank has an ``error`` (a collective): its own, or ``others`` as a
-    ValueError, so that the commands report it in one line on the ranks that only waited (the failing rank's
-    own message names the input)."""
-    if not all_ok(error is None):
-        raise error if error is not None else ValueError(others)
