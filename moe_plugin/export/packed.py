@@ -23,7 +23,8 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 import torch
 
 from ..ops.quant import decode, encode
-from ..weights.packed import k3_packed_name, shape_tensor_name, stack_of
+from ..weights.packed import stack_of
+from ..weights.packed_tensors import per_expert_tensors
 
 __all__ = ["PackedStack", "packed_stacks", "dense_config", "decoded", "requantise", "packed_output_tensors",
            "float_dtype", "dense_stream", "dense_base_model"]
@@ -111,19 +112,11 @@ def packed_output_tensors(stack: PackedStack, codes: torch.Tensor, scales: torch
                           ) -> List[Tuple[str, torch.Tensor]]:
     """The tensors a requantised stack is written as: "hf" the layer's own ``...experts.w1`` / ``w1_scale``;
     "k3" per expert ``...experts.{e}.w1.weight_packed`` / ``.weight_scale`` (INT4: the bf16 scale as published,
-    and ``.weight_shape`` ``[out, in]`` int32), as ``models.k3_packed`` writes the release layout."""
+    and ``.weight_shape`` ``[out, in]`` int32): the release layout, by the writer ``models.k3_packed`` uses too
+    (``weights.packed_tensors``)."""
     if layout == "hf":
         return [(stack.name, codes), (stack.name + "_scale", scales)]
-    out = []
-    for e in range(codes.shape[0]):
-        packed_name = k3_packed_name(stack.name, e)
-        scale = scales[e].clone()
-        if stack.format == "int4":
-            scale = scale.view(torch.bfloat16)
-        out += [(packed_name, codes[e].clone()), (k3_packed_name(stack.name + "_scale", e), scale)]
-        if stack.format == "int4":
-            out.append((shape_tensor_name(packed_name), torch.tensor(stack.shape[1:], dtype=torch.int32)))
-    return out
+    return per_expert_tensors(stack.name, stack.format, codes, scales, stack.shape)
 
 
 def dense_stream(base_path: str, hf_config) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -22,7 +22,8 @@ from safetensors.torch import save_file
 
 from ..fileio import SAFETENSORS_SINGLE, atomic_directory
 from ..ops.quant import decode
-from ..weights.packed import EXPERT_NAMINGS, k2_block_name, packed_expert_name, shape_tensor_name, stack_of
+from ..weights.packed import EXPERT_NAMINGS, k2_block_name, stack_of
+from ..weights.packed_tensors import per_expert_tensors
 from .k3_config import VL_MODEL_TYPE, config_to_k3
 from .k3_format import CONFIG_NAME, save_k3_checkpoint, state_dict_to_k3
 from .modeling import MoEPluginForCausalLM
@@ -40,7 +41,7 @@ def _packed_stacks(model) -> Dict[str, object]:
 
 def packed_k3_tensors(model, naming: str = "k3", text_prefix: bool = True) -> Dict[str, torch.Tensor]:
     """The published tensors of ``model`` (a text model with packed experts) in ``naming`` ("k3" or "k2"),
-    names under ``language_model.`` when ``text_prefix``."""
+    names under ``language_model.`` when ``text_prefix``; the experts by ``weights.packed_tensors``."""
     if naming not in EXPERT_NAMINGS:
         raise ValueError(f"naming: must be one of {EXPERT_NAMINGS}, got {naming!r}")
     head = TEXT_PREFIX if text_prefix else ""
@@ -51,18 +52,10 @@ def packed_k3_tensors(model, naming: str = "k3", text_prefix: bool = True) -> Di
     out = {head + rename(n): t.contiguous().clone() for n, t in
            state_dict_to_k3({n: t for n, t in state.items() if n not in packed_names}, model.config).items()}
     for prefix, experts in stacks.items():
-        for kind, (e, rows, cols) in experts.logical_shapes.items():
-            for suffix in ("", "_scale"):
-                stacked = f"{prefix}.{kind}{suffix}"
-                tensor = state[stacked]
-                for j in range(e):
-                    value = tensor[j].clone()
-                    if suffix and experts.expert_format == "int4":
-                        value = value.view(torch.bfloat16)  # published as bf16; the layer keeps the bytes
-                    out[head + packed_expert_name(stacked, j, naming)] = value
-                    if not suffix and experts.expert_format == "int4":
-                        name = head + shape_tensor_name(packed_expert_name(stacked, j, naming))
-                        out[name] = torch.tensor([rows, cols], dtype=torch.int32)
+        for kind, shape in experts.logical_shapes.items():
+            stacked = f"{prefix}.{kind}"
+            out.update((head + n, t) for n, t in per_expert_tensors(
+                stacked, experts.expert_format, state[stacked], state[stacked + "_scale"], shape, naming))
     return out
 
 
