@@ -108,16 +108,19 @@ def init_expert_adapters(model: nn.Module, seed: int) -> int:
 
 def load_base(model: nn.Module, resolved, names: str) -> None:
     """Load the resolved base (a Hugging Face or K3-layout checkpoint, ``resolved.path``) into ``model``
-    strictly, each rank writing only its own slices and ZeRO-3 partitions; a preset keeps the weights it was
-    initialised with from the seed."""
+    strictly, each rank writing only its own slices and ZeRO-3 partitions (a text model over an image base
+    reads the text tensors only); a preset keeps the weights it was initialised with from the seed."""
     if resolved.path is None:
         return
     from ...precision import apply_precision
     from ...weights.loader import load_state
+    from ...weights.names import VISION_PREFIXES
 
     apply_precision(model)  # built under zero.Init, the fp32 tensors are bf16 partitions: whole fp32 before loading
-
-    load_state(model, resolved.path, names=names, config=resolved.model_config, strict=True)
+    # a text-only run of an image base builds the text model (images.wants_images): the base's vision tower is
+    # no part of it, so it is left in the checkpoint (the exports copy it through); an image model reads it
+    text_only = not any(n.startswith(VISION_PREFIXES) for n, _ in model.named_parameters())
+    load_state(model, resolved.path, names=names, config=resolved.model_config, strict=True, ignore_vision=text_only)
 
 
 def hf_config(model_section):
