@@ -128,13 +128,17 @@ def dense_stream(base_path: str, hf_config) -> Iterator[Tuple[str, torch.Tensor]
 
 
 def dense_base_model(source):
-    """``source``'s base as a model with dense fp32 experts (a packed base's decoded exactly), eval mode."""
-    from ..models import MoEPluginForCausalLM
+    """``source``'s base as a model with dense fp32 experts (a packed base's decoded exactly), eval mode: the
+    text model, or for targets on the image model (``targets.on_image_model``) the image+text model with the
+    base's vision tower."""
+    from ..models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
+    from ..weights.names import TEXT_PREFIX, VISION_PREFIXES
+    from .targets import on_image_model
 
-    model = MoEPluginForCausalLM(dense_config(source.hf_config)).float()
-    from ..weights.names import VISION_PREFIXES
-
-    state = {n: t.float() for n, t in dense_stream(source.base_path, source.hf_config)
-             if not n.startswith(VISION_PREFIXES)}
+    image = on_image_model(source.targets)
+    model = (MoEPluginForConditionalGeneration if image else MoEPluginForCausalLM)(dense_config(source.hf_config))
+    model = model.float()
+    state = {(n if n.startswith(VISION_PREFIXES) else TEXT_PREFIX + n) if image else n: t.float()
+             for n, t in dense_stream(source.base_path, source.hf_config) if image or not n.startswith(VISION_PREFIXES)}
     model.load_state_dict(state, strict=not source.hf_config.tie_word_embeddings)
     return model.eval()

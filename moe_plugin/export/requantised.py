@@ -26,8 +26,9 @@ from typing import Dict, Iterable, Mapping, Optional, Tuple
 import torch
 
 from ..ops.quant import decode, encode, group_scales, groups, round_to_grid, scale_values
+from ..weights.names import TEXT_PREFIX
 from .packed import PackedStack
-from .targets import Target
+from .targets import Target, on_image_model
 from .verify import DELTA_RTOL, CheckResult
 
 __all__ = ["check_requantised_stack", "requantised_differences", "requantised_check"]
@@ -74,21 +75,23 @@ def requantised_differences(base: Iterable[Tuple[str, torch.Tensor, Optional[tup
     from .verify import compare_deltas
 
     written, ties = iter(written), 0
+    streamed = {t.stream_name: t for t in targets.values()}  # the streams name tensors as the text model does
     for name, base_tensor, base_packed in base:
         got_name, got, got_packed = next(written, (None, None, None))
         if got_name != name:
             result.problems.append(f"the export's tensors do not follow the base's at {name} (found {got_name})")
             return ties
-        if name in stacks and name in targets:
-            ties += check_requantised_stack(stacks[name], targets[name], base_tensor, expected[name], *got_packed,
+        target = streamed.get(name)
+        if name in stacks and target is not None:
+            ties += check_requantised_stack(stacks[name], target, base_tensor, expected[target.weight], *got_packed,
                                             result)
         elif name in stacks:
             if not all(torch.equal(a, b) for a, b in zip(got_packed, base_packed)):
                 result.problems.append(f"{name}: not a target, yet its packed values differ from the base's")
-        elif name in targets:
+        elif target is not None:
             eps = torch.finfo(got.dtype).eps
             atol = 4 * eps * max(float(base_tensor.float().abs().max()), float(got.float().abs().max()))
-            compare_deltas(result, targets[name], got.float() - base_tensor.float(), expected[name], atol)
+            compare_deltas(result, target, got.float() - base_tensor.float(), expected[target.weight], atol)
         elif not torch.equal(got, base_tensor.to(got.dtype)):
             result.problems.append(f"{name}: not a target, yet it differs from the base")
     return ties
@@ -116,17 +119,19 @@ def requantised_check(source, targets: Mapping[str, Target], directory: str, exp
     result.requantised_ties = requantised_differences(base, written, targets, expected, stacks, result)
     model = base_model(source)
     params = dict(model.named_parameters())
+    streamed = {t.stream_name for t in targets.values()}
+    prefix = TEXT_PREFIX if on_image_model(targets) else ""  # the image model nests the text model's names
     with torch.no_grad():
         for name, tensor in base_tensors(directory, config):
             found = stack_of(name)
-            if found and f"{found[0]}.{found[1]}" in stacks and f"{found[0]}.{found[1]}" in targets:
-                params[name].copy_(tensor)
+            if found and f"{found[0]}.{found[1]}" in stacks and f"{found[0]}.{found[1]}" in streamed:
+                params[prefix + name].copy_(tensor)
     lora = copy.deepcopy(source.lora_config)
     lora.inference_mode = True
     model = get_peft_model(model, lora)
     state = {k: v.float() for k, v in source.state.items()}
-    for name, target in targets.items():
-        if name in stacks:  # that delta is in the codes now
+    for target in targets.values():
+        if target.stream_name in stacks:  # that delta is in the codes now
             state[target.key_b] = torch.zeros_like(state[target.key_b])
     set_peft_model_state_dict(model, state)
     return logits_of(model.eval(), config.vocab_size)

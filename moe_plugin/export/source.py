@@ -21,7 +21,7 @@ import torch
 from ..config import require
 from ..fileio import read_json
 from ..training.run_dir import MARKER
-from .targets import Target, adapter_targets, check_state_covers, is_image_adapter
+from .targets import Target, adapter_targets, check_state_covers, is_image_adapter, onto_image_model
 
 __all__ = ["RunSource", "RunLocation", "locate_run", "open_run", "OVERRIDE_FLAG"]
 
@@ -191,6 +191,7 @@ def open_run(run_dir: str, step: Optional[int] = None, allow_changed_inputs: boo
     from ..training.backends.common import adapter_lora_config
     from ..training.recipe import LoraSection, ModelSection, ParallelSection
     from ..training.resolved_model import base_hf_config
+    from .merge import has_vision
 
     where_run = location or locate_run(run_dir, allow_changed_inputs)
     recipe, base_path = where_run.recipe, where_run.base_path
@@ -215,7 +216,6 @@ def open_run(run_dir: str, step: Optional[int] = None, allow_changed_inputs: boo
         state = _adapter_state(adapter)
         where = f"{adapter}/{ADAPTER_WEIGHTS}"
     else:
-        from .merge import has_vision
         from .zero_checkpoint import adapter_from_checkpoint
 
         state = adapter_from_checkpoint(where_run.run_dir, step, config.to_model_config(), backend, lora.r,
@@ -223,5 +223,8 @@ def open_run(run_dir: str, step: Optional[int] = None, allow_changed_inputs: boo
         where = f"checkpoint step {step}"
     if is_image_adapter(state):  # an image run's adapter: its targets are the image model's (language_model.)
         targets = adapter_targets(config, trained, image=True)
+    elif has_vision(base_path):  # a text run over an image base: the base loads as the image model, so the
+        # adapter goes onto that model's language model, and the vision tower is the base's, unchanged
+        state, targets, trained = onto_image_model(state, config, trained)
     check_state_covers(targets, state, where)
     return RunSource(where_run.run_dir, step, recipe, base_path, config, trained, state, targets)

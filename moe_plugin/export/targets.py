@@ -8,13 +8,15 @@ peft sorts the targets and walks the parameters in registration order); reading 
 
 An image run's adapter (the trainer's image+text model, ``MoEPluginForConditionalGeneration``) names its text
 adapters under ``language_model.``; its targets are then mapped on that model (``image=True``), so that every
-name (``Target.weight``, ``Target.module``) is the image model's own.
+name (``Target.weight``, ``Target.module``) is the image model's own. A text-only run over a base with a
+vision tower trains the text model, and its adapter is moved onto the image model (``onto_image_model``): the
+base loads as that model (its ``architectures``, ``AutoModelForCausalLM``), so that is what its exports adapt.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,9 +24,11 @@ from ..config import require
 from ..weights.names import TEXT_PREFIX, VISION_PREFIXES, base_name, k3_expert_name, strip_text_prefix
 
 __all__ = ["Target", "adapter_targets", "check_state_covers", "select_targets", "per_expert_key", "PEFT_PREFIX",
-           "is_image_adapter", "on_image_model"]
+           "is_image_adapter", "on_image_model", "onto_image_model"]
 
 PEFT_PREFIX = "base_model.model."  # what peft's wrapper puts in front of the model's own names
+# peft's exclude_modules as a pattern (matched in full against each module name): the vision tower and projector
+VISION_MODULES = "(" + "|".join(p.rstrip(".") for p in VISION_PREFIXES) + r")(\..*)?"
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,24 @@ def is_image_adapter(keys: Iterable[str]) -> bool:
 def on_image_model(targets: Mapping[str, Target]) -> bool:
     """Whether ``targets`` were mapped on the image+text model (``adapter_targets(..., image=True)``)."""
     return any(t.weight.startswith((TEXT_PREFIX,) + VISION_PREFIXES) for t in targets.values())
+
+
+def onto_image_model(state: Mapping[str, torch.Tensor], hf_config, lora_config
+                     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Target], object]:
+    """A text model's adapter (PEFT keys ``base_model.model.model.layers...``) put on the image+text model:
+    (the state under that model's names, ``base_model.model.language_model.model.layers...``, the same tensors;
+    its targets, those of the LoRA config in the language model; the LoRA config, which when its target list
+    also names modules of the vision tower or projector now excludes them, as the text run never had them)."""
+    import copy
+
+    moved = {PEFT_PREFIX + TEXT_PREFIX + k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v
+             for k, v in state.items()}
+    image_targets = adapter_targets(hf_config, lora_config, image=True)
+    targets = {n: t for n, t in image_targets.items() if n.startswith(TEXT_PREFIX)}
+    if len(targets) < len(image_targets):  # peft would otherwise put fresh adapters on the tower's modules
+        lora_config = copy.deepcopy(lora_config)
+        lora_config.exclude_modules = VISION_MODULES
+    return moved, targets, lora_config
 
 
 def adapter_targets(hf_config, lora_config, image: bool = False) -> Dict[str, Target]:

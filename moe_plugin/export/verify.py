@@ -11,7 +11,8 @@ fp32. Two comparisons, both before the export is published:
   reference, ``max|a - b| / max|b|`` at most ``LOGITS_RTOL`` (fp32 outputs; ``LOW_PRECISION_RTOL`` when a
   merged export is written in bf16/fp16, whose rounding of the weights is larger than that).
 
-An image run's adapter (targets on the image+text model) is checked on that model: the reference is
+An image run's adapter (targets on the image+text model), and a text run's over a base with a vision tower
+(moved onto that model, ``targets.onto_image_model``), are checked on that model: the reference is
 ``MoEPluginForConditionalGeneration`` with the base's vision tower, and the fixed batch holds one seeded
 picture (``FIXED_IMAGE_GRID`` patches) among its tokens, so the logits cover the image path too.
 """
