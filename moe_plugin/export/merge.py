@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 
 from ..config import require
 from ..fileio import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, safetensors_weight_map
-from ..weights.names import (TEXT_PREFIX, VISION_PREFIXES, is_stacked_expert, k3_expert_name, quantised_tensors,
-                             strip_text_prefix, tensor_to_k3)
+from ..weights.names import (TEXT_PREFIX, VISION_PREFIXES, has_vision, is_stacked_expert, k3_expert_name,
+                             quantised_tensors, strip_text_prefix, tensor_to_k3)
 from ..weights.packed import is_packed_expert_stack, stack_of
 from .deltas import dense_delta, expert_deltas
 from .packed import decoded, float_dtype, packed_output_tensors, packed_stacks, requantise as requantise_stack
@@ -164,11 +164,6 @@ def _merged(tensor: torch.Tensor, delta: torch.Tensor, in_place: bool = False) -
     if in_place and tensor.dtype == torch.float32:  # no second copy of an expert stack
         return tensor.add_(delta)
     return (tensor.float() + delta).to(tensor.dtype)
-
-
-def has_vision(base_path: str) -> bool:
-    """Whether the checkpoint at ``base_path`` is an image+text one (vision tower and projector tensors)."""
-    return any(n.startswith(VISION_PREFIXES) for n in safetensors_weight_map(base_path))
 
 
 def _write(writer: ShardWriter, name: str, tensor: torch.Tensor, layout: str, prefix: str) -> None:

@@ -19,6 +19,7 @@ from ..ops.moe import (grouped_glu, permute, quantile_balance_bias, route, unper
                        update_bias_sign)
 from .mlp import GLUMLP
 from .norm import RMSNorm
+from .recompute import recomputed
 
 BIAS_METHODS = ("sign", "quantile")
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (layer seed, expert) pairs over the seed space
@@ -151,6 +152,9 @@ class LatentMoEMixin:
 
     moe_config: MoEConfig
     last_load: Optional[torch.Tensor] = None
+    # layers.recompute: the experts and what follows the combine may be recomputed; the routing never is
+    recompute_mode = "off"
+    recompute_checkpoint_fn = None
 
     def _build_latent_modules(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
                               ) -> None:
@@ -247,6 +251,18 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         """x_flat: ``[N, hidden]`` -> ``[N, hidden]``, or None without shared experts."""
         return self.shared_experts(x_flat) if self.config.num_shared_experts > 0 else None
 
+    def _experts_combined(self, z_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, order: torch.Tensor,
+                          weights: torch.Tensor) -> torch.Tensor:
+        """The dispatched tokens ``[N * k, L]`` through their experts, combined per token with the router's
+        weights ``[N, k]``: ``[N, L]``."""
+        return unpermute(self.experts(z_sorted, tokens_per_expert), order, weights)
+
+    def _after_combine(self, u: torch.Tensor, x_flat: torch.Tensor) -> torch.Tensor:
+        """u ``[N, L]`` combined expert outputs, x_flat ``[N, hidden]`` the MoE input -> ``[N, hidden]``."""
+        y = self.from_latent(u)
+        shared = self.shared_path(x_flat)
+        return y if shared is None else y + shared
+
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
         """hidden_states: ``[B, T, hidden]`` -> ``(y [B, T, hidden], load [E])``.
@@ -259,11 +275,11 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         weights, indices, _ = self.route(x)
         z_sorted, tokens_per_expert, order = permute(self.to_latent(x), indices, self.num_experts)
-        u = unpermute(self.experts(z_sorted, tokens_per_expert), order, weights)
-        y = self.from_latent(u)
-        shared = self.shared_path(x)
-        if shared is not None:
-            y = y + shared
+        # routing and dispatch above are kept; the experts and what follows the combine may be recomputed
+        mode, ckpt = self.recompute_mode, self.recompute_checkpoint_fn
+        u = recomputed(mode, "experts", self._experts_combined, z_sorted, tokens_per_expert, order, weights,
+                       checkpoint_fn=ckpt)
+        y = recomputed(mode, "moe_out", self._after_combine, u, x, checkpoint_fn=ckpt)
         if padding_mask is None:
             load = tokens_per_expert.detach().float()
         else:

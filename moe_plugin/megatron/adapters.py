@@ -27,6 +27,7 @@ from ..layers.gated_dsa import GatedMLAAttention
 from ..layers.kda import KDAAttention
 from ..layers.mlp import GLUMLP
 from ..layers.norm import RMSNorm
+from ..layers.recompute import is_recomputing
 
 __all__ = ["MegatronRMSNorm", "KDASelfAttention", "GatedDSASelfAttention", "DenseMLP", "packed_cu_seqlens",
            "indexer_loss_of"]
@@ -126,7 +127,9 @@ class GatedDSASelfAttention(_SequenceFirstAttention, GatedMLAAttention):
         if not self.wants_indexer_loss():
             self.indexer_loss = None
             return GatedMLAAttention.forward(self, x, cu_seqlens=cu_seqlens)
-        out, self.indexer_loss = GatedMLAAttention.forward(self, x, cu_seqlens=cu_seqlens, return_indexer_loss=True)
+        out, loss = GatedMLAAttention.forward(self, x, cu_seqlens=cu_seqlens, return_indexer_loss=True)
+        if not is_recomputing():  # a backward's recompute (layers.recompute) redoes it; the loss was taken already
+            self.indexer_loss = loss
         return out
 
     def pop_indexer_loss(self) -> Optional[torch.Tensor]:

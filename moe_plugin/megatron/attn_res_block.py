@@ -25,17 +25,17 @@ from typing import Any, Optional, Tuple
 
 import torch
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..config import require
-from ..layers.attn_res import attn_res_point, stream_from_state
+from ..layers.attn_res import AttnResStream, attn_res_point, stream_from_state
+from .recompute_layer import CheckpointedTransformerLayer
 
 __all__ = ["AttnResTransformerLayer", "AttnResTransformerBlock", "enable_attn_res_block"]
 
 State = Tuple[torch.Tensor, ...]
 
 
-class AttnResTransformerLayer(TransformerLayer):
+class AttnResTransformerLayer(CheckpointedTransformerLayer):
     """``TransformerLayer`` with Attention Residuals; ``attn_res_block_size`` comes from the spec's params."""
 
     def __init__(self, config, submodules, layer_number: int = 1, attn_res_block_size: int = 12, **kwargs: Any):
@@ -57,15 +57,39 @@ class AttnResTransformerLayer(TransformerLayer):
         """residual: the stream's state before this layer, tensors ``[S, B, H]`` -> the state after it.
 
         Rotary and cross-attention arguments are ignored (the model has neither); ``inference_context`` is
-        refused by the attention adapters.
+        refused by the attention adapters. ``recompute_mode``: the regions of ``layers.recompute``, as the
+        Hugging Face ``DecoderLayer`` runs them (the MoE routes outside them).
         """
+        mode = self.recompute_mode if inference_context is None else "off"
+        attn_kwargs = dict(attention_mask=attention_mask, inference_context=inference_context,
+                           packed_seq_params=packed_seq_params)
+        if not self.is_moe_layer:
+            return self._recomputed(mode, "layer", self._dense_res_layer, residual, attn_kwargs, padding_mask, mode)
+        state, h = self._recomputed(mode, "layer", self._res_before_router, residual, attn_kwargs, mode)
+        return self._res_after_mlp(state, self.mlp(h, padding_mask=padding_mask))
+
+    def _res_through_attention(self, residual: State, attn_kwargs: dict, mode: str) -> AttnResStream:
         stream = stream_from_state(residual, True, self.layers_before, self.attn_res_block_size)
         x = stream.read(self.self_attention_res_proj, self.self_attention_res_norm)
-        out, bias = self.self_attention(self.input_layernorm(x), attention_mask=attention_mask,
-                                        inference_context=inference_context, packed_seq_params=packed_seq_params)
-        stream.add(out if bias is None else out + bias)
+        stream.add(self._recomputed(mode, "attention", self._attention, x, attn_kwargs))
+        return stream
+
+    def _res_before_router(self, residual: State, attn_kwargs: dict, mode: str):
+        """An MoE layer up to its router: (the state after attention, the MoE's input ``[S, B, H]``)."""
+        stream = self._res_through_attention(residual, attn_kwargs, mode)
         x = stream.read(self.mlp_res_proj, self.mlp_res_norm)
-        out, bias = self.mlp(self.pre_mlp_layernorm(x), padding_mask=padding_mask)
+        return stream.state(), self._recomputed(mode, "mlp_norm", self.pre_mlp_layernorm, x)
+
+    def _dense_res_layer(self, residual: State, attn_kwargs: dict, padding_mask, mode: str) -> State:
+        stream = self._res_through_attention(residual, attn_kwargs, mode)
+        out = self._recomputed(mode, "dense_mlp", self._dense_mlp, stream.read(self.mlp_res_proj, self.mlp_res_norm),
+                               padding_mask)
+        return self._res_after_mlp(stream.state(), out)
+
+    def _res_after_mlp(self, state: State, out_with_bias) -> State:
+        """The state after the attention plus the MLP's ``(out, bias)``: the state after the layer."""
+        out, bias = out_with_bias
+        stream = AttnResStream.from_state(state, True)  # after the attention's add there is a partial sum
         stream.add(out if bias is None else out + bias)
         if (self.layers_before + 1) % self.attn_res_block_size == 0:
             stream.end_block()

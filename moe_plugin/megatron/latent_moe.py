@@ -36,6 +36,7 @@ from ..config import MoEConfig, require
 from ..layers.mlp import GLUMLP
 from ..layers.moe import LatentMoEMixin, MoERouter, StackedExperts, expert_load, experts_kwargs
 from ..layers.packed_experts import PackedStackedExperts
+from ..layers.recompute import recomputed
 from ..parallel.zero3_ep import tag_expert_parameter
 
 # megatron routing/balancing options that LatentMoELayer's route never reads: each must keep its default, and
@@ -243,3 +244,33 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
         if shared_expert_output is not None:
             output = output + shared_expert_output
         return output
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
+                padding_mask: Optional[torch.Tensor] = None):
+        """``MoELayer.forward`` (``"off"``), or with ``recompute_mode``'s regions (``layers.recompute``): the
+        route, the local permutation, both all-to-alls and the dispatcher's bookkeeping run once and are kept;
+        the experts (with the local un-sort) and what follows the combine are recomputed in the backward."""
+        mode = self.recompute_mode
+        if mode == "off" or intermediate_tensors is not None:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if padding_mask is not None:  # [B, S] -> [S, B], as MoELayer.forward
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        ckpt, dispatcher = self.recompute_checkpoint_fn, self.token_dispatcher
+        # MoELayer's order (shared experts first), so that the gradients accumulate as "off"'s do: bitwise
+        shared = recomputed(mode, "moe_out", self.shared_experts_compute, hidden_states, checkpoint_fn=ckpt)
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        tokens, probs = self.preprocess(hidden_states, probs, routing_map)
+        tokens, probs = self.dispatch(tokens, probs)
+        # dispatch_postprocess clears the dispatcher's token counts: it runs once, outside the recompute
+        tokens, tokens_per_expert, probs = dispatcher.dispatch_postprocess(tokens, probs)
+        output = recomputed(mode, "experts", self._experts_unsorted, tokens, tokens_per_expert, probs,
+                            checkpoint_fn=ckpt)
+        output = recomputed(mode, "moe_out", self.from_latent, dispatcher.combine_postprocess(self.combine(output)),
+                            checkpoint_fn=ckpt)
+        return (output if shared is None else output + shared), None
+
+    def _experts_unsorted(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+        """This rank's dispatched tokens ``[M, L]`` through their experts, weighted by ``probs`` ``[M]``, back in
+        the all-to-all's order (``routed_experts_compute`` after its ``dispatch_postprocess``)."""
+        output, _ = self.experts(tokens, tokens_per_expert, probs)
+        return self.token_dispatcher.combine_preprocess(output)

@@ -6,7 +6,9 @@ submodules are ours (``adapters.py``, ``latent_moe.py``), and each of them is th
 layer i has KDA or Gated DSA attention (``layer_types[i]``) and a dense GLU MLP (``i < first_k_dense``) or the
 Stable Latent MoE. There is no position embedding (``position_embedding_type="none"``): KDA carries position.
 With Attention Residuals (``ModelConfig.attn_res``) the layers are ``AttnResTransformerLayer`` and the decoder
-an ``AttnResTransformerBlock`` (``attn_res_block.py``): thin subclasses that carry the AttnRes state.
+an ``AttnResTransformerBlock`` (``attn_res_block.py``): thin subclasses that carry the AttnRes state. Without,
+the layers are ``CheckpointedTransformerLayer`` (``recompute_layer.py``): megatron's layer with this project's
+activation checkpointing, which the AttnRes layer has too.
 
 Spec builders check their preconditions first and raise ``ValueError`` naming the field.
 """
@@ -20,12 +22,13 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from ..config import KDAConfig, MLAConfig, ModelConfig, MoEConfig, require
 from .adapters import DenseMLP, GatedDSASelfAttention, KDASelfAttention, MegatronRMSNorm
 from .attn_res_block import AttnResTransformerLayer, enable_attn_res_block
 from .latent_moe import latent_moe_spec, megatron_moe_fields
+from .recompute_layer import CheckpointedTransformerLayer
 
 __all__ = ["kda_attention_spec", "gated_dsa_attention_spec", "dense_mlp_spec", "moe_mlp_spec", "decoder_layer_spec",
            "decoder_block_spec", "transformer_config", "check_transformer_config", "build_gpt_model"]
@@ -86,7 +89,7 @@ def decoder_layer_spec(config: ModelConfig, layer_idx: int, indexer_loss: bool =
     if config.attn_res:  # the same submodules; the layer carries the AttnRes state instead of one residual
         return ModuleSpec(module=AttnResTransformerLayer, submodules=submodules,
                           params={"attn_res_block_size": config.attn_res_block_size})
-    return ModuleSpec(module=TransformerLayer, submodules=submodules)
+    return ModuleSpec(module=CheckpointedTransformerLayer, submodules=submodules)
 
 
 def decoder_block_spec(config: ModelConfig, indexer_loss: bool = False) -> TransformerBlockSubmodules:

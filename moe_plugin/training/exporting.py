@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from ..fileio import atomic_directory
+from ..weights.names import has_vision
 
 __all__ = ["write_outputs"]
 
@@ -32,8 +33,15 @@ def write_outputs(backend, module, recipe, output_dir: str, rank: int) -> str:
         path = os.path.join(output_dir, "adapter")
         if rank == 0:
             _write_adapter(state, recipe, backend.resolved, path, base)
+        base = os.path.abspath(base)
+        if backend.base_path is not None and _model_class(state) == "MoEPluginForCausalLM" and has_vision(base):
+            # a text run over an image+text base: the base loads as the image model, the adapter names the text one
+            return (f"adapter saved to {path} (the text model's names; the base is an image+text model): "
+                    f"`moe-plugin export --run {output_dir} --to peft OUT` writes it for the base, or load it with "
+                    f"peft (after `import moe_plugin`) onto the base's language model: PeftModel.from_pretrained("
+                    f"MoEPluginForConditionalGeneration.from_pretrained({base!r}).language_model, {path!r})")
         return (f"adapter saved to {path}; load it with peft (after `import moe_plugin`): PeftModel.from_pretrained("
-                f"{_model_class(state)}.from_pretrained({os.path.abspath(base)!r}), {path!r})")
+                f"{_model_class(state)}.from_pretrained({base!r}), {path!r})")
     state = backend.full_state(module)
     path = os.path.join(output_dir, "model")
     if rank == 0:

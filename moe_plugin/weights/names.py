@@ -27,6 +27,7 @@ from typing import List, Mapping, Optional, Tuple
 import torch
 
 from ..config import ModelConfig, require
+from ..fileio import safetensors_weight_map
 
 __all__ = ["NAME_TABLE", "TEXT_PREFIX", "VISION_PREFIXES", "A_LOG_PAD_MULTIPLE", "NAMINGS", "hf_to_megatron_name",
            "megatron_to_hf_name", "to_hf_name", "base_name", "is_expert_tensor", "expert_layer", "is_stacked_expert",
@@ -52,6 +53,11 @@ NAME_TABLE: Tuple[Tuple[str, str, Optional[str]], ...] = (
 NAMINGS = ("hf", "megatron")  # the target model's naming: this project's Hugging Face classes, or GPTModel
 TEXT_PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+def has_vision(base_path: str) -> bool:
+    """Whether the checkpoint at ``base_path`` is an image+text one (vision tower and projector tensors)."""
+    return any(n.startswith(VISION_PREFIXES) for n in safetensors_weight_map(base_path))
 A_LOG_PAD_MULTIPLE = 128  # K3: 96 heads stored as 128 entries
 
 _MEGATRON_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.w[123]$")

@@ -47,8 +47,11 @@ def job(tmp_path_factory):
               "schedule": {"steps": STEPS, "micro_batch_size": 2, "lr": 1e-2, "decay": "constant"},
               "logging": {"every": 1, "progress_bar": False}}
     (tmp / "recipe.json").write_text(json.dumps(recipe))
-    launch([sys.executable, "-m", "moe_plugin.train", "--recipe", str(tmp / "recipe.json")],
-           env_extra={"OMP_NUM_THREADS": "1"}, timeout=600)
+    printed = launch([sys.executable, "-m", "moe_plugin.train", "--recipe", str(tmp / "recipe.json")],
+                     env_extra={"OMP_NUM_THREADS": "1"}, timeout=600)
+    # the run's last line names a load that works for this base (the image model's language model)
+    assert (f"PeftModel.from_pretrained(MoEPluginForConditionalGeneration.from_pretrained({os.path.realpath(BASE)!r})"
+            f".language_model, ") in printed, printed[-2000:]
     exports = {}
     for to in ("merged-hf", "peft"):
         exports[to] = str(tmp / to)

@@ -18,6 +18,7 @@ from moe_plugin.megatron.adapters import (DenseMLP, GatedDSASelfAttention, KDASe
                                           packed_cu_seqlens)
 from moe_plugin.megatron.attn_res_block import AttnResTransformerLayer
 from moe_plugin.megatron.latent_moe import LatentMoELayer
+from moe_plugin.megatron.recompute_layer import CheckpointedTransformerLayer
 from moe_plugin.megatron.lora import slice_expert_adapter
 from moe_plugin.megatron.weights import NAME_TABLE, hf_to_megatron_name, load_hf_checkpoint, megatron_to_hf_name
 from moe_plugin.models.modeling import MoEPluginForCausalLM
@@ -42,7 +43,9 @@ def test_block_spec_follows_the_schedule():
     assert block.layer_norm is MegatronRMSNorm and len(block.layer_specs) == 5
     attention = [s.submodules.self_attention.module for s in block.layer_specs]
     mlp = [s.submodules.mlp.module for s in block.layer_specs]
-    assert all(s.module is TransformerLayer for s in block.layer_specs)
+    # megatron's layer with this project's activation checkpointing (megatron/recompute_layer.py)
+    assert all(s.module is CheckpointedTransformerLayer and issubclass(s.module, TransformerLayer)
+               for s in block.layer_specs)
     assert attention == [KDASelfAttention, GatedDSASelfAttention, KDASelfAttention, KDASelfAttention,
                          GatedDSASelfAttention]
     assert mlp == [DenseMLP, DenseMLP, LatentMoELayer, LatentMoELayer, LatentMoELayer]
