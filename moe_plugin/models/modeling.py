@@ -31,6 +31,7 @@ from ..layers.decoder import DecoderLayer
 from ..layers.kda import KDAAttention, ShortConvolution
 from ..layers.moe import MoERouter, StackedExperts
 from ..layers.norm import RMSNorm
+from ..layers.recompute import check_mode, set_recompute
 from ..layers.vision import VisionTower
 from ..precision import FP32_TENSORS, keep_fp32_through
 from .cache import HybridCache
@@ -114,7 +115,10 @@ def reset_unloaded(module: nn.Module) -> None:
 class MoEPluginPreTrainedModel(PreTrainedModel):
     config_class = MoEPluginConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    # activation checkpointing through transformers' switch (the HF Trainer's gradient_checkpointing=True):
+    # layers.recompute's mode, the routing kept (activation_checkpointing_enable)
+    supports_gradient_checkpointing = True
+    recompute_mode_on_enable = "full"
     _no_split_modules = ["DecoderLayer"]
     _keep_in_fp32_modules_strict = list(FP32_TENSORS)
 
@@ -135,6 +139,30 @@ class MoEPluginPreTrainedModel(PreTrainedModel):
     def _apply(self, fn, recurse=True):
         # model.to(bfloat16) / .half() follow the precision policy: its fp32 tensors keep their exact values
         return keep_fp32_through(self, lambda: super(MoEPluginPreTrainedModel, self)._apply(fn, recurse))
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
+                                        offload: bool = False):
+        """transformers' switch onto ``layers.recompute``: mode ``"full"``, or ``activation_checkpointing_kwargs
+        ["mode"]`` (``"selective"``); the other keys go to ``torch.utils.checkpoint.checkpoint``, always
+        non-reentrant (``use_reentrant=True`` is refused)."""
+        kwargs = dict(activation_checkpointing_kwargs or {})
+        mode = check_mode(kwargs.pop("mode", "full"), "activation_checkpointing_kwargs.mode")
+        if kwargs.setdefault("use_reentrant", False):
+            raise ValueError("activation_checkpointing_kwargs.use_reentrant: must be False (reentrant checkpointing "
+                             "would recompute the router and breaks ZeRO-3's frozen parameters); drop it")
+        self.recompute_mode_on_enable = mode
+        return super().activation_checkpointing_enable(kwargs, every_n_layers=every_n_layers, offload=offload)
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1) -> None:
+        # transformers' hook (enable and disable): every every_n_layers-th decoder layer (and its MoE) takes the
+        # mode with transformers' checkpoint function; a vision tower recomputes only when it trains
+        mode = self.recompute_mode_on_enable if enable else "off"
+        layers = [m for m in self.modules() if isinstance(m, DecoderLayer)]
+        for i, layer in enumerate(layers):
+            set_recompute(layer, mode if i % max(1, every_n_layers) == 0 else "off", gradient_checkpointing_func)
+        for tower in (m for m in self.modules() if isinstance(m, VisionTower)):
+            set_recompute(tower, mode)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -122,3 +122,29 @@ def test_a_cache_is_never_recomputed_into():
         set_recompute(model, "full")
         got = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, want)
+
+
+def test_transformers_switch_is_the_same_mechanism():
+    model = _model(True, lora=False)
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(4))
+    loss, grads, *_ = _step(model, "off", ids, None)
+    assert model.supports_gradient_checkpointing and not model.is_activation_checkpointing
+    for kwargs, mode in ((None, "full"), ({"mode": "selective"}, "selective"), ({"use_reentrant": False}, "full")):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        assert model.is_activation_checkpointing
+        assert {layer.recompute_mode for layer in _layers(model)} == {mode}
+        assert {m.recompute_mode for m in model.modules() if hasattr(m, "moe_config")} == {mode}
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        assert torch.equal(out.loss.detach(), loss)
+        assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters()), kwargs
+    model.activation_checkpointing_disable()
+    assert {layer.recompute_mode for layer in _layers(model)} == {"off"} and not model.is_activation_checkpointing
+    with pytest.warns(FutureWarning):  # the deprecated name (peft, older callers) reaches the same switch
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"mode": "selective"})
+    assert {layer.recompute_mode for layer in _layers(model)} == {"selective"}
+    with pytest.raises(ValueError, match=r"^activation_checkpointing_kwargs.use_reentrant: must be False"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match=r"^activation_checkpointing_kwargs.mode: expected one of"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"mode": "everything"})
