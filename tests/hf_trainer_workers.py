@@ -33,7 +33,7 @@ def train_runs(runs: list) -> list:
 
 
 def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, wandb: str, ep: int = 1,
-           expert_adapters: bool = False) -> dict:
+           expert_adapters: bool = False, checkpointing: bool = False) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, TrainingArguments
 
@@ -45,7 +45,7 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
         output_dir=output_dir, use_cpu=True, deepspeed=deepspeed, per_device_train_batch_size=per_device,
         max_steps=steps, learning_rate=2e-2, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
         save_strategy="no", report_to="none", seed=0, data_seed=0, average_tokens_across_devices=True,
-        dataloader_drop_last=True, max_grad_norm=1.0, disable_tqdm=True)
+        dataloader_drop_last=True, max_grad_norm=1.0, disable_tqdm=True, gradient_checkpointing=checkpointing)
     model = AutoModelForCausalLM.from_pretrained(base)  # under zero.Init when the config is ZeRO-3
     local_experts = bad_size = partitioned = None
     if ep > 1:
@@ -71,7 +71,15 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
     callback = MoEMetricsCallback(wandb=wandb)
     trainer = MoETrainer(model=model, args=args, train_dataset=CausalLMDataset(arithmetic_examples(400, 0, "-")),
                          data_collator=collate_causal_lm, callbacks=[callback])
+    from moe_plugin.training.routing import moe_layers
+
+    router_calls = [0]
+    hooks = [layer.router.register_forward_pre_hook(lambda *_: router_calls.__setitem__(0, router_calls[0] + 1))
+             for layer in moe_layers(model)]
     trainer.train()
+    for hook in hooks:
+        hook.remove()
+    modes = sorted({m.recompute_mode for m in model.modules() if hasattr(m, "recompute_mode")})
     adapter = os.path.join(output_dir, "adapter")
     trainer.save_model(adapter)  # collective under ZeRO-3: the adapter is gathered, rank 0 writes it
     model.eval()
@@ -86,7 +94,8 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
             "deepspeed": trainer.is_deepspeed_enabled,
             "distributed_type": str(AcceleratorState().distributed_type),
             "wandb_dirs": _wandb_dirs(output_dir), "local_experts": local_experts,
-            "bad_ep_size": bad_size, "experts_partitioned": partitioned}
+            "bad_ep_size": bad_size, "experts_partitioned": partitioned,
+            "router_calls_per_layer": router_calls[0] / max(1, len(hooks)), "recompute_modes": modes}
 
 
 def _wandb_dirs(output_dir: str) -> list:

@@ -4,7 +4,8 @@ LoRA on 2 gloo processes (ZeRO-3 data parallel); its losses equal one process's,
 loads back in plain peft with the same outputs, and the callback's offline W&B run holds the MoE keys, as many
 with 4x the experts. The same launch trains at expert parallelism 2 x ZeRO-3 (``parallelize_experts``, expert
 adapters included): each rank holds half the experts, the steps equal one process, and ``MoETrainer`` saves the
-whole adapter, which plain peft loads on one process (tests/hf_trainer_workers.py)."""
+whole adapter, which plain peft loads on one process (tests/hf_trainer_workers.py); and with
+``gradient_checkpointing=True``, equal to the run without it."""
 
 from __future__ import annotations
 
@@ -40,12 +41,15 @@ def runs(tmp_path_factory):
     experts = dict(run, wandb="disabled", expert_adapters=True)  # LoRA on the routed experts too
     two = run_distributed(WORKER, world_size=2, timeout_s=1200, runs=[
         dict(run, output_dir=str(tmp / "two"), deepspeed=DS_CONFIG, per_device=4),
-        dict(experts, output_dir=str(tmp / "ep2"), deepspeed=DS_CONFIG, per_device=4, ep=2)])
+        dict(experts, output_dir=str(tmp / "ep2"), deepspeed=DS_CONFIG, per_device=4, ep=2),
+        dict(run, output_dir=str(tmp / "two_checkpointed"), deepspeed=DS_CONFIG, per_device=4, wandb="disabled",
+             checkpointing=True)])
     one = run_distributed(WORKER, world_size=1, timeout_s=1200, runs=[
         dict(run, output_dir=str(tmp / "one"), deepspeed=None, per_device=8),
         dict(run, base=base32, output_dir=str(tmp / "one32"), deepspeed=None, per_device=8, steps=2),
         dict(experts, output_dir=str(tmp / "one_experts"), deepspeed=None, per_device=8)])
-    return {"two": [[r[0]] for r in two], "ep2": [r[1] for r in two], "one": one[0][0], "one32": one[0][1],
+    return {"two": [[r[0]] for r in two], "ep2": [r[1] for r in two], "checkpointed": [r[2] for r in two],
+            "one": one[0][0], "one32": one[0][1],
             "one_experts": one[0][2], "base8": base8}
 
 
@@ -168,6 +172,19 @@ def test_expert_parallel_adapter_is_whole_and_loads_in_plain_peft(runs):
     for got in runs["ep2"]:
         torch.testing.assert_close(logits, got["logits"], rtol=1e-4, atol=1e-5)
     assert float((logits - untrained).abs().max()) > 1e-3
+
+
+def test_gradient_checkpointing_under_zero3_equals_the_same_run_without_it(runs):
+    """TrainingArguments(gradient_checkpointing=True) on 2 processes x ZeRO-3: transformers' switch sets the model's
+    "full" activation checkpointing (moe_plugin/layers/recompute.py, non-reentrant, routing kept): the logged losses,
+    gradient norms and the trained model's logits equal the run without it bitwise, and each router ran once per
+    forward (8 steps of 4 rows x 1 micro-batch: 8 calls per MoE layer, as without)."""
+    for got, plain in zip(runs["checkpointed"], runs["two"]):
+        plain = plain[0]
+        assert got["recompute_modes"] == ["full"] and plain["recompute_modes"] == ["off"]
+        assert got["losses"] == plain["losses"] and got["grad_norms"] == plain["grad_norms"]
+        assert torch.equal(got["logits"], plain["logits"])
+        assert got["router_calls_per_layer"] == plain["router_calls_per_layer"] == STEPS
 
 
 def test_parallelize_experts_refuses_a_peft_model_and_a_missing_process_group(tmp_path):

@@ -108,6 +108,8 @@ class ScheduleSection(_Section):
     weight_decay: float = _field(0.0, "use 0 (no weight decay) or a positive coefficient, e.g. 0.01", ge=0)
     clip_grad_norm: Optional[float] = _field(1.0, "use a positive norm, e.g. 1.0, or null for no clipping", gt=0)
     precision: Literal["fp32", "bf16"] = "fp32"
+    # what the backward recomputes instead of keeping (moe_plugin/layers/recompute.py; the router never is)
+    activation_checkpointing: Literal["off", "selective", "full"] = "off"
 
     def _problems(self) -> List[Problem]:
         problems: List[Problem] = []

@@ -148,3 +148,16 @@ def test_transformers_switch_is_the_same_mechanism():
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ValueError, match=r"^activation_checkpointing_kwargs.mode: expected one of"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"mode": "everything"})
+
+
+def test_the_recipe_key_names_the_same_modes():
+    from typing import get_args
+
+    from moe_plugin.training.recipe import ScheduleSection, recipe_from_dict
+
+    assert get_args(ScheduleSection.model_fields["activation_checkpointing"].annotation) == MODES
+    assert ScheduleSection().activation_checkpointing == "off"
+    with pytest.raises(ValueError, match=r'schedule.activation_checkpointing: must be one of "off", "selective", '
+                                         r'"full", got \'on\''):
+        recipe_from_dict({"output_dir": "out", "model": {"preset": "tiny"},
+                          "schedule": {"activation_checkpointing": "on"}})

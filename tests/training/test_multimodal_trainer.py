@@ -55,7 +55,7 @@ def _data(tmp):
     return path
 
 
-def _recipe(tmp, name, base, data, backend, world, ep):
+def _recipe(tmp, name, base, data, backend, world, ep, checkpointing="off"):
     return {
         "output_dir": str(tmp / name), "seed": 3, "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
         "model": {"from_pretrained": str(base)},
@@ -64,7 +64,7 @@ def _recipe(tmp, name, base, data, backend, world, ep):
         "data": {"kind": "sft", "path": data, "seq_len": SEQ, "eval_fraction": 0.0},
         "parallel": {"backend": backend, "expert_parallel_size": ep},
         "schedule": {"steps": 2, "micro_batch_size": 4 // world, "lr": LR, "clip_grad_norm": MAX_NORM,
-                     "warmup_steps": 0},
+                     "warmup_steps": 0, "activation_checkpointing": checkpointing},
         "eval": {"every": 0, "batches": 1}, "checkpoint": {"every": 0, "keep": 1},
         "logging": {"every": 1, "progress_bar": False},
     }
@@ -76,12 +76,20 @@ def runs(tmp_path_factory):
     base = tmp / "base"
     _base(base)
     data = _data(tmp)
-    one = run_distributed(WORKER, world_size=1, timeout_s=900, recipes=[
-        _recipe(tmp, "hf", base, data, "hf", 1, 1), _recipe(tmp, "mg1", base, data, "megatron", 1, 1)])[0]
-    four = run_distributed(WORKER, world_size=4, timeout_s=1500,
-                           recipes=[_recipe(tmp, "mg4", base, data, "megatron", 4, 2),
-                                    _recipe(tmp, "hf4", base, data, "hf", 4, 1)])
-    return one[0], one[1], [r[0] for r in four], [r[1] for r in four]
+    # activation checkpointing: each run again with "selective" and "full" (compared with these in test_recompute_*)
+    layouts = {"hf": ("hf", 1, 1), "mg1": ("megatron", 1, 1), "mg4": ("megatron", 4, 2), "hf4": ("hf", 4, 1)}
+    names = {world: [f"{n}{s}" for n, l in layouts.items() if l[1] == world for s in ("", "-selective", "-full")]
+             for world in (1, 4)}
+
+    def recipes(world):
+        return [_recipe(tmp, name, base, data, *layouts[name.split("-")[0]],
+                        checkpointing=name.split("-")[1] if "-" in name else "off") for name in names[world]]
+
+    one = run_distributed(WORKER, world_size=1, timeout_s=900, recipes=recipes(1))[0]
+    four = run_distributed(WORKER, world_size=4, timeout_s=1500, recipes=recipes(4))
+    by_name = dict(zip(names[1], one))
+    by_name.update({name: [r[i] for r in four] for i, name in enumerate(names[4])})
+    return by_name["hf"], by_name["mg1"], by_name["mg4"], by_name["hf4"], by_name
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rel: float = LOGITS_REL) -> bool:
@@ -112,20 +120,20 @@ def _check_against(ref, got, rank=None):
 
 
 def test_backends_build_the_image_models(runs):
-    hf, mg1, mg4, hf4 = runs
+    hf, mg1, mg4, hf4, _ = runs
     assert hf["model"] == "ImageTextTrainingModel" and mg1["model"] == "MultimodalGPTModel"
     assert {r["model"] for r in mg4} == {"MultimodalGPTModel"} and {r["model"] for r in hf4} == {hf["model"]}
 
 
 def test_megatron_ep1_equals_the_hugging_face_image_model(runs):
-    hf, mg1, _, _ = runs
+    hf, mg1, _, _, _ = runs
     assert torch.equal(mg1["input_ids"], hf["input_ids"]) and hf["has_images"]
     assert _close(mg1["logits"], hf["logits"])
     _check_against(hf, mg1)
 
 
 def test_megatron_ep2_zero3_on_4_processes_equals_the_hugging_face_image_model(runs):
-    hf, _, mg4, _ = runs
+    hf, _, mg4, _, _ = runs
     assert sorted(r["has_images"] for r in mg4) == [False, True, True, True]  # one rank encodes a blank only
     ids = torch.cat([r["input_ids"] for r in mg4], dim=1)
     assert torch.equal(ids, hf["input_ids"])
@@ -135,8 +143,33 @@ def test_megatron_ep2_zero3_on_4_processes_equals_the_hugging_face_image_model(r
 
 
 def test_hf_backend_zero3_on_4_processes_equals_one_process(runs):
-    hf, _, _, hf4 = runs
+    hf, _, _, hf4, _ = runs
     assert sorted(r["has_images"] for r in hf4) == [False, True, True, True]
     assert _close(torch.cat([r["logits"] for r in hf4], dim=1), hf["logits"])
     for rank, got in enumerate(hf4):
         _check_against(hf, got, rank)
+
+
+def _same_run(off: dict, got: dict, where: str) -> None:
+    """Bitwise: every step's loss, gradient norm, reduced adapter gradient and expert load, and the adapters."""
+    assert got["losses"] == off["losses"] and got["grad_norms"] == off["grad_norms"], where
+    for step, (g, o) in enumerate(zip(got["step_grads"], off["step_grads"])):
+        assert sorted(g) == sorted(o) and all(torch.equal(g[n], o[n]) for n in o), (where, step)
+    for step, (g, o) in enumerate(zip(got["loads"], off["loads"])):
+        assert g is not None and torch.equal(g, o), (where, step)  # the expert-load metrics' counts
+    assert all(torch.equal(got["adapter"][n], v) for n, v in off["adapter"].items()), where
+
+
+@pytest.mark.parametrize("layout", ["hf", "mg1", "mg4", "hf4"])
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_modes_equal_off_bitwise_with_the_router_once_per_step(runs, layout, mode):
+    """schedule.activation_checkpointing (moe_plugin/layers/recompute.py) on the image+text base with Attention
+    Residuals, the vision tower's adapters learning (so it recomputes too): one process, megatron EP=2 x ZeRO-3
+    and the Hugging Face backend at ZeRO-3 x 4 all equal their "off" run bitwise (the CPU recompute is
+    deterministic and the graph is the forward's), and every router ran once per layer per step."""
+    by_name = runs[4]
+    off, got = by_name[layout], by_name[f"{layout}-{mode}"]
+    for rank, (o, g) in enumerate(zip(*(r if isinstance(r, list) else [r] for r in (off, got)))):
+        _same_run(o, g, (layout, mode, rank))
+        layers = len(g["router_calls"][0])
+        assert layers == 3 and g["router_calls"] == o["router_calls"] == [[1] * layers] * 2, g["router_calls"]

@@ -45,16 +45,37 @@ def _full_grads(trainer) -> dict:
 def steps_with_gradients(trainer) -> dict:
     """Run the recipe's steps, keeping each step's reduced adapter gradients and the adapter around each step:
     ``losses``, ``step_grads``, ``adapters`` (one more than the steps) and, as before, ``grads`` (the first
-    step's) and ``adapter`` (the final one)."""
+    step's) and ``adapter`` (the final one); per step also ``router_calls`` (this rank's forward calls of each
+    MoE layer's router) and ``loads`` (the step's expert loads summed over ranks, what the metrics log)."""
     adapters = [_adapter(trainer)]
-    losses, step_grads = [], []
-    while trainer.step < trainer.recipe.schedule.steps:
-        grads = {}
-        losses.append(trainer.train_step(on_gradients=lambda: grads.update(_full_grads(trainer))))
-        step_grads.append(grads)
-        adapters.append(_adapter(trainer))
+    losses, step_grads, router_calls, loads = [], [], [], []
+    calls, handles = _count_router_calls(trainer)
+    try:
+        while trainer.step < trainer.recipe.schedule.steps:
+            grads = {}
+            calls[:] = [0] * len(calls)
+            losses.append(trainer.train_step(on_gradients=lambda: grads.update(_full_grads(trainer))))
+            step_grads.append(grads)
+            router_calls.append(list(calls))
+            loads.append(None if trainer.last_loads is None else trainer.last_loads.clone())
+            adapters.append(_adapter(trainer))
+    finally:
+        for handle in handles:
+            handle.remove()
     return {"losses": losses, "step_grads": step_grads, "grads": step_grads[0], "adapters": adapters,
-            "adapter": adapters[-1]}
+            "adapter": adapters[-1], "router_calls": router_calls, "loads": loads}
+
+
+def _count_router_calls(trainer):
+    """A list with one forward-call counter per MoE layer's router (a backward recompute would call it again),
+    and the hook handles."""
+    layers = trainer.backend.moe_layers(trainer.engine.module)
+    calls = [0] * len(layers)
+
+    def counter(i):
+        return lambda *_: calls.__setitem__(i, calls[i] + 1)
+
+    return calls, [layer.router.register_forward_pre_hook(counter(i)) for i, layer in enumerate(layers)]
 
 
 def _adapter(trainer) -> dict:

@@ -14,6 +14,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
+from ...layers.recompute import set_recompute
 from ...lora import add_lora
 from ...precision import apply_precision
 from ...training.routing import moe_layers
@@ -62,6 +63,8 @@ class HFBackend(Backend):
             # the base is frozen now: its fp32 tensors become fp32 buffers, which deepspeed.initialize leaves
             apply_precision(model)  # alone (docs/precision.md)
         hide_expert_marks(model)
+        # the recipe's activation checkpointing (after LoRA: a frozen vision tower recomputes nothing)
+        set_recompute(model, self.recipe.schedule.activation_checkpointing)
         return model
 
     def loss(self, module: nn.Module, micro_batch, num_items: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:

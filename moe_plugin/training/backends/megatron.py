@@ -15,6 +15,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
+from ...layers.recompute import set_recompute
 from ...lora import add_lora
 from ...models.inputs import causal_lm_loss
 from ...parallel.zero3_ep import create_deepspeed_expert_groups, tag_expert_parameters
@@ -68,6 +69,8 @@ class MegatronBackend(Backend):
             tag_expert_parameters(model)
         else:  # one process: the experts are not partitioned (the recipe check allows nothing else)
             hide_expert_marks(model)
+        # the recipe's activation checkpointing (after LoRA: a frozen vision tower recomputes nothing)
+        set_recompute(model, self.recipe.schedule.activation_checkpointing)
         return model
 
     def loss(self, module: nn.Module, micro_batch, num_items: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
