@@ -4,7 +4,8 @@ Each scenario builds the product's ``Trainer`` from a recipe dict over a K3-form
 dequantised fp32 twin), takes the logits of one fixed batch (the same tokens on every rank, so every layout
 must give the same logits), runs one training step capturing the full adapter gradients
 (``trainer_workers._full_grads``), and returns those with the loss, the resident bytes and dtypes of the
-packed expert tensors after the engine was built, and, for packed runs, this rank's packed bytes gathered.
+packed expert tensors after the engine was built, and, for packed runs, this rank's packed bytes gathered; and
+the step's router calls per MoE layer and expert loads (the activation-checkpointing runs compare them).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from tests.training.trainer_workers import _full_grads
+from tests.training.trainer_workers import _count_router_calls, _full_grads
 
 
 def _packed_modules(module):
@@ -25,6 +26,9 @@ def _logits(trainer, ids: torch.Tensor) -> torch.Tensor:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = torch.tensor([0, ids.numel()], dtype=torch.int32)
+    if trainer.backend.name == "hf":
+        with torch.no_grad():
+            return trainer.engine.module(input_ids=ids, cu_seqlens=cu.long()).logits.detach().float().clone()
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=ids.numel(),
                              max_seqlen_kv=ids.numel())
     module = trainer.engine.module
@@ -68,8 +72,11 @@ def run_packed(scenarios: list) -> dict:
             result = {"logits": _logits(trainer, torch.tensor(scenario["ids"]).view(1, -1)),
                       "resident": _resident(module), "packed": _gathered_packed(trainer)}
             grads = {}
+            calls, hooks = _count_router_calls(trainer)  # after the logits' forward: the step's calls only
             result["loss"] = trainer.train_step(on_gradients=lambda: grads.update(_full_grads(trainer)))
-            result["grads"] = grads
+            for hook in hooks:
+                hook.remove()
+            result.update(grads=grads, router_calls=calls, loads=trainer.last_loads.clone())
         results[scenario["name"]] = result
         dist.barrier()
     return results

@@ -19,25 +19,34 @@ ZERO3 = "ds_configs/zero3_lora.json"
 IDS = [(7 * i + 3) % 384 for i in range(48)]
 
 
-def _recipe(output_dir, base, world: int, ep: int, precision: str = "fp32") -> dict:
+def _recipe(output_dir, base, world: int, ep: int, precision: str = "fp32", backend: str = "megatron",
+            checkpointing: str = "off") -> dict:
     return {
         "output_dir": str(output_dir), "seed": 3, "deepspeed": ZERO3 if world > 1 else None,
         "model": {"from_pretrained": str(base), "overrides": {}},
         "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"],
                  "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]},
         "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
-        "parallel": {"backend": "megatron", "expert_parallel_size": ep},
+        "parallel": {"backend": backend, "expert_parallel_size": ep if backend == "megatron" else 1},
         "schedule": {"steps": 1, "micro_batch_size": 4 // world, "lr": 1e-2, "clip_grad_norm": None,
-                     "warmup_steps": 0, "precision": precision},
+                     "warmup_steps": 0, "precision": precision, "activation_checkpointing": checkpointing},
         "eval": {"every": 0, "batches": 1},
         "checkpoint": {"every": 0, "keep": 1},
         "logging": {"every": 1, "progress_bar": False},
     }
 
 
+CHECKPOINTED = [("megatron", "selective"), ("megatron", "full"), ("hf", "off"), ("hf", "selective"), ("hf", "full")]
+
+
 def _scenarios(tmp, bases: dict, world: int, ep: int) -> list:
     out = [{"name": name, "ids": IDS, "recipe": _recipe(tmp / f"{name}-w{world}", base, world, ep)}
            for name, base in bases.items()]
+    # activation checkpointing over the packed base, both backends (hf: ZeRO-3 data parallel only)
+    for backend, mode in CHECKPOINTED:
+        out.append({"name": f"mxfp4-{backend}-{mode}", "ids": IDS,
+                    "recipe": _recipe(tmp / f"mxfp4-{backend}-{mode}-w{world}", bases["mxfp4"], world, ep,
+                                      backend=backend, checkpointing=mode)})
     if world > 1:  # DeepSpeed's bf16 engine over the packed base: the bytes must stay as stored
         out.append({"name": "mxfp4-bf16", "ids": IDS,
                     "recipe": _recipe(tmp / "mxfp4-bf16", bases["mxfp4"], world, ep, precision="bf16")})
@@ -126,3 +135,20 @@ def _layer_of(stored: dict, tensors: dict, first: int, fmt: str):
         if ok:
             return layer
     return None
+
+
+@pytest.mark.parametrize("backend,mode", [c for c in CHECKPOINTED if c[1] != "off"])
+def test_recompute_over_the_packed_base_equals_off_bitwise(runs, backend, mode):
+    """schedule.activation_checkpointing over the MXFP4 base (the packed experts dequantised again in the
+    recompute, their LoRA applied on the activation side): one process and 4 processes (megatron EP=2 x ZeRO-3,
+    hf ZeRO-3 x 4) give the "off" run's loss, every adapter gradient and expert load bitwise, and each router
+    ran once in the step."""
+    _, one, four = runs
+    off_name = "mxfp4" if backend == "megatron" else "mxfp4-hf-off"
+    for where, result in [("1 process", one)] + [(f"rank {r}", res) for r, res in enumerate(four)]:
+        off, got = result[off_name], result[f"mxfp4-{backend}-{mode}"]
+        assert got["loss"] == off["loss"] and torch.equal(got["logits"], off["logits"]), where
+        assert sorted(got["grads"]) == sorted(off["grads"]) and any("experts" in n for n in off["grads"]), where
+        assert all(torch.equal(got["grads"][n], g) for n, g in off["grads"].items()), where
+        assert torch.equal(got["loads"], off["loads"]), where
+        assert got["router_calls"] == off["router_calls"] == [1, 1, 1], (where, got["router_calls"])
