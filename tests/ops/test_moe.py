@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from moe_plugin.ops.moe import (expert_load, grouped_glu, grouped_glu_reference, moe_forward, permute,
-                                quantile_balance_bias, route, sequence_aux_loss, unpermute, update_bias_sign)
+from moe_plugin.ops.moe import (document_balance, document_balance_reference, document_weights, expert_load,
+                                grouped_glu, grouped_glu_reference, moe_forward, permute, quantile_balance_bias, route,
+                                sequence_aux_loss, unpermute, update_bias_sign)
 from moe_plugin.ops.moe.experts import _grouped_mm_supported
 
 
@@ -272,4 +273,76 @@ def test_sequence_aux_loss_equals_formula():
 ])
 def test_bad_input_names_the_argument(call, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
+        call()
+
+
+def _balance_from_formula(scores, indices, doc_ids, num_docs):
+    """Per document d, from DeepSeek-V3's definition, in plain Python: with T_d its counted tokens,
+    f_i = E / (k T_d) * (choices of expert i in d) and P_i = (1 / T_d) sum_t s_ti / sum_j s_tj; sum_i f_i P_i."""
+    n, e = scores.shape
+    k = indices.shape[1]
+    out = []
+    for d in range(num_docs):
+        tokens = [t for t in range(n) if int(doc_ids[t]) == d]
+        if not tokens:
+            out.append(0.0)
+            continue
+        total = 0.0
+        for i in range(e):
+            chosen = sum(1 for t in tokens if i in indices[t].tolist())
+            p = sum(float(scores[t, i]) / float(scores[t].sum()) for t in tokens) / len(tokens)
+            total += e / (k * len(tokens)) * chosen * p
+        out.append(total)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_document_balance_equals_the_formula_per_document():
+    """Documents of unequal length (1, 7, 0 and 13 tokens), padding tokens (-1) that must not count, choices made
+    with a selection bias (so not the top scores): the fast op, its loop reference and the formula agree."""
+    torch.manual_seed(21)
+    e, k = 6, 2
+    doc_ids = torch.tensor([0] + [1] * 7 + [3] * 13 + [-1] * 4)
+    n = doc_ids.numel()
+    logits = torch.randn(n, e, requires_grad=True)
+    _, indices, scores = route(logits, k, bias=torch.randn(e))
+    got = document_balance(scores, indices, doc_ids, 4)
+    want = _balance_from_formula(scores.detach(), indices, doc_ids, 4)
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-7), (got, want)
+    assert torch.allclose(document_balance_reference(scores, indices, doc_ids, 4), got, rtol=1e-6, atol=1e-7)
+    assert got[2] == 0  # the empty document
+    # padding changes nothing: the same tokens without the padded ones
+    real = doc_ids >= 0
+    assert torch.allclose(document_balance(scores[real], indices[real], doc_ids[real], 4), got, rtol=1e-6)
+    (got * torch.tensor([0.1, 0.2, 0.3, 0.4])).sum().backward()
+    assert logits.grad[real].abs().sum() > 0 and torch.count_nonzero(logits.grad[~real]) == 0
+
+
+def test_document_balance_of_evenly_used_experts_is_one():
+    e, k, t = 4, 2, 8
+    indices = torch.tensor([[0, 1], [2, 3]] * (t // 2))
+    scores = torch.full((t, e), 0.5)
+    assert torch.allclose(document_balance(scores, indices, torch.zeros(t, dtype=torch.long), 1), torch.ones(1))
+
+
+def test_document_weights_count_the_scored_labels_of_each_document():
+    """A label is scored when it is not -100 and not its document's first token (causal_lm_loss)."""
+    labels = torch.tensor([[5, 6, -100, 7, 8, 9, -100, -100, 4, 4]])
+    cu = torch.tensor([0, 3, 8, 8, 10])
+    doc_ids, weights = document_weights(labels, cu)
+    assert doc_ids.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 3, 3]
+    assert weights.tolist() == pytest.approx([1 / 4, 2 / 4, 0.0, 1 / 4])  # 1, 2, 0, 1 scored of 4
+    _, weights = document_weights(labels, cu, num_items=2.0)
+    assert weights.tolist() == pytest.approx([0.5, 1.0, 0.0, 0.5])
+    rows, weights = document_weights(torch.tensor([[1, 2, 3], [-100, 2, -100]]))  # no cu_seqlens: one per row
+    assert rows.tolist() == [0, 0, 0, 1, 1, 1] and weights.tolist() == pytest.approx([2 / 3, 1 / 3])
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda: document_balance(torch.rand(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.tensor([0, 1, 2]), 2),
+     "doc_ids"),
+    (lambda: document_balance(torch.rand(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.zeros(2), 1), "doc_ids"),
+    (lambda: document_weights(torch.zeros(1, 4, dtype=torch.long), torch.tensor([0, 2, 3])), "cu_seqlens"),
+])
+def test_document_balance_refuses_bad_arguments(call, name):
+    with pytest.raises(ValueError, match=name):
         call()

@@ -1,4 +1,5 @@
-"""Load balancing: the auxiliary-loss-free bias updates and DeepSeek-V3's sequence-wise auxiliary loss.
+"""Load balancing: the auxiliary-loss-free bias updates and DeepSeek-V3's sequence-wise auxiliary loss, per
+row (``sequence_aux_loss``) or per packed document (``document_balance``, with its loop reference).
 
 The bias updates return a new ``[E]`` bias for ``route``'s ``bias`` argument; a bias shifted by a constant
 routes identically, so the quantile rule re-centres its result to mean 0.
@@ -6,9 +7,11 @@ routes identically, so the quantile rule re-centres its result to mean 0.
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 
-from ..checks import check_ids, check_tensor
+from ..checks import check_cu_seqlens, check_ids, check_tensor
 
 
 def expert_load(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -81,3 +84,89 @@ def sequence_aux_loss(scores: torch.Tensor, indices: torch.Tensor, alpha: float)
     s = scores.float()
     p = (s / s.sum(-1, keepdim=True)).mean(1)  # [B, E]
     return alpha * (f * p).sum(-1).mean()
+
+
+# ----------------------------------------------------------------------------- per document (packed rows)
+#
+# With packed rows a "sequence" of DeepSeek-V3's loss is a document: the statistics f and P are taken per
+# document (cu_seqlens), never across a boundary, so they do not depend on how documents are packed into rows,
+# micro-batches or ranks. Each document's term is weighted by the tokens the language-model loss scores in it
+# (``document_weights``): a padding segment or a document with no label weighs nothing, and the weights divided
+# by the step's label-token count make the term a sum over the step's documents that every layout computes alike.
+
+
+def document_ids(cu_seqlens: Optional[torch.Tensor], batch: int, length: int,
+                 device: Optional[torch.device] = None) -> torch.Tensor:
+    """The ``[batch * length]`` int64 document index of every token, in row-major order: the documents of a
+    packed row (``cu_seqlens`` ``[D + 1]``, batch 1), or one document per row without it."""
+    if cu_seqlens is None:
+        return torch.arange(batch, device=device).repeat_interleave(length)
+    check_cu_seqlens(cu_seqlens, batch, length)
+    positions = torch.arange(length, device=cu_seqlens.device)
+    return torch.bucketize(positions, cu_seqlens[1:].long(), right=True).to(device or cu_seqlens.device)
+
+
+def document_weights(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                     num_items: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """labels ``[B, T]`` (unshifted, -100 = not scored, as ``causal_lm_loss`` takes them); cu_seqlens ``[D + 1]``
+    (batch 1) or None (one document per row) -> (``doc_ids [B * T]`` int64, ``weights [D]`` fp32).
+
+    A document's weight is the number of its positions ``causal_lm_loss`` scores (a label other than -100 that
+    is not the document's first token), divided by ``num_items`` (the step's label-token count over the
+    engine's averaging factors) or, without it, by this batch's scored count, as the token loss is averaged.
+    """
+    check_tensor("labels", labels, ndim=2)
+    b, t = labels.shape
+    doc = document_ids(cu_seqlens, b, t, labels.device)
+    first = torch.ones(b * t, dtype=torch.bool, device=labels.device)
+    first[1:] = doc[1:] != doc[:-1]
+    scored = (labels.reshape(-1) != -100) & ~first
+    num_docs = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else b
+    counts = torch.zeros(num_docs, dtype=torch.float32, device=labels.device).index_add_(0, doc, scored.float())
+    total = float(counts.sum()) if num_items is None else float(num_items)
+    return doc, counts / (total if total > 0 else 1.0)
+
+
+def document_balance(scores: torch.Tensor, indices: torch.Tensor, doc_ids: torch.Tensor, num_docs: int
+                     ) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance ``sum_i f_i P_i`` of every document (no coefficient).
+
+    scores: ``[N, E]`` unbiased sigmoid scores (``route``'s third output); indices: ``[N, k]`` chosen experts
+    (chosen on the biased scores); doc_ids: ``[N]`` int64 document of each token, -1 for a token that does not
+    count (padding). For document d with ``T_d`` counted tokens: ``f_i = E / (k T_d) * count_i`` and
+    ``P_i = mean_t s_ti / sum_j s_tj``. Returns ``[num_docs]`` fp32, 1 for a document whose experts are evenly
+    used, 0 for an empty one; differentiable through the scores only. ``document_balance_reference`` is the
+    same by a loop over documents.
+    """
+    check_tensor("scores", scores, ndim=2, floating=True)
+    n, e = scores.shape
+    check_tensor("indices", indices, shape=(n, None))
+    check_tensor("doc_ids", doc_ids, shape=(n,))
+    if not isinstance(num_docs, int) or num_docs < 0:
+        raise ValueError(f"num_docs: expected a non-negative integer, got {num_docs!r}")
+    check_ids("doc_ids", doc_ids, -1, num_docs, "document ids (-1: not counted)")
+    check_ids("indices", indices, 0, e, "expert ids")
+    k = indices.shape[1]
+    keep = doc_ids >= 0
+    s, idx, doc = scores.float()[keep], indices[keep].long(), doc_ids[keep].long()
+    tokens = torch.zeros(num_docs, device=s.device).index_add_(0, doc, torch.ones_like(doc, dtype=torch.float32))
+    counts = torch.zeros(num_docs * e, device=s.device)
+    counts.index_add_(0, (doc.unsqueeze(1) * e + idx).reshape(-1), torch.ones(idx.numel(), device=s.device))
+    share = s / s.sum(-1, keepdim=True).clamp_min(1e-30)  # the row's probabilities (a saturated row stays finite)
+    p = torch.zeros(num_docs, e, device=s.device).index_add(0, doc, share)
+    per_token = tokens.clamp_min(1.0).unsqueeze(1)
+    f = counts.view(num_docs, e) * (e / k) / per_token
+    return (f * (p / per_token)).sum(-1)
+
+
+def document_balance_reference(scores: torch.Tensor, indices: torch.Tensor, doc_ids: torch.Tensor,
+                               num_docs: int) -> torch.Tensor:
+    """``document_balance`` by a loop: ``sequence_aux_loss`` (alpha 1) on each document's counted tokens."""
+    out = []
+    for d in range(num_docs):
+        mine = doc_ids == d
+        if not bool(mine.any()):
+            out.append(scores.new_zeros((), dtype=torch.float32))
+            continue
+        out.append(sequence_aux_loss(scores[mine].unsqueeze(0), indices[mine].unsqueeze(0), 1.0))
+    return torch.stack(out) if out else scores.new_zeros(0, dtype=torch.float32)
