@@ -7,15 +7,16 @@ everything else unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import MoEConfig
-from ..ops.moe import (grouped_glu, permute, quantile_balance_bias, route, unpermute,
+from ..ops.moe import (document_balance, grouped_glu, permute, quantile_balance_bias, route, unpermute,
                        update_bias_sign)
 from .mlp import GLUMLP
 from .norm import RMSNorm
@@ -148,6 +149,11 @@ class LatentMoEMixin:
     expert parallelism the training loop sums ``pop_load()`` over the data-parallel group (expert-parallel ranks
     route different tokens over all ``E`` experts, so that group spans them) before ``update_routing_bias``,
     and every rank applies the same update so the replicated bias stays equal.
+
+    Balance loss: inside ``balancing`` (around a training forward) the router step records DeepSeek-V3's
+    sequence-wise balance term of its tokens, per document, in ``last_balance`` (``pop_balance``), from the very
+    scores and choices it routes with; the model (or the megatron backend) adds it to the loss
+    (docs/router-balance.md).
     """
 
     moe_config: MoEConfig
@@ -155,6 +161,9 @@ class LatentMoEMixin:
     # layers.recompute: the experts and what follows the combine may be recomputed; the routing never is
     recompute_mode = "off"
     recompute_checkpoint_fn = None
+    # set by ``balancing`` around a training forward: (doc_ids [N] int64, weights [D] fp32) of its tokens
+    _balance_documents: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    last_balance: Optional[torch.Tensor] = None
 
     def _build_latent_modules(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
                               ) -> None:
@@ -190,6 +199,31 @@ class LatentMoEMixin:
     def _record_load(self, load: torch.Tensor) -> None:
         if torch.is_grad_enabled():
             self.last_load = load if self.last_load is None else self.last_load + load
+
+    def _record_balance(self, scores: torch.Tensor, indices: torch.Tensor,
+                        padding_mask: Optional[torch.Tensor] = None) -> None:
+        """Inside ``balancing``, with gradients enabled: add this forward's ``sum_d w_d * balance_d`` (a scalar
+        with gradients through the router's scores, ``ops.moe.document_balance``) to ``last_balance``.
+
+        scores: ``[N, E]`` the unbiased sigmoid scores the layer routed with; indices: ``[N, k]`` its choices
+        (made with the selection bias); padding_mask: ``[N]`` bool, True = padding, which does not count."""
+        if self._balance_documents is None or not torch.is_grad_enabled():
+            return
+        doc_ids, weights = self._balance_documents
+        if doc_ids.numel() != scores.shape[0]:
+            raise ValueError(f"balancing: expected one document id per routed token ({scores.shape[0]}), got "
+                             f"{doc_ids.numel()}; give the document ids of the tokens in the layer's order")
+        doc_ids = doc_ids.to(scores.device)
+        if padding_mask is not None:
+            doc_ids = doc_ids.masked_fill(padding_mask.reshape(-1).bool().to(scores.device), -1)
+        weights = weights.to(scores.device)
+        value = (weights * document_balance(scores, indices, doc_ids, weights.numel())).sum()
+        self.last_balance = value if self.last_balance is None else self.last_balance + value
+
+    def pop_balance(self) -> Optional[torch.Tensor]:
+        """The balance term recorded since the last call (None if none was), and reset it."""
+        value, self.last_balance = self.last_balance, None
+        return value
 
     def pop_load(self) -> Optional[torch.Tensor]:
         """The ``[E]`` load summed since the last call (None if no counted forward ran), and reset it."""
@@ -273,7 +307,8 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         """
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        weights, indices, _ = self.route(x)
+        weights, indices, scores = self.route(x)
+        self._record_balance(scores, indices, padding_mask)
         z_sorted, tokens_per_expert, order = permute(self.to_latent(x), indices, self.num_experts)
         # routing and dispatch above are kept; the experts and what follows the combine may be recomputed
         mode, ckpt = self.recompute_mode, self.recompute_checkpoint_fn
@@ -286,3 +321,24 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
             load = expert_load(indices, self.num_experts, padding_mask)
         self._record_load(load)
         return y.view(shape), load
+
+
+@contextlib.contextmanager
+def balancing(layers: Iterable[LatentMoEMixin], doc_ids: torch.Tensor, weights: torch.Tensor
+              ) -> Iterator[List[LatentMoEMixin]]:
+    """Within the block, every MoE layer of ``layers`` records the sequence-wise balance term of its training
+    forwards (``LatentMoEMixin._record_balance``; read it with ``pop_balance``).
+
+    doc_ids: ``[N]`` int64 document of each token in the order the layers route them (the flattened
+    ``[B, T]`` of the Hugging Face layer, ``[S, B]`` of megatron's with B = 1: the same for packed rows),
+    -1 for a token that does not count; weights: ``[D]`` fp32 (``ops.moe.document_weights``). A term left from
+    an earlier forward is dropped on entry, so what the block records is its own."""
+    layers = list(layers)
+    for layer in layers:
+        layer.last_balance = None
+        layer._balance_documents = (doc_ids, weights)
+    try:
+        yield layers
+    finally:
+        for layer in layers:
+            layer._balance_documents = None

@@ -42,8 +42,12 @@ from ..parallel.zero3_ep import tag_expert_parameter
 # megatron routing/balancing options that LatentMoELayer's route never reads: each must keep its default, and
 # the MoEConfig field (or mechanism) that does the job instead is named in the error.
 UNREAD_ROUTER_FIELDS = {
-    "moe_aux_loss_coeff": (0.0, "no auxiliary loss: balance with the selection bias (update_routing_bias, "
-                                "MoEConfig.bias_update_rate)"),
+    # megatron's seq_aux_loss takes a row of the batch as its sequence (a packed row of documents would be one)
+    # and lives in its TopKRouter, which this layer replaces: the per-document term is LatentMoEMixin's, the
+    # Hugging Face layer's own (moe_plugin.layers.moe.balancing), added to the loss by the training backend
+    "moe_aux_loss_coeff": (0.0, "the balance loss is the recipe's router_balance.aux_loss_coeff (per document, "
+                                "moe_plugin.layers.moe.balancing); the selection bias balances full training "
+                                "(MoEConfig.bias_update_rate)"),
     "moe_z_loss_coeff": (None, "no z-loss on this router"),
     "moe_router_padding_for_quantization": (False, "no routing-map padding (the experts are not quantized)"),
     "moe_router_padding_for_fp8": (False, "no routing-map padding (the experts are not quantized)"),
@@ -188,7 +192,8 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
     ``(y [S, B, hidden], None)``, as ``MoELayer``. ``config`` must agree with ``moe`` (``check_megatron_config``;
     ``megatron_moe_fields`` gives the fields).
 
-    Balancing is ``LatentMoEMixin``'s (shared with ``StableLatentMoE``): ``last_load`` ``[E]`` accumulates this
+    Balancing is ``LatentMoEMixin``'s (shared with ``StableLatentMoE``): inside ``layers.moe.balancing`` ``route``
+    records the per-document balance term of this rank's tokens (``pop_balance``); ``last_load`` ``[E]`` accumulates this
     rank's non-padded token copies per (global) expert over the micro-batches until ``pop_load``; the training
     loop all-reduces it (SUM) over ``parallel_state.get_data_parallel_group()``, which spans the expert-parallel
     ranks, and then calls ``update_routing_bias`` (or ``training.routing.balance_experts``) on every rank.
@@ -231,6 +236,7 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
         probs = torch.zeros_like(scores).scatter(1, indices, weights)
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, indices, True)
         self._record_load(expert_load(indices, self.moe.num_experts, padding_mask))
+        self._record_balance(scores, indices, padding_mask)  # the same term as StableLatentMoE (inside balancing)
         return probs, routing_map
 
     def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):

@@ -17,6 +17,7 @@ that differ (``strict=False`` to skip that).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from typing import List, Optional
@@ -29,10 +30,11 @@ from transformers.utils import ModelOutput
 from ..layers.attn_res import AttnResProjection, attn_res_point, make_stream, stream_from_state
 from ..layers.decoder import DecoderLayer
 from ..layers.kda import KDAAttention, ShortConvolution
-from ..layers.moe import MoERouter, StackedExperts
+from ..layers.moe import MoERouter, StackedExperts, balancing
 from ..layers.norm import RMSNorm
 from ..layers.recompute import check_mode, set_recompute
 from ..layers.vision import VisionTower
+from ..ops.moe import document_weights
 from ..precision import FP32_TENSORS, keep_fp32_through
 from .cache import HybridCache
 from .configuration import MoEPluginConfig
@@ -56,6 +58,7 @@ class MoECausalLMOutput(ModelOutput):
     cache: Optional[HybridCache] = None
     expert_load: Optional[torch.Tensor] = None
     indexer_loss: Optional[torch.Tensor] = None
+    balance_loss: Optional[torch.Tensor] = None  # [num_moe_layers]: each layer's balance term (no coefficient)
 
 
 # The DSA indexer is optional on both sides: a checkpoint without it (K3 ships none) loads into a model with
@@ -258,6 +261,10 @@ class MoEPluginModel(MoEPluginPreTrainedModel):
 
 class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # used when tie_word_embeddings
+    # DeepSeek-V3's sequence-wise balance loss, per document (moe_plugin.layers.moe.balancing), added to a
+    # training loss with labels times this; a training setting (the recipe's router_balance.aux_loss_coeff,
+    # which the trainer sets here), so not part of the config: 0 leaves it out
+    router_aux_loss_coeff: float = 0.0
 
     def __init__(self, config: MoEPluginConfig):
         super().__init__(config)
@@ -295,9 +302,12 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
         # the indexer learns only from its KL loss (its inputs are detached): compute it when it can learn
         want_indexer_loss = (self.training and self.config.indexer_loss_coeff > 0
                              and any(p.requires_grad for p in self.indexer_parameters()))
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                         cache=cache, use_cache=use_cache, cu_seqlens=cu_seqlens,
-                         return_indexer_loss=want_indexer_loss)
+        with self._balancing(labels, attention_mask, cu_seqlens, cache, num_items_in_batch) as moe_layers:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                             cache=cache, use_cache=use_cache, cu_seqlens=cu_seqlens,
+                             return_indexer_loss=want_indexer_loss)
+        terms = [layer.pop_balance() for layer in moe_layers]
+        balance = torch.stack(terms) if terms and all(t is not None for t in terms) else None
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
@@ -309,8 +319,26 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
             loss = causal_lm_loss(logits, labels, cu_seqlens, num_items_in_batch)
             if want_indexer_loss and out.indexer_loss is not None:
                 loss = loss + self.config.indexer_loss_coeff * out.indexer_loss
+            if balance is not None:
+                loss = loss + self.router_aux_loss_coeff * balance.sum()
         return MoECausalLMOutput(loss=loss, logits=logits, cache=out.cache, expert_load=out.expert_load,
-                                 indexer_loss=out.indexer_loss)
+                                 indexer_loss=out.indexer_loss, balance_loss=balance)
+
+    def _balancing(self, labels, attention_mask, cu_seqlens, cache, num_items_in_batch):
+        """``layers.moe.balancing`` over this model's MoE layers for a training forward with labels and a
+        positive ``router_aux_loss_coeff`` (a nullcontext yielding no layer otherwise). A document is a packed
+        document of ``cu_seqlens`` or a row; padding (attention_mask 0) does not count, and each document's term
+        is weighted by its scored labels over ``num_items_in_batch`` (``ops.moe.document_weights``)."""
+        if not (self.training and self.router_aux_loss_coeff > 0 and labels is not None and cache is None):
+            return contextlib.nullcontext([])
+        if attention_mask is not None:
+            labels = labels.masked_fill(~attention_mask.bool(), -100)
+        doc_ids, weights = document_weights(labels, cu_seqlens, num_items_in_batch)
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            # the model packs the real tokens of a padded batch into one row (pack_padded): only they are routed
+            doc_ids = doc_ids[attention_mask.reshape(-1).bool()]
+        layers = [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
+        return balancing(layers, doc_ids, weights)
 
     def indexer_parameters(self):
         """The DSA lightning indexers' parameters (trained by the indexer KL loss alone)."""

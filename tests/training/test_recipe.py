@@ -174,7 +174,7 @@ def test_to_dict_round_trips_and_holds_every_section():
     recipe = recipe_from_dict(_with(schedule={"steps": 7}, lora=None))
     values = recipe.to_dict()
     assert set(values) == {"output_dir", "seed", "deepspeed", "model", "lora", "data", "parallel", "schedule",
-                           "eval", "checkpoint", "logging", "guards"}
+                           "eval", "checkpoint", "logging", "guards", "router_balance"}
     assert values["schedule"]["steps"] == 7 and values["lora"] is None
     assert recipe_from_dict(json.loads(json.dumps(values))) == recipe
 

@@ -65,6 +65,11 @@ class HFBackend(Backend):
         hide_expert_marks(model)
         # the recipe's activation checkpointing (after LoRA: a frozen vision tower recomputes nothing)
         set_recompute(model, self.recipe.schedule.activation_checkpointing)
+        from ...models.modeling import MoEPluginForCausalLM
+
+        for module in model.modules():  # the text model itself, or the image model's language model
+            if isinstance(module, MoEPluginForCausalLM):
+                module.router_aux_loss_coeff = self.recipe.router_aux_loss_coeff()
         return model
 
     def loss(self, module: nn.Module, micro_batch, num_items: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -72,6 +77,8 @@ class HFBackend(Backend):
                      cu_seqlens=micro_batch.cu_seqlens.to(self.device), num_items_in_batch=num_items,
                      **micro_batch.image_inputs(self.device))
         metrics = {} if out.indexer_loss is None else {"indexer_kl": out.indexer_loss.detach()}
+        if out.balance_loss is not None:  # the model added coefficient x its sum to out.loss
+            metrics["aux_loss"] = self.recipe.router_aux_loss_coeff() * out.balance_loss.detach()
         return out.loss, metrics
 
     def moe_layers(self, module: nn.Module) -> List[nn.Module]:

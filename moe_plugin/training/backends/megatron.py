@@ -15,9 +15,11 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
+from ...layers.moe import balancing
 from ...layers.recompute import set_recompute
 from ...lora import add_lora
 from ...models.inputs import causal_lm_loss
+from ...ops.moe import document_weights
 from ...parallel.zero3_ep import create_deepspeed_expert_groups, tag_expert_parameters
 from ...precision import apply_precision
 from .base import Backend, ParallelInfo
@@ -75,22 +77,36 @@ class MegatronBackend(Backend):
 
     def loss(self, module: nn.Module, micro_batch, num_items: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """The token loss of the micro-batch, plus ``indexer_loss_coeff`` times the mean indexer KL loss of the
-        Gated DSA layers when they computed one (training, indexer trainable), as the Hugging Face model adds it."""
+        Gated DSA layers when they computed one (training, indexer trainable), plus, in training, the recipe's
+        ``router_aux_loss_coeff`` times the MoE layers' per-document balance terms: what the Hugging Face model
+        adds (``MoEPluginForCausalLM``), from the same documents and weights (``ops.moe.document_weights``)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         from ...megatron.adapters import indexer_loss_of
 
+        inner = module.module if hasattr(module, "module") else module
         cu = micro_batch.cu_seqlens.to(self.device)
         longest = int((cu[1:] - cu[:-1]).max())
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                  max_seqlen_kv=longest)
-        ids = micro_batch.input_ids.to(self.device)
-        logits = module(ids, None, None, packed_seq_params=params, **micro_batch.image_inputs(self.device))
-        loss = causal_lm_loss(logits, micro_batch.labels.to(self.device), cu, num_items)
-        indexer_kl = indexer_loss_of(module.module if hasattr(module, "module") else module)
-        if indexer_kl is None:
-            return loss, {}
-        return loss + self._indexer_loss_coeff() * indexer_kl, {"indexer_kl": indexer_kl.detach()}
+        ids, labels = micro_batch.input_ids.to(self.device), micro_batch.labels.to(self.device)
+        coeff = self.recipe.router_aux_loss_coeff() if inner.training else 0.0
+        balance = contextlib.nullcontext([])
+        if coeff > 0:  # the packed row is [1, T]: megatron routes its [T, 1] tokens in the same order
+            balance = balancing(self.moe_layers(inner), *document_weights(labels, cu, num_items))
+        with balance as layers:
+            logits = module(ids, None, None, packed_seq_params=params, **micro_batch.image_inputs(self.device))
+        loss, metrics = causal_lm_loss(logits, labels, cu, num_items), {}
+        indexer_kl = indexer_loss_of(inner)
+        if indexer_kl is not None:
+            loss = loss + self._indexer_loss_coeff() * indexer_kl
+            metrics["indexer_kl"] = indexer_kl.detach()
+        terms = [layer.pop_balance() for layer in layers]
+        if terms and all(t is not None for t in terms):
+            terms = torch.stack(terms)
+            loss = loss + coeff * terms.sum()
+            metrics["aux_loss"] = coeff * terms.detach()
+        return loss, metrics
 
     def _indexer_loss_coeff(self) -> float:
         """The base config's ``indexer_loss_coeff`` (0 = the indexer is not trained)."""
