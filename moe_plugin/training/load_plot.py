@@ -2,8 +2,10 @@
 
 ``LoadPlotLogger`` is a ``Logger`` that keeps the ``moe/<layer>/load`` distributions (each expert's load share,
 load / mean, of a logged step) and, when the run closes, draws one heat map per MoE layer: logged steps
-across, experts down, the share as colour (1 is an even share, 0 a dead expert). It writes the PNG and hands
-its path to the other loggers (``Logger.image``: W&B stores the picture, the console prints the path).
+across, experts down, the share as colour (1 is an even share, 0 a dead expert). Beside the load, the layer's
+balance term (``moe/<layer>/aux_loss``, the sequence-wise balance loss in the step's loss) is drawn over the
+same steps as a line on its own axis, when the run has one. It writes the PNG and hands its path to the other
+loggers (``Logger.image``: W&B stores the picture, the console prints the path).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .logger import Distribution, Logger, Value
 
@@ -19,11 +21,15 @@ __all__ = ["LoadPlotLogger", "plot_expert_load", "IMAGE_KEY"]
 
 IMAGE_KEY = "moe/expert_load_plot"
 _LOAD_KEY = re.compile(r"^moe/(.+)/load$")
+_AUX_KEY = re.compile(r"^moe/(.+)/aux_loss$")
 
 
-def plot_expert_load(history: Dict[str, List[Tuple[int, Sequence[float]]]], path: str) -> str:
-    """history ``{layer label: [(step, shares [E]), ...]}`` -> ``path``, a PNG with one heat map per layer.
-    Written to a temporary name and renamed, so an interrupted run leaves no half-written picture."""
+def plot_expert_load(history: Dict[str, List[Tuple[int, Sequence[float]]]], path: str,
+                     aux: Optional[Dict[str, Dict[int, float]]] = None) -> str:
+    """history ``{layer label: [(step, shares [E]), ...]}`` -> ``path``, a PNG with one heat map per layer;
+    aux ``{layer label: {step: balance term}}`` adds each layer's balance term as a line on a right-hand axis
+    (at the logged steps it has). Written to a temporary name and renamed, so an interrupted run leaves no
+    half-written picture."""
     if not history:
         raise ValueError("history: no expert load was logged, so there is nothing to plot; log moe/<layer>/load "
                          "distributions first")
@@ -50,10 +56,18 @@ def plot_expert_load(history: Dict[str, List[Tuple[int, Sequence[float]]]], path
         ax.set_title(label)
         ax.set_xlabel("logged step")
         ax.set_ylabel("expert")
+        terms = (aux or {}).get(label, {})
+        columns = [(i, terms[step]) for i, step in enumerate(steps) if step in terms]
+        if columns:
+            twin = ax.twinx()  # the balance term beside the load: its own scale, the heat map's columns
+            twin.plot([i for i, _ in columns], [v for _, v in columns], color="#4fc3f7", marker=".", linewidth=1.5)
+            twin.set_ylabel(f"balance term (moe/{label}/aux_loss)", color="#0277bd")
+            twin.set_ylim(0.0, 1.25 * max(v for _, v in columns) or 1.0)
+            ax.set_title(f"{label} (balance term {columns[-1][1]:.3g} at step {steps[columns[-1][0]]})")
     for ax in list(axes.flat)[len(labels):]:
         ax.axis("off")
     fig.suptitle("expert load share per MoE layer (load / mean; 0 = dead)")
-    fig.colorbar(image, ax=axes, shrink=0.8)
+    fig.colorbar(image, ax=axes, shrink=0.8, location="left")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     partial = path + ".partial.png"
     fig.savefig(partial, dpi=100)
@@ -69,6 +83,7 @@ class LoadPlotLogger(Logger):
     def __init__(self, path: str, forward_to: Sequence[Logger] = ()):
         self.path, self.forward_to = path, list(forward_to)
         self.history: Dict[str, List[Tuple[int, Sequence[float]]]] = {}
+        self.aux: Dict[str, Dict[int, float]] = {}
         self.last_step = 0
         self.written = None
 
@@ -78,10 +93,13 @@ class LoadPlotLogger(Logger):
             if match and isinstance(value, Distribution):
                 self.history.setdefault(match.group(1), []).append((step, tuple(value.values)))
                 self.last_step = max(self.last_step, step)
+            term = _AUX_KEY.match(name)
+            if term and not isinstance(value, Distribution):
+                self.aux.setdefault(term.group(1), {})[step] = float(value)
 
     def close(self) -> None:
         if not self.history or self.written is not None:
             return
-        self.written = plot_expert_load(self.history, self.path)
+        self.written = plot_expert_load(self.history, self.path, self.aux)
         for logger in self.forward_to:
             logger.image(self.last_step, IMAGE_KEY, self.written)

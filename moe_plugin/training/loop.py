@@ -161,7 +161,9 @@ class Trainer:
                 model=model, optimizer=optimizer, lr_scheduler=lr_scheduler(optimizer, schedule),
                 config=self.ds_config, dist_init_required=False)
             self.logger = make_logger(self.rank, recipe.logging, self.output_dir, recipe.to_dict())
-            self.moe_metrics = MoEMetrics(self.engine.module)  # hooks on the routers: drift, indexer KL
+            # hooks on the routers (drift, indexer KL); per-EP-rank load against the planned capacity factor
+            self.moe_metrics = MoEMetrics(self.engine.module, self.info.ep_size, recipe.parallel.capacity_factor,
+                                          warn=self.logger.message)
             self.result = TrainResult(output_dir=self.output_dir)
             self.guard = StepGuard(recipe.guards.divergence, self.logger.message)
             self.last_saved: Optional[int] = None
@@ -238,6 +240,7 @@ class Trainer:
         self.result.losses.append(step_loss)
         self.result.grad_norms.append(norm if norm is not None else float("nan"))
         self.last_loads = _balance(self.backend, engine.module, self.recipe.lora is None, self.device)
+        self.moe_metrics.add_step(self.last_loads)  # the logged load is over the steps since the last log
         self.step += 1
         # a local norm (no ZeRO) may be finite here and not on another rank: every rank stops alike
         finite = norm is None or math.isfinite(norm)
@@ -272,7 +275,7 @@ class Trainer:
             if done % recipe.logging.every == 0 or done == first + 1 or done == schedule.steps:
                 metrics = {"train/loss": loss, "train/lr": self.lr,
                            "train/grad_norm": self.result.grad_norms[-1], "train/tokens_per_s": rate}
-                metrics.update(self.moe_metrics.collect(self.last_loads))  # collective: on every rank
+                metrics.update(self.moe_metrics.collect())  # collective: on every rank
                 logger.log(done, metrics)
             if recipe.eval.every and done % recipe.eval.every == 0 and done != schedule.steps:
                 logger.log(done, {"eval/loss": self.evaluate()})

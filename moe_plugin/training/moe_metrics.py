@@ -1,7 +1,8 @@
 """The MoE metrics of a training log (docs/hf-trainer.md section 2), for the recipe trainer and the Hugging
 Face Trainer callback alike.
 
-* Expert load (``load_metrics``): per MoE layer, from its ``[E]`` token counts of a global batch, a bounded set of
+* Expert load (``load_metrics``): per MoE layer, from its ``[E]`` token counts of a global batch (the trainer's:
+  of the global batches since the last logged step, ``MoEMetrics.add_step``), a bounded set of
   summaries (max/mean, min/mean, coefficient of variation, the number of dead experts, which got no token, and
   of overloaded ones, above ``OVERLOAD_FACTOR`` times the mean) and a ``Distribution`` of the load shares
   (load / mean), which trackers store as a fixed-size histogram: the number of keys grows with the number of
@@ -13,17 +14,24 @@ Face Trainer callback alike.
 * Indexer KL: the DSA indexer's KL loss of the forwards that computed it (the model trains the indexer when its
   weights are trainable): read off the Hugging Face model's output by a hook, and handed over by the loop from
   the backend's loss metrics for a model without one (megatron's ``GPTModel``: ``add_loss_metrics``).
+* Balance term (``moe/aux_loss``, ``moe/<label>/aux_loss``): the sequence-wise balance loss the step's loss holds
+  (coefficient included), handed over by the loop from the backend's loss metrics on both faces.
+* Per-rank load (``rank_load_metrics``): from the global per-expert load and the expert-parallel size, the
+  busiest EP rank's token copies over its balanced share (the trainer's: its worst step since the last log), the
+  quantity ``parallel.capacity_factor`` bounds in the plan; ``MoEMetrics`` warns once per layer and rank that
+  goes past it.
 * Parameter counts (``global_parameter_counts``): the whole model's, every expert-parallel rank's experts
   included, for the run's "model:" line.
 
-Drift and KL are this process's sums until ``collect`` adds them over every rank (a collective: every rank
-calls it at the same step).
+Drift, KL and the balance term are this process's sums until ``collect`` adds them over every rank (a
+collective: every rank calls it at the same step).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Tuple
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +40,8 @@ from torch import nn
 from ..layers.moe import LatentMoEMixin, route_logits
 from .logger import Distribution, Value
 
-__all__ = ["OVERLOAD_FACTOR", "MoEMetrics", "global_parameter_counts", "load_metrics", "moe_layer_labels"]
+__all__ = ["OVERLOAD_FACTOR", "MoEMetrics", "global_parameter_counts", "load_metrics", "moe_layer_labels",
+           "rank_loads", "rank_load_metrics"]
 
 OVERLOAD_FACTOR = 2.0
 
@@ -81,23 +90,65 @@ def load_metrics(loads: torch.Tensor, labels: Optional[List[str]] = None,
     return out
 
 
+def rank_loads(loads: torch.Tensor, ep_size: int) -> torch.Tensor:
+    """loads ``[L, E]`` global token copies per expert -> ``[L, ep_size]`` each expert-parallel rank's share over
+    its balanced share (rank r holds the contiguous experts ``r * E / ep .. (r + 1) * E / ep``, megatron's
+    ``local_expert_indices``): 1 everywhere is a balanced dispatch, 0 for a layer that routed nothing."""
+    loads = loads.detach().double().cpu()
+    if loads.dim() != 2 or not isinstance(ep_size, int) or ep_size < 1 or loads.shape[1] % ep_size:
+        raise ValueError(f"ep_size: expected a positive divisor of the {tuple(loads.shape)[-1:]} experts of loads "
+                         f"[layers, experts] {tuple(loads.shape)}, got {ep_size!r}")
+    per_rank = loads.view(loads.shape[0], ep_size, -1).sum(-1)
+    mean = per_rank.mean(-1, keepdim=True)
+    return torch.where(mean > 0, per_rank / mean.clamp_min(1e-300), torch.zeros_like(per_rank))
+
+
+def rank_load_metrics(loads: torch.Tensor, ep_size: int, labels: Optional[List[str]] = None) -> Dict[str, Value]:
+    """``moe/<label>/rank_load_max_over_mean`` per layer and ``moe/rank_load_max_over_mean`` (the worst layer):
+    the busiest expert-parallel rank's token copies over its balanced share (``rank_loads``). It needs only the
+    global load, so one process reports what an ``ep_size`` layout would dispatch (1.0 at ``ep_size`` 1)."""
+    shares = rank_loads(loads, ep_size)
+    return _rank_share_metrics(shares, labels if labels is not None else [f"moe{i}" for i in range(len(shares))])
+
+
+def _rank_share_metrics(shares: torch.Tensor, labels: List[str]) -> Dict[str, Value]:
+    """shares ``[L, ep]`` (``rank_loads``) -> the per-layer and worst-layer ``rank_load_max_over_mean``."""
+    out: Dict[str, Value] = {f"moe/{label}/rank_load_max_over_mean": float(row.max())
+                             for label, row in zip(labels, shares)}
+    out["moe/rank_load_max_over_mean"] = float(shares.max()) if shares.numel() else 0.0
+    return out
+
+
 class MoEMetrics:
     """Routing drift and indexer KL of ``model``'s forwards, and the load metrics, for one training run.
 
-    ``collect(loads)`` returns ``load_metrics(loads)`` plus ``moe/<label>/routing_drift`` for each MoE layer whose
-    ``gate`` carries a LoRA adapter, ``moe/routing_drift`` (over all of them) and ``moe/indexer_kl``, each over
-    the training forwards (gradients enabled) since the last call and summed over every rank; a metric with no
-    such forward is left out. ``close()`` removes the hooks.
+    ``collect(loads)`` returns ``load_metrics(loads)`` and ``rank_load_metrics(loads, ep_size)`` (the trainer
+    hands every step to ``add_step`` and calls ``collect()``: the steps since the last log) plus
+    ``moe/<label>/routing_drift`` for each MoE layer whose ``gate`` carries a LoRA adapter, ``moe/routing_drift``
+    (over all of them), ``moe/indexer_kl`` and the balance term ``moe/aux_loss`` with ``moe/<label>/aux_loss``
+    (the mean over the training micro-batches of every rank since the last call: the steps' term), each over the
+    training forwards (gradients enabled) since the last call and summed over every rank; a metric with no
+    such forward is left out. A layer whose busiest EP rank exceeds ``capacity_factor`` times its balanced
+    share is reported to ``warn`` once per (layer, rank). ``close()`` removes the hooks.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, ep_size: int = 1, capacity_factor: Optional[float] = None,
+                 warn: Optional[Callable[[str], None]] = None):
         self.layers = moe_layer_labels(model)
         self.labels = [label for label, _ in self.layers]
+        self.ep_size, self.capacity_factor = ep_size, capacity_factor
+        self.warn = warn if warn is not None else (lambda text: warnings.warn(text, stacklevel=2))
+        self.warned: set = set()  # (layer label, EP rank) already reported
+        # add_step: the loads summed over the steps since the last collect, and each EP rank's worst step
+        self._window: Optional[torch.Tensor] = None
+        self._rank_peak: Optional[torch.Tensor] = None
         self._handles = []
         self._base_logits: Dict[int, torch.Tensor] = {}
         self.drifting = [i for i, (_, layer) in enumerate(self.layers) if hasattr(layer.gate, "base_layer")]
-        # per drifting layer: (choices that differ from the base router's, choices); then KL sum and count
-        self._sums = torch.zeros(2 * len(self.drifting) + 2, dtype=torch.float64)
+        # per drifting layer: (choices that differ from the base router's, choices); per MoE layer the balance
+        # term; then the balance count (micro-batches), the KL sum and count
+        self._aux = 2 * len(self.drifting)
+        self._sums = torch.zeros(self._aux + len(self.layers) + 3, dtype=torch.float64)
         for slot, i in enumerate(self.drifting):
             layer = self.layers[i][1]
             self._handles.append(layer.gate.base_layer.register_forward_hook(self._keep_base(i)))
@@ -145,17 +196,46 @@ class MoEMetrics:
         kl = metrics.get("indexer_kl")
         if kl is not None and self._kl_from_loss:
             self._add_kl(kl)
+        aux = metrics.get("aux_loss")  # [MoE layers]: the balance term of this micro-batch, coefficient included
+        if aux is not None:
+            aux = aux.detach().double().cpu().reshape(-1)
+            if aux.numel() != len(self.layers):
+                raise ValueError(f"aux_loss: expected one balance term per MoE layer ({len(self.layers)}), got "
+                                 f"{aux.numel()}")
+            self._sums[self._aux:self._aux + aux.numel()] += aux
+            self._sums[-3] += 1
 
-    def collect(self, loads: Optional[torch.Tensor]) -> Dict[str, Value]:
+    def add_step(self, loads: Optional[torch.Tensor]) -> None:
+        """One optimizer step's ``[L, E]`` loads (summed over the ranks; None: no MoE forward): ``collect()``
+        without loads reports the steps since the last call, the expert load of their sum (one step's few rows
+        say little about the router: its tokens' choices are correlated) and the per-rank load of the worst
+        step (what the dispatch buffers must hold)."""
+        if loads is None:
+            return
+        loads = loads.detach().double().cpu()
+        self._window = loads if self._window is None else self._window + loads
+        if loads.shape[1] % self.ep_size == 0:
+            shares = rank_loads(loads, self.ep_size)
+            self._rank_peak = shares if self._rank_peak is None else torch.maximum(self._rank_peak, shares)
+
+    def collect(self, loads: Optional[torch.Tensor] = None) -> Dict[str, Value]:
         """The metrics of the logged step (see the class docstring); ``loads`` ``[L, E]`` summed over ranks, or
-        None. Collective when a process group of several ranks is up: every rank calls it."""
+        None for the steps given to ``add_step`` since the last call (if any). Collective when a process group
+        of several ranks is up: every rank calls it."""
+        peak = None
+        if loads is None and self._window is not None:
+            loads, peak = self._window, self._rank_peak
+        self._window = self._rank_peak = None
         sums, self._sums = self._sums, torch.zeros_like(self._sums)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
             sums = sums.to(device)
             dist.all_reduce(sums)
             sums = sums.cpu()
-        out: Dict[str, Value] = {} if loads is None else load_metrics(loads, self._row_labels(loads))
+        out: Dict[str, Value] = {}
+        if loads is not None:
+            out.update(load_metrics(loads, self._row_labels(loads)))
+            out.update(self._rank_loads(loads, peak))
         differ, total = 0.0, 0.0
         for slot, i in enumerate(self.drifting):
             d, n = float(sums[2 * slot]), float(sums[2 * slot + 1])
@@ -166,6 +246,31 @@ class MoEMetrics:
             out["moe/routing_drift"] = differ / total
         if sums[-1] > 0:
             out["moe/indexer_kl"] = float(sums[-2] / sums[-1])
+        if sums[-3] > 0:
+            terms = sums[self._aux:self._aux + len(self.layers)] / sums[-3]
+            out.update({f"moe/{label}/aux_loss": float(t) for label, t in zip(self.labels, terms)})
+            out["moe/aux_loss"] = float(terms.sum())
+        return out
+
+    def _rank_loads(self, loads: torch.Tensor, peak: Optional[torch.Tensor] = None) -> Dict[str, Value]:
+        """``rank_load_metrics`` of ``loads`` (or, given ``peak`` ``[L, ep]``, each rank's worst step), warning
+        once per layer and rank past the capacity factor."""
+        labels = self._row_labels(loads)
+        if loads.shape[1] % self.ep_size:
+            return {}
+        every = rank_loads(loads, self.ep_size) if peak is None else peak
+        out = _rank_share_metrics(every, labels)
+        if self.capacity_factor is None:
+            return out
+        for label, shares in zip(labels, every):
+            for rank, share in enumerate(shares.tolist()):
+                if share > self.capacity_factor and (label, rank) not in self.warned:
+                    self.warned.add((label, rank))
+                    self.warn(f"warning: moe/{label}: expert-parallel rank {rank} of {self.ep_size} received "
+                              f"{share:.2f}x its balanced share of the token copies, above parallel.capacity_factor "
+                              f"{self.capacity_factor:g} that moe-plugin plan sizes its all-to-all buffers and "
+                              "expert activations for; a planned layout may run out of memory (reported once per "
+                              "layer and rank; see docs/router-balance.md)")
         return out
 
     def _row_labels(self, loads: torch.Tensor) -> List[str]:

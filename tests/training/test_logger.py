@@ -52,6 +52,23 @@ def test_plot_logger_writes_the_png_and_hands_it_on(tmp_path):
         plot_expert_load({}, str(tmp_path / "empty.png"))
 
 
+def test_plot_draws_the_balance_term_beside_the_load(tmp_path):
+    from matplotlib.image import imread
+
+    pictures = []
+    for name, with_term in (("plain", False), ("term", True)):
+        plot = LoadPlotLogger(str(tmp_path / f"{name}.png"))
+        for step in (1, 25, 50):
+            metrics = {"moe/layer1/load": Distribution((0.5, 1.5, 1.0, 1.0)), "moe/layer1/load_cv": 0.35}
+            if with_term:
+                metrics.update({"moe/layer1/aux_loss": 0.1 * step, "moe/aux_loss": 0.1 * step})
+            plot.log(step, metrics)
+        plot.close()
+        pictures.append(imread(plot.written))
+        assert plot.aux == ({"layer1": {1: 0.1, 25: 2.5, 50: 5.0}} if with_term else {})
+    assert pictures[0].shape == pictures[1].shape and (pictures[0] != pictures[1]).any()
+
+
 def test_offline_wandb_run_holds_scalars_histograms_and_the_image(tmp_path):
     from moe_plugin.training.wandb_logger import WandbLogger
     from tests.training.wandb_records import offline_history

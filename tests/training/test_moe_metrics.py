@@ -1,6 +1,7 @@
 """MoE metrics (moe_plugin/training/moe_metrics.py): load summaries against hand-computed numbers, a key set
-that does not grow with the experts, routing drift against an explicit recomputation of both routers from the
-router's recorded inputs, no extra router call, indexer KL; and the recipe trainer's W&B run and plot."""
+that does not grow with the experts, the per-EP-rank load and its capacity warning, the logged window of steps,
+routing drift against an explicit recomputation of both routers from the router's recorded inputs, no extra
+router call, indexer KL, the balance term; and the recipe trainer's W&B run and plot."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from moe_plugin.training.logger import Distribution
-from moe_plugin.training.moe_metrics import MoEMetrics, load_metrics, moe_layer_labels
+from moe_plugin.training.moe_metrics import MoEMetrics, load_metrics, moe_layer_labels, rank_load_metrics, rank_loads
 
 
 def test_load_metrics_match_hand_computed_numbers():
@@ -41,6 +42,60 @@ def test_load_metrics_refuse_bad_shapes():
         load_metrics(torch.ones(8))
     with pytest.raises(ValueError, match="labels: expected one per MoE layer \\(2\\)"):
         load_metrics(torch.ones(2, 8), ["layer1"])
+
+
+def test_rank_load_is_the_busiest_ranks_copies_over_its_balanced_share():
+    loads = torch.tensor([[2.0, 2.0, 0.0, 12.0], [5.0, 5.0, 5.0, 5.0], [0.0, 0.0, 0.0, 0.0]])
+    # EP 2: rank 0 holds experts 0-1, rank 1 experts 2-3; layer1's ranks take 4 and 12 copies of 16
+    assert rank_loads(loads, 2).tolist() == [[0.5, 1.5], [1.0, 1.0], [0.0, 0.0]]
+    got = rank_load_metrics(loads, 2, ["layer1", "layer2", "layer3"])
+    assert got == {"moe/layer1/rank_load_max_over_mean": 1.5, "moe/layer2/rank_load_max_over_mean": 1.0,
+                   "moe/layer3/rank_load_max_over_mean": 0.0, "moe/rank_load_max_over_mean": 1.5}
+    assert rank_load_metrics(loads, 4)["moe/rank_load_max_over_mean"] == 3.0  # one expert per rank
+    assert rank_load_metrics(loads, 1)["moe/rank_load_max_over_mean"] == 1.0
+    with pytest.raises(ValueError, match="ep_size"):
+        rank_loads(loads, 3)
+
+
+class _TwoLayers(torch.nn.Module):
+    """Two MoE layers of 4 experts (what MoEMetrics finds by class), no router adapter."""
+
+    def __init__(self):
+        super().__init__()
+        from moe_plugin.config import MoEConfig
+        from moe_plugin.layers.moe import StableLatentMoE
+
+        config = MoEConfig(hidden_size=8, num_experts=4, top_k=2, expert_intermediate_size=8)
+        self.layers = torch.nn.ModuleList(StableLatentMoE(config) for _ in range(2))
+
+
+def test_logged_load_is_over_the_window_and_rank_load_its_worst_step():
+    said = []
+    metrics = MoEMetrics(_TwoLayers(), ep_size=2, capacity_factor=1.25, warn=said.append)
+    assert metrics.labels == ["layer0", "layer1"]
+    metrics.add_step(torch.tensor([[6.0, 0.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]]))  # layer0's rank 0: 6 of 8
+    metrics.add_step(torch.tensor([[0.0, 1.0, 1.0, 6.0], [2.0, 2.0, 2.0, 2.0]]))  # its rank 1: 7 of 8
+    got = metrics.collect()
+    # the window's load: [6, 1, 2, 7] (max 7 / mean 4), and each rank's worst step: 6 / 4, 7 / 4
+    assert got["moe/layer0/load_max_over_mean"] == 1.75 and got["moe/layer0/dead_experts"] == 0
+    assert got["moe/layer0/rank_load_max_over_mean"] == 1.75 and got["moe/layer1/rank_load_max_over_mean"] == 1.0
+    assert len(said) == 2 and "moe/layer0: expert-parallel rank 0 of 2 received 1.50x" in said[0]
+    assert "rank 1 of 2 received 1.75x" in said[1] and "parallel.capacity_factor 1.25" in said[1]
+    metrics.add_step(torch.tensor([[8.0, 8.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]]))
+    got = metrics.collect()  # a new window; the same layer and rank past the factor again: no second warning
+    assert got["moe/layer0/dead_experts"] == 2 and got["moe/layer0/rank_load_max_over_mean"] == 2.0
+    assert len(said) == 2
+    assert "moe/layer0/load_max_over_mean" not in metrics.collect()  # nothing since the last call
+
+
+def test_balance_term_is_the_mean_over_the_micro_batches():
+    metrics = MoEMetrics(_TwoLayers())
+    metrics.add_loss_metrics({"aux_loss": torch.tensor([0.25, 0.5])})
+    metrics.add_loss_metrics({"aux_loss": torch.tensor([0.75, 0.5])})
+    got = metrics.collect()
+    assert got == {"moe/layer0/aux_loss": 0.5, "moe/layer1/aux_loss": 0.5, "moe/aux_loss": 1.0}
+    with pytest.raises(ValueError, match="aux_loss: expected one balance term per MoE layer \\(2\\)"):
+        metrics.add_loss_metrics({"aux_loss": torch.tensor([0.25])})
 
 
 def _lora_model(seed: int = 0):
@@ -147,4 +202,5 @@ def test_recipe_trainer_writes_an_offline_wandb_run_and_the_load_plot(tmp_path):
         assert any(row.get("moe/expert_load_plot", {}).get("_type") == "image-file" for row in rows)
     assert keys[8] == keys[32]
     assert {"moe/layer1/load", "moe/layer1/dead_experts", "moe/layer1/routing_drift", "moe/routing_drift",
-            "train/tokens_per_s", "eval/loss"} <= keys[8]
+            "train/tokens_per_s", "eval/loss", "moe/rank_load_max_over_mean", "moe/layer1/rank_load_max_over_mean",
+            "moe/aux_loss", "moe/layer1/aux_loss"} <= keys[8]  # an adapter on gate: the balance term is on
