@@ -79,7 +79,8 @@ def _plan(argv: List[str]) -> int:
     p.add_argument("--seq-len", type=int)
     p.add_argument("--checkpointing", choices=["on", "off"], default="off")
     p.add_argument("--expert-format", choices=["dense", "mxfp4", "int4"])
-    p.add_argument("--capacity", type=float, default=1.25)
+    p.add_argument("--capacity", type=float, help="the dispatch's capacity factor (default: the recipe's "
+                   "parallel.capacity_factor, 1.25 unless it says otherwise)")
     p.add_argument("--images", type=int, help="pictures per micro-batch (default: one per row when the recipe "
                    "trains on images, else none)")
     p.add_argument("--image-size", type=int, default=896, help="side of each square picture in pixels")

@@ -171,7 +171,7 @@ def _flops(counts: ModelCounts, mc, layout: Layout, tokens: int) -> float:
 
 def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[float] = None,
                 micro_batch: Optional[int] = None, seq_len: Optional[int] = None,
-                checkpointing: bool = False, expert_format: Optional[str] = None, capacity: float = 1.25,
+                checkpointing: bool = False, expert_format: Optional[str] = None, capacity: Optional[float] = None,
                 overhead_bytes: Optional[float] = None, cache: Optional[dict] = None,
                 knobs: bool = False, images: Optional[int] = None, image_size: int = 896,
                 kernels: str = "cpu", from_checkpoint: Optional[bool] = None) -> Plan:
@@ -179,7 +179,9 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     its DeepSpeed config (``devices`` from its ``train_batch_size``; ``images``, pictures per micro-batch
     through the vision tower: one per row when the recipe trains on images, else none; ``kernels``: whose
     saved sets, ``"cpu"`` as this machine runs or ``"gpu"`` as CUDA would, plan/meta_ops.py;
-    ``from_checkpoint``: the base streams in per rank, as a ``from_pretrained`` base does, even when the recipe
+    ``capacity``: the dispatch's capacity factor, by default the recipe's ``parallel.capacity_factor`` (the
+    factor the trainer compares each EP rank's measured load with); ``from_checkpoint``: the base streams in per
+    rank, as a ``from_pretrained`` base does, even when the recipe
     names a preset, whose whole-rank build is otherwise planned; ``overhead_bytes``: the framework's own
     memory, by default ``GPU_OVERHEAD_BYTES`` with GPU kernels and ``CPU_OVERHEAD_BYTES`` with CPU ones).
     ``cache`` keeps counts and meta-measured activation models between calls (keyed by the model's
@@ -213,7 +215,9 @@ def _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, e
     check_limit(devices, "devices", devices_field)
     if device_memory is not None:
         check_limit(device_memory, "device_memory", "--device-memory")
-    check_limit(capacity, "capacity", "--capacity")
+    capacity_field = "--capacity" if capacity is not None else "parallel.capacity_factor"
+    capacity = recipe.parallel.capacity_factor if capacity is None else capacity
+    check_limit(capacity, "capacity", capacity_field)
     check_limit(image_size, "image_size", "--image-size")
     ep = recipe.parallel.expert_parallel_size
     require(devices % ep == 0, "--devices", f"{devices} is not a multiple of parallel.expert_parallel_size "

@@ -45,6 +45,18 @@ def test_bad_input_names_the_field():
         plan_recipe(recipe, devices=4, capacity=0.5)
 
 
+def test_the_capacity_factor_is_the_recipes_unless_given():
+    """The planner's dispatch assumption is the recipe's parallel.capacity_factor, the same key the trainer warns
+    against; --capacity overrides it."""
+    values = layout_recipe("/tmp/never", 4, 2, 256, shape=CALIBRATION)
+    default = plan_recipe(recipe_from_dict(values), devices=4)
+    values["parallel"]["capacity_factor"] = 2.0
+    wide = plan_recipe(recipe_from_dict(values), devices=4)
+    assert default.layout.capacity == 1.25 and wide.layout.capacity == 2.0
+    assert plan_recipe(recipe_from_dict(values), devices=4, capacity=1.25).memory.peak == default.memory.peak
+    assert wide.memory.peak > default.memory.peak  # more rows per local expert, larger all-to-all buffers
+
+
 def test_a_checkpoint_base_has_no_preset_build_and_gpu_kernels_save_less():
     recipe = recipe_from_dict(layout_recipe("/tmp/never", 4, 2, 256))
     preset = plan_recipe(recipe, devices=4)
