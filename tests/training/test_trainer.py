@@ -12,7 +12,8 @@ import torch
 
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.parallel.launch import run_distributed
-from tests.tolerances import chain_length, check_run
+from moe_plugin.training.recipe import DEFAULT_ROUTER_AUX_LOSS_COEFF
+from tests.tolerances import chain_length, chain_rel, check_run
 
 WORKER = "tests/training/trainer_workers.py:run_all"
 ZERO3 = "ds_configs/zero3_lora.json"
@@ -41,6 +42,7 @@ def _recipe(output_dir, world: int, ep: int, steps: int = 3, model=None, backend
 
 
 ROUTINGS = ("free", "empty_expert", "one_ep_rank")
+AUX = "balance_loss"  # the free routing with a strong balance loss: its gradient is a large part of the router's
 CHECKPOINTS = ("hf_checkpoint", "k3_checkpoint", "hf_backend")
 
 
@@ -68,6 +70,9 @@ def _checkpoints(tmp) -> dict:
 def _scenarios(tmp, world: int, ep: int, bases: dict) -> list:
     out = [{"name": routing, "routing": routing, "inspect": routing == "free",
             "recipe": _recipe(tmp / f"{routing}-w{world}", world, ep)} for routing in ROUTINGS]
+    strong = _recipe(tmp / f"{AUX}-w{world}", world, ep)
+    strong["lora"]["router_balance"] = {"aux_loss_coeff": 1.0}
+    out.append({"name": AUX, "recipe": strong})
     for name in CHECKPOINTS:
         backend = "hf" if name == "hf_backend" else "megatron"
         out.append({"name": name, "recipe": _recipe(tmp / f"{name}-w{world}", world, 1 if backend == "hf" else ep,
@@ -98,10 +103,11 @@ def runs(tmp_path_factory):
     return one[0], four
 
 
-@pytest.mark.parametrize("routing", ROUTINGS + CHECKPOINTS)
+@pytest.mark.parametrize("routing", ROUTINGS + (AUX,) + CHECKPOINTS)
 def test_ep2_zero3_on_4_processes_equals_one_process(runs, routing):
     """ROUTINGS: a preset base with free routing, an expert that gets no token, every token on EP rank 0's
-    experts. CHECKPOINTS: a base loaded under zero.Init, each rank streaming its slices into its partitions,
+    experts (each with the default balance loss: the seed's targets adapt the router); AUX: free routing with
+    the balance loss at coefficient 1. CHECKPOINTS: a base loaded under zero.Init, each rank streaming its slices into its partitions,
     from a Hugging Face and a K3-layout checkpoint (megatron, EP=2), and the Hugging Face backend (ZeRO-3
     data parallel over 4 ranks). Losses, gradient norms, every gradient element and every adapter element
     after each step, within the fp32 bounds of tests/tolerances.py."""
@@ -119,6 +125,31 @@ def test_ep2_zero3_on_4_processes_equals_one_process(runs, routing):
             per_expert = g.view(g.shape[0], -1, 8)  # [out, r * E] with expert-minor columns
             assert torch.count_nonzero(per_expert[:, :, 0]) == 0, name
             assert torch.count_nonzero(per_expert[:, :, 1:]) > 0, name
+
+
+def test_the_balance_term_is_the_same_in_every_layout_and_on_both_backends(runs):
+    """Per document, the term does not depend on where a document is routed: step 1's logged ``moe/aux_loss`` (the
+    adapters still the base's) is one process's on 4 processes (EP 2 x ZeRO-3 megatron, ZeRO-3 hf) and the same
+    on the megatron and the Hugging Face face of one base; the strong term moves the router's adapter."""
+    one, four = runs
+    rel = chain_rel(CHAIN)
+    for name in (AUX, "free", "hf_checkpoint", "hf_backend"):
+        want = one["scenarios"][name]["logged"][0]
+        assert want["moe/aux_loss"] > 0 and set(want) >= {"moe/layer1/aux_loss", "moe/rank_load_max_over_mean"}
+        for rank, result in enumerate(four):
+            got = result["scenarios"][name]["logged"][0]
+            for key in (k for k in want if k.endswith("aux_loss")):
+                assert got[key] == pytest.approx(want[key], rel=rel), (name, rank, key)
+    megatron, hf = one["scenarios"]["hf_checkpoint"]["logged"][0], one["scenarios"]["hf_backend"]["logged"][0]
+    for key in (k for k in megatron if k.endswith("aux_loss")):
+        assert hf[key] == pytest.approx(megatron[key], rel=1e-5), key
+    # coefficient 1 against the default: a larger term, and another gradient for the router's adapter
+    free, strong = one["scenarios"]["free"], one["scenarios"][AUX]
+    ratio = 1.0 / DEFAULT_ROUTER_AUX_LOSS_COEFF
+    assert strong["logged"][0]["moe/aux_loss"] == pytest.approx(ratio * free["logged"][0]["moe/aux_loss"], rel=1e-6)
+    gate_grads = [n for n in strong["step_grads"][0] if ".gate.lora_B" in n]
+    assert gate_grads and all(not torch.allclose(strong["step_grads"][0][n], free["step_grads"][0][n])
+                              for n in gate_grads)
 
 
 def test_zero3_partitions_within_the_right_groups(runs):

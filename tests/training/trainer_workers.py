@@ -46,9 +46,10 @@ def steps_with_gradients(trainer) -> dict:
     """Run the recipe's steps, keeping each step's reduced adapter gradients and the adapter around each step:
     ``losses``, ``step_grads``, ``adapters`` (one more than the steps) and, as before, ``grads`` (the first
     step's) and ``adapter`` (the final one); per step also ``router_calls`` (this rank's forward calls of each
-    MoE layer's router) and ``loads`` (the step's expert loads summed over ranks, what the metrics log)."""
+    MoE layer's router), ``loads`` (the step's expert loads summed over ranks, what the metrics log) and
+    ``logged`` (the step's logged balance term and per-rank load)."""
     adapters = [_adapter(trainer)]
-    losses, step_grads, router_calls, loads = [], [], [], []
+    losses, step_grads, router_calls, loads, logged = [], [], [], [], []
     calls, handles = _count_router_calls(trainer)
     try:
         while trainer.step < trainer.recipe.schedule.steps:
@@ -59,11 +60,13 @@ def steps_with_gradients(trainer) -> dict:
             router_calls.append(list(calls))
             loads.append(None if trainer.last_loads is None else trainer.last_loads.clone())
             adapters.append(_adapter(trainer))
+            metrics = trainer.moe_metrics.collect()  # collective: the step's MoE metrics, as the loop logs them
+            logged.append({k: v for k, v in metrics.items() if k.endswith(("aux_loss", "rank_load_max_over_mean"))})
     finally:
         for handle in handles:
             handle.remove()
     return {"losses": losses, "step_grads": step_grads, "grads": step_grads[0], "adapters": adapters,
-            "adapter": adapters[-1], "router_calls": router_calls, "loads": loads}
+            "adapter": adapters[-1], "router_calls": router_calls, "loads": loads, "logged": logged}
 
 
 def _count_router_calls(trainer):
