@@ -1,9 +1,11 @@
-"""The README's main job, shortened (fewer steps and held-out pictures, the same path): the deepspeed launcher on
+"""The README's main job, its own 150 steps with fewer held-out pictures (the same path): the deepspeed launcher on
 2 CPU processes, megatron's expert parallelism 2 under ZeRO-3, LoRA over the shipped image base
 (``recipes/bases/tiny-shapes``, trained on the shapes' colours) learning to name the background's colour.
 
 What is checked is what a user sees: the printed chance level and ``held-out accuracy: before X after Y`` line,
-with the accuracy risen; the offline W&B run it names (with its ``wandb sync`` command) holding the logged steps;
+with the accuracy risen to >= 0.9; the offline W&B run it names (with its ``wandb sync`` command) holding the
+logged steps, and in its last row the experts kept balanced by the router balance loss the recipe turns on
+(every MoE layer's busiest expert <= 1.5x the mean load, none dead; before it, 3.1x with near-dead experts);
 no deprecation warning of a collective in the output (they used to break the progress bar); and, independently of the trainer's own evaluation, the adapter loaded with plain peft
 from another working directory answers the held-out pictures by ``generate`` as the trainer reported."""
 
@@ -15,18 +17,21 @@ import re
 
 import torch
 
+from moe_plugin.training.recipe import DEFAULT_ROUTER_AUX_LOSS_COEFF
 from tests.training.launchers import BIN, REPO, free_port, launch
 from tests.training.wandb_records import offline_history
 
 HELD_OUT = 24  # pictures answered (the full job answers 60)
+STEPS = 150  # the job's own: the balance figures the README reports are its final ones
 
 
-def _shortened_main_job(tmp_path) -> str:
+def _main_job(tmp_path) -> str:
     with open(os.path.join(REPO, "recipes", "tiny_lora.json")) as f:
         recipe = json.load(f)
     assert recipe["parallel"] == {"backend": "megatron", "expert_parallel_size": 2}  # the job's own layout
     recipe["output_dir"] = str(tmp_path / "run")
-    recipe["schedule"]["steps"] = 40
+    assert recipe["schedule"]["steps"] == STEPS
+    assert recipe["lora"]["router_balance"] == {"aux_loss_coeff": DEFAULT_ROUTER_AUX_LOSS_COEFF}  # on, as by default
     recipe["eval"]["answers"]["limit"] = HELD_OUT
     path = tmp_path / "main_job.json"
     path.write_text(json.dumps(recipe))
@@ -49,9 +54,9 @@ def _answers_in_plain_peft(model, held_out: str, limit: int):
     return given
 
 
-def test_shortened_main_job_raises_held_out_accuracy(tmp_path, monkeypatch):
+def test_main_job_raises_held_out_accuracy_with_balanced_experts(tmp_path, monkeypatch):
     out = launch([os.path.join(BIN, "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()),
-                  "--module", "moe_plugin.train", "--recipe", _shortened_main_job(tmp_path)],
+                  "--module", "moe_plugin.train", "--recipe", _main_job(tmp_path)],
                  env_extra={"WANDB_MODE": "offline"}, timeout=1500)  # no network, whatever the machine's setting
     assert "expert parallel 2, ZeRO stage 3" in out
     for collective in ("reduce_scatter_tensor", "all_gather_into_tensor"):
@@ -59,12 +64,17 @@ def test_shortened_main_job_raises_held_out_accuracy(tmp_path, monkeypatch):
     # the recipe's W&B run is offline by default, inside the run's directory
     run_dir, synced = re.search(r"^W&B run \(offline\): (\S+); upload it with: wandb sync (\S+)$", out, re.M).groups()
     assert run_dir == synced and run_dir.startswith(str(tmp_path / "run" / "wandb" / "offline-run-"))
-    logged = [row["_step"] for row in offline_history(run_dir) if "train/loss" in row]
-    assert logged == [1, 25, 40]  # logging.every 25, the first and the last step
+    rows = [row for row in offline_history(run_dir) if "train/loss" in row]
+    assert [row["_step"] for row in rows] == [1, 25, 50, 75, 100, 125, 150]  # logging.every 25 and the first step
+    final = rows[-1]  # the load of steps 126-150 against the mean, per layer
+    layers = sorted(k for k in final if k.startswith("moe/layer") and k.endswith("/load_max_over_mean"))
+    assert len(layers) == 3 and all(final[k] <= 1.5 for k in layers), {k: final[k] for k in layers}
+    assert final["moe/dead_experts"] == 0 and final["moe/load_max_over_mean"] <= 1.5
+    assert 0 < final["moe/aux_loss"] and final["moe/rank_load_max_over_mean"] >= 1.0
     chance = float(re.search(r"chance level: ([0-9.]+) \(always the most common of 4 answers, "
                              rf"{HELD_OUT} held-out examples\)", out).group(1))
     before, after = map(float, re.search(r"held-out accuracy: before ([0-9.]+) after ([0-9.]+)", out).groups())
-    assert after >= 0.7 and after - before >= 0.3 and after > chance + 0.3, (chance, before, after)
+    assert after >= 0.9 and after - before >= 0.3 and after > chance + 0.3, (chance, before, after)
 
     with open(tmp_path / "run" / "answers.json") as f:
         reported = json.load(f)
