@@ -22,7 +22,7 @@ from .kda import KDAAttention, KDACache
 from .mlp import GLUMLP
 from .moe import StableLatentMoE
 from .norm import RMSNorm
-from .recompute import recomputed
+from .recompute import read_stream, recomputed
 
 LayerCache = Union[KDACache, MLACache]
 # (the stream's state after the layer, expert load [E] or None, indexer KL loss (scalar) or None)
@@ -108,7 +108,7 @@ class DecoderLayer(nn.Module):
     def _through_attention(self, residual, attn_kwargs: dict, want_index: bool, mode: str):
         """The stream after the attention sublayer, and the indexer loss."""
         stream = stream_from_state(residual, self.attn_res, self.layer_idx, self.block_size)
-        x = stream.read(*self._res_point("self_attention"))
+        x = read_stream(mode, stream, self._res_point("self_attention"), self.recompute_checkpoint_fn)
         out, indexer_loss = self._recomputed(mode, "attention", self._attention, x, attn_kwargs, want_index)
         stream.add(out)
         return stream, indexer_loss
@@ -117,7 +117,7 @@ class DecoderLayer(nn.Module):
         """An MoE layer up to its router: (the stream's state after attention, the MoE input ``[B, T, D]``,
         the indexer loss or None)."""
         stream, indexer_loss = self._through_attention(residual, attn_kwargs, want_index, mode)
-        x = stream.read(*self._res_point("mlp"))
+        x = read_stream(mode, stream, self._res_point("mlp"), self.recompute_checkpoint_fn)
         h = self._recomputed(mode, "mlp_norm", self.post_attention_layernorm, x)
         return stream.state(), h, indexer_loss
 
@@ -127,7 +127,8 @@ class DecoderLayer(nn.Module):
     def _dense_layer(self, residual, attn_kwargs: dict, want_index: bool, mode: str):
         """A dense layer whole: (the stream's state after it, the indexer loss or None)."""
         stream, indexer_loss = self._through_attention(residual, attn_kwargs, want_index, mode)
-        out = self._recomputed(mode, "dense_mlp", self._dense_mlp, stream.read(*self._res_point("mlp")))
+        x = read_stream(mode, stream, self._res_point("mlp"), self.recompute_checkpoint_fn)
+        out = self._recomputed(mode, "dense_mlp", self._dense_mlp, x)
         return self._after_mlp(stream.state(), out), indexer_loss
 
     def _after_mlp(self, state: Tuple[torch.Tensor, ...], out: torch.Tensor) -> Tuple[torch.Tensor, ...]:

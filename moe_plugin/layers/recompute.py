@@ -9,10 +9,10 @@ a recompute can never pick other experts than the forward did (ties, bf16), and 
 all-to-all is never run again in the backward (it stays free to overlap with compute).
 
 * ``"off"``: nothing is recomputed.
-* ``"selective"``: each layer keeps its input, its Attention-Residual mixes, the router's choices and the
-  dispatched tokens; the attention internals (with its input norm: KDA's chunk intermediates, MLA's
-  up-projections and softmax, the DSA indexer's scores), the post-attention norm, the routed experts' GLU
-  and the combine, the latent norm and up-projection and the shared experts are recomputed.
+* ``"selective"``: each layer keeps its input, its attention's and MLP's inputs, the router's choices and the
+  dispatched tokens; the norms (the Attention-Residual mixes' too), the attention internals (KDA's chunk
+  intermediates, MLA's up-projections and softmax, the DSA indexer's scores), the routed experts' GLU and
+  the combine, the latent norm and up-projection and the shared experts are recomputed.
 * ``"full"``: each layer keeps only its input and the routing (its MoE input, which the router reads, and the
   dispatched tokens): a layer is split into [everything before the router] -> route (kept) -> dispatch (kept)
   -> [experts + combine] -> [latent norm, up-projection, shared experts]; a dense layer is one region.
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["MODES", "REGIONS", "RECOMPUTED", "KEPT", "check_mode", "recomputed", "set_recompute",
+__all__ = ["MODES", "REGIONS", "RECOMPUTED", "KEPT", "check_mode", "recomputed", "read_stream", "set_recompute",
            "is_recomputing"]
 
 MODES = ("off", "selective", "full")
@@ -43,6 +43,7 @@ MODES = ("off", "selective", "full")
 REGIONS: Dict[str, str] = {
     "attention": "the input norm and the attention (KDA chunk intermediates, MLA up-projections and softmax, "
                  "DSA indexer scores)",
+    "attn_res_mix": "an Attention-Residual mixing point (its candidates' fp32 stack, RMSNorm, softmax)",
     "mlp_norm": "the post-attention norm (the MoE's input)",
     "dense_mlp": "a dense layer's post-attention norm and GLU MLP",
     "layer": "a layer up to its router (AttnRes mixes, norms, attention, the residual add); a dense layer whole",
@@ -52,15 +53,15 @@ REGIONS: Dict[str, str] = {
 
 RECOMPUTED: Dict[str, FrozenSet[str]] = {
     "off": frozenset(),
-    "selective": frozenset({"attention", "mlp_norm", "dense_mlp", "experts", "moe_out"}),
+    "selective": frozenset({"attn_res_mix", "attention", "mlp_norm", "dense_mlp", "experts", "moe_out"}),
     "full": frozenset({"layer", "experts", "moe_out"}),
 }
 
 # what every mode keeps (the planner prints it beside its numbers)
 KEPT: Dict[str, str] = {
     "off": "every saved tensor",
-    "selective": "each layer's input and AttnRes mixes, the MoE input and the routing (scores, top-k ids and "
-                 "weights), the dispatched tokens",
+    "selective": "each layer's input, its attention's and MLP's inputs, the MoE input and the routing (scores, "
+                 "top-k ids and weights), the dispatched tokens",
     "full": "each layer's input, the MoE input and the routing (scores, top-k ids and weights), the dispatched "
             "tokens",
 }
@@ -114,6 +115,16 @@ def recomputed(mode: str, region: str, fn: Callable, *args, checkpoint_fn: Optio
                              "would recompute the router and breaks ZeRO-3's frozen parameters); drop it")
         return ckpt(run, *args, **kwargs)
     return ckpt(run, *args, use_reentrant=False, **kwargs)
+
+
+def read_stream(mode: str, stream, point: tuple = (), checkpoint_fn: Optional[Callable] = None) -> torch.Tensor:
+    """``stream.read(*point)`` (``layers.attn_res``), an Attention-Residual mix as region ``"attn_res_mix"``: its
+    candidates are passed in as they are now (the stream grows after the read; a recompute must mix these)."""
+    if not point:
+        return stream.read()
+    from .attn_res import attn_res_read
+
+    return recomputed(mode, "attn_res_mix", attn_res_read, stream.candidates(), *point, checkpoint_fn=checkpoint_fn)
 
 
 def set_recompute(module: nn.Module, mode: str, checkpoint_fn: Optional[Callable] = None) -> int:

@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 
 from ..config import require
 from ..layers.attn_res import AttnResStream, attn_res_point, stream_from_state
+from ..layers.recompute import read_stream
 from .recompute_layer import CheckpointedTransformerLayer
 
 __all__ = ["AttnResTransformerLayer", "AttnResTransformerBlock", "enable_attn_res_block"]
@@ -70,20 +71,21 @@ class AttnResTransformerLayer(CheckpointedTransformerLayer):
 
     def _res_through_attention(self, residual: State, attn_kwargs: dict, mode: str) -> AttnResStream:
         stream = stream_from_state(residual, True, self.layers_before, self.attn_res_block_size)
-        x = stream.read(self.self_attention_res_proj, self.self_attention_res_norm)
+        x = read_stream(mode, stream, (self.self_attention_res_proj, self.self_attention_res_norm),
+                        self.recompute_checkpoint_fn)
         stream.add(self._recomputed(mode, "attention", self._attention, x, attn_kwargs))
         return stream
 
     def _res_before_router(self, residual: State, attn_kwargs: dict, mode: str):
         """An MoE layer up to its router: (the state after attention, the MoE's input ``[S, B, H]``)."""
         stream = self._res_through_attention(residual, attn_kwargs, mode)
-        x = stream.read(self.mlp_res_proj, self.mlp_res_norm)
+        x = read_stream(mode, stream, (self.mlp_res_proj, self.mlp_res_norm), self.recompute_checkpoint_fn)
         return stream.state(), self._recomputed(mode, "mlp_norm", self.pre_mlp_layernorm, x)
 
     def _dense_res_layer(self, residual: State, attn_kwargs: dict, padding_mask, mode: str) -> State:
         stream = self._res_through_attention(residual, attn_kwargs, mode)
-        out = self._recomputed(mode, "dense_mlp", self._dense_mlp, stream.read(self.mlp_res_proj, self.mlp_res_norm),
-                               padding_mask)
+        x = read_stream(mode, stream, (self.mlp_res_proj, self.mlp_res_norm), self.recompute_checkpoint_fn)
+        out = self._recomputed(mode, "dense_mlp", self._dense_mlp, x, padding_mask)
         return self._res_after_mlp(stream.state(), out)
 
     def _res_after_mlp(self, state: State, out_with_bias) -> State:

@@ -96,8 +96,11 @@ def test_modes_give_off_bitwise_with_the_router_run_once(attn_res, expert_format
         assert calls[mode]["experts"] == calls[mode]["latent_up"] == 2 * moe_layers, (mode, calls[mode])
         assert calls[mode]["input_norm"] == 2 * len(_layers(model)), (mode, calls[mode])
     assert calls["off"]["router"] == calls["off"]["experts"] == moe_layers
-    if attn_res:  # the AttnRes mixes are kept by "selective" and recomputed by "full"
-        assert calls["selective"]["attn_res_mix"] == len(_layers(model))
+    if attn_res:  # both recompute the AttnRes mixes (their norms), from the candidates the forward mixed; but
+        # "selective"'s own region for layer 0's attention mix (the frozen embedding alone, frozen weights) saved
+        # nothing to redo, where "full" redoes layer 0 up to its MLP as one region
+        assert calls["off"]["attn_res_mix"] == len(_layers(model))
+        assert calls["selective"]["attn_res_mix"] == 2 * len(_layers(model)) - 1
         assert calls["full"]["attn_res_mix"] == 2 * len(_layers(model))
     assert runs["full"][4] < runs["selective"][4] < saved, [runs[m][4] for m in MODES]
 
