@@ -46,11 +46,11 @@ _EXPERT_ADAPTER = re.compile(r"(?:^|\.)experts\.(?:base_layer\.)*lora_([AB])\.")
 
 
 def deepspeed_safe_globals() -> list:
-    """The project's one allow-list of DeepSpeed classes for engine files (``parallel.deepspeed_compat``, which
+    """The project's one allow-list of DeepSpeed classes for engine files (``compat.deepspeed``, which
     resume uses too). Of it, the trainer's checkpoints (ZeRO-3 with and without expert adapters, 1 and 2
     processes, fp32 and bf16) hold only ``LossScaler`` and ``ZeroStageEnum`` in their optimizer states, as
     ``torch.serialization.get_unsafe_globals_in_checkpoint`` reports; the model states hold tensors only."""
-    from ..parallel.deepspeed_compat import deepspeed_safe_globals as allowed
+    from ..compat.deepspeed import deepspeed_safe_globals as allowed
 
     return allowed()
 

@@ -4,7 +4,7 @@ megatron-core 0.16 binds ``torch.distributed.all_gather_into_tensor`` and ``redu
 aliases at import (``tensor_parallel.mappings``, ``tensor_parallel.layers``, ``utils``). torch 2.13 deprecates both as plain forwards to
 ``all_gather_single``/``reduce_scatter_single``, so the token dispatcher's gather printed a FutureWarning on every
 rank at the first step, into the progress bar. ``use_current_collectives()`` rebinds those aliases; DeepSpeed's
-own are rebound by ``moe_plugin.parallel.deepspeed_compat.use_current_collectives``.
+own are rebound by ``moe_plugin.compat.deepspeed.use_current_collectives``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ parameters, optimizer shards, scheduler) under ``engine/`` beside the trainer's 
 position, RNG), through ``CheckpointManager``'s atomic step directories (``checkpoint.py``).
 
 Nothing is unpickled: the trainer's state is JSON and safetensors, the engine's files are checked first and
-load with ``weights_only=True`` (``parallel/deepspeed_compat.py``). Every function here is collective."""
+load with ``weights_only=True`` (``compat/deepspeed.py``). Every function here is collective."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..parallel.deepspeed_compat import check_engine_files, safe_checkpoint_loading
+from ..compat.deepspeed import check_engine_files, safe_checkpoint_loading
 from .checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
 from .runtime import all_ok
 

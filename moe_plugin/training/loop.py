@@ -13,7 +13,7 @@ trainable parameter), optimizer shards, scheduler, step, data position and RNG s
 a run started again on the same ``output_dir`` continues from the newest complete one. Nothing read back from a
 checkpoint is unpickled (``engine_state.py`` writes and reads a step): the trainer's own state is JSON and
 safetensors (``checkpoint.py``), DeepSpeed's engine files load with ``weights_only=True``
-(``parallel/deepspeed_compat.py``). ``losses.json`` holds every optimizer step's loss, ``results.json`` the
+(``compat/deepspeed.py``). ``losses.json`` holds every optimizer step's loss, ``results.json`` the
 final and held-out losses and the timings; the adapter is written in PEFT format to ``output_dir/adapter``
 (``exporting.py``).
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..fileio import write_json_atomic
-from ..parallel.deepspeed_compat import use_current_collectives
+from ..compat.deepspeed import use_current_collectives
 from .backends import get_backend
 from .checkpoint import CheckpointManager
 from .engine_state import agree, load_latest, rng_state, save_step, set_rng_state

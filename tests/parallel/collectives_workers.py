@@ -14,7 +14,7 @@ def run() -> dict:
     import deepspeed.comm as ds_comm
 
     from moe_plugin.megatron import collectives as megatron_collectives
-    from moe_plugin.parallel.deepspeed_compat import use_current_collectives
+    from moe_plugin.compat.deepspeed import use_current_collectives
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     use_current_collectives()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_plugin.parallel.deepspeed_compat import load_engine_file, safe_checkpoint_loading
+from moe_plugin.compat.deepspeed import load_engine_file, safe_checkpoint_loading
 from moe_plugin.training.checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
 from moe_plugin.training.guards import DivergenceSection, StepGuard, TrainingStopped
 from moe_plugin.training.inputs import RECORD, read_recorded_inputs
@@ -90,8 +90,8 @@ def test_a_missing_deepspeed_internal_names_the_version(monkeypatch):
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     monkeypatch.delattr(TorchCheckpointEngine, "load")
-    with pytest.raises(RuntimeError, match=rf"^DeepSpeed {deepspeed.__version__}: .*TorchCheckpointEngine.load "
-                                           "does not exist.*0.19.8"):
+    with pytest.raises(RuntimeError, match=rf"^moe_plugin.compat.deepspeed: .*TorchCheckpointEngine.load is missing"
+                                           rf".* in deepspeed {deepspeed.__version__} \(tested with 0.19.8\)"):
         with safe_checkpoint_loading():
             pass
 
