@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat.deepspeed import expert_groups, tag_partition
 from .grad_reduce import is_expert_parameter
 
 __all__ = ["EXPERT_FAMILY", "group_name", "tag_expert_parameter", "tag_expert_parameters",
@@ -56,9 +57,8 @@ def tag_expert_parameter(p: torch.Tensor, ep_size: int = None, expert_data_paral
 
         ep_size = parallel_state.get_expert_model_parallel_world_size()
         expert_data_parallel_group = parallel_state.get_expert_data_parallel_group()
-    p.group_name = p.ds_zero_partition_group_name = group_name(ep_size)
-    p.ds_zero_partition_process_group = expert_data_parallel_group
-    p.ds_zero_placement_family = EXPERT_FAMILY
+    p.group_name = group_name(ep_size)
+    tag_partition(p, expert_data_parallel_group, p.group_name, EXPERT_FAMILY)
 
 
 def tag_expert_parameters(model: nn.Module) -> int:
@@ -77,16 +77,12 @@ def create_deepspeed_expert_groups(ep_size: int) -> None:
     """Build DeepSpeed's expert and expert-data-parallel groups for ``ep_size`` and check that each rank's are
     megatron's (RuntimeError naming the group that differs): ZeRO-3 reduces expert gradients and norms over
     DeepSpeed's groups while the tags partition within megatron's, so they must be the same ranks."""
-    from deepspeed.utils import groups
     from megatron.core import parallel_state
 
-    # private in DeepSpeed 0.19.8; what its MoE layers call to create the groups named "ep_size_{EP}"
-    groups._create_expert_and_data_parallel(ep_size)
-    name = group_name(ep_size)
-    pairs = (("expert-parallel", groups._get_expert_parallel_group(name),
-              parallel_state.get_expert_model_parallel_group()),
-             ("expert-data-parallel", groups._get_expert_data_parallel_group(name),
-              parallel_state.get_expert_data_parallel_group()))
+    # DeepSpeed's private group functions (moe_plugin.compat.deepspeed.expert_groups)
+    ds_ep, ds_edp = expert_groups(ep_size, group_name(ep_size))
+    pairs = (("expert-parallel", ds_ep, parallel_state.get_expert_model_parallel_group()),
+             ("expert-data-parallel", ds_edp, parallel_state.get_expert_data_parallel_group()))
     for what, ds_group, mg_group in pairs:
         ours, theirs = _rank_lists(ds_group), _rank_lists(mg_group)
         if ours != theirs:
