@@ -28,6 +28,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from ..compat import deepspeed as zero3
 from ..config import ModelConfig, require
 from ..fileio import read_safetensors_header, safetensors_weight_map
 from .checks import check_dtypes, check_finite, check_packed_scale, config_dtype
@@ -81,14 +82,14 @@ def model_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 def is_partitioned(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a ZeRO-3 partitioned parameter (its values live in ``ds_tensor``)."""
-    return getattr(tensor, "ds_tensor", None) is not None and hasattr(tensor, "ds_shape")
+    return zero3.is_zero3_partitioned(tensor)
 
 
 def partition_range(param: torch.Tensor) -> Tuple[int, int]:
     """The real (not padding) elements ``[lo, hi)`` of the flattened ZeRO-3 ``param`` this rank holds."""
-    n = param.ds_tensor.numel()
-    lo = dist.get_rank(group=param.ds_process_group) * n
-    return lo, max(lo, min(lo + n, param.ds_numel))
+    n = zero3.local_partition(param).numel()
+    lo = dist.get_rank(group=zero3.partition_group(param)) * n
+    return lo, max(lo, min(lo + n, zero3.full_numel(param)))
 
 
 def model_targets(tensors: Mapping[str, torch.Tensor], model: nn.Module, names: str) -> Dict[str, Target]:
@@ -97,7 +98,7 @@ def model_targets(tensors: Mapping[str, torch.Tensor], model: nn.Module, names: 
     ranges = expert_ranges(model) if names == "megatron" and any(map(is_expert_tensor, tensors)) else {}
     out = {}
     for name, tensor in tensors.items():
-        shape = tuple(tensor.ds_shape) if is_partitioned(tensor) else tuple(tensor.shape)
+        shape = zero3.full_shape(tensor) if is_partitioned(tensor) else tuple(tensor.shape)
         dtype = str(tensor.dtype).removeprefix("torch.")
         packed = is_packed_expert_stack(name, dtype)
         experts = None
@@ -117,7 +118,7 @@ def zero_padding(param: torch.Tensor) -> None:
     """Zero the entries of this rank's ZeRO-3 partition that lie past the tensor's end (DeepSpeed pads the
     flattened tensor to a multiple of the group size)."""
     lo, hi = partition_range(param)
-    param.ds_tensor.view(-1)[hi - lo:].zero_()
+    zero3.local_partition(param).view(-1)[hi - lo:].zero_()
 
 
 @torch.no_grad()
@@ -129,12 +130,13 @@ def write_flat(tensor: torch.Tensor, offset: int, value: torch.Tensor) -> None:
     flat = value.reshape(-1)
     start, stop = offset, offset + flat.numel()
     if is_partitioned(tensor):
-        part = tensor.ds_tensor.view(-1)
-        lo = dist.get_rank(group=tensor.ds_process_group) * part.numel()
-        a, b = max(start, lo), min(stop, lo + part.numel(), tensor.ds_numel)
+        part = zero3.local_partition(tensor).view(-1)
+        lo = dist.get_rank(group=zero3.partition_group(tensor)) * part.numel()
+        numel = zero3.full_numel(tensor)
+        a, b = max(start, lo), min(stop, lo + part.numel(), numel)
         if a < b:
             part[a - lo:b - lo].copy_(flat[a - start:b - start])
-        if tensor.data.numel() == tensor.ds_numel:
+        if tensor.data.numel() == numel:
             tensor.data.view(-1)[start:stop].copy_(flat)
         return
     require(tensor.is_contiguous(), "model", "tensors are written in place through a flat view and must be "
