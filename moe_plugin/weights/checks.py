@@ -20,6 +20,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from ..compat.deepspeed import local_partition
+
 __all__ = ["config_dtype", "keeps_fp32", "dtype_problems", "check_dtypes", "check_finite", "check_packed_scale",
            "check_module_finite"]
 
@@ -130,5 +132,5 @@ def check_module_finite(module: torch.nn.Module, source: str) -> None:
     partition, ``ds_tensor``), for loads that do not go through ``weights.loader`` (transformers'
     ``from_pretrained``); ``source`` names the checkpoint in the message."""
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        part = getattr(tensor, "ds_tensor", None)
+        part = local_partition(tensor)
         check_finite(name, source, tensor if part is None else part)
