@@ -30,6 +30,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .compat import deepspeed as zero3
 from .layers.kda import KDAAttention
 from .layers.moe import MoERouter
 
@@ -84,8 +85,9 @@ def _gathered_fp32(param: nn.Parameter) -> torch.Tensor:
 
 def _partition_dtype(model: nn.Module) -> Optional[torch.dtype]:
     for p in model.parameters():
-        if hasattr(p, "ds_tensor"):
-            return p.ds_tensor.dtype
+        part = zero3.local_partition(p)
+        if part is not None:
+            return part.dtype
     return None
 
 
@@ -116,15 +118,15 @@ def apply_precision(model: nn.Module, dtype: Optional[torch.dtype] = None) -> nn
         tensors = list(model.parameters()) + (list(model.buffers()) if dtype is not None else [])
         for tensor in tensors:
             if (id(tensor) not in ids and tensor.is_floating_point() and tensor.dtype != target
-                    and not hasattr(tensor, "ds_id")):
+                    and not zero3.is_zero3_param(tensor)):
                 tensor.data = tensor.data.to(target)
     for _, module, name in listed:
         tensor = _tensor(module, name)
         if name not in module._parameters:
             if tensor.dtype != torch.float32:
                 module._buffers[name] = tensor.float()
-        elif hasattr(tensor, "ds_id"):
-            if tensor.ds_tensor.dtype != torch.float32:
+        elif zero3.is_zero3_param(tensor):
+            if zero3.local_partition(tensor).dtype != torch.float32:
                 _as_buffer(module, name, _gathered_fp32(tensor))
         else:
             if tensor.dtype != torch.float32:
