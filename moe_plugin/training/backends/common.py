@@ -12,6 +12,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ...compat.deepspeed import full_shape, is_zero3_param
 from ...layers.moe import StackedExperts
 from ...lora import lora_config
 
@@ -49,7 +50,7 @@ def partition_while_building(ds_config: dict, recipe) -> bool:
 def gathered(params: Iterable[torch.Tensor], modifier_rank=None):
     """``deepspeed.zero.GatheredParameters`` over the ZeRO-3 partitioned ones among ``params`` (collective over
     their partition groups), a no-op context when none is partitioned."""
-    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    partitioned = [p for p in params if is_zero3_param(p)]
     if not partitioned:
         return contextlib.nullcontext()
     import deepspeed
@@ -92,7 +93,7 @@ def init_expert_adapters(model: nn.Module, seed: int) -> int:
         experts = _innermost(module)
         if not (hasattr(module, "lora_A") and isinstance(experts, StackedExperts)):
             continue
-        local = experts.w1.ds_shape[0] if hasattr(experts.w1, "ds_shape") else experts.w1.shape[0]
+        local = full_shape(experts.w1)[0]
         layer = re.search(r"layers\.(\d+)\.", name)
         key = zlib.crc32(f"{layer.group(1) if layer else name}/{getattr(module, 'parameter_name', '')}".encode())
         for lora_a in module.lora_A.values():
