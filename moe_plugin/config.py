@@ -16,6 +16,12 @@ KDA_GATE_FORMS = ("k3", "kimi_linear")
 LAYER_KINDS = ("kda", "mla")
 # how the routed experts are stored: "dense" floating-point weights, or packed as published (docs/packed-experts.md)
 EXPERT_FORMATS = ("dense", "mxfp4", "int4")
+# the model_type a checkpoint's config.json names: this project's save_pretrained (MoEPluginConfig), K3's text
+# model, and the multimodal wrapper this project writes (not confirmed against a published K3 multimodal
+# config). Here, torch- and transformers-free, so the recipe reader and the weight planner tell the layouts apart.
+HF_MODEL_TYPE = "moe_plugin"
+K3_TEXT_MODEL_TYPE = "kimi_linear"
+K3_VL_MODEL_TYPE = "kimi_k3"
 
 
 def require(condition: bool, field_name: str, message: str) -> None:

@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional
 
 from transformers import PretrainedConfig
 
-from ..config import KDAConfig, MLAConfig, ModelConfig, MoEConfig, VisionConfig, default_layer_types
+from ..config import (HF_MODEL_TYPE, KDAConfig, MLAConfig, ModelConfig, MoEConfig, VisionConfig,
+                      default_layer_types)
 
 # dataclass field -> Hugging Face key, so that errors name what the user actually wrote
 _HF_KEY = {
@@ -58,7 +59,7 @@ _LAYER_KIND = {v: k for k, v in _HF_LAYER_TYPE.items()}
 
 
 class MoEPluginConfig(PretrainedConfig):
-    model_type = "moe_plugin"
+    model_type = HF_MODEL_TYPE
     keys_to_ignore_at_inference = ["cache"]
 
     def __init__(

@@ -24,12 +24,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping
 
+from ..config import K3_TEXT_MODEL_TYPE, K3_VL_MODEL_TYPE
 from .configuration import MoEPluginConfig
 from .k3_quant import expert_format_from_k3, quantization_config_for
 
-TEXT_MODEL_TYPE = "kimi_linear"
-# model_type written for the multimodal wrapper; not confirmed against a published K3 multimodal config
-VL_MODEL_TYPE = "kimi_k3"
 _REQUIRED = object()
 _TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # K3 keys copied unchanged (same name, same meaning in MoEPluginConfig), with the default used when absent
@@ -173,7 +171,7 @@ def config_to_k3(config: MoEPluginConfig, multimodal: bool = False) -> Dict[str,
     c = config
     mc = c.to_model_config()
     lin = c.linear_attn_config
-    text: Dict[str, Any] = {"model_type": TEXT_MODEL_TYPE}
+    text: Dict[str, Any] = {"model_type": K3_TEXT_MODEL_TYPE}
     text.update({key: getattr(c, key) for key in _SAME_KEYS})
     text["hidden_act"] = c.hidden_act
     text["attn_res_block_size"] = c.attn_res_block_size if c.attn_res else None
@@ -196,5 +194,5 @@ def config_to_k3(config: MoEPluginConfig, multimodal: bool = False) -> Dict[str,
     if mc.vision is None:
         raise ValueError("vision_config: a multimodal K3 config needs the model's vision_config")
     vision = {field: getattr(mc.vision, field) for field in _VISION_FIELDS}
-    return {"model_type": VL_MODEL_TYPE, "text_config": text, "vision_config": vision,
+    return {"model_type": K3_VL_MODEL_TYPE, "text_config": text, "vision_config": vision,
             "image_token_id": c.image_token_id, "tie_word_embeddings": c.tie_word_embeddings}

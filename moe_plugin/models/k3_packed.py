@@ -20,11 +20,12 @@ from typing import Dict, Optional, Union
 import torch
 from safetensors.torch import save_file
 
+from ..config import K3_VL_MODEL_TYPE
 from ..fileio import SAFETENSORS_SINGLE, atomic_directory
 from ..ops.quant import decode
 from ..weights.packed import EXPERT_NAMINGS, k2_block_name, stack_of
 from ..weights.packed_tensors import per_expert_tensors
-from .k3_config import VL_MODEL_TYPE, config_to_k3
+from .k3_config import config_to_k3
 from .k3_format import CONFIG_NAME, save_k3_checkpoint, state_dict_to_k3
 from .modeling import MoEPluginForCausalLM
 from .presets import preset_config
@@ -65,7 +66,7 @@ def save_packed_k3_checkpoint(model, path: Union[str, os.PathLike], naming: str 
     tensors = packed_k3_tensors(model, naming, text_prefix)
     text = config_to_k3(model.config)
     text["torch_dtype"] = str(model.get_input_embeddings().weight.dtype).replace("torch.", "")
-    config = {"model_type": VL_MODEL_TYPE, "text_config": text, "tie_word_embeddings": model.config.tie_word_embeddings}
+    config = {"model_type": K3_VL_MODEL_TYPE, "text_config": text, "tie_word_embeddings": model.config.tie_word_embeddings}
     if not text_prefix:
         config = {**text, "tie_word_embeddings": model.config.tie_word_embeddings}
     with atomic_directory(path) as tmp:

@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError
 from ..plan.limits import LIMITS
 from .guards import GuardsSection
 from .recipe_errors import describe_errors
-from .recipe_model import HF_MODEL_TYPE, ModelSection  # noqa: F401 (HF_MODEL_TYPE: read from here too)
+from .recipe_model import ModelSection
 from .recipe_section import DEFER_MODEL_CHECKS, Problem, _field, _Section
 
 # the sizes a run accepts are the planner's (plan/limits.py), so whatever trains can be planned; steps: a

@@ -10,13 +10,9 @@ import inspect
 import os
 from typing import Any, Dict, List, Literal, Optional
 
-from ..config import ModelConfig
+from ..config import HF_MODEL_TYPE, ModelConfig
 from ..fileio import read_json
 from .recipe_section import Problem, _field, _Section
-
-# MoEPluginConfig.model_type (tested equal), the model_type of a config.json save_pretrained wrote; anything
-# else is K3's layout. Spelled out so that reading a recipe does not import transformers.
-HF_MODEL_TYPE = "moe_plugin"
 
 
 def _read_json(path: str) -> Dict[str, Any]:

@@ -15,6 +15,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Any, List, Literal, Optional
 
+from ..config import HF_MODEL_TYPE
+
 __all__ = ["ResolvedModel", "resolve_model", "base_hf_config", "tokenizer_files", "copy_tokenizer_files",
            "Format"]
 
@@ -80,8 +82,6 @@ def _read_config_json(path: str) -> dict:
 
 
 def _format_of(config_json: dict) -> Format:
-    from .recipe import HF_MODEL_TYPE
-
     return "hf" if config_json.get("model_type") == HF_MODEL_TYPE else "k3"
 
 

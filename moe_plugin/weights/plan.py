@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
-from ..config import ModelConfig, require
+from ..config import HF_MODEL_TYPE, K3_TEXT_MODEL_TYPE, K3_VL_MODEL_TYPE, ModelConfig, require
 from ..fileio import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, read_safetensors_header
 from .packed import (bit_compatible, expert_naming, is_k2_expert, is_packed_expert_stack, k2_block_name,
                      logical_shape, packed_expert_names, shape_tensor_name, stack_of, viewed_shape)
@@ -131,13 +131,10 @@ def _config_model_type(path: Optional[str]) -> Optional[str]:
 def detect_layout(path: Optional[str], names: Iterable[str]) -> str:
     """"k3" or "hf": by ``config.json``'s ``model_type`` in ``path`` (K3's "kimi_linear" / "kimi_k3", or this
     project's "moe_plugin"), else by the tensor names (K3 stores one tensor per expert)."""
-    from ..models.configuration import MoEPluginConfig  # imported late: moe_plugin.models imports this package
-    from ..models.k3_config import TEXT_MODEL_TYPE, VL_MODEL_TYPE
-
     model_type = _config_model_type(path)
-    if model_type in (TEXT_MODEL_TYPE, VL_MODEL_TYPE):
+    if model_type in (K3_TEXT_MODEL_TYPE, K3_VL_MODEL_TYPE):
         return "k3"
-    if model_type == MoEPluginConfig.model_type:
+    if model_type == HF_MODEL_TYPE:
         return "hf"
     return "k3" if any(parse_k3_expert(name) or is_k2_expert(name) for name in names) else "hf"
 

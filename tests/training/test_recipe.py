@@ -138,7 +138,7 @@ def test_model_config_problems_come_once_the_rest_is_valid():
 
 
 def test_the_model_type_the_recipe_spells_out_is_the_configs():
-    from moe_plugin.training.recipe import HF_MODEL_TYPE
+    from moe_plugin.config import HF_MODEL_TYPE
 
     assert HF_MODEL_TYPE == MoEPluginConfig.model_type
 
