@@ -5,7 +5,8 @@
   partition, ``ds_process_group`` the group it is partitioned over. ``is_zero3_param``, ``is_zero3_partitioned``,
   ``full_shape``, ``full_numel``, ``local_partition``, ``partition_group`` read them; ``tag_partition`` sets the
   ``ds_zero_partition_*``/``ds_zero_placement_family`` attributes ZeRO-3 reads to partition an expert
-  parameter within its own group (moe_plugin.parallel.zero3_ep says why).
+  parameter within its own group (moe_plugin.parallel.zero3_ep says why); ``partition_like`` calls the
+  ``convert_to_zero_parameters`` method ``Init`` attaches to a converted parameter.
 * The private expert-group functions of ``deepspeed.utils.groups`` (``expert_groups``).
 * ``TorchCheckpointEngine.load``, replaced while an engine checkpoint loads (``safe_checkpoint_loading``).
 * The communication backend's collective attributes (``use_current_collectives``).
@@ -41,7 +42,8 @@ from ._upstream import missing, require_in_source, resolve
 
 __all__ = ["deepspeed_safe_globals", "load_engine_file", "check_engine_files", "safe_checkpoint_loading",
            "use_current_collectives", "TESTED_DEEPSPEED", "check", "is_zero3_param", "is_zero3_partitioned",
-           "full_shape", "full_numel", "local_partition", "partition_group", "tag_partition", "expert_groups"]
+           "full_shape", "full_numel", "local_partition", "partition_group", "partition_like", "tag_partition",
+           "expert_groups"]
 
 TESTED_DEEPSPEED = "0.19.8"
 _DIST = "deepspeed"
@@ -172,6 +174,12 @@ def partition_group(p: torch.Tensor):
     return p.ds_process_group
 
 
+def partition_like(p: torch.Tensor, params) -> None:
+    """Partition ``params`` as ZeRO-3 partitioned ``p`` was (its ``Init``'s config, within the groups their own
+    tags name): ``p.convert_to_zero_parameters``, which ``Init`` attaches to every parameter it converts."""
+    p.convert_to_zero_parameters(param_list=list(params))
+
+
 def tag_partition(p: torch.Tensor, group, group_name: str, placement_family: str) -> None:
     """Make ZeRO-3 partition ``p`` within ``group`` (``ds_zero_partition_process_group``, read by
     ``Init._convert_to_deepspeed_param``), under the group name and placement family its stage-3 optimizer
@@ -220,6 +228,9 @@ def check() -> None:
     convert = resolve("deepspeed", _DIST, TESTED_DEEPSPEED, *_ZERO3_INIT)
     require_in_source("deepspeed", _DIST, TESTED_DEEPSPEED, convert, ".".join(_ZERO3_INIT), _ZERO3_SET,
                       "the ZeRO-3 parameter attribute")
+    init = resolve("deepspeed", _DIST, TESTED_DEEPSPEED, _ZERO3_INIT[0], "Init")
+    require_in_source("deepspeed", _DIST, TESTED_DEEPSPEED, init, f"{_ZERO3_INIT[0]}.Init",
+                      ("convert_to_zero_parameters",), "the ZeRO-3 parameter method")
     optimizer = resolve("deepspeed", _DIST, TESTED_DEEPSPEED, *_ZERO3_OPTIMIZER)
     require_in_source("deepspeed", _DIST, TESTED_DEEPSPEED, optimizer, ".".join(_ZERO3_OPTIMIZER),
                       _ZERO3_OPTIMIZER_READS, "the ZeRO-3 parameter attribute")

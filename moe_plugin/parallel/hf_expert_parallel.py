@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat.deepspeed import is_zero3_param, partition_like
 from ..config import require
 from ..layers.moe import StableLatentMoE
 from ..megatron.latent_moe import LatentMoELayer
@@ -68,10 +69,6 @@ def expert_parallel_size(model: nn.Module) -> int:
         if isinstance(m, ExpertParallelMoE):
             return int(m.token_dispatcher.ep_size)
     return 1
-
-
-def _is_partitioned(p: torch.Tensor) -> bool:
-    return hasattr(p, "ds_id")
 
 
 def _prepare_groups(ep_size: int, device: Optional[str]) -> None:
@@ -172,12 +169,12 @@ def parallelize_experts(model: nn.Module, ep_size: int, device: Optional[str] = 
         local = new.num_local_experts
         first, last = ep_rank * local, (ep_rank + 1) * local
         ours = {f"{name}.experts.{w}": getattr(new.experts, w) for w in _WEIGHTS}
-        if _is_partitioned(experts.w1):
+        if is_zero3_param(experts.w1):
             path = _checkpoint_of(model, checkpoint)
             index = _checkpoint_index(path) if index is None else index
             _load_local_experts(ours, first, last, path, model_config, index)
             # partitioned as zero.Init does, within the group the tags name (the expert-data-parallel group)
-            experts.w1.convert_to_zero_parameters(param_list=list(new.experts.parameters()))
+            partition_like(experts.w1, new.experts.parameters())
         else:
             for w in _WEIGHTS:
                 getattr(new.experts, w).data.copy_(getattr(experts, w).data[first:last])
