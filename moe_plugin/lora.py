@@ -17,6 +17,7 @@ from typing import Iterable, Optional, Sequence
 from peft import LoraConfig, get_peft_model, inject_adapter_in_model
 from torch import nn
 
+from .compat.deepspeed import full_numel
 from .config import require
 from .layers.moe import StackedExperts
 from .layers.packed_experts import PackedStackedExperts
@@ -81,5 +82,5 @@ def mark_expert_adapters(model: nn.Module) -> int:
 def count_parameters(model: nn.Module, params: Optional[Sequence] = None):
     """(trainable, total) element counts; ZeRO-3 partitioned parameters count their full size."""
     params = list(model.parameters()) if params is None else list(params)
-    numel = [getattr(p, "ds_numel", p.numel()) for p in params]
+    numel = [full_numel(p) for p in params]
     return sum(n for n, p in zip(numel, params) if p.requires_grad), sum(numel)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compat.deepspeed import full_shape
 from ..config import MoEConfig
 from ..ops.moe import (document_balance, grouped_glu, permute, quantile_balance_bias, route, unpermute,
                        update_bias_sign)
@@ -117,8 +118,8 @@ class StackedExperts(nn.Module):
                            beta=self.situ_beta, linear_beta=self.situ_linear_beta)
 
     def extra_repr(self) -> str:
-        # a ZeRO-3 partitioned parameter's own shape is (0,): its full shape is ds_shape
-        e, f, dim = getattr(self.w1, "ds_shape", self.w1.shape)
+        # a ZeRO-3 partitioned parameter's own shape is (0,): its full shape is ZeRO-3's ds_shape
+        e, f, dim = full_shape(self.w1)
         return f"num_experts={e}, dim={dim}, intermediate={f}, activation={self.activation!r}"
 
 

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..compat.deepspeed import full_numel
 from ..ops.activations import glu
 from ..ops.quant import DEFAULT_GROUP_SIZE, FORMATS, encode, grouped_lora, packed_grouped_linear, packed_spec
 from .moe import _SEED_MIX, StackedExperts
@@ -75,7 +76,7 @@ class PackedStackedExperts(StackedExperts):
         total = 0
         for kind in KINDS:
             for t in (getattr(self, kind), getattr(self, f"{kind}_scale")):
-                total += getattr(t, "ds_numel", t.numel()) * t.element_size()
+                total += full_numel(t) * t.element_size()
         return total
 
     @torch.no_grad()

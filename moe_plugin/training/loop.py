@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..fileio import write_json_atomic
-from ..compat.deepspeed import use_current_collectives
+from ..compat.deepspeed import full_shape, use_current_collectives
 from .backends import get_backend
 from .checkpoint import CheckpointManager
 from .engine_state import agree, load_latest, rng_state, save_step, set_rng_state
@@ -70,7 +70,7 @@ def parameter_groups(params, weight_decay: float) -> List[Dict]:
     (KDA's ``A_log`` and ``dt_bias``, docs/architecture.md section 2.1)."""
     decay, no_decay = [], []
     for p in params:
-        ndim = len(getattr(p, "ds_shape", p.shape))
+        ndim = len(full_shape(p))
         (no_decay if ndim < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
     return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
             if g["params"]]

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat.deepspeed import full_numel
 from ..layers.moe import LatentMoEMixin, route_logits
 from .logger import Distribution, Value
 
@@ -288,7 +289,7 @@ def global_parameter_counts(model: nn.Module, ep_size: int) -> Tuple[int, int]:
     each expert-parallel rank holds a different ``1 / ep_size`` of the experts."""
     trainable = total = 0
     for p in model.parameters():
-        n = getattr(p, "ds_numel", p.numel()) * (ep_size if getattr(p, "allreduce", True) is False else 1)
+        n = full_numel(p) * (ep_size if getattr(p, "allreduce", True) is False else 1)
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total
