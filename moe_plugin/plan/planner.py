@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 from ..config import require
 from .activations import plan_activations
 from .counts import ModelCounts, count_model
-from .limits import LIMITS, check_limit, parse_bytes  # noqa: F401 - parse_bytes: where callers found it
+from ..limits import LIMITS, check_limit, parse_bytes  # noqa: F401 - parse_bytes: where callers found it
 from .memory import Layout, MemoryPlan, plan_memory, zero3_at, zero_settings
 from .vision import image_grid, vision_activation_bytes
 

@@ -19,13 +19,13 @@ from typing import Any, Dict, List, Literal, Optional, Tuple
 
 from pydantic import Field, ValidationError
 
-from ..plan.limits import LIMITS
+from ..limits import LIMITS
 from .guards import GuardsSection
 from .recipe_errors import describe_errors
 from .recipe_model import ModelSection
 from .recipe_section import DEFER_MODEL_CHECKS, Problem, _field, _Section
 
-# the sizes a run accepts are the planner's (plan/limits.py), so whatever trains can be planned; steps: a
+# the sizes a run accepts are the planner's (limits.py), so whatever trains can be planned; steps: a
 # billion optimizer steps is centuries of any real run, and keeps every count exact in float64 metrics
 MAX_STEPS = 10 ** 9
 

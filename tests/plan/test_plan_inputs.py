@@ -12,7 +12,7 @@ import warnings
 import pytest
 
 from moe_plugin.plan import command
-from moe_plugin.plan.limits import LIMITS
+from moe_plugin.limits import LIMITS
 from moe_plugin.plan.planner import packed_lengths, plan_recipe
 from moe_plugin.training.data import Example, pack_examples
 from moe_plugin.training.recipe import recipe_from_dict

@@ -1,11 +1,12 @@
-"""The sizes ``moe-plugin plan`` accepts: each flag and recipe size has a largest value, named when refused.
-Torch-free, so the command checks its flags before anything heavy loads."""
+"""The sizes ``moe-plugin plan`` and a recipe accept: each flag and recipe size has a largest value, named when
+refused. Torch-free and in the bottom tier, so the plan command checks its flags before anything heavy loads and
+the recipe (``training/recipe.py``) checks its sizes against the same numbers: whatever trains can be planned."""
 
 from __future__ import annotations
 
 import math
 
-from ..config import require
+from .config import require
 
 __all__ = ["LIMITS", "check_limit", "parse_bytes"]
 
