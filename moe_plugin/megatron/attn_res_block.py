@@ -26,6 +26,7 @@ from typing import Any, Optional, Tuple
 import torch
 from megatron.core.transformer.transformer_block import TransformerBlock
 
+from ..compat.megatron import adopt_subclass
 from ..config import require
 from ..layers.attn_res import AttnResStream, attn_res_point, stream_from_state
 from ..layers.recompute import read_stream
@@ -137,7 +138,7 @@ def enable_attn_res_block(block: TransformerBlock, attn_res_block_size: int) -> 
                 "is not supported with Attention Residuals (the AttnRes block has no such path); unset it")
     require(not config.cpu_offloading, "TransformerConfig.cpu_offloading",
             "is not supported with Attention Residuals; set it False")
-    block.__class__ = AttnResTransformerBlock
+    adopt_subclass(block, AttnResTransformerBlock)
     block.attn_res_block_size = attn_res_block_size
     block.output_attn_res_proj, block.output_attn_res_norm = attn_res_point(config.hidden_size,
                                                                             config.layernorm_epsilon)

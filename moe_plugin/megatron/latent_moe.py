@@ -32,6 +32,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from ..compat.megatron import pop_router
 from ..config import MoEConfig, require
 from ..layers.mlp import GLUMLP
 from ..layers.moe import LatentMoEMixin, MoERouter, StackedExperts, expert_load, experts_kwargs
@@ -206,7 +207,7 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
         super().__init__(config, submodules or latent_moe_submodules(moe), layer_number, pg_collection)
         self.moe_config = moe
         # MoELayer registers the router as "router"; the checkpoints and LoRA targets call it "gate".
-        self.gate = self._modules.pop("router").to(_param_device(config))  # the router stays fp32
+        self.gate = pop_router(self).to(_param_device(config))  # the router stays fp32
         self._build_latent_modules(dtype=config.params_dtype, device=_param_device(config))
         self.last_load = None
 

@@ -24,6 +24,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..compat.megatron import adopt_subclass
 from ..config import ModelConfig, VisionConfig, require
 from ..layers.vision import MultimodalProjector, PatchMerger, VisionTower
 from ..layers.vision_blank import blank_image_tokens
@@ -88,6 +89,6 @@ def build_multimodal_gpt_model(config: ModelConfig, tc: TransformerConfig = None
     require(config.vision is not None, "ModelConfig.vision", "is required for the image+text model; give the "
             "config a vision_config, or build the text model with build_gpt_model")
     model = build_gpt_model(config, tc, **build_kwargs)
-    model.__class__ = MultimodalGPTModel
+    adopt_subclass(model, MultimodalGPTModel)
     model.attach_encoder(config.vision, config.image_token_id)
     return model

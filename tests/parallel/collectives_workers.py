@@ -13,7 +13,7 @@ def run() -> dict:
     import deepspeed
     import deepspeed.comm as ds_comm
 
-    from moe_plugin.megatron import collectives as megatron_collectives
+    from moe_plugin.compat import megatron as megatron_collectives
     from moe_plugin.compat.deepspeed import use_current_collectives
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

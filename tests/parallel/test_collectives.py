@@ -1,5 +1,5 @@
 """DeepSpeed's ZeRO-3 and megatron-core's token dispatcher call torch's current ``reduce_scatter_single`` /
-``all_gather_single`` (moe_plugin/compat/deepspeed.py, moe_plugin/megatron/collectives.py): the same
+``all_gather_single`` (moe_plugin/compat/deepspeed.py, moe_plugin/compat/megatron.py): the same
 results, and none of the deprecation warnings that their old aliases print (they broke the progress bar)."""
 
 import torch

@@ -33,9 +33,11 @@ class MegatronBackend(Backend):
     name = "megatron"
 
     def setup_parallel(self) -> ParallelInfo:
-        from ...megatron.collectives import use_current_collectives
+        from ...compat import check_all
+        from ...compat.megatron import use_current_collectives
         from ...parallel.distributed import initialize_megatron
 
+        check_all(("megatron",))  # megatron-core's internals this backend reaches, once, before any is used
         use_current_collectives()  # no deprecation warnings from the dispatcher's gathers in the progress bar
         ep = self.recipe.parallel.expert_parallel_size
         initialize_megatron(expert_model_parallel_size=ep, seed=self.recipe.seed)
