@@ -18,6 +18,7 @@ from peft import LoraConfig, get_peft_model, inject_adapter_in_model
 from torch import nn
 
 from .compat.deepspeed import full_numel
+from .compat.peft import register_custom_module
 from .config import require
 from .layers.moe import StackedExperts
 from .layers.packed_experts import PackedStackedExperts
@@ -39,7 +40,7 @@ def lora_config(r: int = 8, alpha: float = 16, target_modules: Iterable[str] = S
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules or None,
                         target_parameters=params or None)
     # packed experts take their adapters through their own peft layer, in peft's layout (moe_plugin.lora_packed)
-    config._register_custom_module({PackedStackedExperts: PackedParamWrapper})
+    register_custom_module(config, {PackedStackedExperts: PackedParamWrapper})
     return config
 
 

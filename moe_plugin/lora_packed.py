@@ -24,8 +24,7 @@ import contextlib
 from typing import Any, List
 
 import torch
-from peft.tuners.lora.layer import ParamWrapper
-
+from .compat.peft import named_as_param_wrapper, param_wrapper_base
 from .layers.packed_experts import PackedStackedExperts
 
 __all__ = ["PackedParamWrapper", "stacked_factors"]
@@ -39,7 +38,10 @@ def stacked_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int
     return a, b
 
 
-class PackedParamWrapper(ParamWrapper):
+# peft recognises its parameter wrappers by class name (tuners_utils' _inject_parameters nests a second
+# targeted parameter only inside a class named "ParamWrapper"), so the subclass carries that name
+@named_as_param_wrapper
+class PackedParamWrapper(param_wrapper_base()):
     """peft's ``ParamWrapper`` over a ``PackedStackedExperts`` parameter (see the module docstring)."""
 
     def _get_in_out_features(self, module):
@@ -83,8 +85,3 @@ class PackedParamWrapper(ParamWrapper):
         raise ValueError(f"{self.parameter_name}: the packed experts cannot take a merged adapter in place (that "
                          "would requantise them, a lossy change); export with "
                          "moe_plugin.weights.quantize.merge_expert_adapter instead")
-
-
-# peft recognises its parameter wrappers by class name (tuners_utils' _inject_parameters nests a second
-# targeted parameter only inside a class named "ParamWrapper"), so the subclass carries that name
-PackedParamWrapper.__name__ = "ParamWrapper"
