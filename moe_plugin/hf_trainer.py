@@ -23,9 +23,12 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
+from .compat import check_all
+from .compat.transformers import save_trainer_output
 from .training.data import IGNORE, Example
-from .training.logger import Logger, NullLogger, make_logger
+from .training.logger import Logger, NullLogger
 from .training.moe_metrics import MoEMetrics
+from .training.run_logger import make_logger
 
 __all__ = ["MoEMetricsCallback", "MoETrainer", "CausalLMDataset", "collate_causal_lm", "datasets_for"]
 
@@ -82,7 +85,17 @@ class MoETrainer(Trainer):
     ``hf_expert_parallel.adapter_state`` (ZeRO-3 gathered, expert adapters all-gathered over the expert-parallel
     group) and the saving rank writes it through peft's ``save_pretrained``: a plain peft adapter for all ``E``
     experts, loadable on one process. Without expert parallelism it is ``Trainer.save_model`` unchanged.
+
+    Construction checks, once per process, the transformers and peft internals the project reaches
+    (``moe_plugin.compat``; DeepSpeed's too when ``args.deepspeed`` is set): a version that moved them fails
+    here, naming the upstream name and the pinned version, not in the middle of a save.
     """
+
+    def __init__(self, *args, **kwargs):
+        check_all(("transformers", "peft"))
+        super().__init__(*args, **kwargs)
+        if self.args.deepspeed:
+            check_all(("deepspeed",))
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
         # a model can only be expert-parallel once that module was imported (it imports megatron-core)
@@ -92,7 +105,7 @@ class MoETrainer(Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state = hep.adapter_state(self.model)  # collective: every rank
         if self.args.should_save:
-            self._save(output_dir, state_dict=state)
+            save_trainer_output(self, output_dir, state)
 
 
 def _wandb_section(wandb: Union[None, str, dict, object]):

@@ -280,7 +280,7 @@ def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targ
     ``out`` must be new, empty, or an earlier export of this run and format (docs/exports.md "Where it writes").
     Raises ValueError for bad input, ``ExportCheckError`` when the written export does not reproduce the adapted
     model (``out`` is then left as it was)."""
-    from transformers.utils.hub import convert_file_size_to_int
+    from ..compat.transformers import convert_file_size_to_int
 
     require(to in FORMATS, "to", f"must be one of {list(FORMATS)}, got {to!r}")
     require(not requantise or to.startswith("merged"), "requantise", "only merged exports hold base weights to "

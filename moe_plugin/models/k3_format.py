@@ -32,8 +32,8 @@ from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Type, Union
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from transformers.utils.hub import convert_file_size_to_int
 
+from ..compat.transformers import convert_file_size_to_int
 from ..fileio import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, atomic_directory
 from ..weights.loader import load_state, state_from_tensors
 from ..weights.names import (A_LOG_PAD_MULTIPLE, TEXT_PREFIX, VISION_PREFIXES, a_log_padded_length,

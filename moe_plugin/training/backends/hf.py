@@ -44,7 +44,7 @@ class HFBackend(Backend):
         # while this object lives, transformers knows the model is ZeRO-3 partitioned (gathers to save, ...)
         self._hf_ds_config = HfDeepSpeedConfig(ds_config) if zero3 else None
         if partition_while_building(ds_config, self.recipe):
-            from transformers.initialization import no_init_weights
+            from ...compat.transformers import no_init_weights
 
             # the checkpoint overwrites every weight: skip transformers' post-init draws, which would run
             # on the empty ZeRO-3 placeholders (as transformers' own from_pretrained does under ZeRO-3)
