@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..fileio import write_json_atomic
+from ..compat import check_all
 from ..compat.deepspeed import full_shape, use_current_collectives
 from .backends import get_backend
 from .checkpoint import CheckpointManager
@@ -107,6 +108,8 @@ class Trainer:
         import deepspeed
 
         started = time.perf_counter()
+        # DeepSpeed's, peft's and transformers' internals the run reaches, once (megatron's: its backend)
+        check_all(("deepspeed", "peft", "transformers"))
         world = env_world_size()
         # the base's configs and tokenizer, read once here; everything after takes this object
         self.recipe, self.resolved = recipe, resolve_model(recipe.model)
