@@ -4,6 +4,11 @@ Kernels are chosen by the tensors' device, never by what happens to be importabl
 kimi_linear picks flash-linear-attention's Triton kernel for CPU tensors whenever fla is installed and
 then fails (docs/cpu.md). Here a Triton kernel is used only when every tensor is on CUDA
 *and* the kernel imports.
+
+CUDA tensors whose kernel does not import are not silent: the first time, a warning names the kernel and the
+pinned version (``moe_plugin.compat.fla``), since the torch path is 35-90x slower; with
+``MOE_PLUGIN_REQUIRE_KERNELS=1`` that is a RuntimeError instead. CPU tensors never warn: the torch path is
+the intended one there. ``MOE_PLUGIN_DISABLE_KERNELS=1`` (the torch path on purpose) says nothing either.
 """
 
 from __future__ import annotations
@@ -11,32 +16,56 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from typing import Any, Callable, Dict, Optional, Tuple
+import warnings
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 
+from ..compat import fla
+
 # Set MOE_PLUGIN_DISABLE_KERNELS=1 to force the torch paths everywhere (for A/B checks on a GPU).
 _DISABLE_ENV = "MOE_PLUGIN_DISABLE_KERNELS"
+# Set MOE_PLUGIN_REQUIRE_KERNELS=1 to make CUDA tensors without their kernel an error, not a warning.
+_REQUIRE_ENV = fla.REQUIRE_ENV
+# why (module, attr) did not import, for the message; the kernels already warned about
+_IMPORT_ERRORS: Dict[Tuple[str, str], str] = {}
+_WARNED: Set[Tuple[str, str]] = set()
 
 
 @functools.lru_cache(maxsize=None)
 def _import_attr(module: str, attr: str) -> Optional[Callable[..., Any]]:
     try:
         return getattr(importlib.import_module(module), attr)
-    except Exception:  # ImportError, or triton failing to find a driver at import time
+    except Exception as err:  # ImportError, or triton failing to find a driver at import time
+        _IMPORT_ERRORS[(module, attr)] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         return None
 
 
+def _missing_kernel(module: str, attr: str) -> None:
+    """CUDA tensors reached ``module.attr`` and it did not import: warn once, or raise under REQUIRE_KERNELS."""
+    message = fla.missing_kernel_message(module, attr, _IMPORT_ERRORS.get((module, attr), ""))
+    if os.environ.get(_REQUIRE_ENV) == "1":
+        raise RuntimeError(message)
+    if (module, attr) not in _WARNED:
+        _WARNED.add((module, attr))
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def on_cuda(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether every given tensor is on CUDA (the kernels' device); the one device test of the choice."""
     present = [t for t in tensors if t is not None]
     return bool(present) and all(t.is_cuda for t in present)
 
 
 def gpu_kernel(module: str, attr: str, *tensors: Optional[torch.Tensor]) -> Optional[Callable[..., Any]]:
-    """Return ``module.attr`` when the tensors live on CUDA and it imports; otherwise ``None``."""
+    """Return ``module.attr`` when the tensors live on CUDA and it imports; otherwise ``None`` (the torch path).
+    CUDA tensors whose kernel does not import warn once, or raise with ``MOE_PLUGIN_REQUIRE_KERNELS=1``."""
     if os.environ.get(_DISABLE_ENV) == "1" or not on_cuda(*tensors):
         return None
-    return _import_attr(module, attr)
+    kernel = _import_attr(module, attr)
+    if kernel is None:
+        _missing_kernel(module, attr)
+    return kernel
 
 
 # Packed routed experts (ops.quant, docs/packed-experts.md): format -> (module, function) of a fused dequant
