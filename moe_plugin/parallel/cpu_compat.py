@@ -24,18 +24,24 @@ the upstream attribute that is missing; nothing is skipped, because a half-patch
 in places far from the cause.
 
 Written against megatron-core 0.16.1 and DeepSpeed 0.19.8 (Python 3.11, torch 2.13 CPU); docs/cpu.md explains
-each patch. When a version moves and a target disappears, re-check the upstream call it replaced.
+each patch. When a version moves and a target disappears, re-check the upstream call it replaced. The pins
+and installed versions in the messages come from ``moe_plugin.compat`` (``TESTED_MEGATRON``,
+``TESTED_DEEPSPEED``), the one place each upstream's tested version is named (docs/compat.md); the patches
+stay here, applied only by a CPU run, because they are stand-ins for GPU calls rather than reaches the
+product makes on every machine.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import logging
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
+from ..compat._upstream import installed_version
+from ..compat.deepspeed import TESTED_DEEPSPEED
+from ..compat.megatron import TESTED_MEGATRON
 from .cpu_standins import TORCH_ON_CPU
 
 __all__ = ["apply_cpu_patches", "remove_cpu_patches", "cpu_patches_applied", "CPU_PATCH_NAMES",
@@ -53,10 +59,7 @@ _DISTRIBUTIONS = {"megatron": "megatron-core", "deepspeed": "deepspeed"}
 
 def _installed(module_name: str) -> str:
     dist_name = _DISTRIBUTIONS.get(module_name.split(".")[0], module_name.split(".")[0])
-    try:
-        return f"{dist_name} {importlib.metadata.version(dist_name)}"
-    except importlib.metadata.PackageNotFoundError:
-        return f"{dist_name} (not installed)"
+    return f"{dist_name} {installed_version(dist_name)}"
 
 
 def _target(patch: str, module_name: str, attr_path: str = "") -> Any:
@@ -74,8 +77,9 @@ def _target(patch: str, module_name: str, attr_path: str = "") -> Any:
         if not hasattr(obj, part):
             raise RuntimeError(
                 f"CPU patch {patch!r}: {walked} does not exist in the installed {_installed(module_name)}. The "
-                "patch was written for megatron-core 0.16.1 / DeepSpeed 0.19.8; check what replaced that "
-                "upstream call (docs/cpu.md) and update moe_plugin.parallel.cpu_compat, or install those versions")
+                f"patch was written for megatron-core {TESTED_MEGATRON} / DeepSpeed {TESTED_DEEPSPEED}; check what "
+                "replaced that upstream call (docs/cpu.md) and update moe_plugin.parallel.cpu_compat, or install "
+                "those versions")
         obj = getattr(obj, part)
     return obj
 
