@@ -1,5 +1,6 @@
 """The planner's error: planned against measured per-rank peaks of the product's Trainer on tiny CPU layouts
-(1, 2 and 4 processes; EP 1 and 2 with ZeRO-3; dense and MXFP4 experts; several sequence lengths).
+(1, 2 and 4 processes; EP 1 and 2 with ZeRO-3; dense and MXFP4 experts; several sequence lengths; one layout
+of each launch with Attention Residuals in every activation checkpointing mode).
 
 Measured: each rank's peak of tensor bytes (``torch.profiler``'s allocator events summed, from just before the
 Trainer starts; ``moe_plugin.plan.measure``). The framework overhead is one measured constant per launch and
@@ -17,7 +18,7 @@ from .harness import machine_line, write_results
 
 def main() -> None:
     from moe_plugin.parallel.launch import run_distributed
-    from moe_plugin.plan.measure import LAYOUTS, layout_recipes, planned_peak
+    from moe_plugin.plan.measure import layout_recipes, measured_layouts, planned_peak
 
     lines = [machine_line(2)]
     cache: dict = {}
@@ -31,10 +32,12 @@ def main() -> None:
         for rank in range(world):
             peaks = [m["peak_bytes"] for m in measured[rank]]
             overhead = peaks[0] - planned[0]
-            for (w, ep, seq, fmt), plan, peak in zip(LAYOUTS[world], planned[1:], peaks[1:]):
+            for (w, ep, seq, fmt, mode, shape), plan, peak in zip(measured_layouts(world), planned[1:], peaks[1:]):
                 error = (plan + overhead - peak) / peak
                 worst = max(worst, abs(error))
-                line = (f"{w} processes, EP {ep}, seq {seq}, {fmt} experts, rank {rank}: planned "
+                attn_res = ", AttnRes" if shape.get("attn_res") else ""
+                line = (f"{w} processes, EP {ep}, seq {seq}, {fmt} experts{attn_res}, checkpointing {mode}, "
+                        f"rank {rank}: planned "
                         f"{(plan + overhead) / 2**20:.0f} MiB, measured {peak / 2**20:.0f} MiB, planned/measured "
                         f"{(plan + overhead) / peak:.2f}, error {error:+.1%} (overhead constant "
                         f"{overhead / 2**20:+.1f} MiB)")

@@ -69,6 +69,7 @@ class ActivationPlan:
     head_working: float = 0.0
     # the vision encoder's working tensors (its saved bytes are by_segment["vision"]); it runs before layer 0
     vision_working: float = 0.0
+    checkpointed: Optional[object] = None  # a checkpointing mode's CheckpointedPlan (plan/checkpointing.py)
 
     @property
     def total(self) -> float:
@@ -154,10 +155,13 @@ def _inputs(shape, count: int, dtype, device: str = "meta") -> Tuple[torch.Tenso
     return tuple(torch.randn(shape, dtype=dtype, device=device).requires_grad_() for _ in range(count))
 
 
-def _run(fn, modules: Dict[nn.Module, str], default: str, working: Optional[list] = None) -> Dict[str, int]:
+def _run(fn, modules: Dict[nn.Module, str], default: str, working: Optional[list] = None,
+         exclude: Sequence[torch.Tensor] = ()) -> Dict[str, int]:
     """Saved bytes of ``fn()`` per segment; ``working`` (a list) gets the most ``fn`` held at once beyond what
-    it leaves: the peak of the storages its ops made, less those still alive with its result."""
+    it leaves: the peak of the storages its ops made, less those still alive with its result. Tensors in
+    ``exclude`` (the inputs, when the caller counts them itself) are not counted."""
     counter, live = _SavedBytes(modules, default), _LiveBytes()
+    counter.own.update(_key(t) for t in exclude)
     try:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), live:
             result = fn()
@@ -187,13 +191,18 @@ def _add_lora(module: nn.Module, lora_section) -> None:
 
 
 def layer_saved_bytes(mc, index: int, lora_section, shape, dtype, cands: int, device: str = "meta",
-                      cu_seqlens: Optional[torch.Tensor] = None, working: Optional[list] = None) -> Dict[str, int]:
+                      cu_seqlens: Optional[torch.Tensor] = None, working: Optional[list] = None,
+                      mode: str = "off", peak: Optional[list] = None) -> Dict[str, int]:
     """Saved-for-backward bytes of decoder layer ``index`` of ``mc`` (with the recipe's adapters) on ``cands``
     input tensors of ``shape`` ``[B, T, D]``, per segment. ``device="cpu"`` runs it for real (the tests'
     reference for the meta run, which needs ``meta_forward``). cu_seqlens ``[n+1]`` (a CPU tensor, batch 1):
     the packed documents' boundaries, as the trainer passes them. ``working`` (a list): gets the forward's
-    most bytes held beyond what it saved (``_run``)."""
+    most bytes held beyond what it saved (``_run``). ``mode``: the layer's activation checkpointing
+    (``layers.recompute``): what it keeps, its input tensors left out (checkpointing keeps them, counted
+    apart); ``peak`` (a list): instead gets the most the layer's forward and backward (recomputes included) hold
+    at once beyond its inputs and weights, and nothing is counted."""
     from ..layers.decoder import DecoderLayer
+    from ..layers.recompute import set_recompute
     from ..precision import apply_precision
 
     with torch.device(device):
@@ -207,7 +216,18 @@ def layer_saved_bytes(mc, index: int, lora_section, shape, dtype, cands: int, de
     tags = {layer.input_layernorm: kind, layer.self_attn: kind, layer.post_attention_layernorm: "moe" if moe
             else "mlp", getattr(layer, "block_sparse_moe", None) or layer.mlp: "moe" if moe else "mlp"}
     state = _inputs(shape, cands, dtype, device)
-    return _run(lambda: layer(state, cu_seqlens=cu_seqlens), tags, "attn_res" if mc.attn_res else kind, working)
+    set_recompute(layer, mode)
+    run = lambda: layer(state, cu_seqlens=cu_seqlens)  # noqa: E731
+    if peak is not None:  # forward and backward, the mode's recomputes included, as the step runs the layer
+        live = _LiveBytes()
+        with live:
+            outs = [t for t in tree_leaves(run()) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            wrt = list(state) + [p for p in layer.parameters() if p.requires_grad]
+            torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+        peak.append(live.peak)
+        return {}
+    exclude = state if mode != "off" else ()
+    return _run(run, tags, "attn_res" if mc.attn_res and mode == "off" else kind, working, exclude=exclude)
 
 
 def _mixing_bytes(mc, shape, dtype, cands: int) -> int:

@@ -1,5 +1,5 @@
 """``moe-plugin plan --recipe R [--devices N --device-memory 141GB --micro-batch B --seq-len T
---checkpointing on|off --expert-format dense|mxfp4|int4 --capacity 1.25 --images N --image-size PX
+--checkpointing off|selective|full --expert-format dense|mxfp4|int4 --capacity 1.25 --images N --image-size PX
 --kernels gpu|cpu --from-checkpoint --json]``
 (docs/planner.md). A bad input is one line on stderr and exit status 2 (``--debug``: with its traceback); each
 size has a largest value it accepts (``planner.LIMITS``), named when it is refused."""
@@ -26,7 +26,7 @@ def format_plan(plan) -> str:
     rows = [f"plan: {plan.recipe or 'recipe'}",
             f"layout: {L.devices} devices, EP {L.ep} (expert-data-parallel {L.devices // L.ep}), "
             f"ZeRO-3 {'on' if L.zero3 else 'off'}, micro-batch {L.micro_batch} x {L.seq_len} tokens, "
-            f"accumulation {L.grad_accum}, checkpointing {'on' if L.checkpointing else 'off'}, "
+            f"accumulation {L.grad_accum}, activation checkpointing {L.checkpointing}, "
             f"{'bf16' if L.precision_bytes == 2 else 'fp32'}, capacity factor {L.capacity}"
             + (f", {L.images} pictures of {L.image_size} px per micro-batch" if L.images else "")
             + f", {L.kernels.upper()} kernels",
@@ -49,6 +49,15 @@ def format_plan(plan) -> str:
     if plan.device_memory:
         verdict = "fits" if plan.fits else "does NOT fit"
         rows.append(f"  device memory {plan.device_memory / 1e9:.0f} GB: {verdict}")
+    if plan.modes:
+        rows.append("activation checkpointing (schedule.activation_checkpointing; what each keeps: "
+                    "moe_plugin/layers/recompute.py), PEAK per mode:")
+        for mode, peak in plan.modes.items():
+            fits = "" if not plan.device_memory else ("  fits" if peak <= plan.device_memory else "  does NOT fit")
+            rows.append(f"  {mode:<46}{_gb(peak)}{fits}")
+        if plan.device_memory:
+            fitting = [mode for mode, peak in plan.modes.items() if peak <= plan.device_memory]
+            rows.append(f"  modes that fit: {', '.join(fitting) if fitting else 'none'}")
     rows += ["", f"tokens per step {plan.tokens_per_step:,}; FLOPs per step {plan.flops_per_step:.3e}; "
                  f"all-to-all bytes per MoE layer per step per rank {plan.all_to_all_bytes_per_layer_step / 1e9:.3f} GB",
              "1M-token context (micro-batch 1):"]
@@ -77,7 +86,8 @@ def _plan(argv: List[str]) -> int:
     p.add_argument("--device-memory")
     p.add_argument("--micro-batch", type=int)
     p.add_argument("--seq-len", type=int)
-    p.add_argument("--checkpointing", choices=["on", "off"], default="off")
+    p.add_argument("--checkpointing", choices=["off", "selective", "full"],
+                   help="activation checkpointing to plan (default: the recipe's schedule.activation_checkpointing)")
     p.add_argument("--expert-format", choices=["dense", "mxfp4", "int4"])
     p.add_argument("--capacity", type=float, help="the dispatch's capacity factor (default: the recipe's "
                    "parallel.capacity_factor, 1.25 unless it says otherwise)")
@@ -105,7 +115,7 @@ def _plan(argv: List[str]) -> int:
     from .planner import plan_recipe  # torch: only for a valid recipe
 
     plan = plan_recipe(recipe, devices=args.devices, device_memory=memory, micro_batch=args.micro_batch,
-                       seq_len=args.seq_len, checkpointing=args.checkpointing == "on",
+                       seq_len=args.seq_len, checkpointing=args.checkpointing,
                        expert_format=args.expert_format, capacity=args.capacity, knobs=True,
                        images=args.images, image_size=args.image_size, kernels=args.kernels,
                        from_checkpoint=args.from_checkpoint)

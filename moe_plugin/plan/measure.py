@@ -20,8 +20,8 @@ import json
 import os
 from typing import Dict, List, Optional
 
-__all__ = ["SHAPE", "CALIBRATION", "LAYOUTS", "MEASURED_REDUCE_BUCKET", "layout_recipe", "layout_recipes",
-           "measure_worker", "planned_peak", "tensor_peak"]
+__all__ = ["SHAPE", "CALIBRATION", "LAYOUTS", "CHECKPOINTED", "MEASURED_REDUCE_BUCKET", "layout_recipe",
+           "layout_recipes", "measured_layouts", "measure_worker", "planned_peak", "tensor_peak"]
 
 # weights of about 20 M parameters (most of them routed experts) and activations of the same order
 SHAPE = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, layer_types=["kda", "kda", "kda", "mla"],
@@ -36,6 +36,11 @@ CALIBRATION = dict(SHAPE, vocab_size=512, hidden_size=32, num_experts=8, moe_int
 LAYOUTS = {1: [(1, 1, 256, "dense"), (1, 1, 1024, "dense"), (1, 1, 512, "mxfp4")],
            2: [(2, 1, 512, "dense"), (2, 2, 256, "dense"), (2, 2, 1024, "mxfp4")],
            4: [(4, 2, 256, "dense"), (4, 2, 1024, "dense"), (4, 1, 512, "dense"), (4, 2, 512, "mxfp4")]}
+# activation checkpointing (schedule.activation_checkpointing): one layout per launch, with Attention Residuals
+# (what "full" recomputes beyond "selective"), run in every mode after LAYOUTS
+CHECKPOINTED_SHAPE = dict(SHAPE, attn_res=True, attn_res_block_size=2)
+CHECKPOINTED = {1: (1, 1, 1024, "dense"), 2: (2, 2, 512, "mxfp4"), 4: (4, 2, 512, "dense")}
+CHECKPOINTING_MODES = ("off", "selective", "full")
 # The shipped ZeRO-3 config allocates DeepSpeed's default 5e8-element contiguous-gradient bucket (2 GB in
 # fp32), which would be most of every measured peak and hide the rest of the plan; the measured layouts run
 # that config with a bucket of 1 M elements, and the plan counts whatever the config says.
@@ -56,7 +61,8 @@ def measured_ds_config(directory: str) -> str:
 
 
 def layout_recipe(output_dir: str, world: int, ep: int, seq_len: int, expert_format: str = "dense",
-                  shape: dict = SHAPE, steps: int = 2, ds_config: Optional[str] = SHIPPED_DS_CONFIG) -> dict:
+                  shape: dict = SHAPE, steps: int = 2, ds_config: Optional[str] = SHIPPED_DS_CONFIG,
+                  checkpointing: str = "off") -> dict:
     """A LoRA recipe on the seed's targets (one micro-batch of 2 rows per rank), fp32 as the CPU trains. Two
     steps: DeepSpeed records its module trace in the first and runs the second in the steady state (the
     trace complete: parameters kept gathered for reuse, prefetch on)."""
@@ -65,17 +71,26 @@ def layout_recipe(output_dir: str, world: int, ep: int, seq_len: int, expert_for
             "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "gate"]},
             "data": {"kind": "arithmetic", "num_documents": 400, "seq_len": seq_len, "eval_fraction": 0.0},
             "parallel": {"backend": "megatron", "expert_parallel_size": ep},
-            "schedule": {"steps": steps, "micro_batch_size": 2, "lr": 1e-3, "decay": "constant"},
+            "schedule": {"steps": steps, "micro_batch_size": 2, "lr": 1e-3, "decay": "constant",
+                         "activation_checkpointing": checkpointing},
             "checkpoint": {"every": 0}, "logging": {"every": 1000, "progress_bar": False,
                                                     "wandb": {"mode": "disabled"}}}
 
 
+def measured_layouts(world: int) -> List[tuple]:
+    """``(world, EP, seq_len, expert format, checkpointing mode, shape)`` of each layout a launch of ``world``
+    processes measures after its calibration: ``LAYOUTS[world]``, then ``CHECKPOINTED[world]`` in every mode."""
+    return ([layout + ("off", SHAPE) for layout in LAYOUTS[world]]
+            + [CHECKPOINTED[world] + (mode, CHECKPOINTED_SHAPE) for mode in CHECKPOINTING_MODES])
+
+
 def layout_recipes(directory: str, world: int) -> List[dict]:
-    """The calibration recipe, then ``LAYOUTS[world]``'s, with outputs and the DeepSpeed config in
-    ``directory``."""
+    """The calibration recipe, then those of ``measured_layouts(world)``, with outputs and the DeepSpeed config
+    in ``directory``."""
     ds = measured_ds_config(directory) if world > 1 else None
     return [layout_recipe(f"{directory}/calibration", world, 1, 256, shape=CALIBRATION, ds_config=ds)] + [
-        layout_recipe(f"{directory}/l{i}", *layout, ds_config=ds) for i, layout in enumerate(LAYOUTS[world])]
+        layout_recipe(f"{directory}/l{i}", w, ep, seq, fmt, shape=shape, ds_config=ds, checkpointing=mode)
+        for i, (w, ep, seq, fmt, mode, shape) in enumerate(measured_layouts(world))]
 
 
 def _settle() -> None:

@@ -32,7 +32,7 @@ class Layout:
     micro_batch: int
     seq_len: int
     grad_accum: int = 1
-    checkpointing: bool = False
+    checkpointing: str = "off"  # layers.recompute's mode: "off", "selective" or "full"
     capacity: float = 1.25
     precision_bytes: int = 2  # bf16 (2) or fp32 (4)
     zero: Dict[str, int] = field(default_factory=lambda: dict(ZERO3_DEFAULTS))
@@ -110,13 +110,9 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
     else:
         gathered, buckets = 0.0, 0.0
     act = activations_of(L)
-    largest = act.largest_layer
     head_peak = act.total + act.head_working  # backward's start: everything saved, the logit gradients
-    if L.checkpointing:
-        # each layer keeps only its input; one layer at a time is recomputed and holds its saved tensors
-        activations = act.layer_inputs + largest + act.head
-        by_segment = {"layer inputs": act.layer_inputs, "one layer recomputed": largest, "head": act.head}
-        transient = max(act.working + [act.head_working, act.vision_working])
+    if L.checkpointing != "off":
+        activations, by_segment, transient = _checkpointed(act, L.checkpointing)
     else:
         activations = act.total
         by_segment = dict(act.by_segment)
@@ -142,6 +138,28 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
     return MemoryPlan(base=base, adapters=adapters, gathered=gathered, buckets=buckets, activations=activations,
                       activations_by_segment=by_segment, transient=transient, dispatch=dispatch,
                       build_peak=build_peak, overhead=overhead, step_peak=step_peak, peak=peak, context=context)
+
+
+def _checkpointed(act: ActivationPlan, mode: str):
+    """(saved bytes, by segment, working bytes at the peak beyond them) with activation checkpointing in
+    ``mode``: every layer keeps its input and what ``act.checkpointed`` (plan/checkpointing.py) says it keeps.
+    The peak is at the backward's start (the logit gradients) or inside some layer's forward or backward (its
+    own most at once, recomputes included, beside what the layers before it keep)."""
+    ck = act.checkpointed
+    if ck is None or ck.mode != mode:
+        raise ValueError(f"checkpointing: the activations were planned for {getattr(ck, 'mode', 'off')!r}, not "
+                         f"{mode!r}; plan them with the layout's mode")
+    vision = act.by_segment.get("vision", 0.0)
+    per_input = ck.layer_inputs / max(1, len(ck.kept))
+    activations = vision + ck.layer_inputs + sum(ck.kept) + act.head
+    by_segment = {"layer inputs": ck.layer_inputs, "kept by the layers": sum(ck.kept), "head": act.head}
+    if vision:
+        by_segment = {"vision": vision, **by_segment}
+    held, peak = vision, max(vision + act.vision_working, activations + act.head_working)
+    for kept, layer_peak in zip(ck.kept, ck.peaks):
+        peak = max(peak, held + per_input + layer_peak)
+        held += per_input + kept
+    return activations, by_segment, peak - activations
 
 
 def zero3_at(ds_config: Optional[dict], devices: int) -> bool:

@@ -9,7 +9,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 from ..config import require
+from ..layers.recompute import MODES, check_mode
 from .activations import plan_activations
+from .checkpointing import plan_checkpointed
 from .counts import ModelCounts, count_model
 from ..limits import LIMITS, check_limit, parse_bytes  # noqa: F401 - parse_bytes: where callers found it
 from .memory import Layout, MemoryPlan, plan_memory, zero3_at, zero_settings
@@ -38,6 +40,7 @@ class Plan:
     knobs: Dict[str, float] = field(default_factory=dict)
     min_devices: Optional[int] = None
     kinds_per_layer: Dict[str, float] = field(default_factory=dict)  # saved bytes of one layer of each kind
+    modes: Dict[str, float] = field(default_factory=dict)  # the peak with each activation checkpointing mode
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -116,7 +119,8 @@ def _activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]
         # plan_memory asks once per layout it plans (the knobs, the device-count search): the activations do
         # not depend on the device count, ZeRO or checkpointing, so each distinct shape is planned once
         shape = ("activations", layout.micro_batch, layout.seq_len, layout.ep, layout.capacity,
-                 layout.precision_bytes, layout.kernels, layout.images, layout.image_size, documents_key)
+                 layout.precision_bytes, layout.kernels, layout.images, layout.image_size, documents_key,
+                 layout.checkpointing)
         if shape not in cache:
             cache[shape] = _activations(layout)
         return cache[shape]
@@ -126,6 +130,10 @@ def _activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]
         act = plan_activations(mc, lora_section, layout.micro_batch, layout.seq_len,
                                mc.moe.num_experts // layout.ep, layout.capacity, dtype, shared, documents,
                                layout.kernels)
+        if layout.checkpointing != "off":  # what the mode keeps, from the layers' own rule (plan/checkpointing.py)
+            act = replace(act, checkpointed=plan_checkpointed(
+                mc, lora_section, layout.micro_batch, layout.seq_len, mc.moe.num_experts // layout.ep,
+                layout.capacity, dtype, shared, documents, layout.kernels, layout.checkpointing))
         if not layout.images:
             return act
         key = ("vision", layout.images, layout.image_size, dtype, repr(lora_section))
@@ -159,7 +167,7 @@ def _flops(counts: ModelCounts, mc, layout: Layout, tokens: int) -> float:
     experts = counts.kinds["experts"].numel
     active = counts.total_numel - experts - counts.kinds["vision"].numel + experts * mc.moe.top_k / mc.moe.num_experts
     active -= counts.kinds["embeddings"].numel / 2  # the input embedding is a lookup
-    passes = 4 + (2 if layout.checkpointing else 0)
+    passes = 4 + (2 if layout.checkpointing != "off" else 0)
     k, m = mc.kda, mc.mla
     kda_layers = sum(t == "kda" for t in mc.layer_types)
     mla_layers = len(mc.layer_types) - kda_layers
@@ -171,7 +179,8 @@ def _flops(counts: ModelCounts, mc, layout: Layout, tokens: int) -> float:
 
 def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[float] = None,
                 micro_batch: Optional[int] = None, seq_len: Optional[int] = None,
-                checkpointing: bool = False, expert_format: Optional[str] = None, capacity: Optional[float] = None,
+                checkpointing: Optional[str] = None, expert_format: Optional[str] = None,
+                capacity: Optional[float] = None,
                 overhead_bytes: Optional[float] = None, cache: Optional[dict] = None,
                 knobs: bool = False, images: Optional[int] = None, image_size: int = 896,
                 kernels: str = "cpu", from_checkpoint: Optional[bool] = None) -> Plan:
@@ -179,7 +188,9 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     its DeepSpeed config (``devices`` from its ``train_batch_size``; ``images``, pictures per micro-batch
     through the vision tower: one per row when the recipe trains on images, else none; ``kernels``: whose
     saved sets, ``"cpu"`` as this machine runs or ``"gpu"`` as CUDA would, plan/meta_ops.py;
-    ``capacity``: the dispatch's capacity factor, by default the recipe's ``parallel.capacity_factor`` (the
+    ``checkpointing``: the activation checkpointing mode (``layers.recompute.MODES``), by default the recipe's
+    ``schedule.activation_checkpointing``; ``capacity``: the dispatch's capacity factor, by default the
+    recipe's ``parallel.capacity_factor`` (the
     factor the trainer compares each EP rank's measured load with); ``from_checkpoint``: the base streams in per
     rank, as a ``from_pretrained`` base does, even when the recipe
     names a preset, whose whole-rank build is otherwise planned; ``overhead_bytes``: the framework's own
@@ -198,6 +209,9 @@ def _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, e
     from ..training.backends.images import wants_images
 
     s = recipe.schedule
+    if checkpointing is None:
+        checkpointing = s.activation_checkpointing
+    check_mode(checkpointing, "--checkpointing")
     # a size given here is named as its flag; one left to the recipe, as the recipe's field
     micro_field = "--micro-batch" if micro_batch is not None else "schedule.micro_batch_size"
     seq_len_field = "--seq-len" if seq_len is not None else "data.seq_len"
@@ -275,6 +289,9 @@ def _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, e
                 counts=kinds, tokens_per_step=tokens, flops_per_step=_flops(counts, mc, layout, tokens),
                 all_to_all_bytes_per_layer_step=a2a, million_context=million,
                 kinds_per_layer=act(layout).kinds)
+    if context:  # the step peak of every checkpointing mode: which one fits
+        plan.modes = {mode: plan_memory(counts, mc, act, replace(layout, checkpointing=mode)).peak
+                      for mode in MODES}
     if knobs:
         plan.knobs = _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert_format, ds)
         if device_memory:
@@ -284,12 +301,13 @@ def _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, e
 
 def _million_context(counts, mc, act, layout: Layout) -> Dict[str, float]:
     million = {}
-    for ckpt in (False, True):
-        big = replace(layout, micro_batch=1, seq_len=MILLION_CONTEXT, checkpointing=ckpt)
-        million["checkpointing on" if ckpt else "checkpointing off"] = plan_memory(counts, mc, act, big).peak
+    for mode in MODES:
+        big = replace(layout, micro_batch=1, seq_len=MILLION_CONTEXT, checkpointing=mode)
+        million[f"checkpointing {mode}"] = plan_memory(counts, mc, act, big).peak
     kda_state = sum(t == "kda" for t in mc.layer_types) * mc.kda.num_heads * mc.kda.head_dim ** 2 * 4
     million["KDA state per sequence (all layers, fp32)"] = float(kda_state)
-    million["activations per token (no checkpointing)"] = act(replace(layout, micro_batch=1)).total / (
+    one_row = replace(layout, micro_batch=1, checkpointing="off")
+    million["activations per token (no checkpointing)"] = act(one_row).total / (
         layout.seq_len)
     return million
 
@@ -298,9 +316,10 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
     """Peak bytes saved (positive) or added (negative) by one change at a time."""
     layout, base = plan.layout, plan.memory.peak
     out: Dict[str, float] = {}
-    variants = {"checkpointing " + ("off" if checkpointing else "on"): replace(layout, checkpointing=not checkpointing),
-                "micro-batch 1": replace(layout, micro_batch=1),
-                f"micro-batch {layout.micro_batch * 2}": replace(layout, micro_batch=layout.micro_batch * 2)}
+    variants = {f"checkpointing {mode}": replace(layout, checkpointing=mode)
+                for mode in MODES if mode != checkpointing}
+    variants.update({"micro-batch 1": replace(layout, micro_batch=1),
+                     f"micro-batch {layout.micro_batch * 2}": replace(layout, micro_batch=layout.micro_batch * 2)})
     e = mc.moe.num_experts
     for ep in (layout.ep // 2, layout.ep * 2):
         if ep >= 1 and e % ep == 0 and layout.devices % ep == 0 and ep != layout.ep:

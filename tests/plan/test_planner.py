@@ -11,8 +11,8 @@ import torch
 
 from moe_plugin.parallel.launch import run_distributed
 from moe_plugin.plan.counts import count_model, rank_share
-from moe_plugin.plan.measure import (CALIBRATION, LAYOUTS, SHAPE, layout_recipe, layout_recipes, planned_peak,
-                                     tensor_peak)
+from moe_plugin.plan.measure import (CALIBRATION, CHECKPOINTED_SHAPE, SHAPE, layout_recipe, layout_recipes,
+                                     measured_layouts, planned_peak, tensor_peak)
 from moe_plugin.plan.planner import parse_bytes, plan_recipe
 from moe_plugin.training.recipe import LoraSection, recipe_from_dict
 
@@ -94,15 +94,17 @@ def test_meta_forward_saves_what_the_real_layer_saves(expert_format, extras):
 
 def test_seed_layout_plan_by_hand():
     """The shipped seed layout: experts per device against the config's numbers (E x 3 x F x L per MoE layer,
-    over EP 64 and the expert-data-parallel pair), BF16 and MXFP4; activations with checkpointing are one
-    layer's saved tensors plus a [T, D] input per layer, tens of GB at 1 x 4096 tokens."""
+    over EP 64 and the expert-data-parallel pair), BF16 and MXFP4; activations with full checkpointing are a
+    [T, D] input per layer plus what each layer keeps, which is mostly each MoE layer's dispatched tokens
+    (T x top-k x latent, never recomputed: layers.recompute), tens of GB at 1 x 4096 tokens; selective keeps
+    more, off most."""
     from moe_plugin.training.recipe import load_recipe
 
     recipe = load_recipe("recipes/k3_seed_layout.json")
     cache: dict = {}
     bf16 = plan_recipe(recipe, cache=cache)
     mxfp4 = plan_recipe(recipe, expert_format="mxfp4", cache=cache)
-    ckpt = plan_recipe(recipe, checkpointing=True, cache=cache)
+    ckpt = plan_recipe(recipe, checkpointing="full", cache=cache)
     mc = bf16.layout
     assert (mc.devices, mc.ep, mc.micro_batch, mc.seq_len) == (128, 64, 1, 4096)
     from moe_plugin.models import preset_config
@@ -116,8 +118,13 @@ def test_seed_layout_plan_by_hand():
     assert mxfp4.memory.base["experts"] == pytest.approx(experts * (0.5 + 1 / 32) / 64 / 2, rel=0.01)
     one_input = 4096 * cfg.hidden_size * 2
     assert ckpt.memory.activations_by_segment["layer inputs"] == pytest.approx(cfg.num_layers * one_input)
-    assert 5e9 < ckpt.memory.activations < 60e9
-    assert ckpt.memory.activations < bf16.memory.activations / 10
+    dispatched = moe_layers * 4096 * e.top_k * e.expert_dim * 2  # bf16, before the capacity factor
+    kept = ckpt.memory.activations_by_segment["kept by the layers"]
+    assert dispatched <= kept < 2 * dispatched, (kept, dispatched)
+    assert ckpt.memory.activations < bf16.memory.activations / 5
+    selective = plan_recipe(recipe, checkpointing="selective", cache=cache)
+    assert ckpt.memory.step_peak < selective.memory.step_peak < bf16.memory.step_peak  # (peak: the preset build)
+    assert bf16.modes == {"off": bf16.memory.peak, "selective": selective.memory.peak, "full": ckpt.memory.peak}
 
 
 def _profiled_peak(fn) -> tuple:
@@ -185,14 +192,27 @@ def _check(world: int) -> None:
         planned = [planned_peak(r, world, _CACHE) for r in recipes]
         measured = run_distributed("moe_plugin.plan.measure:measure_worker", world_size=world, timeout_s=3000,
                                    recipes=recipes, threads=max(1, 2 // world))
+    layouts = measured_layouts(world)
     for rank in range(world):
         peaks = [m["peak_bytes"] for m in measured[rank]]
         overhead = peaks[0] - planned[0]  # the calibration layout: the framework's own memory
         assert abs(overhead) < 0.1 * min(peaks[1:]), (rank, overhead)  # tensor bytes: little outside the plan
-        for layout, plan, peak in zip(LAYOUTS[world], planned[1:], peaks[1:]):
+        by_mode = {}
+        for layout, plan, peak in zip(layouts, planned[1:], peaks[1:]):
             error = (plan + overhead - peak) / peak
-            assert abs(error) < 0.25, (f"rank {rank}, layout {layout}: planned {(plan + overhead) / 2**20:.0f} MiB, "
-                                       f"measured {peak / 2**20:.0f} MiB ({error:+.0%})")
+            # the activation checkpointing layouts: within the issue's 15 % (measured: 9 % at most)
+            bound = 0.15 if layout[-1] is CHECKPOINTED_SHAPE else 0.25
+            assert abs(error) < bound, (f"rank {rank}, layout {layout[:5]}: planned {(plan + overhead) / 2**20:.0f} "
+                                        f"MiB, measured {peak / 2**20:.0f} MiB ({error:+.0%})")
+            if layout[-1] is CHECKPOINTED_SHAPE:
+                by_mode[layout[4]] = (plan, peak)
+        # the measured peak falls with checkpointing, as planned: to well under off's with either mode; at these
+        # sizes "full"'s larger recomputed region (a whole KDA layer up to its router) costs about what its
+        # smaller kept set saves, so full and selective are within a tenth of each other, measured and planned
+        for peaks_of in (lambda m: by_mode[m][0], lambda m: by_mode[m][1]):
+            off, selective, full = (peaks_of(m) for m in ("off", "selective", "full"))
+            assert max(selective, full) < 0.6 * off, (rank, off, selective, full)
+            assert abs(full - selective) < 0.1 * selective, (rank, off, selective, full)
 
 
 def test_planned_peak_matches_one_process_runs():

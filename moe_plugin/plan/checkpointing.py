@@ -1,0 +1,90 @@
+"""Activation memory under activation checkpointing (docs/planner.md, "Activation checkpointing"): what each
+decoder layer keeps in a mode, and what the backward's recompute of one region holds at once.
+
+Both are read off the model's own layers run on ``meta`` with the mode set (``layers.recompute.set_recompute``,
+the trainer's own switch), as ``activations.py`` reads the saved sets without it: the rule for what is kept is
+the layers' ``RECOMPUTED`` table itself, so the planner and the trainer cannot disagree on it. A mode's kept set
+is what autograd saves outside the checkpointed regions plus the regions' inputs (non-reentrant checkpointing
+saves them through the same hooks); the layer's input state is left out and counted once per layer
+(``layer_inputs``). The backward is run too: a layer's forward and backward on meta, its regions recomputed as the
+trainer's are, give the most it holds at once beyond its input (``peaks``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .activations import RUN_TOKENS, _built_from, _state_shape, layer_kinds, layer_saved_bytes, packed_boundaries
+from .meta_ops import MetaDispatch, meta_forward
+
+__all__ = ["CheckpointedPlan", "plan_checkpointed"]
+
+
+@dataclass
+class CheckpointedPlan:
+    """One micro-batch on one rank in a checkpointing ``mode``: ``layer_inputs`` the bytes of every layer's
+    input state; per layer, ``kept`` what it keeps beyond that (the MoE input, the routing, the dispatched
+    tokens; under ``"selective"`` also its attention's and MLP's inputs), ``peaks`` the most its forward and
+    backward (its recomputes included) hold at once, what it keeps among them."""
+
+    mode: str
+    layer_inputs: float
+    kept: List[float] = field(default_factory=list)
+    peaks: List[float] = field(default_factory=list)
+
+
+def plan_checkpointed(mc, lora_section, batch: int, seq_len: int, local_experts: int, capacity: float,
+                      dtype: torch.dtype, cache: Optional[dict], documents: Optional[Sequence[int]], kernels: str,
+                      mode: str) -> CheckpointedPlan:
+    """The ``CheckpointedPlan`` of ``mc`` in ``mode`` ("selective" or "full"); the other arguments as
+    ``activations.plan_activations`` (long micro-batches extended linearly from two runs, as there)."""
+    cache = {} if cache is None else cache
+    documents = tuple(documents) if documents else None
+    args = (mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode)
+    if batch * seq_len <= 2 * RUN_TOKENS:
+        return _measure(*args, batch, seq_len)
+    step = math.lcm(mc.kda.chunk_size, 64)
+    t1 = max(RUN_TOKENS // step, 1) * step
+    if mc.mla.use_indexer:
+        t1 = max(t1, -(-2 * mc.mla.index_topk // step) * step)
+    a, b = _measure(*args, 1, t1), _measure(*args, 1, 2 * t1)
+    f = (batch * seq_len - t1) / t1
+
+    def ext(xs, ys):
+        return [x + (y - x) * f for x, y in zip(xs, ys)]
+
+    return CheckpointedPlan(mode, a.layer_inputs + (b.layer_inputs - a.layer_inputs) * f, ext(a.kept, b.kept),
+                            ext(a.peaks, b.peaks))
+
+
+def _measure(mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode, batch, seq_len
+             ) -> CheckpointedPlan:
+    cu = packed_boundaries(batch, seq_len, documents)
+    shape = (1, batch * seq_len, mc.hidden_size)
+    kinds = layer_kinds(mc)
+    per_kind: Dict[Tuple[str, bool], Tuple[float, float]] = {}
+    with meta_forward(MetaDispatch(local_experts, capacity, kernels)):
+        for kind in dict.fromkeys(kinds):
+            index = kinds.index(kind)
+            routed = (_built_from(mc), local_experts, capacity) if kind[1] else _built_from(mc, routed=False)
+            key = ("checkpointed", mode, kind, routed, batch, seq_len, dtype, repr(lora_section), documents, kernels)
+            if key not in cache:
+                cands = len(_state_shape(index, mc))
+                kept = layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu, mode=mode)
+                peak: list = []
+                layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu, mode=mode, peak=peak)
+                cache[key] = float(sum(kept.values())), float(peak[0])
+            per_kind[kind] = cache[key]
+    plan = CheckpointedPlan(mode, float(batch * seq_len * mc.hidden_size * torch.empty(0, dtype=dtype).element_size()
+                                        * mc.num_layers))
+    # every mode recomputes the AttnRes mixes (layers.recompute): what a layer keeps does not depend on its
+    # number of candidates, so one layer of each kind stands for all of its kind
+    for kind in kinds:
+        kept, peak = per_kind[kind]
+        plan.kept.append(kept)
+        plan.peaks.append(peak)
+    return plan
