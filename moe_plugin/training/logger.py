@@ -5,19 +5,19 @@ a number, or a ``Distribution`` that trackers draw as a histogram and the consol
 over a PNG and ``close()`` ends the run. ``NullLogger`` is the disabled logger (every rank but 0 gets it),
 ``ConsoleLogger`` prints one line per logged step and drives a progress bar, ``WandbLogger``
 (``wandb_logger.py``) writes a W&B run (offline unless the recipe says online) and ``LoadPlotLogger``
-(``load_plot.py``) draws the expert load per layer over training. ``make_logger`` puts them together behind
-one ``Logger`` (docs/hf-trainer.md section 2).
+(``load_plot.py``) draws the expert load per layer over training. ``run_logger.make_logger`` puts them
+together behind one ``Logger`` (docs/hf-trainer.md section 2); it sits in its own module because the loggers it
+puts together build on this one.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Sequence, Union
 
-__all__ = ["Logger", "NullLogger", "ConsoleLogger", "MultiLogger", "Distribution", "make_logger"]
+__all__ = ["Logger", "NullLogger", "ConsoleLogger", "MultiLogger", "Distribution", "Value"]
 
 
 @dataclass(frozen=True)
@@ -137,28 +137,3 @@ class MultiLogger(Logger):
         for logger in self.loggers:
             logger.close()
 
-
-def make_logger(rank: int, logging=True, output_dir: Optional[str] = None, config: Optional[dict] = None,
-                wandb_mode: Optional[str] = None) -> Logger:
-    """Rank 0's logger; the other ranks get a ``NullLogger``.
-
-    ``logging``: the recipe's ``LoggingSection`` (or, as before, just the progress-bar flag: console only).
-    With a section and ``output_dir``, rank 0 also writes ``output_dir/expert_load.png`` at the end and a W&B run
-    (``logging.wandb``: offline by default, in ``output_dir`` unless ``wandb.dir`` says otherwise; no run when
-    its mode is ``"disabled"``). ``wandb_mode`` overrides the section's mode (the caller says online).
-    ``config`` is stored as the W&B run's config.
-    """
-    if rank != 0:
-        return NullLogger()
-    if isinstance(logging, bool):
-        return ConsoleLogger(logging)
-    console = ConsoleLogger(logging.progress_bar)
-    if output_dir is None:
-        return console
-    from .load_plot import LoadPlotLogger
-    from .wandb_logger import wandb_logger
-
-    tracker = wandb_logger(logging.wandb, output_dir, config, mode=wandb_mode)
-    # the plot goes first: its close() hands the PNG to the console and to W&B before they close
-    return MultiLogger([LoadPlotLogger(os.path.join(output_dir, "expert_load.png"), [console, tracker]),
-                        console, tracker])

@@ -45,11 +45,11 @@ from .data import StepBatches, eval_batches, label_token_count, load_examples, p
 from .ds_config import deepspeed_config
 from .exporting import write_outputs
 from .guards import StepGuard, TrainingStopped
-from .logger import make_logger
 from .moe_metrics import MoEMetrics, global_parameter_counts
 from .recipe import Recipe, check_layout, env_world_size
 from .resolved_model import resolve_model
 from .run_dir import claim_for_training
+from .run_logger import make_logger
 from .runtime import all_ok, choose_device, forget_processes, start_processes
 from .schedule import lr_scheduler
 

@@ -9,7 +9,8 @@ import os
 import pytest
 
 from moe_plugin.training.load_plot import LoadPlotLogger, plot_expert_load
-from moe_plugin.training.logger import ConsoleLogger, Distribution, Logger, MultiLogger, NullLogger, make_logger
+from moe_plugin.training.logger import ConsoleLogger, Distribution, Logger, MultiLogger, NullLogger
+from moe_plugin.training.run_logger import make_logger
 from moe_plugin.training.recipe import LoggingSection, RecipeError, recipe_from_dict
 
 
