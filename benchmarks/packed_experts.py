@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from moe_plugin.layers.moe import StackedExperts
 from moe_plugin.layers.packed_experts import PackedStackedExperts
+from moe_plugin.layers.stacked_experts import StackedExperts
 from moe_plugin.lora import add_lora, lora_config
 from moe_plugin.ops.quant import decode
 

@@ -20,8 +20,8 @@ from torch import nn
 from .compat.deepspeed import full_numel
 from .compat.peft import register_custom_module
 from .config import require
-from .layers.moe import StackedExperts
 from .layers.packed_experts import PackedStackedExperts
+from .layers.stacked_experts import StackedExperts
 from .lora_packed import PackedParamWrapper
 
 __all__ = ["SEED_TARGET_MODULES", "lora_config", "add_lora", "mark_expert_adapters", "count_parameters"]

@@ -27,7 +27,7 @@ from torch import nn
 from ..compat.deepspeed import full_numel
 from ..ops.activations import glu
 from ..ops.quant import DEFAULT_GROUP_SIZE, FORMATS, encode, grouped_lora, packed_grouped_linear, packed_spec
-from .moe import _SEED_MIX, StackedExperts
+from .stacked_experts import _SEED_MIX, StackedExperts
 
 __all__ = ["PackedStackedExperts", "KINDS"]
 

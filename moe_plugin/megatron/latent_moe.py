@@ -35,9 +35,10 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from ..compat.megatron import pop_router
 from ..config import MoEConfig, require
 from ..layers.mlp import GLUMLP
-from ..layers.moe import LatentMoEMixin, MoERouter, StackedExperts, expert_load, experts_kwargs
+from ..layers.moe import LatentMoEMixin, MoERouter, expert_load, experts_kwargs
 from ..layers.packed_experts import PackedStackedExperts
 from ..layers.recompute import recomputed
+from ..layers.stacked_experts import StackedExperts
 from ..parallel.zero3_ep import tag_expert_parameter
 
 # megatron routing/balancing options that LatentMoELayer's route never reads: each must keep its default, and

@@ -30,9 +30,10 @@ from transformers.utils import ModelOutput
 from ..layers.attn_res import AttnResProjection, attn_res_point, make_stream, stream_from_state
 from ..layers.decoder import DecoderLayer
 from ..layers.kda import KDAAttention, ShortConvolution
-from ..layers.moe import MoERouter, StackedExperts, balancing
+from ..layers.moe import MoERouter, balancing
 from ..layers.norm import RMSNorm
 from ..layers.recompute import check_mode, set_recompute
+from ..layers.stacked_experts import StackedExperts
 from ..layers.vision import VisionTower
 from ..ops.moe import document_weights
 from ..precision import FP32_TENSORS, keep_fp32_through

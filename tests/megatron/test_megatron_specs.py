@@ -12,7 +12,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from moe_plugin.layers.gated_dsa import GatedMLAAttention
 from moe_plugin.layers.kda import KDAAttention
 from moe_plugin.layers.mlp import GLUMLP
-from moe_plugin.layers.moe import StackedExperts
+from moe_plugin.layers.stacked_experts import StackedExperts
 from moe_plugin.megatron import specs
 from moe_plugin.megatron.adapters import (DenseMLP, GatedDSASelfAttention, KDASelfAttention, MegatronRMSNorm,
                                           packed_cu_seqlens)

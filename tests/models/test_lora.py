@@ -10,7 +10,8 @@ from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora.layer import ParamWrapper
 
 import moe_plugin
-from moe_plugin.layers.moe import MoERouter, StackedExperts
+from moe_plugin.layers.moe import MoERouter
+from moe_plugin.layers.stacked_experts import StackedExperts
 from moe_plugin.models import MoEPluginForCausalLM
 
 SEED_TARGETS = ["q_proj", "k_proj", "gate"]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ...compat.deepspeed import full_shape, is_zero3_param
-from ...layers.moe import StackedExperts
+from ...layers.stacked_experts import StackedExperts
 from ...lora import lora_config
 
 __all__ = ["zero3_enabled", "zero_init", "partition_while_building", "gathered", "adapter_lora_config", "init_expert_adapters", "load_base", "hf_config",
