@@ -1,7 +1,7 @@
 """Merged exports, streamed: base tensors read one at a time, deltas added, written to safetensors shards.
 
-``base_tensors(base_path, config)`` yields the base model's tensors under Hugging Face names, one at a time,
-whatever the base's layout (``weights.plan`` reads a K3 checkpoint's per-expert tensors into one stacked
+``base_stream.base_tensors(base_path, config)`` yields the base model's tensors under Hugging Face names, one at
+a time, whatever the base's layout (``weights.plan`` reads a K3 checkpoint's per-expert tensors into one stacked
 ``[E, out, in]`` tensor, unpads ``A_log``, ...). ``write_merged`` adds each target's delta (fp32 arithmetic,
 then the base dtype) and hands the tensor to a ``ShardWriter`` in the output's naming (Hugging Face stacked, or
 K3 per-expert through ``models.k3_format``'s rules). The writer flushes a shard when it is full and before it
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import ExitStack
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from safetensors.torch import save_file
@@ -28,12 +27,13 @@ from ..config import require
 from ..fileio import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, safetensors_weight_map
 from ..weights.names import (TEXT_PREFIX, VISION_PREFIXES, has_vision, is_stacked_expert, k3_expert_name,
                              quantised_tensors, strip_text_prefix, tensor_to_k3)
-from ..weights.packed import is_packed_expert_stack, stack_of
+from ..weights.packed import stack_of
+from .base_stream import base_tensors
 from .deltas import dense_delta, expert_deltas
 from .packed import decoded, float_dtype, packed_output_tensors, packed_stacks, requantise as requantise_stack
 from .targets import Target
 
-__all__ = ["check_packed_base", "has_vision", "ShardWriter", "base_tensors", "write_merged", "expert_layer_of", "delta_for"]
+__all__ = ["check_packed_base", "has_vision", "ShardWriter", "write_merged", "expert_layer_of", "delta_for"]
 
 
 def expert_layer_of(name: str) -> Optional[int]:
@@ -107,47 +107,6 @@ def check_packed_base(base_path: str, requantise: bool) -> bool:
     require(bool(packed) or not requantise, "requantise", "the base's experts are not packed: there is nothing "
             "to requantise to; leave --requantise out")
     return bool(packed)
-
-
-def base_tensors(base_path: str, hf_config) -> Iterator[Tuple[str, torch.Tensor]]:
-    """The base checkpoint's tensors under the text model's Hugging Face names, one at a time, in state-dict
-    order (experts stacked ``[E, out, in]``), each a new tensor in the checkpoint's dtype. Packed experts come
-    as a layer keeps them: codes ``...experts.w1`` ``[E, out, packed_cols]`` and ``...experts.w1_scale``. An
-    image+text base's vision tensors (``vision_tower.``, ``mm_projector.``) follow, under their stored names."""
-    from ..models import MoEPluginForCausalLM
-    from ..weights.loader import LoadStats, _apply, _open_safetensors
-    from ..weights.plan import Target as ReadTarget, detect_layout, plan_reads, stored_tensors
-
-    config = hf_config.to_model_config()
-    with torch.device("meta"):
-        meta = MoEPluginForCausalLM(hf_config).state_dict()
-    if hf_config.tie_word_embeddings:
-        meta.pop("lm_head.weight", None)  # stored once, as the embedding
-    targets = {}
-    for n, t in meta.items():
-        packed = is_packed_expert_stack(n, str(t.dtype).removeprefix("torch."))  # read as stored, never converted
-        expert = (is_stacked_expert(n) or packed) and t.dim() == 3
-        targets[n] = ReadTarget(tuple(t.shape), (0, t.shape[0]) if expert else None,
-                                dtype=str(t.dtype).removeprefix("torch.") if packed else None)
-    stored = stored_tensors(safetensors_weight_map(base_path))
-    plan = plan_reads(targets, safetensors_weight_map(base_path), names="hf", config=config, strict=True,
-                      layout=detect_layout(base_path, stored), stored=stored, source=base_path, ignore_vision=True)
-    for name, reads in plan.reads.items():
-        if not reads:
-            continue
-        first = reads[0].name
-        tensor = torch.empty(targets[name].shape, dtype=getattr(torch, targets[name].dtype or stored[first].dtype))
-        # the files are opened per tensor: a mapping kept open keeps every page read so far resident in this
-        # process, which would make the stream hold the whole checkpoint by the end
-        with ExitStack() as stack:
-            handles = {f: stack.enter_context(_open_safetensors(f)) for f in {r.file for r in reads}}
-            for read in reads:
-                _apply(handles[read.file], read, tensor, targets[name], LoadStats(), config.moe.expert_format)
-        yield name, tensor
-    for name in plan.ignored:  # the vision tower and projector, which no text adapter touches
-        with _open_safetensors(stored[name].file) as handle:
-            tensor = handle.get_tensor(name)
-        yield name, tensor
 
 
 def delta_for(target: Target, state: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Merged exports over a packed base (MXFP4 or INT4 routed experts, docs/k3-formats.md): decode, requantise,
 and the names the packed tensors are written under (docs/exports.md "Packed bases").
 
-A packed base streams its experts as a layer keeps them (``merge.base_tensors``): ``...experts.w1`` holds the
+A packed base streams its experts as a layer keeps them (``base_stream.base_tensors``): ``...experts.w1`` holds the
 codes ``[E, out, packed_cols]`` and ``...experts.w1_scale`` the scales (INT4: the bf16 scale's uint8 bytes).
 ``decoded`` turns that stream into the dense one (``...experts.w1`` ``[E, out, in]`` fp32, decoded exactly),
 so a merge adds the deltas exactly as over a dense base. The merged experts are then written either dense, in
@@ -25,6 +25,7 @@ import torch
 from ..ops.quant import decode, encode
 from ..weights.packed import stack_of
 from ..weights.packed_tensors import per_expert_tensors
+from .base_stream import base_tensors
 
 __all__ = ["PackedStack", "packed_stacks", "dense_config", "decoded", "requantise", "packed_output_tensors",
            "float_dtype", "dense_stream", "dense_base_model"]
@@ -120,9 +121,8 @@ def packed_output_tensors(stack: PackedStack, codes: torch.Tensor, scales: torch
 
 
 def dense_stream(base_path: str, hf_config) -> Iterator[Tuple[str, torch.Tensor]]:
-    """``merge.base_tensors`` with every packed stack decoded (fp32 ``[E, out, in]``): a dense base's stream as is."""
-    from .merge import base_tensors
-
+    """``base_stream.base_tensors`` with every packed stack decoded (fp32 ``[E, out, in]``): a dense base's
+    stream as is."""
     stacks = packed_stacks(hf_config)
     return ((n, t) for n, t, _ in decoded(base_tensors(base_path, hf_config), stacks))
 

@@ -108,7 +108,7 @@ def requantised_check(source, targets: Mapping[str, Target], directory: str, exp
     from peft import get_peft_model, set_peft_model_state_dict
 
     from ..weights.packed import stack_of
-    from .merge import base_tensors
+    from .base_stream import base_tensors
     from .packed import decoded, packed_stacks
     from .verify import base_model, logits_of
 

@@ -54,7 +54,7 @@ class Target:
 
     @property
     def stream_name(self) -> str:
-        """The name ``merge.base_tensors`` streams this tensor under (the text model's, or a vision name)."""
+        """The name ``base_stream.base_tensors`` streams this tensor under (the text model's, or a vision name)."""
         return strip_text_prefix(self.weight)
 
     def describe(self, expert: Optional[int] = None) -> str:
