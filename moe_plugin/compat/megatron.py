@@ -72,9 +72,10 @@ def adopt_subclass(obj, subclass: type):
     made directly on ``type(obj)`` that adds methods and modules but no ``__init__`` state of its own: anything
     else would leave the object half-built, so that is a RuntimeError naming both classes."""
     if type(obj) not in subclass.__bases__:
-        raise RuntimeError(f"moe_plugin.compat.megatron: {subclass.__name__} extends {[b.__name__ for b in subclass.__bases__]}, "
-                           f"but megatron-core built a {type(obj).__module__}.{type(obj).__name__}; the in-place class "
-                           f"change needs megatron-core {TESTED_MEGATRON}'s class (docs/compat.md)")
+        bases = [b.__name__ for b in subclass.__bases__]
+        raise RuntimeError(f"moe_plugin.compat.megatron: {subclass.__name__} extends {bases}, but megatron-core built "
+                           f"a {type(obj).__module__}.{type(obj).__name__}; the in-place class change needs "
+                           f"megatron-core {TESTED_MEGATRON}'s class (docs/compat.md)")
     obj.__class__ = subclass
     return obj
 
