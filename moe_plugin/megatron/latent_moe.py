@@ -39,7 +39,7 @@ from ..layers.moe import LatentMoEMixin, MoERouter, expert_load, experts_kwargs
 from ..layers.packed_experts import PackedStackedExperts
 from ..layers.recompute import recomputed
 from ..layers.stacked_experts import StackedExperts
-from ..parallel.zero3_ep import tag_expert_parameter
+from .expert_tags import tag_expert_parameter
 
 # megatron routing/balancing options that LatentMoELayer's route never reads: each must keep its default, and
 # the MoEConfig field (or mechanism) that does the job instead is named in the error.

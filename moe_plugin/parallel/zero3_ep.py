@@ -5,8 +5,9 @@ attribute ``ds_zero_partition_process_group`` when one is set (under ``deepspeed
 partitions a built model). An expert parameter (megatron's mark ``allreduce = False``: the local experts and
 their LoRA adapters) exists only on its expert-parallel rank, so it must be partitioned, and its gradient
 reduced, only within the expert-data-parallel group: the ranks that hold the same experts. Every other
-parameter is partitioned within the whole data-parallel group. ``tag_expert_parameter`` sets the attributes
-that make DeepSpeed's ZeRO-3 do that (docs/zero3-ep.md has the source lines and what goes wrong without them):
+parameter is partitioned within the whole data-parallel group. ``tag_expert_parameter`` (in
+``moe_plugin.megatron.expert_tags``, below this package, since megatron's expert layer tags as it builds) sets the
+attributes that make DeepSpeed's ZeRO-3 do that (docs/zero3-ep.md has the source lines and what goes wrong without them):
 
 * ``ds_zero_partition_process_group``: the expert-data-parallel group;
 * ``ds_zero_placement_family = "autoep_expert"``: the gradient is divided by the whole data-parallel size,
@@ -25,40 +26,14 @@ from __future__ import annotations
 
 from typing import List
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compat.deepspeed import expert_groups, tag_partition
+from ..compat.deepspeed import expert_groups
+from ..megatron.expert_tags import group_name, tag_expert_parameter
 from .grad_reduce import is_expert_parameter
 
-__all__ = ["EXPERT_FAMILY", "group_name", "tag_expert_parameter", "tag_expert_parameters",
-           "create_deepspeed_expert_groups"]
-
-EXPERT_FAMILY = "autoep_expert"
-
-
-def group_name(ep_size: int) -> str:
-    """DeepSpeed's name for the expert groups of expert-parallel size ``ep_size``."""
-    return f"ep_size_{ep_size}"
-
-
-def tag_expert_parameter(p: torch.Tensor, ep_size: int = None, expert_data_parallel_group=None) -> None:
-    """Mark ``p`` as an expert parameter for megatron (``allreduce = False``) and for ZeRO-3 (see module doc).
-
-    Groups default to megatron's ``parallel_state`` (which must be initialised). Without torch.distributed
-    (a single-device build) only ``allreduce`` is set.
-    """
-    p.allreduce = False
-    if not dist.is_initialized():
-        return
-    if ep_size is None or expert_data_parallel_group is None:
-        from megatron.core import parallel_state
-
-        ep_size = parallel_state.get_expert_model_parallel_world_size()
-        expert_data_parallel_group = parallel_state.get_expert_data_parallel_group()
-    p.group_name = group_name(ep_size)
-    tag_partition(p, expert_data_parallel_group, p.group_name, EXPERT_FAMILY)
+__all__ = ["tag_expert_parameters", "create_deepspeed_expert_groups"]
 
 
 def tag_expert_parameters(model: nn.Module) -> int:
