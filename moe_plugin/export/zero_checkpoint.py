@@ -36,13 +36,12 @@ import torch
 
 from ..config import ModelConfig, require
 
-__all__ = ["adapter_from_checkpoint", "zero3_parameters", "stitch_expert_adapter", "deepspeed_safe_globals",
+__all__ = ["adapter_from_checkpoint", "zero3_parameters", "deepspeed_safe_globals",
            "load_engine_file"]
 
 _ZERO_MODEL = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
 _PLAIN_MODEL = "mp_rank_00_model_states.pt"
 _EXPERT_FAMILY = "autoep_expert"
-_EXPERT_ADAPTER = re.compile(r"(?:^|\.)experts\.(?:base_layer\.)*lora_([AB])\.")
 
 
 def deepspeed_safe_globals() -> list:
@@ -155,17 +154,6 @@ def zero3_parameters(engine_dir: str) -> Tuple[Dict[str, torch.Tensor], Dict[str
     return dense, out_experts
 
 
-def stitch_expert_adapter(name: str, parts: List[torch.Tensor], r: int) -> torch.Tensor:
-    """The full ``E`` stacking of an expert adapter of LoRA rank ``r`` from the EP ranks' local ones
-    (``lora_A [r*E_local, in]`` rows, ``lora_B [out, r*E_local]`` expert-minor columns), in EP-rank order."""
-    kind = _EXPERT_ADAPTER.search(name)
-    require(kind is not None, "name", f"{name!r} is not an expert adapter")
-    if kind.group(1) == "A":
-        return torch.cat(parts)
-    out = parts[0].shape[0]
-    return torch.cat([p.reshape(out, r, -1) for p in parts], dim=2).reshape(out, -1)
-
-
 def _image_names(run_dir: str, vision: bool) -> bool:
     """Whether a megatron checkpoint's keys take the image model's names. megatron names the text model alike
     in its text and image models, so: as the run's final adapter names them if it finished, else the image
@@ -197,6 +185,7 @@ def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backen
     """The adapter tensors of checkpoint ``step`` of the run under PEFT keys, experts stacked over all E (fp32
     master weights under ZeRO-3); vision: whether the base checkpoint has a vision tower (``_image_names``).
     ValueError naming the available steps if ``step`` has no complete checkpoint."""
+    from ..lora import stitch_expert_adapter
     from ..training.checkpoint import step_name
 
     root = os.path.join(run_dir, "checkpoints")

@@ -193,12 +193,11 @@ def _layer_number(name: str) -> Optional[int]:
 
 def prepare_expert_adapters(model: nn.Module, seed: int) -> int:
     """After ``get_peft_model``: draw every routed-expert ``lora_A`` block by (seed, layer, weight, global expert)
-    (``training.backends.common.init_expert_adapters``, the recipe trainer's draw), so EP=n starts as EP=1, and
+    (``lora.init_expert_adapters``, the recipe trainer's draw), so EP=n starts as EP=1, and
     on an expert-parallel model mark and tag the expert adapters as expert parameters (docs/zero3-ep.md).
     Call it with the same seed on every rank and in the one-process run compared with; returns the blocks drawn."""
-    from ..lora import mark_expert_adapters
+    from ..lora import init_expert_adapters, mark_expert_adapters
     from ..precision import apply_precision
-    from ..training.backends.common import init_expert_adapters
 
     drawn = init_expert_adapters(model, seed)
     apply_precision(model)  # the base is frozen now: its fp32 tensors become fp32 buffers (docs/precision.md)
@@ -213,8 +212,8 @@ def adapter_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The whole adapter of peft ``model`` under ``model.state_dict()``'s names (``...lora_A.default.weight``):
     ZeRO-3 partitions gathered, expert adapters all-gathered over the expert-parallel group into the full ``E``
     stacking. Collective: every rank calls it."""
-    from ..export.zero_checkpoint import stitch_expert_adapter
-    from ..training.backends.common import gathered
+    from ..lora import stitch_expert_adapter
+    from .zero3_gather import gathered
 
     ep = expert_parallel_size(model)
     group = None

@@ -49,7 +49,7 @@ def _resident(module) -> dict:
 
 
 def _gathered_packed(trainer) -> list:
-    from moe_plugin.training.backends.common import gathered
+    from moe_plugin.parallel.zero3_gather import gathered
 
     out = []
     for m in _packed_modules(trainer.engine.module):

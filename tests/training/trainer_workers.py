@@ -117,7 +117,7 @@ def _partitions(trainer) -> dict:
 
 def _gathered_experts(trainer) -> dict:
     """This rank's expert stacks of every MoE layer (gathered within their ZeRO group) and their global range."""
-    from moe_plugin.training.backends.common import gathered
+    from moe_plugin.parallel.zero3_gather import gathered
 
     module = trainer.engine.module
     out = {}

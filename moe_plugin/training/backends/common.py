@@ -1,22 +1,14 @@
-"""What both backends do the same way: the LoRA config from the recipe, layout-invariant expert adapters,
-base-weight loading, ZeRO-3 detection and gathering."""
+"""What both backends do the same way: the LoRA config from the recipe, base-weight loading, ZeRO-3 detection.
+The layout-invariant expert-adapter draw is ``moe_plugin.lora.init_expert_adapters`` and the ZeRO-3 gather
+``moe_plugin.parallel.zero3_gather.gathered``: the Hugging Face face's expert parallelism uses them too."""
 
 from __future__ import annotations
 
-import contextlib
-import math
-import re
-import zlib
-from typing import Iterable
-
-import torch
 from torch import nn
 
-from ...compat.deepspeed import full_shape, is_zero3_param
-from ...layers.stacked_experts import StackedExperts
 from ...lora import lora_config
 
-__all__ = ["zero3_enabled", "zero_init", "partition_while_building", "gathered", "adapter_lora_config", "init_expert_adapters", "load_base", "hf_config",
+__all__ = ["zero3_enabled", "zero_init", "partition_while_building", "adapter_lora_config", "load_base", "hf_config",
            "hide_expert_marks"]
 
 
@@ -47,17 +39,6 @@ def partition_while_building(ds_config: dict, recipe) -> bool:
     return zero3_enabled(ds_config) and recipe.model.from_pretrained is not None
 
 
-def gathered(params: Iterable[torch.Tensor], modifier_rank=None):
-    """``deepspeed.zero.GatheredParameters`` over the ZeRO-3 partitioned ones among ``params`` (collective over
-    their partition groups), a no-op context when none is partitioned."""
-    partitioned = [p for p in params if is_zero3_param(p)]
-    if not partitioned:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank)
-
-
 def hide_expert_marks(model: nn.Module) -> None:
     """Remove megatron's expert mark ``allreduce = False`` where no expert group partitions the experts
     (one process, or the Hugging Face face without expert parallelism): DeepSpeed's engine reads the mark as a
@@ -72,39 +53,6 @@ def adapter_lora_config(section):
     """peft's LoraConfig for the recipe's ``lora`` section."""
     return lora_config(section.r, section.alpha, section.target_modules, section.target_parameters,
                        section.dropout)
-
-
-def _innermost(module: nn.Module) -> nn.Module:
-    while hasattr(module, "base_layer"):
-        module = module.base_layer
-    return module
-
-
-@torch.no_grad()
-def init_expert_adapters(model: nn.Module, seed: int) -> int:
-    """Draw every routed-expert ``lora_A`` block from a generator seeded by (seed, layer index, adapted
-    parameter, global expert), so that an expert's adapter starts the same whichever expert-parallel rank
-    holds it, and on both faces (the key uses no module path, which differs between them; peft draws the
-    stacked ``[r * E_local, in]`` from the global generator, which would give each EP rank the same numbers
-    for different experts). The bound is peft's (kaiming-uniform with a = sqrt(5): 1/sqrt(in)). ``lora_B``
-    starts at zero as in peft. Returns the number of expert blocks drawn."""
-    drawn = 0
-    for name, module in model.named_modules():
-        experts = _innermost(module)
-        if not (hasattr(module, "lora_A") and isinstance(experts, StackedExperts)):
-            continue
-        local = full_shape(experts.w1)[0]
-        layer = re.search(r"layers\.(\d+)\.", name)
-        key = zlib.crc32(f"{layer.group(1) if layer else name}/{getattr(module, 'parameter_name', '')}".encode())
-        for lora_a in module.lora_A.values():
-            w = lora_a.weight
-            r, bound = w.shape[0] // local, 1.0 / math.sqrt(w.shape[1])
-            for j in range(local):
-                g = torch.Generator(device=w.device)
-                g.manual_seed((seed * 1_000_003 + key) * 4099 + experts.first_expert + j)
-                w[j * r:(j + 1) * r].uniform_(-bound, bound, generator=g)
-                drawn += 1
-    return drawn
 
 
 def load_base(model: nn.Module, resolved, names: str) -> None:

@@ -15,12 +15,13 @@ import torch
 from torch import nn
 
 from ...layers.recompute import set_recompute
-from ...lora import add_lora
+from ...lora import add_lora, init_expert_adapters
+from ...parallel.zero3_gather import gathered
 from ...precision import apply_precision
 from ...training.routing import moe_layers
 from .base import Backend, ParallelInfo
-from .common import (adapter_lora_config, gathered, hide_expert_marks, init_expert_adapters, load_base,
-                     partition_while_building, zero3_enabled, zero_init)
+from .common import (adapter_lora_config, hide_expert_marks, load_base, partition_while_building, zero3_enabled,
+                     zero_init)
 
 __all__ = ["HFBackend"]
 

@@ -17,14 +17,15 @@ from torch import nn
 
 from ...layers.moe import balancing
 from ...layers.recompute import set_recompute
-from ...lora import add_lora
+from ...lora import add_lora, init_expert_adapters
 from ...models.inputs import causal_lm_loss
 from ...ops.moe import document_weights
 from ...parallel.zero3_ep import create_deepspeed_expert_groups, tag_expert_parameters
+from ...parallel.zero3_gather import gathered
 from ...precision import apply_precision
 from .base import Backend, ParallelInfo
-from .common import (adapter_lora_config, gathered, hide_expert_marks, init_expert_adapters, load_base,
-                     partition_while_building, zero3_enabled, zero_init)
+from .common import (adapter_lora_config, hide_expert_marks, load_base, partition_while_building, zero3_enabled,
+                     zero_init)
 
 __all__ = ["MegatronBackend"]
 
