@@ -12,6 +12,8 @@ import os
 
 import torch
 
+LEARNING_RATE = 2e-2  # constant: the tests' tolerances take it (tests/tolerances.py)
+
 PROBE_TEXT = "Q: 73 - 18 = ? A:"
 
 
@@ -43,7 +45,7 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
 
     args = TrainingArguments(
         output_dir=output_dir, use_cpu=True, deepspeed=deepspeed, per_device_train_batch_size=per_device,
-        max_steps=steps, learning_rate=2e-2, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
+        max_steps=steps, learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
         save_strategy="no", report_to="none", seed=0, data_seed=0, average_tokens_across_devices=True,
         dataloader_drop_last=True, max_grad_norm=1.0, disable_tqdm=True, gradient_checkpointing=checkpointing)
     model = AutoModelForCausalLM.from_pretrained(base)  # under zero.Init when the config is ZeRO-3

@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from moe_plugin.parallel.launch import run_distributed
+from tests.hf_trainer_workers import LEARNING_RATE
+from tests.tolerances import check_final_adapters
 
 WORKER = "tests/hf_trainer_workers.py:train_runs"
 DS_CONFIG = "ds_configs/hf_trainer/zero3_lora.json"
@@ -162,7 +164,9 @@ def test_expert_parallel_adapter_is_whole_and_loads_in_plain_peft(runs):
     assert len(expert_keys) == 2 * 3 * 3  # lora_A and lora_B of w1, w2, w3 in the 3 MoE layers
     for key, value in saved.items():
         assert value.shape == reference[key].shape, key  # lora_A [r * 8, in]: every expert, not rank 0's 4
-        torch.testing.assert_close(value, reference[key], rtol=1e-3, atol=1e-4, msg=key)
+    # the Trainer records no step gradients: each element within the worst case of STEPS AdamW steps, all but a
+    # few within a hundredth of a step (tests/tolerances.py, check_final_adapters)
+    assert check_final_adapters(reference, saved, steps=STEPS, lr=LEARNING_RATE) == []
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(runs["base8"]), runs["ep2"][0]["adapter"])
     model.eval()
     with torch.no_grad():

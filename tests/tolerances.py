@@ -45,7 +45,7 @@ mutation of scaling one of two ranks' losses by 1.001 fails step 1 by 7x (the lo
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import Dict, List
 
 import torch
 
@@ -174,6 +174,29 @@ def check_run(ref: dict, got: dict, *, tokens: int, chain: int, lr: float, max_n
             apart[n] = diff
     if tight < min_tight * total:
         out.append(f"premise: only {tight} of {total} adapter elements are bounded within a tenth of a step")
+    return out
+
+
+def check_final_adapters(ref: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor], *, steps: int, lr: float,
+                         loose_share: float = 0.01, tight_steps: float = 0.01) -> List[str]:
+    """For runs that record only their final adapters (the Hugging Face Trainer's): without the step gradients
+    ``check_run`` needs, each element is held to the worst case of ``steps`` AdamW steps apart (at most
+    ``2 B_t lr`` a step whatever the gradients, module doc 4), and all but ``loose_share`` of each tensor's
+    elements to ``tight_steps`` of one step (``lr``). A well-determined element drifts by ``lr`` times its
+    gradient's relative rounding a step, orders of magnitude below that; only an element whose gradient sits
+    within rounding of zero may use the worst case, and those are a few in a trained adapter."""
+    out: List[str] = []
+    worst = sum(2 * adam_ratio_bound(s) * lr + gamma(UPDATE_OPS) * lr for s in range(1, steps + 1))
+    if sorted(ref) != sorted(got):
+        return ["adapter names differ"]
+    for name in sorted(ref):
+        diff = (got[name].double() - ref[name].double()).abs()
+        if float(diff.max()) > worst:
+            out.append(f"{name}: max |diff| {float(diff.max()):.3g} > the worst case of {steps} steps {worst:.3g}")
+        loose = int((diff > tight_steps * lr).sum())
+        if loose > loose_share * diff.numel():
+            out.append(f"{name}: {loose} of {diff.numel()} elements differ by more than {tight_steps} of a step "
+                       f"({tight_steps * lr:.3g}); at most {loose_share:.0%} may")
     return out
 
 
