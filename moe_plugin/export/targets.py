@@ -107,6 +107,7 @@ def adapter_targets(hf_config, lora_config, image: bool = False) -> Dict[str, Ta
 
     config = copy.deepcopy(lora_config)
     config.inference_mode = False
+    config.base_model_name_or_path = None  # an internal copy: peft would warn that it renames the base
     cls = MoEPluginForConditionalGeneration if image else MoEPluginForCausalLM
     with torch.device("meta"):
         model = get_peft_model(cls(hf_config), config)

@@ -79,6 +79,7 @@ def reference(source) -> Tuple[object, torch.Tensor, Dict[str, torch.Tensor]]:
 
     config = copy.deepcopy(source.lora_config)
     config.inference_mode = True
+    config.base_model_name_or_path = None  # an internal copy: peft would warn that it renames the base
     model = get_peft_model(base_model(source), config)
     result = set_peft_model_state_dict(model, {k: v.float() for k, v in source.state.items()})
     missing = [k for k in result.missing_keys if ".lora_" in k]
