@@ -198,7 +198,7 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
     records the per-document balance term of this rank's tokens (``pop_balance``); ``last_load`` ``[E]`` accumulates this
     rank's non-padded token copies per (global) expert over the micro-batches until ``pop_load``; the training
     loop all-reduces it (SUM) over ``parallel_state.get_data_parallel_group()``, which spans the expert-parallel
-    ranks, and then calls ``update_routing_bias`` (or ``training.routing.balance_experts``) on every rank.
+    ranks, and then calls ``update_routing_bias`` on every rank (``training.loop._balance``).
     """
 
     def __init__(self, config: TransformerConfig, moe: MoEConfig, submodules: Optional[MoESubmodules] = None,

@@ -21,15 +21,10 @@ from torch import nn
 from ..config import ModelConfig, require
 from .weights import expert_ranges, hf_to_megatron_name, megatron_to_hf_name
 
-__all__ = ["expert_adapter_parameters", "slice_expert_adapter", "load_hf_adapter_state", "adapter_state_to_hf"]
+__all__ = ["slice_expert_adapter", "load_hf_adapter_state", "adapter_state_to_hf"]
 
 _EXPERT_ADAPTER = re.compile(r"(?:^|\.)experts\.(?:base_layer\.)*lora_([AB])\.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def expert_adapter_parameters(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The trainable parameters marked as expert parameters, by name."""
-    return {n: p for n, p in model.named_parameters() if p.requires_grad and getattr(p, "allreduce", True) is False}
 
 
 def slice_expert_adapter(name: str, value: torch.Tensor, first: int, last: int, num_experts: int) -> torch.Tensor:

@@ -271,7 +271,7 @@ def _balance(seed: int) -> dict:
 
     from moe_plugin.config import MoEConfig
     from moe_plugin.megatron.latent_moe import LatentMoELayer
-    from moe_plugin.training.routing import balance_experts, moe_layers
+    from moe_plugin.training.routing import moe_layers
 
     moe = MoEConfig(**LATENT)
     layer = LatentMoELayer(_latent_config(moe), moe)
@@ -295,10 +295,10 @@ def _balance(seed: int) -> dict:
     after_pop = layer.last_load
     total = local.clone()
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    ratio = balance_experts(model, total.unsqueeze(0))
+    layer.update_routing_bias(total)  # what training.loop._balance does with the summed load
     return {"x": batches, "padding_mask": masks, "router": layer.router.weight.detach().clone(),
             "bias_before": bias_before, "local_load": local, "after_pop": after_pop, "global_load": total,
-            "bias_after": layer.router.e_score_correction_bias.clone(), "ratio": ratio,
+            "bias_after": layer.router.e_score_correction_bias.clone(),
             "found": [type(m).__name__ for m in moe_layers(model)], "top_k": moe.top_k,
             "rate": moe.bias_update_rate}
 

@@ -149,7 +149,6 @@ def test_latent_load_accumulates_skips_padding_and_balances_globally(ep_check):
     for rank, got in enumerate(ranks):
         assert torch.equal(got["global_load"], total), f"rank {rank}: the load must be summed over the ranks"
         assert rel_err_plain(got["bias_after"], want_bias) < 1e-6, f"rank {rank}: bias {got['bias_after']}"
-        assert got["ratio"] == pytest.approx(float(total.max() / total.mean()))
 
 
 @pytest.mark.parametrize("field, value, instead", [
