@@ -17,7 +17,7 @@ from .harness import machine_line, write_results
 
 
 def main() -> None:
-    from moe_plugin.parallel.launch import run_distributed
+    from moe_plugin.testing.launch import run_distributed
     from moe_plugin.plan.measure import layout_recipes, measured_layouts, planned_peak
 
     lines = [machine_line(2)]

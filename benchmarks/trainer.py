@@ -57,7 +57,7 @@ def worker(recipe_dict: dict, threads: int) -> dict:
 
 
 def main(argv=None) -> None:
-    from moe_plugin.parallel.launch import run_distributed
+    from moe_plugin.testing.launch import run_distributed
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=4)

@@ -1,4 +1,4 @@
-"""Rank-side code of tests/test_hf_trainer.py (run by ``moe_plugin.parallel.launch.run_distributed``).
+"""Rank-side code of tests/test_hf_trainer.py (run by ``moe_plugin.testing.launch.run_distributed``).
 
 Each run trains the saved base with peft LoRA through ``transformers.Trainer`` and the project's
 ``MoEMetricsCallback``, as a user writes it (docs/hf-trainer.md), saves the adapter with ``save_model`` and

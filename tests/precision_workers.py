@@ -1,4 +1,4 @@
-"""Rank-side code of tests/test_precision.py, run by moe_plugin.parallel.launch.run_distributed.
+"""Rank-side code of tests/test_precision.py, run by moe_plugin.testing.launch.run_distributed.
 
 Each scenario builds the product's ``Trainer`` from a recipe dict and reports, right after the engine is
 built and again after its steps, every base tensor under its Hugging Face name (gathered whole from the

@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 from tests.hf_trainer_workers import LEARNING_RATE
 from tests.tolerances import check_final_adapters
 

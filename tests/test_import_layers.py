@@ -37,6 +37,8 @@ TIERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("training", ("training",)),
     ("tools", ("plan", "export", "hf_trainer")),
     ("entry", ("train", "cli", "__init__")),
+    # the test and benchmark harness: above everything, so no product module may import it
+    ("testing", ("testing",)),
 )
 TIER_OF: Dict[str, int] = {part: i for i, (_, parts) in enumerate(TIERS) for part in parts}
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import moe_plugin
 from moe_plugin import MoEPluginForCausalLM
 from moe_plugin.models.tokenizer import ByteTokenizer
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 from moe_plugin.precision import FP32_TENSORS, apply_precision, fp32_tensors
 
 WORKER = "tests/precision_workers.py:run_scenarios"

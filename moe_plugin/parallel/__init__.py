@@ -1,1 +1,2 @@
-"""Everything that knows ranks: process groups and the multi-process launcher."""
+"""Everything that knows ranks: process groups, expert parallelism and ZeRO-3 (the multi-process test
+launcher is ``moe_plugin.testing.launch``)."""

@@ -17,7 +17,7 @@ Two kinds of patch:
 
 Explicit and strict: the caller decides that a run is a CPU run and calls ``apply_cpu_patches()``
 (``moe_plugin.parallel.distributed.prepare_device("cpu")`` does, and so does every rank of
-``moe_plugin.parallel.launch.run_distributed(backend="gloo")``). It refuses to run where CUDA is usable, since
+``moe_plugin.testing.launch.run_distributed(backend="gloo")``). It refuses to run where CUDA is usable, since
 the stand-ins would silently replace the GPU paths: a CPU run on a machine with GPUs hides them first
 (``CUDA_VISIBLE_DEVICES=""``). Every patch is applied or the call raises ``RuntimeError`` naming the patch and
 the upstream attribute that is missing; nothing is skipped, because a half-patched megatron-core fails later

@@ -6,7 +6,7 @@ CUDA and selects the GPU of ``LOCAL_RANK``. Nothing is guessed from ``torch.cuda
 whose CUDA set-up is broken fails there instead of quietly training on CPU stand-ins.
 
 The rank and world come from torchrun's ``RANK`` and ``WORLD_SIZE`` (and ``LOCAL_RANK``). The ranks meet at
-``MOE_PLUGIN_DIST_INIT_METHOD`` when it is set (``moe_plugin.parallel.launch`` sets a ``file://`` rendezvous
+``MOE_PLUGIN_DIST_INIT_METHOD`` when it is set (``moe_plugin.testing.launch`` sets a ``file://`` rendezvous
 there) and otherwise at torchrun's ``MASTER_ADDR``/``MASTER_PORT``. The backend follows the device: ``gloo``
 for ``"cpu"``, ``nccl`` for ``"cuda"``.
 """

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from moe_plugin import cli
 from moe_plugin.export import FORMATS, ExportCheckError, export_run
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 from tests.export.saved_files import directory_tensors
 
 WORKER = "tests/training/trainer_workers.py:run_recipes"

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from moe_plugin import cli
 from moe_plugin.export import export_run
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 from moe_plugin.training.inputs import RECORD, fingerprint_inputs, write_recorded_inputs
 from moe_plugin.training.run_dir import MARKER
 from tests.export.saved_files import directory_tensors

@@ -18,7 +18,7 @@ from moe_plugin import cli
 from moe_plugin.export import FORMATS, ExportCheckError, export_run
 from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
 from moe_plugin.models.tokenizer import ByteTokenizer
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 from tests.export.saved_files import directory_tensors
 
 WORKER = "tests/training/trainer_workers.py:run_recipes"

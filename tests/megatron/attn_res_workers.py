@@ -1,4 +1,4 @@
-"""Rank-side code of test_megatron_attn_res.py, run by moe_plugin.parallel.launch.run_distributed.
+"""Rank-side code of test_megatron_attn_res.py, run by moe_plugin.testing.launch.run_distributed.
 
 Two checks per launch, each on the checkpoint the parent saved (Attention Residuals with nonzero mixing points,
 the DSA indexer with a LoRA'd indexer and ``indexer_loss_coeff`` > 0):

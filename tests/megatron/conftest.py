@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 
 WORKERS = Path(__file__).with_name("ep_workers.py")
 

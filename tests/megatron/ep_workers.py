@@ -1,4 +1,4 @@
-"""Rank-side code of the expert-parallel tests: run by moe_plugin.parallel.launch.run_distributed.
+"""Rank-side code of the expert-parallel tests: run by moe_plugin.testing.launch.run_distributed.
 
 One launch runs every check (starting processes and importing megatron-core costs seconds); each check's
 result, or its traceback, goes back to the parent, which asserts. Nothing here asserts.

@@ -1,4 +1,4 @@
-"""Rank-side code of the megatron model tests: run by moe_plugin.parallel.launch.run_distributed.
+"""Rank-side code of the megatron model tests: run by moe_plugin.testing.launch.run_distributed.
 
 The parent (test_megatron_model.py) saves, per scenario, a Hugging Face checkpoint (sharded safetensors), the
 LoRA adapter weights under Hugging Face names and one micro-batch per rank. Each rank, for every expert-parallel

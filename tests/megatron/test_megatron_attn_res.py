@@ -22,7 +22,7 @@ from moe_plugin.lora import add_lora, lora_config
 from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config
 from moe_plugin.models.tokenizer import ByteTokenizer
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 from moe_plugin.training.data import label_token_count
 
 TOL = 1e-5

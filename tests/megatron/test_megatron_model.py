@@ -21,7 +21,7 @@ from moe_plugin.models.k3_format import load_k3_checkpoint, save_k3_checkpoint
 from moe_plugin.models.inputs import causal_lm_loss
 from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 
 TOL = 1e-5
 WORKERS = Path(__file__).with_name("model_workers.py")

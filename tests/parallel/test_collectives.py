@@ -4,7 +4,7 @@ results, and none of the deprecation warnings that their old aliases print (they
 
 import torch
 
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 
 
 def test_collectives_give_the_same_results_without_deprecation_warnings():

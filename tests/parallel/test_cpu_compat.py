@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_plugin.parallel import cpu_compat
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 
 MODULES = list(cpu_compat.CPU_DEVICE_MODULES)
 WORKERS = Path(__file__).with_name("cpu_compat_workers.py")

@@ -10,7 +10,7 @@ import torch
 from moe_plugin.parallel import distributed
 from moe_plugin.parallel.cpu_compat import CPU_PATCH_NAMES
 from moe_plugin.parallel.distributed import INIT_METHOD_ENV, init_distributed, initialize_megatron, prepare_device
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 
 WORKERS = Path(__file__).with_name("distributed_workers.py")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_plugin.parallel.grad_reduce import is_expert_parameter, reduce_gradients
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 
 WORKERS = Path(__file__).with_name("grad_reduce_workers.py")
 

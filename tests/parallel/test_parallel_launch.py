@@ -1,4 +1,4 @@
-"""moe_plugin.parallel.launch.run_distributed: per-rank results in rank order, CPU runs with GPUs hidden, a
+"""moe_plugin.testing.launch.run_distributed: per-rank results in rank order, CPU runs with GPUs hidden, a
 file rendezvous, failures and stalls surfaced with every rank's output, the run's clock started once every
 rank is ready (start-up bounded on its own), bad input."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_plugin.parallel import launch
-from moe_plugin.parallel.launch import default_process_group_timeout, resolve_function, run_distributed
+from moe_plugin.testing import launch
+from moe_plugin.testing.launch import default_process_group_timeout, resolve_function, run_distributed
 
 WORKERS = Path(__file__).with_name("launch_workers.py")
 

@@ -9,7 +9,7 @@ import tempfile
 import pytest
 import torch
 
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 from moe_plugin.plan.counts import count_model, rank_share
 from moe_plugin.plan.measure import (CALIBRATION, CHECKPOINTED_SHAPE, SHAPE, layout_recipe, layout_recipes,
                                      measured_layouts, planned_peak, tensor_peak)

@@ -1,4 +1,4 @@
-"""Rank-side code of test_attn_res_trainer.py, run by moe_plugin.parallel.launch.run_distributed.
+"""Rank-side code of test_attn_res_trainer.py, run by moe_plugin.testing.launch.run_distributed.
 
 Each recipe runs through the product's ``Trainer`` (Hugging Face backend); returned: every step's loss and
 gradient norm, the indexer term the backend reported, the reduced full adapter gradients of every step, the

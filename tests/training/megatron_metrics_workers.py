@@ -1,4 +1,4 @@
-"""Rank-side code of test_megatron_metrics.py, run by moe_plugin.parallel.launch.run_distributed.
+"""Rank-side code of test_megatron_metrics.py, run by moe_plugin.testing.launch.run_distributed.
 
 One recipe through the product's ``Trainer``; returned: the run's "model:" line, what the loop logged at each
 step, and the indexer KL of each training micro-batch as the backend's loss reported it. Nothing here asserts.

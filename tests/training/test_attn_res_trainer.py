@@ -18,7 +18,7 @@ import torch
 from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config
 from moe_plugin.models.tokenizer import ByteTokenizer
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 from tests.tolerances import chain_length, check_run
 
 WORKER = "tests/training/attn_res_trainer_workers.py:run"

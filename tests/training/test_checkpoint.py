@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 from moe_plugin.training.checkpoint import COMPLETE, CheckpointManager, step_name
 
 WORKERS = Path(__file__).with_name("checkpoint_workers.py")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 from moe_plugin.training.moe_metrics import MoEMetrics, global_parameter_counts
 
 WORKER = "tests/training/megatron_metrics_workers.py:run"

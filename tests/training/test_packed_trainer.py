@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
 from moe_plugin.models.tokenizer import ByteTokenizer
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 
 WORKER = "tests/training/packed_trainer_workers.py:run_packed"
 ZERO3 = "ds_configs/zero3_lora.json"

@@ -331,7 +331,7 @@ def test_a_failed_first_start_leaves_output_dir_reusable(one):
 # ---------------------------------------------------------------- 2 processes: ZeRO-3's own files
 
 def test_payloads_in_zero3_files_do_not_run_and_every_load_is_weights_only(tmp_path):
-    from moe_plugin.parallel.launch import run_distributed
+    from moe_plugin.testing.launch import run_distributed
 
     recipe = {"output_dir": str(tmp_path / "run"), "seed": 5, "deepspeed": "ds_configs/zero3_lora.json",
               "model": {"preset": "tiny", "overrides": {"attn_res": False}},

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_plugin.models.tokenizer import ByteTokenizer
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 from moe_plugin.training.recipe import DEFAULT_ROUTER_AUX_LOSS_COEFF
 from tests.tolerances import chain_length, chain_rel, check_run
 

@@ -1,4 +1,4 @@
-"""Rank-side code of the trainer tests, run by moe_plugin.parallel.launch.run_distributed.
+"""Rank-side code of the trainer tests, run by moe_plugin.testing.launch.run_distributed.
 
 Each scenario builds the product's ``Trainer`` from a recipe dict, optionally forces the routing (an expert that
 gets no token, or every token on EP rank 0's experts, through the selection bias, which is a buffer and so the

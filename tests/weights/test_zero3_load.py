@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe_plugin.models import MoEPluginForCausalLM, preset_config, save_k3_checkpoint
-from moe_plugin.parallel.launch import run_distributed
+from moe_plugin.testing.launch import run_distributed
 
 WORKERS = Path(__file__).with_name("zero3_workers.py")
 

@@ -1,4 +1,4 @@
-"""Rank-side code of test_zero3_load.py, run by moe_plugin.parallel.launch.run_distributed on 2 gloo ranks.
+"""Rank-side code of test_zero3_load.py, run by moe_plugin.testing.launch.run_distributed on 2 gloo ranks.
 
 Each rank builds the tiny model under ``deepspeed.zero.Init`` (every parameter partitioned over the 2 ranks),
 streams the parent's checkpoints into it with ``load_state`` and returns the gathered tensors, the load

@@ -45,7 +45,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from .distributed import INIT_METHOD_ENV, TIMEOUT_ENV, destroy_distributed, init_distributed, prepare_device
+from ..parallel.distributed import INIT_METHOD_ENV, TIMEOUT_ENV, destroy_distributed, init_distributed, prepare_device
 
 _PACKAGE_ROOT = Path(os.path.abspath(__file__)).parents[2]  # the directory holding moe_plugin/
 _ERROR_TAIL = 4000
@@ -119,7 +119,7 @@ def run_distributed(worker_fn_path: str, world_size: int, timeout_s: float = 300
             for rank in range(world_size):
                 with open(work / f"rank{rank}.log", "wb") as log:
                     procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "moe_plugin.parallel.launch", str(work), str(rank)],
+                        [sys.executable, "-m", "moe_plugin.testing.launch", str(work), str(rank)],
                         env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=os.getcwd(),
                         stdout=log, stderr=subprocess.STDOUT))
             _wait(procs, work, timeout_s, startup_timeout_s)

@@ -1,0 +1,9 @@
+"""The test and benchmark harness: code that tests/ and benchmarks/ run, and nothing else in moe_plugin imports.
+
+It ships with the package so that the ranks ``run_distributed`` starts (``python -m moe_plugin.testing.launch``)
+and the benchmarks import it by module path from any working directory, but it is no part of the product: the
+trainer, the commands and the planner never import it (tests/test_import_layers.py holds it in the top tier,
+above the entry points). Its modules:
+
+- ``launch``: ``run_distributed``, one function on N local processes joined by torch.distributed.
+"""
