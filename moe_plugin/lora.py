@@ -25,7 +25,7 @@ from peft import LoraConfig, get_peft_model, inject_adapter_in_model
 from torch import nn
 
 from .compat.deepspeed import full_numel, full_shape
-from .compat.peft import register_custom_module
+from .compat.peft import quiet_wrapping, register_custom_module
 from .config import require
 from .layers.packed_experts import PackedStackedExperts
 from .layers.stacked_experts import StackedExperts
@@ -61,7 +61,8 @@ def add_lora(model: nn.Module, config: LoraConfig, wrap: bool = False):
     module paths (the megatron face, whose names map through ``moe_plugin.megatron.weights``).
     """
     if wrap:
-        model = get_peft_model(model, config)
+        with quiet_wrapping():
+            model = get_peft_model(model, config)
     else:
         inject_adapter_in_model(config, model)
         for name, p in model.named_parameters():

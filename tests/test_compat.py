@@ -270,3 +270,16 @@ def test_the_real_failed_import_is_the_reason_given(monkeypatch):
     with pytest.warns(RuntimeWarning, match=r"fla.ops.kda.chunk_kda, which does not import with fla-core \(not "
                                             r"installed\) \(ModuleNotFoundError: No module named 'fla'\)"):
         assert backend.gpu_kernel("fla.ops.kda", "chunk_kda", torch.zeros(2)) is None
+
+
+def test_quiet_wrapping_hides_only_pefts_deprecated_flag_read():
+    import warnings
+
+    from moe_plugin.compat.peft import quiet_wrapping
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with quiet_wrapping():
+            warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
+            warnings.warn("something else", FutureWarning)
+    assert [str(w.message) for w in seen] == ["something else"]

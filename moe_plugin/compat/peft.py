@@ -17,9 +17,14 @@ layout: ``_get_in_out_features`` (called by ``LoraLayer.__init__``; it sets ``_p
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
+from typing import Iterator
+
 from ._upstream import missing, require_in_source, resolve
 
-__all__ = ["TESTED_PEFT", "check", "param_wrapper_base", "named_as_param_wrapper", "register_custom_module"]
+__all__ = ["TESTED_PEFT", "check", "param_wrapper_base", "named_as_param_wrapper", "quiet_wrapping",
+           "register_custom_module"]
 
 TESTED_PEFT = "0.21.2"
 _DIST = "peft"
@@ -53,6 +58,16 @@ def register_custom_module(config, mapping) -> None:
     ``_register_custom_module``)."""
     _resolve("peft", "LoraConfig._register_custom_module")
     config._register_custom_module(mapping)
+
+
+@contextmanager
+def quiet_wrapping() -> Iterator[None]:
+    """Around a ``get_peft_model`` or ``PeftModel.from_pretrained`` of ours: peft 0.21 reads transformers'
+    deprecated ``is_gradient_checkpointing`` while it wraps a model, a FutureWarning on every wrapping that says
+    nothing about the run; only that warning is hidden, only here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        yield
 
 
 def check() -> None:

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..compat.peft import quiet_wrapping
 from ..config import require
 from ..fileio import atomic_directory
 from ..output_paths import check_output_dir, real_path
@@ -107,7 +108,8 @@ def _check_peft(source: RunSource, targets: Dict[str, Target], tmp: str, expecte
 
     # plain peft (no project layer registered) onto dense experts: a packed base's decoded exactly, in fp32
     base = dense_base_model(source) if packed_stacks(source.hf_config) else base_model(source)
-    model = PeftModel.from_pretrained(base, tmp).eval()
+    with quiet_wrapping():
+        model = PeftModel.from_pretrained(base, tmp).eval()
     result = CheckResult(tolerance=LOGITS_RTOL)
     with torch.no_grad():
         for name, target in targets.items():

@@ -25,6 +25,7 @@ from typing import Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 
+from ..compat.peft import quiet_wrapping
 from ..ops.quant import decode, encode, group_scales, groups, round_to_grid, scale_values
 from ..weights.names import TEXT_PREFIX
 from .packed import PackedStack
@@ -128,7 +129,8 @@ def requantised_check(source, targets: Mapping[str, Target], directory: str, exp
                 params[prefix + name].copy_(tensor)
     lora = copy.deepcopy(source.lora_config)
     lora.inference_mode = True
-    model = get_peft_model(model, lora)
+    with quiet_wrapping():
+        model = get_peft_model(model, lora)
     state = {k: v.float() for k, v in source.state.items()}
     for target in targets.values():
         if target.stream_name in stacks:  # that delta is in the codes now

@@ -20,6 +20,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..compat.peft import quiet_wrapping
 from ..config import require
 from ..weights.names import TEXT_PREFIX, VISION_PREFIXES, base_name, k3_expert_name, strip_text_prefix
 
@@ -109,7 +110,7 @@ def adapter_targets(hf_config, lora_config, image: bool = False) -> Dict[str, Ta
     config.inference_mode = False
     config.base_model_name_or_path = None  # an internal copy: peft would warn that it renames the base
     cls = MoEPluginForConditionalGeneration if image else MoEPluginForCausalLM
-    with torch.device("meta"):
+    with torch.device("meta"), quiet_wrapping():
         model = get_peft_model(cls(hf_config), config)
     out = {}
     for name, module in model.named_modules():

@@ -24,6 +24,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
+from ..compat.peft import quiet_wrapping
 from .targets import Target, on_image_model
 
 __all__ = ["ExportCheckError", "CheckResult", "reference", "base_model", "logits_of", "compare_deltas",
@@ -80,7 +81,8 @@ def reference(source) -> Tuple[object, torch.Tensor, Dict[str, torch.Tensor]]:
     config = copy.deepcopy(source.lora_config)
     config.inference_mode = True
     config.base_model_name_or_path = None  # an internal copy: peft would warn that it renames the base
-    model = get_peft_model(base_model(source), config)
+    with quiet_wrapping():
+        model = get_peft_model(base_model(source), config)
     result = set_peft_model_state_dict(model, {k: v.float() for k, v in source.state.items()})
     missing = [k for k in result.missing_keys if ".lora_" in k]
     if missing:

@@ -19,12 +19,12 @@ from __future__ import annotations
 import collections
 import json
 import os
-import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..compat.peft import quiet_wrapping
 from ..config import require
 
 __all__ = ["Question", "read_questions", "answer", "accuracy", "chance_level", "load_adapted", "report_answers",
@@ -127,10 +127,7 @@ def load_adapted(base: str, adapter: str, images: bool):
 
     model_class = MoEPluginForConditionalGeneration if images else MoEPluginForCausalLM
     base_model = model_class.from_pretrained(base)
-    with warnings.catch_warnings():
-        # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` while wrapping: noise in the
-        # job's last lines, not a problem of the run
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+    with quiet_wrapping():
         return PeftModel.from_pretrained(base_model, adapter).eval()
 
 
