@@ -4,8 +4,8 @@ Attention Residuals, the DSA indexer, 8 latent experts top-2) at 1 x 4096 tokens
 activations dominate, in each mode, each in a fresh process.
 
 Activation memory: the step's peak of tensor bytes (``torch.profiler``'s allocator events summed,
-``moe_plugin.plan.measure.tensor_peak``) above what the process held as the step began (weights, adapters,
-Adam states), i.e. what the forward and backward add. Step time: the median of 3 steps after a warm-up, the
+``moe_plugin.testing.plan_measure.tensor_peak``) above what the process held as the step began (weights,
+adapters, Adam states), i.e. what the forward and backward add. Step time: the median of 3 steps after a warm-up, the
 profiler off. Printed: each mode's activation memory and step time, and their ratios to ``"off"``; goals
 ``"selective"`` <= 0.5 of the memory at <= 1.25x the time, ``"full"`` <= 0.25 at <= 1.45x.
 ``python -m benchmarks.checkpointing`` (records its lines in benchmarks/RESULTS.md).
@@ -36,7 +36,7 @@ def _child(mode: str, seq: int, threads: int) -> dict:
     from moe_plugin.layers.recompute import set_recompute
     from moe_plugin.lora import add_lora, lora_config
     from moe_plugin.models import MoEPluginForCausalLM, preset_config
-    from moe_plugin.plan.measure import tensor_peak
+    from moe_plugin.testing.plan_measure import tensor_peak
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

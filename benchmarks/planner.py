@@ -3,9 +3,9 @@
 of each launch with Attention Residuals in every activation checkpointing mode).
 
 Measured: each rank's peak of tensor bytes (``torch.profiler``'s allocator events summed, from just before the
-Trainer starts; ``moe_plugin.plan.measure``). The framework overhead is one measured constant per launch and
-rank (its calibration layout, a model too small to matter). Printed side by side: each layout's planned and
-measured peak, their ratio and the error; the goal is within 15 % on every layout. ``python -m
+Trainer starts; ``moe_plugin.testing.plan_measure``). The framework overhead is one measured constant per
+launch and rank (its calibration layout, a model too small to matter). Printed side by side: each layout's
+planned and measured peak, their ratio and the error; the goal is within 15 % on every layout. ``python -m
 benchmarks.planner``.
 """
 
@@ -18,7 +18,7 @@ from .harness import machine_line, write_results
 
 def main() -> None:
     from moe_plugin.testing.launch import run_distributed
-    from moe_plugin.plan.measure import layout_recipes, measured_layouts, planned_peak
+    from moe_plugin.testing.plan_measure import layout_recipes, measured_layouts, planned_peak
 
     lines = [machine_line(2)]
     cache: dict = {}
@@ -27,7 +27,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             recipes = layout_recipes(tmp, world)
             planned = [planned_peak(r, world, cache) for r in recipes]
-            measured = run_distributed("moe_plugin.plan.measure:measure_worker", world_size=world,
+            measured = run_distributed("moe_plugin.testing.plan_measure:measure_worker", world_size=world,
                                        timeout_s=3000, recipes=recipes, threads=max(1, 2 // world))
         for rank in range(world):
             peaks = [m["peak_bytes"] for m in measured[rank]]

@@ -22,7 +22,7 @@ __all__ = ["Plan", "plan_recipe", "devices_from_ds_config", "CPU_OVERHEAD_BYTES"
 
 # the framework's own memory, by the kernels planned (not by the device's size: a small GPU has a CUDA context too)
 GPU_OVERHEAD_BYTES = 3 * 2 ** 30  # CUDA context, NCCL buffers, allocator fragmentation: an assumption
-CPU_OVERHEAD_BYTES = 0.0  # measured per launch by moe_plugin.plan.measure (the calibration layout)
+CPU_OVERHEAD_BYTES = 0.0  # measured per launch by moe_plugin.testing.plan_measure (the calibration layout)
 MILLION_CONTEXT = 1 << 20
 
 @dataclass

@@ -5,5 +5,7 @@ and the benchmarks import it by module path from any working directory, but it i
 trainer, the commands and the planner never import it (tests/test_import_layers.py holds it in the top tier,
 above the entry points). Its modules:
 
-- ``launch``: ``run_distributed``, one function on N local processes joined by torch.distributed.
+- ``launch``: ``run_distributed``, one function on N local processes joined by torch.distributed;
+- ``plan_measure``: the planner's measured check, the tensor peaks of tiny layouts trained for real through the
+  ``Trainer`` (docs/planner.md, "Checked against measurements").
 """

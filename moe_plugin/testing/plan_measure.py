@@ -159,7 +159,7 @@ def measure_worker(recipes: List[dict], threads: int = 1) -> List[Dict[str, floa
 def planned_peak(recipe_values: dict, world: int, cache: dict) -> float:
     """The planner's peak for one measured layout, without the overhead constant (bytes)."""
     from ..training.recipe import recipe_from_dict
-    from .planner import plan_recipe
+    from ..plan.planner import plan_recipe
 
     # the trainer drops no token: every expert computes exactly its rows, a capacity factor of 1
     plan = plan_recipe(recipe_from_dict(recipe_values), devices=world, overhead_bytes=0.0, cache=cache, capacity=1.0)

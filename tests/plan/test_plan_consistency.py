@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from moe_plugin.plan.measure import layout_recipe
 from moe_plugin.plan.planner import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, plan_recipe
+from moe_plugin.testing.plan_measure import layout_recipe
 from moe_plugin.training.recipe import recipe_from_dict
 
 SMALL = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, layer_types=["kda", "mla"], attn_res=False,

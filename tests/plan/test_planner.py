@@ -9,11 +9,11 @@ import tempfile
 import pytest
 import torch
 
-from moe_plugin.testing.launch import run_distributed
 from moe_plugin.plan.counts import count_model, rank_share
-from moe_plugin.plan.measure import (CALIBRATION, CHECKPOINTED_SHAPE, SHAPE, layout_recipe, layout_recipes,
-                                     measured_layouts, planned_peak, tensor_peak)
 from moe_plugin.plan.planner import parse_bytes, plan_recipe
+from moe_plugin.testing.launch import run_distributed
+from moe_plugin.testing.plan_measure import (CALIBRATION, CHECKPOINTED_SHAPE, SHAPE, layout_recipe, layout_recipes,
+                                             measured_layouts, planned_peak, tensor_peak)
 from moe_plugin.training.recipe import LoraSection, recipe_from_dict
 
 
@@ -190,8 +190,8 @@ def _check(world: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         recipes = layout_recipes(tmp, world)
         planned = [planned_peak(r, world, _CACHE) for r in recipes]
-        measured = run_distributed("moe_plugin.plan.measure:measure_worker", world_size=world, timeout_s=3000,
-                                   recipes=recipes, threads=max(1, 2 // world))
+        measured = run_distributed("moe_plugin.testing.plan_measure:measure_worker", world_size=world,
+                                   timeout_s=3000, recipes=recipes, threads=max(1, 2 // world))
     layouts = measured_layouts(world)
     for rank in range(world):
         peaks = [m["peak_bytes"] for m in measured[rank]]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moe_plugin.config import VisionConfig
-from moe_plugin.plan.measure import layout_recipe
 from moe_plugin.plan.planner import plan_recipe
 from moe_plugin.plan.vision import image_grid, vision_activation_bytes
+from moe_plugin.testing.plan_measure import layout_recipe
 from moe_plugin.training.recipe import LoraSection, recipe_from_dict
 
 VISION = VisionConfig(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512, out_hidden_size=64,
