@@ -48,7 +48,7 @@ def train_worker(shape: Dict[str, int], ep: int, threads: int, iters: int = 3, s
     from moe_plugin.lora import add_lora, lora_config
     from moe_plugin.megatron.specs import build_gpt_model
     from moe_plugin.parallel.distributed import initialize_megatron
-    from moe_plugin.parallel.grad_reduce import reduce_gradients
+    from moe_plugin.testing.grad_reduce import reduce_gradients
 
     torch.set_num_threads(threads)
     initialize_megatron(expert_model_parallel_size=ep, seed=seed + 1)

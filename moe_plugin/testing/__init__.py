@@ -7,5 +7,7 @@ above the entry points). Its modules:
 
 - ``launch``: ``run_distributed``, one function on N local processes joined by torch.distributed;
 - ``plan_measure``: the planner's measured check, the tensor peaks of tiny layouts trained for real through the
-  ``Trainer`` (docs/planner.md, "Checked against measurements").
+  ``Trainer`` (docs/planner.md, "Checked against measurements");
+- ``grad_reduce``: ``reduce_gradients``, the data + expert-parallel gradient reduction of a bare megatron model
+  (the trainer's ZeRO-3 reduces over the expert groups itself, ``parallel.zero3_ep``).
 """

@@ -46,7 +46,7 @@ def _direct(case_dir: str) -> dict:
     from moe_plugin.megatron.specs import build_gpt_model
     from moe_plugin.models.configuration import MoEPluginConfig
     from moe_plugin.models.inputs import causal_lm_loss
-    from moe_plugin.parallel.grad_reduce import reduce_gradients
+    from moe_plugin.testing.grad_reduce import reduce_gradients
 
     path = os.path.join(case_dir, "base")
     setup = torch.load(os.path.join(case_dir, "setup.pt"))

@@ -99,7 +99,7 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
     from moe_plugin.megatron.lora import adapter_state_to_hf, load_hf_adapter_state
     from moe_plugin.megatron.specs import build_gpt_model
     from moe_plugin.models.configuration import MoEPluginConfig
-    from moe_plugin.parallel.grad_reduce import reduce_gradients
+    from moe_plugin.testing.grad_reduce import reduce_gradients
 
     path = os.path.join(case_dir, scenario)
     setup = torch.load(os.path.join(path, "setup.pt"))

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_plugin.parallel.grad_reduce import reduce_gradients
+from moe_plugin.testing.grad_reduce import reduce_gradients
 
 
 def reduce_marked_gradients() -> dict:

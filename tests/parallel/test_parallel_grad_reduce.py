@@ -1,4 +1,4 @@
-"""moe_plugin.parallel.grad_reduce: dense gradients averaged over data parallel, expert gradients summed over
+"""moe_plugin.testing.grad_reduce: dense gradients averaged over data parallel, expert gradients summed over
 the expert-data-parallel group and divided by the data-parallel size (megatron DDP's scaling)."""
 
 from pathlib import Path
@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_plugin.parallel.grad_reduce import is_expert_parameter, reduce_gradients
+from moe_plugin.parallel.grad_reduce import is_expert_parameter
+from moe_plugin.testing.grad_reduce import reduce_gradients
 from moe_plugin.testing.launch import run_distributed
 
 WORKERS = Path(__file__).with_name("grad_reduce_workers.py")
