@@ -18,49 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ModelConfig, require
-from .weights import expert_ranges, hf_to_megatron_name, megatron_to_hf_name
+from ..config import ModelConfig
+from .weights import expert_ranges, megatron_to_hf_name
 
-__all__ = ["slice_expert_adapter", "load_hf_adapter_state", "adapter_state_to_hf"]
+__all__ = ["adapter_state_to_hf"]
 
 _EXPERT_ADAPTER = re.compile(r"(?:^|\.)experts\.(?:base_layer\.)*lora_([AB])\.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def slice_expert_adapter(name: str, value: torch.Tensor, first: int, last: int, num_experts: int) -> torch.Tensor:
-    """The experts ``first .. last - 1`` of a full expert adapter ``value`` (``lora_A [r*E, in]`` or
-    ``lora_B [out, r*E]``) -> ``[r*E_local, in]`` / ``[out, r*E_local]``; other tensors pass through."""
-    m = _EXPERT_ADAPTER.search(name)
-    if m is None:
-        return value
-    if m.group(1) == "A":
-        r = value.shape[0] // num_experts
-        return value[first * r:last * r]
-    out, rank_times_e = value.shape
-    return value.view(out, rank_times_e // num_experts, num_experts)[:, :, first:last].reshape(out, -1)
-
-
-@torch.no_grad()
-def load_hf_adapter_state(model: nn.Module, state: Dict[str, torch.Tensor], config: ModelConfig) -> int:
-    """Copy adapter tensors named as in the Hugging Face model (``model.layers.{i}...lora_A.default.weight``,
-    experts stacked over all ``E``) into megatron ``model``, slicing expert adapters to this rank's experts.
-    Every adapter of ``model`` must be given (ValueError naming the first missing); returns the count."""
-    ranges = expert_ranges(model)
-    params = dict(model.named_parameters())
-    given = {hf_to_megatron_name(k, config): (k, v) for k, v in state.items()}
-    adapters = [n for n in params if ".lora_" in n]
-    missing = [megatron_to_hf_name(n, config) for n in adapters if n not in given]
-    require(not missing, "state", f"{len(missing)} adapters of the model are missing, e.g. {missing[:5]}")
-    for name in adapters:
-        hf_name, value = given[name]
-        layer = _LAYER.match(name)
-        if _EXPERT_ADAPTER.search(name):
-            first, last = ranges[int(layer.group(1))]
-            value = slice_expert_adapter(name, value, first, last, config.moe.num_experts)
-        require(tuple(value.shape) == tuple(params[name].shape), f"state[{hf_name!r}]",
-                f"has shape {tuple(value.shape)} on this rank, the model's {name} has {tuple(params[name].shape)}")
-        params[name].copy_(value)
-    return len(adapters)
 
 
 def _gather_expert_adapter(name: str, value: torch.Tensor, num_local: int, group, size: int) -> torch.Tensor:

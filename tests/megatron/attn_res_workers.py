@@ -39,21 +39,21 @@ def _direct(case_dir: str) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from moe_plugin.lora import add_lora, lora_config
-    from moe_plugin.megatron import weights
     from moe_plugin.megatron.adapters import indexer_loss_of
     from moe_plugin.megatron.attn_res_block import AttnResTransformerBlock
-    from moe_plugin.megatron.lora import adapter_state_to_hf, load_hf_adapter_state
+    from moe_plugin.megatron.lora import adapter_state_to_hf
     from moe_plugin.megatron.specs import build_gpt_model
     from moe_plugin.models.configuration import MoEPluginConfig
     from moe_plugin.models.inputs import causal_lm_loss
     from moe_plugin.testing.grad_reduce import reduce_gradients
+    from moe_plugin.testing.megatron_loading import load_hf_adapter_state, load_hf_checkpoint
 
     path = os.path.join(case_dir, "base")
     setup = torch.load(os.path.join(case_dir, "setup.pt"))
     hf = MoEPluginConfig.from_pretrained(path)
     config = hf.to_model_config()
     model = build_gpt_model(config, indexer_loss=True)
-    weights.load_hf_checkpoint(model, path, config)
+    load_hf_checkpoint(model, path, config)
     lora = setup["lora"]
     add_lora(model, lora_config(lora["r"], lora["alpha"], lora["target_modules"], lora["target_parameters"]))
     load_hf_adapter_state(model, setup["adapters"], config)

@@ -44,7 +44,7 @@ def _guarded(check) -> dict:
 
 
 def _count_reads(weights_module):
-    """Wrap ``safe_open`` as seen by moe_plugin.megatron.weights: count what is read of expert tensors."""
+    """Wrap ``safe_open`` as seen by moe_plugin.testing.megatron_loading: count what is read of expert tensors."""
     counts = {"expert_elements": 0, "expert_full_reads": 0, "tensors": 0, "expert_names": set()}
     original = weights_module.safe_open
 
@@ -96,10 +96,12 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
 
     from moe_plugin.megatron import weights
     from moe_plugin.lora import add_lora, lora_config
-    from moe_plugin.megatron.lora import adapter_state_to_hf, load_hf_adapter_state
+    from moe_plugin.megatron.lora import adapter_state_to_hf
     from moe_plugin.megatron.specs import build_gpt_model
     from moe_plugin.models.configuration import MoEPluginConfig
     from moe_plugin.testing.grad_reduce import reduce_gradients
+    from moe_plugin.testing import megatron_loading
+    from moe_plugin.testing.megatron_loading import load_hf_adapter_state
 
     path = os.path.join(case_dir, scenario)
     setup = torch.load(os.path.join(path, "setup.pt"))
@@ -113,9 +115,9 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
     out["layer_types"] = [(type(l.self_attention).__name__, type(l.mlp).__name__) for l in model.decoder.layers]
     if extras:  # before the real load: strict=False loads the broken checkpoint's weights
         out["load_errors"] = _load_errors(model, os.path.join(case_dir, "broken"), config)
-    counts, restore = _count_reads(weights)
+    counts, restore = _count_reads(megatron_loading)
     try:
-        stats = weights.load_hf_checkpoint(model, path, config)
+        stats = megatron_loading.load_hf_checkpoint(model, path, config)
     finally:
         restore()
     out["read"], out["stats"] = counts, vars(stats)
@@ -175,21 +177,22 @@ def _k3_forward(case_dir: str) -> dict:
     from moe_plugin.megatron import weights
     from moe_plugin.megatron.specs import build_gpt_model
     from moe_plugin.models.k3_config import config_from_k3
+    from moe_plugin.testing import megatron_loading
 
     path = os.path.join(case_dir, "k3")
     with open(os.path.join(path, "config.json")) as f:
         config = config_from_k3(json.load(f)).to_model_config()
     model = build_gpt_model(config)
-    counts, restore = _count_reads(weights)
+    counts, restore = _count_reads(megatron_loading)
     try:
-        stats = weights.load_k3_checkpoint_per_rank(model, path, config)
+        stats = megatron_loading.load_k3_checkpoint_per_rank(model, path, config)
     finally:
         restore()
     tokens = torch.load(os.path.join(case_dir, "mixed", "setup.pt"))["batches"][dist.get_rank()]
     with torch.no_grad():
         logits = model(tokens, None, None)
     try:
-        weights.load_k3_checkpoint_per_rank(model, os.path.join(case_dir, "broken", "k3"), config)
+        megatron_loading.load_k3_checkpoint_per_rank(model, os.path.join(case_dir, "broken", "k3"), config)
         error = None
     except ValueError as e:
         error = str(e)
@@ -199,7 +202,7 @@ def _k3_forward(case_dir: str) -> dict:
 
 def _load_errors(model, broken_dir: str, config) -> dict:
     """The ValueError messages of loading broken checkpoints (None where it loaded)."""
-    from moe_plugin.megatron.weights import load_hf_checkpoint
+    from moe_plugin.testing.megatron_loading import load_hf_checkpoint
 
     def message(name, **kwargs):
         try:

@@ -19,10 +19,10 @@ from moe_plugin.megatron.adapters import (DenseMLP, GatedDSASelfAttention, KDASe
 from moe_plugin.megatron.attn_res_block import AttnResTransformerLayer
 from moe_plugin.megatron.latent_moe import LatentMoELayer
 from moe_plugin.megatron.recompute_layer import CheckpointedTransformerLayer
-from moe_plugin.megatron.lora import slice_expert_adapter
-from moe_plugin.megatron.weights import NAME_TABLE, hf_to_megatron_name, load_hf_checkpoint, megatron_to_hf_name
+from moe_plugin.megatron.weights import NAME_TABLE, hf_to_megatron_name, megatron_to_hf_name
 from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config
+from moe_plugin.testing.megatron_loading import load_hf_checkpoint, slice_expert_adapter
 
 TOL = 1e-6
 
