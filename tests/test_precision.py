@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 import moe_plugin
 from moe_plugin import MoEPluginForCausalLM
 from moe_plugin.models.tokenizer import ByteTokenizer
-from moe_plugin.testing.launch import run_distributed
 from moe_plugin.precision import FP32_TENSORS, apply_precision, fp32_tensors
+from moe_plugin.testing.launch import run_distributed
 
 WORKER = "tests/precision_workers.py:run_scenarios"
 # what the policy keeps fp32, written out by Hugging Face name (independently of FP32_TENSORS/FP32_OWNERS)

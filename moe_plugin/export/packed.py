@@ -113,8 +113,8 @@ def packed_output_tensors(stack: PackedStack, codes: torch.Tensor, scales: torch
                           ) -> List[Tuple[str, torch.Tensor]]:
     """The tensors a requantised stack is written as: "hf" the layer's own ``...experts.w1`` / ``w1_scale``;
     "k3" per expert ``...experts.{e}.w1.weight_packed`` / ``.weight_scale`` (INT4: the bf16 scale as published,
-    and ``.weight_shape`` ``[out, in]`` int32): the release layout, by the writer ``models.k3_packed`` uses too
-    (``weights.packed_tensors``)."""
+    and ``.weight_shape`` ``[out, in]`` int32): the release layout, by the writer the tests'
+    ``testing.packed_checkpoints`` uses too (``weights.packed_tensors``)."""
     if layout == "hf":
         return [(stack.name, codes), (stack.name + "_scale", scales)]
     return per_expert_tensors(stack.name, stack.format, codes, scales, stack.shape)

@@ -1,5 +1,5 @@
 """The one writer of per-expert packed tensors (docs/packed-experts.md): a stacked packed layer as the published
-release stores it. ``models.k3_packed`` (a packed model's checkpoint) and ``export.packed`` (a requantised
+release stores it. ``testing.packed_checkpoints`` (the tests' packed bases) and ``export.packed`` (a requantised
 merged export, layout "k3") both call it, so the two cannot write different tensors.
 
 A layer keeps a stack as ``...experts.w1`` codes ``[E, out, packed_cols]`` and ``...experts.w1_scale``

@@ -124,7 +124,7 @@ def test_a_bf16_packed_base_merges_into_bf16_experts_decoded_exactly(fmt, tmp_pa
     """No adapter: the merged experts are the base's decoded values, in the base's dtype (BF16)."""
     from moe_plugin.export.merge import write_merged
     from moe_plugin.models import MoEPluginForCausalLM, load_k3_checkpoint, preset_config
-    from moe_plugin.models.k3_packed import save_packed_k3_checkpoint
+    from moe_plugin.testing.packed_checkpoints import save_packed_k3_checkpoint
 
     torch.manual_seed(3)
     config = preset_config("tiny", expert_format=fmt, attn_res=False)

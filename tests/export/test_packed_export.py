@@ -1,5 +1,5 @@
 """moe-plugin export of runs the product's ``train`` made over packed bases (the tiny MXFP4 and INT4 K3-format
-checkpoints of ``models.k3_packed``, one process). References are independent of the export: plain peft over
+checkpoints of ``testing.packed_checkpoints``, one process). References are independent of the export: plain peft over
 the base's dequantised fp32 twin (written by the generator), and ``weights.quantize.merge_expert_adapter`` for
 requantised experts. Every format reloads to the adapted model's logits; merged exports write dense fp32
 experts (the base's dtype) by default, or the base's format again with ``--requantise``, counting the values
@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from moe_plugin import cli
 from moe_plugin.export import FORMATS, ExportCheckError, export_run
-from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.testing.launch import run_distributed
+from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from tests.export.saved_files import directory_tensors
 
 WORKER = "tests/training/trainer_workers.py:run_recipes"

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 import moe_plugin.ops.quant.experts as quant_experts
 from moe_plugin.lora import add_lora, lora_config
 from moe_plugin.models.k3_format import load_k3_checkpoint
-from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
 from moe_plugin.ops.quant import decode, encode
+from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from moe_plugin.weights.quantize import merge_expert_adapter
 
 TARGETS = dict(target_modules=["q_proj", "k_proj", "gate"], target_parameters=["experts.w1", "experts.w2", "experts.w3"])

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.testing.launch import run_distributed
+from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 
 WORKER = "tests/training/packed_trainer_workers.py:run_packed"
 ZERO3 = "ds_configs/zero3_lora.json"

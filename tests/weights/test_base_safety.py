@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_plugin.fileio import read_safetensors_header, safetensors_weight_map
 from moe_plugin.models import MoEPluginForCausalLM, load_k3_checkpoint, preset_config
-from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
+from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from moe_plugin.training.backends.common import load_base
 from moe_plugin.weights import load_state, stored_tensors
 from moe_plugin.weights.checks import check_module_finite, dtype_problems

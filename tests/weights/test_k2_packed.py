@@ -16,11 +16,11 @@ from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_in
 from safetensors.torch import load_file, save_file
 
 from moe_plugin.models.k3_format import load_k3_checkpoint
-from moe_plugin.models.k3_packed import write_tiny_packed_checkpoint
 from moe_plugin.models.presets import preset_config
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.ops.quant import decode
 from moe_plugin.testing.launch import run_distributed
+from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from moe_plugin.weights.packed import expert_naming, k2_block_name, k2_packed_name
 from moe_plugin.weights.plan import Target, detect_layout, plan_reads, stored_tensors
 

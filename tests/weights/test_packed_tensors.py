@@ -1,7 +1,8 @@
 """The one per-expert packed writer (weights/packed_tensors.py) round-trips: a packed model's published tensors,
-written by ``models.k3_packed`` and, for the experts, by the requantised export's ``packed_output_tensors``, load
-through the packed loader into the same stored bytes and the same decoded weights (MXFP4 and INT4, an INT4
-scale holding a 0xFF byte, K2 names); both callers write the same tensors; bad stacks are named."""
+written by ``testing.packed_checkpoints`` and, for the experts, by the requantised export's
+``packed_output_tensors``, load through the packed loader into the same stored bytes and the same decoded
+weights (MXFP4 and INT4, an INT4 scale holding a 0xFF byte, K2 names); both callers write the same tensors;
+bad stacks are named."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from moe_plugin.export.packed import PackedStack, packed_output_tensors
 from moe_plugin.models import MoEPluginForCausalLM, preset_config
 from moe_plugin.models.k3_format import CONFIG_NAME, load_k3_checkpoint
-from moe_plugin.models.k3_packed import dequantized_state_dict, save_packed_k3_checkpoint
 from moe_plugin.ops.quant import encode
+from moe_plugin.testing.packed_checkpoints import dequantized_state_dict, save_packed_k3_checkpoint
 from moe_plugin.weights.packed_tensors import per_expert_tensors
 
 PREFIX = "language_model."

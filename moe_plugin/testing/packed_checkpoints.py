@@ -1,4 +1,5 @@
-"""K3-format checkpoints with packed routed experts, as the published release stores them (docs/packed-experts.md).
+"""K3-format checkpoints with packed routed experts, as the published release stores them
+(docs/packed-experts.md): the packed bases the tests load; the product only reads such checkpoints.
 
 ``save_packed_k3_checkpoint(model, path)`` writes a model whose experts are packed (``expert_format`` "mxfp4" or
 "int4") in the published layout: the multimodal form ``{"model_type": "kimi_k3", "text_config": {...,
@@ -7,8 +8,8 @@
 ``.weight_shape``). ``naming="k2"`` writes the K2 family's names instead (INT4 releases: the MoE block under
 ``mlp.``, experts ``...mlp.experts.{e}.{gate,up,down}_proj.weight_packed``), and ``text_prefix=False`` the
 text-only form (K2-Thinking: a top-level text config, no ``language_model.``; K2.5/K2.6 keep the prefix).
-``write_tiny_packed_checkpoint`` generates the tiny one the tests and examples use, and
-optionally its twin with the same experts dequantised once into fp32 (the reference a packed run must equal).
+``write_tiny_packed_checkpoint`` generates the tiny one the tests use, and optionally its twin with the same
+experts dequantised once into fp32 (the reference a packed run must equal).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from safetensors.torch import save_file
 
 from ..config import K3_VL_MODEL_TYPE
 from ..fileio import SAFETENSORS_SINGLE, atomic_directory
+from ..models.k3_config import config_to_k3
+from ..models.k3_format import CONFIG_NAME, save_k3_checkpoint, state_dict_to_k3
+from ..models.modeling import MoEPluginForCausalLM
+from ..models.presets import preset_config
 from ..ops.quant import decode
 from ..weights.packed import EXPERT_NAMINGS, k2_block_name, stack_of
 from ..weights.packed_tensors import per_expert_tensors
-from .k3_config import config_to_k3
-from .k3_format import CONFIG_NAME, save_k3_checkpoint, state_dict_to_k3
-from .modeling import MoEPluginForCausalLM
-from .presets import preset_config
 
 __all__ = ["packed_k3_tensors", "save_packed_k3_checkpoint", "dequantized_state_dict", "write_tiny_packed_checkpoint"]
 
