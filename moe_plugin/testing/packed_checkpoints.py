@@ -1,5 +1,6 @@
 """K3-format checkpoints with packed routed experts, as the published release stores them
-(docs/packed-experts.md): the packed bases the tests load; the product only reads such checkpoints.
+(docs/packed-experts.md): the packed bases the tests load. The product reads packed bases but never writes one
+(its requantised export writes only its experts, through the same ``weights.packed_tensors``).
 
 ``save_packed_k3_checkpoint(model, path)`` writes a model whose experts are packed (``expert_format`` "mxfp4" or
 "int4") in the published layout: the multimodal form ``{"model_type": "kimi_k3", "text_config": {...,
