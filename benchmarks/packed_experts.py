@@ -40,7 +40,9 @@ def _build():
         for kind in ("w1", "w3", "w2"):
             getattr(dense, kind).copy_(decode("mxfp4", getattr(packed, kind), getattr(packed, f"{kind}_scale"),
                                               packed.logical_shapes[kind][2]))
-    cfg = lambda: lora_config(8, 16, target_modules=[], target_parameters=["experts.w1", "experts.w2", "experts.w3"])
+
+    def cfg():
+        return lora_config(8, 16, target_modules=[], target_parameters=["experts.w1", "experts.w2", "experts.w3"])
     return add_lora(_Host(packed), cfg()), add_lora(_Host(dense), cfg()), packed, dense
 
 

@@ -116,7 +116,7 @@ def resolve_atomic_directory(path: str | os.PathLike) -> str:
                  if kind == _REPLACED and token not in live and os.path.isdir(e) and not os.path.islink(e)]
         if aside:
             os.rename(max(aside)[1], target)
-    for kind, token, entry in leftovers:
+    for _kind, token, entry in leftovers:
         if token in live or not os.path.lexists(entry):
             continue
         fd = _try_lock(entry)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import List, Optional
 
 __all__ = ["main", "parser"]

@@ -194,7 +194,7 @@ class _LabelLosses:
                 f"no label survives: all {self.lost} of {self.total} records with labels lose every label to "
                 f"{where}; raise data.seq_len to at least {self.needed} or shorten them")
         warnings.warn(f"data.seq_len: {self.lost} of {self.total} records lose every label to {where}; raise "
-                      "data.seq_len or shorten them")
+                      "data.seq_len or shorten them", stacklevel=2)
 
 
 def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_id: int = 256) -> List[Row]:
@@ -229,7 +229,7 @@ def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_
     losses.report()
     if truncated:
         warnings.warn(f"data.seq_len: {truncated} of {len(examples)} examples are longer than {seq_len} tokens "
-                      f"and were truncated to it; raise data.seq_len to keep them whole")
+                      f"and were truncated to it; raise data.seq_len to keep them whole", stacklevel=2)
     rows = []
     for members, free in zip(bins, room):
         ids = [t for e in members for t in e.input_ids] + [pad_id] * free

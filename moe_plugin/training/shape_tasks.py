@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="write the main job's generated image+text data")
     parser.add_argument("directory", nargs="?", default="recipes/data")
     args = parser.parse_args(argv)
-    for name, path in write_main_job_data(args.directory).items():
+    for path in write_main_job_data(args.directory).values():
         print(f"{path}: {sum(1 for _ in open(path))} records, {os.path.getsize(path) / 1e3:.0f} kB")
 
 

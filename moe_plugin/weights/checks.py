@@ -67,7 +67,7 @@ def dtype_problems(reads: Iterable[Tuple[str, str, str, torch.dtype]], declared:
     ``declared``: ``config_dtype``."""
     problems: Dict[str, List[str]] = defaultdict(list)
     seen = set()
-    for name, file, stored, model_dtype in reads:
+    for name, _file, stored, model_dtype in reads:
         if name in seen:
             continue
         seen.add(name)

@@ -70,6 +70,7 @@ class Backend(abc.ABC):
 
     def teardown(self) -> None:
         """Undo ``setup_parallel`` (the loop destroys the default process group itself)."""
+        return None  # optional to override, so not abstract: by default there is nothing to undo
 
     @property
     def base_path(self) -> Optional[str]:
