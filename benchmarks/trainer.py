@@ -2,9 +2,9 @@
 
 Both layouts run the same recipe (LoRA on the seed's targets and every routed expert; the same global batch;
 a checkpoint base, which ZeRO-3 builds partitioned) through the product's ``Trainer`` on a model whose weights
-dominate a process's memory (about 20 M parameters, most of them routed experts). Printed: the aggregate tokens/s of all ranks and their ratio
-(goal >= 0.6 on this 2-core machine), the peak RSS increase of one EP=2 x ZeRO-3 rank over its baseline
-against the one process's (goal <= 0.4), and the start-up time apart from the step time.
+dominate a process's memory (about 20 M parameters, most of them routed experts). Printed: the aggregate tokens/s of all
+ranks and their ratio (goal >= 0.6 on this 2-core machine), the peak RSS increase of one EP=2 x ZeRO-3 rank over its
+baseline against the one process's (goal <= 0.4), and the start-up time apart from the step time.
 
 ``python -m benchmarks.trainer`` (about ten minutes here); ``--steps N`` to change the timed steps.
 """

@@ -53,8 +53,8 @@ def _quiet_cpu_imports() -> None:
     """On a machine without CUDA, keep the lines DeepSpeed and megatron-core print as they load on a CPU off the
     command's output (above every run's first line, and above an error's one line): tell DeepSpeed its accelerator
     (``DS_ACCELERATOR``, its documented setting; the one its guess would pick, but without the warning), and
-    drop megatron-core's "Apex is not installed" / "Transformer Engine and Apex are not installed" warnings, which on a CPU say nothing
-    (neither ever runs there). A GPU machine, or a user's own DS_ACCELERATOR, is left alone."""
+    drop megatron-core's "Apex is not installed" / "Transformer Engine and Apex are not installed" warnings, which on a
+    CPU say nothing (neither ever runs there). A GPU machine, or a user's own DS_ACCELERATOR, is left alone."""
     import warnings
 
     import torch

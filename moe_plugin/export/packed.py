@@ -78,8 +78,8 @@ def float_dtype(stored: Mapping[str, object]) -> torch.dtype:
     return getattr(torch, max(counts, key=counts.get)) if counts else torch.bfloat16
 
 
-def decoded(stream: Iterable[Tuple[str, torch.Tensor]], stacks: Dict[str, PackedStack],
-            keep_packed: bool = False) -> Iterator[Tuple[str, torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]]:
+def decoded(stream: Iterable[Tuple[str, torch.Tensor]], stacks: Dict[str, PackedStack], keep_packed: bool = False
+            ) -> Iterator[Tuple[str, torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]]:
     """``(name, tensor, packed)`` of a packed base's stream: each packed stack once, under its dense name, as
     ``[E, out, in]`` fp32 (decoded exactly) with ``packed = (codes, scales)`` when ``keep_packed``; every other
     tensor as it comes (``packed`` None). A stack's codes wait for its scales (one stack held at a time)."""

@@ -36,8 +36,8 @@ VISION_MODULES = "(" + "|".join(p.rstrip(".") for p in VISION_PREFIXES) + r")(\.
 class Target:
     """One adapted base tensor. weight: its name in the Hugging Face model the adapter is on
     (``model.layers.0.self_attn.q_proj.weight``, ``model.layers.1.block_sparse_moe.experts.w2``; on the image
-    model ``language_model.model.layers...`` or ``vision_tower...``); module: the PEFT key prefix of its adapter (``lora_A`` /
-    ``lora_B`` follow); experts: E for a stacked expert parameter ``[E, out, in]``, 0 for a dense Linear;
+    model ``language_model.model.layers...`` or ``vision_tower...``); module: the PEFT key prefix of its adapter
+    (``lora_A`` / ``lora_B`` follow); experts: E for a stacked expert parameter ``[E, out, in]``, 0 for a dense Linear;
     scaling: peft's ``alpha / r`` (or its rsLoRA form)."""
 
     weight: str

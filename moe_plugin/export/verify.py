@@ -154,7 +154,8 @@ def compare_deltas(result: CheckResult, target: Target, got: Optional[torch.Tens
 
 
 def merged_differences(base: Iterable[Tuple[str, torch.Tensor]], written: Iterable[Tuple[str, torch.Tensor]],
-                       targets: Mapping[str, Target], expected: Mapping[str, torch.Tensor], result: CheckResult) -> None:
+                       targets: Mapping[str, Target], expected: Mapping[str, torch.Tensor],
+                       result: CheckResult) -> None:
     """Stream the base and the merged export side by side (the same names in the same order): a target's
     written-minus-base is its delta; every other tensor must be the base's, unchanged."""
     written = iter(written)
@@ -169,5 +170,6 @@ def merged_differences(base: Iterable[Tuple[str, torch.Tensor]], written: Iterab
             eps = torch.finfo(got.dtype).eps if got.is_floating_point() else 0.0
             atol = 4 * eps * max(float(base_tensor.float().abs().max()), float(got.float().abs().max()))
             compare_deltas(result, target, got.float() - base_tensor.float(), expected[target.weight], atol)
-        elif not torch.equal(got, base_tensor.to(got.dtype)):  # a packed base's experts, decoded, may be written in bf16
+        # a packed base's experts, decoded, may be written in bf16
+        elif not torch.equal(got, base_tensor.to(got.dtype)):
             result.problems.append(f"{name}: not a target, yet it differs from the base")

@@ -200,7 +200,8 @@ def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backen
     if os.path.isfile(os.path.join(engine, _PLAIN_MODEL)):
         plain = os.path.join(engine, _PLAIN_MODEL)
         module = _entry(load_engine_file(plain), "module", plain)
-        return {_peft_key(n, config, backend, image): t.detach().float().clone() for n, t in module.items() if ".lora_" in n}
+        return {_peft_key(n, config, backend, image): t.detach().float().clone()
+                for n, t in module.items() if ".lora_" in n}
     dense, experts = zero3_parameters(engine)
     out = {_peft_key(n, config, backend, image): t for n, t in dense.items() if ".lora_" in n}
     for name, parts in experts.items():

@@ -88,8 +88,8 @@ class KDAAttention(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """The layer's own decay parameters (its submodules initialise theirs; __init__ draws the projections
-        from N(0, LINEAR_INIT_STD)): A_log = log U(1, 16) (decay rates as in Mamba/fla); dt_bias = softplus^-1(dt), dt log-uniform in
-        [1e-3, 1e-1]."""
+        from N(0, LINEAR_INIT_STD)): A_log = log U(1, 16) (decay rates as in Mamba/fla); dt_bias = softplus^-1(dt), dt
+        log-uniform in [1e-3, 1e-1]."""
         self.A_log.uniform_(1.0, 16.0).log_()
         dt = self.dt_bias.uniform_(math.log(1e-3), math.log(1e-1)).exp_()
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))

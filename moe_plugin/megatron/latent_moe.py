@@ -195,8 +195,8 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
     ``megatron_moe_fields`` gives the fields).
 
     Balancing is ``LatentMoEMixin``'s (shared with ``StableLatentMoE``): inside ``layers.moe.balancing`` ``route``
-    records the per-document balance term of this rank's tokens (``pop_balance``); ``last_load`` ``[E]`` accumulates this
-    rank's non-padded token copies per (global) expert over the micro-batches until ``pop_load``; the training
+    records the per-document balance term of this rank's tokens (``pop_balance``); ``last_load`` ``[E]`` accumulates
+    this rank's non-padded token copies per (global) expert over the micro-batches until ``pop_load``; the training
     loop all-reduces it (SUM) over ``parallel_state.get_data_parallel_group()``, which spans the expert-parallel
     ranks, and then calls ``update_routing_bias`` on every rank (``training.loop._balance``).
     """

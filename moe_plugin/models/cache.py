@@ -1,9 +1,9 @@
 """The generation cache: one layer cache per decoder layer, and the number of positions already seen.
 
 KDA layers keep a fixed-size recurrent state and conv tails; MLA layers keep the compressed kv latent, the
-indexer keys and, after a left-padded prompt, which keys are padding. Both are updated in place by their layers, so the cache object itself only needs to
-know how many positions it holds (to slice the prompt and place new queries) and how to follow the beams
-of a beam search.
+indexer keys and, after a left-padded prompt, which keys are padding. Both are updated in place by their layers, so the
+cache object itself only needs to know how many positions it holds (to slice the prompt and place new queries) and how
+to follow the beams of a beam search.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ their LoRA adapters) exists only on its expert-parallel rank, so it must be part
 reduced, only within the expert-data-parallel group: the ranks that hold the same experts. Every other
 parameter is partitioned within the whole data-parallel group. ``tag_expert_parameter`` (in
 ``moe_plugin.megatron.expert_tags``, below this package, since megatron's expert layer tags as it builds) sets the
-attributes that make DeepSpeed's ZeRO-3 do that (docs/zero3-ep.md has the source lines and what goes wrong without them):
+attributes that make DeepSpeed's ZeRO-3 do that (docs/zero3-ep.md has the source lines and what goes wrong without
+them):
 
 * ``ds_zero_partition_process_group``: the expert-data-parallel group;
 * ``ds_zero_placement_family = "autoep_expert"``: the gradient is divided by the whole data-parallel size,

@@ -58,8 +58,9 @@ def format_plan(plan) -> str:
         if plan.device_memory:
             fitting = [mode for mode, peak in plan.modes.items() if peak <= plan.device_memory]
             rows.append(f"  modes that fit: {', '.join(fitting) if fitting else 'none'}")
+    all_to_all_gb = plan.all_to_all_bytes_per_layer_step / 1e9
     rows += ["", f"tokens per step {plan.tokens_per_step:,}; FLOPs per step {plan.flops_per_step:.3e}; "
-                 f"all-to-all bytes per MoE layer per step per rank {plan.all_to_all_bytes_per_layer_step / 1e9:.3f} GB",
+                 f"all-to-all bytes per MoE layer per step per rank {all_to_all_gb:.3f} GB",
              "1M-token context (micro-batch 1):"]
     for k, v in plan.million_context.items():
         rows.append(f"  {k:<46}{_gb(v)}")

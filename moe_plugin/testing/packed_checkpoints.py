@@ -68,7 +68,8 @@ def save_packed_k3_checkpoint(model, path: Union[str, os.PathLike], naming: str 
     tensors = packed_k3_tensors(model, naming, text_prefix)
     text = config_to_k3(model.config)
     text["torch_dtype"] = str(model.get_input_embeddings().weight.dtype).replace("torch.", "")
-    config = {"model_type": K3_VL_MODEL_TYPE, "text_config": text, "tie_word_embeddings": model.config.tie_word_embeddings}
+    config = {"model_type": K3_VL_MODEL_TYPE, "text_config": text,
+              "tie_word_embeddings": model.config.tie_word_embeddings}
     if not text_prefix:
         config = {**text, "tie_word_embeddings": model.config.tie_word_embeddings}
     with atomic_directory(path) as tmp:

@@ -32,7 +32,8 @@ from ..fileio import safetensors_weight_map
 __all__ = ["NAME_TABLE", "TEXT_PREFIX", "VISION_PREFIXES", "A_LOG_PAD_MULTIPLE", "NAMINGS", "hf_to_megatron_name",
            "megatron_to_hf_name", "to_hf_name", "base_name", "is_expert_tensor", "expert_layer", "is_stacked_expert",
            "k3_tensor_names", "k3_expert_name", "parse_k3_expert", "is_indexer_tensor", "strip_text_prefix",
-           "is_mtp", "a_log_padded_length", "k3_shape_fits", "needs_k3_conversion", "tensor_from_k3", "tensor_to_k3", "quantised_tensors"]
+           "is_mtp", "a_log_padded_length", "k3_shape_fits", "needs_k3_conversion", "tensor_from_k3", "tensor_to_k3",
+           "quantised_tensors"]
 
 # (Hugging Face prefix, megatron prefix, layers the row applies to: None = every layer, "moe" or "dense").
 # "{i}" is the 0-based layer index on both sides; the rest of a name is the same on both sides because the
@@ -197,13 +198,15 @@ def _is_conv(name: str) -> bool:
 
 def k3_shape_fits(name: str, stored: Tuple[int, ...], shape: Tuple[int, ...]) -> Optional[str]:
     """None if a K3 tensor ``name`` of shape ``stored`` loads into a model tensor of ``shape``, else what the
-    model needs, for the error message ("" where the shapes must simply be equal). A_log: a vector (one non-singleton dim) of at least as many entries;
-    convs: the same channels and elements (``[C, 1, K]`` vs ``[C, K]``); anything else: the same shape."""
+    model needs, for the error message ("" where the shapes must simply be equal). A_log: a vector (one non-singleton
+    dim) of at least as many entries; convs: the same channels and elements (``[C, 1, K]`` vs ``[C, K]``); anything
+    else: the same shape."""
     if _is_a_log(name):
         numel = math.prod(stored)
         if numel == max(stored, default=1) and numel >= math.prod(shape):
             return None
-        return f"a padded vector of at least {math.prod(shape)} entries ([P] or with singleton dims such as [1, 1, P, 1])"
+        return (f"a padded vector of at least {math.prod(shape)} entries "
+                "([P] or with singleton dims such as [1, 1, P, 1])")
     if _is_conv(name) and stored[:1] == shape[:1] and math.prod(stored) == math.prod(shape):
         return None
     return None if tuple(stored) == tuple(shape) else ""

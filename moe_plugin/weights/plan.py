@@ -244,7 +244,8 @@ def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, 
     require(layout in LAYOUTS, "layout", f"must be one of {LAYOUTS}, got {layout!r}")
     quantised = quantised_tensors({n: s.dtype for n, s in stored.items()})
     packed_model = any(is_packed_expert_stack(n, t.dtype) for n, t in targets.items())
-    require(not quantised or packed_model, field_name, "the checkpoint holds MXFP4-quantised tensors (FP4 e2m1 blocks with e8m0 "
+    require(not quantised or packed_model, field_name,
+            "the checkpoint holds MXFP4-quantised tensors (FP4 e2m1 blocks with e8m0 "
             "scales) but the model's experts are dense: build it with the checkpoint's expert format (config.json's "
             "quantization_config sets expert_format; docs/packed-experts.md), or dequantise the experts first. "
             f"{len(quantised)} quantised tensor(s): {_listing(quantised)}")

@@ -1,7 +1,8 @@
 """DeepSeek-V3.2's lightning indexer: per-query scores over the keys, and the top-k keys it selects.
 
 ``I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s])``, ``-inf`` where key ``s`` is not visible to query ``t``
-(see ``masks``) or is masked out by the optional ``key_mask`` (padding: never selected). Any scaling (V3.2 multiplies ``w`` by ``H_I^-0.5 * D_I^-0.5``) belongs to the caller.
+(see ``masks``) or is masked out by the optional ``key_mask`` (padding: never selected). Any scaling (V3.2 multiplies
+``w`` by ``H_I^-0.5 * D_I^-0.5``) belongs to the caller.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from ..backend import packed_dequant_kernel
 from ..moe.experts import _grouped_mm_supported
 from .formats import decode, packed_spec
 
-__all__ = ["DEFAULT_GROUP_SIZE", "DECODE_SPLITS", "MIN_DECODE_CHUNK", "dequantize_experts", "packed_grouped_linear", "packed_grouped_linear_reference",
-           "grouped_lora", "grouped_lora_reference"]
+__all__ = ["DEFAULT_GROUP_SIZE", "DECODE_SPLITS", "MIN_DECODE_CHUNK", "dequantize_experts", "packed_grouped_linear",
+           "packed_grouped_linear_reference", "grouped_lora", "grouped_lora_reference"]
 
 DEFAULT_GROUP_SIZE = 8  # experts dequantised together: one grouped matmul per group
 DECODE_SPLITS = 16  # a group is decoded in at most this many row slices (work memory ~ 1/16 of ~8 B a weight)

@@ -199,7 +199,8 @@ def decode(fmt: str, packed: torch.Tensor, scale: torch.Tensor, in_features: int
 
 
 def encode(fmt: str, w: torch.Tensor, scale_bits: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantise ``w [..., out, in]`` to ``fmt``; ``scale_bits``: the int4 scale as its uint8 bytes (a layer's storage)."""
+    """Quantise ``w [..., out, in]`` to ``fmt``; ``scale_bits``: the int4 scale as its uint8 bytes
+    (a layer's storage)."""
     packed_spec(fmt, w.shape[-1], "w")
     if fmt == "mxfp4":
         return encode_mxfp4(w)
