@@ -22,7 +22,8 @@ from moe_plugin.compat import peft as peft_compat
 from moe_plugin.compat import transformers as tf_compat
 
 PINS = {"deepspeed": ("deepspeed", ds_compat.TESTED_DEEPSPEED),
-        "megatron": ("megatron-core", mg_compat.TESTED_MEGATRON), "peft": ("peft", peft_compat.TESTED_PEFT), "transformers": ("transformers", tf_compat.TESTED_TRANSFORMERS)}
+        "megatron": ("megatron-core", mg_compat.TESTED_MEGATRON), "peft": ("peft", peft_compat.TESTED_PEFT),
+        "transformers": ("transformers", tf_compat.TESTED_TRANSFORMERS)}
 
 
 def test_pins_are_the_versions_setup_cfg_pins():

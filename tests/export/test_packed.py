@@ -123,7 +123,7 @@ def test_the_bases_floating_dtype_counts_values_and_leaves_packed_scales_out():
 def test_a_bf16_packed_base_merges_into_bf16_experts_decoded_exactly(fmt, tmp_path):
     """No adapter: the merged experts are the base's decoded values, in the base's dtype (BF16)."""
     from moe_plugin.export.merge import write_merged
-    from moe_plugin.models import MoEPluginForCausalLM, load_k3_checkpoint, preset_config
+    from moe_plugin.models import MoEPluginForCausalLM, preset_config
     from moe_plugin.testing.packed_checkpoints import save_packed_k3_checkpoint
 
     torch.manual_seed(3)

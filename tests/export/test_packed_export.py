@@ -216,7 +216,8 @@ def test_requantised_exports_hold_the_requantised_merge_and_count_the_changes(ru
         stored = load_file(os.path.join(directory, "model.safetensors")) if os.path.exists(
             os.path.join(directory, "model.safetensors")) else {}
         config = json.load(open(os.path.join(directory, "config.json")))
-        assert config["quantization_config"]["format"] == {"mxfp4": "mxfp4-pack-quantized", "int4": "pack-quantized"}[fmt]
+        formats = {"mxfp4": "mxfp4-pack-quantized", "int4": "pack-quantized"}
+        assert config["quantization_config"]["format"] == formats[fmt]
         assert all(".weight_packed" in n or "experts." not in n or n.endswith(("weight_scale", "weight_shape"))
                    for n in stored)
 

@@ -125,7 +125,7 @@ def test_every_export_reloads_with_plain_transformers_to_the_trained_models_logi
     merged = _auto(job["exports"]["merged-hf"])
     peft = AutoPeftModelForCausalLM.from_pretrained(job["exports"]["peft"], trust_remote_code=False).float().eval()
     for name, model in (("merged-hf", merged), ("peft", peft)):
-        inner = getattr(model, "get_base_model", lambda: model)()
+        inner = getattr(model, "get_base_model", lambda m=model: m)()
         assert isinstance(inner, moe_plugin.MoEPluginForConditionalGeneration), name  # the tower came along
         with torch.no_grad():
             got = model(input_ids=ids).logits.float()

@@ -29,7 +29,8 @@ import torch
 SIZE = dict(num_hidden_layers=2, layer_types=["kda", "kda"], first_k_dense_replace=1, attn_res=False,
             use_dsa_indexer=False, num_experts=16, num_experts_per_token=8, moe_intermediate_size=512,
             routed_expert_hidden_size=512)
-TARGETS = dict(target_modules=["q_proj", "k_proj", "gate"], target_parameters=["experts.w1", "experts.w2", "experts.w3"])
+TARGETS = dict(target_modules=["q_proj", "k_proj", "gate"],
+               target_parameters=["experts.w1", "experts.w2", "experts.w3"])
 TOKENS = 64
 
 

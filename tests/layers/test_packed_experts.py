@@ -19,7 +19,8 @@ from moe_plugin.ops.quant import decode, encode
 from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from moe_plugin.weights.quantize import merge_expert_adapter
 
-TARGETS = dict(target_modules=["q_proj", "k_proj", "gate"], target_parameters=["experts.w1", "experts.w2", "experts.w3"])
+TARGETS = dict(target_modules=["q_proj", "k_proj", "gate"],
+               target_parameters=["experts.w1", "experts.w2", "experts.w3"])
 
 
 @pytest.fixture(scope="module", params=["mxfp4", "int4"])
@@ -96,9 +97,10 @@ def test_at_most_one_group_is_dequantized_at_a_time(monkeypatch):
 
     def tracked(*args, **kwargs):
         w = real(*args, **kwargs)
-        live[0] += w.numel() * w.element_size()
+        size = w.numel() * w.element_size()
+        live[0] += size
         peak[0] = max(peak[0], live[0])
-        weakref.finalize(w, lambda n=w.numel() * w.element_size(): live.__setitem__(0, live[0] - n))
+        weakref.finalize(w, lambda n=size: live.__setitem__(0, live[0] - n))  # the callback must not hold w
         return w
 
     monkeypatch.setattr(quant_experts, "dequantize_experts", tracked)

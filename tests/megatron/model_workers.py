@@ -27,7 +27,8 @@ def run_model_checks(case_dir: str, layouts, scenarios, extras: bool = False, se
     for ep in layouts:
         initialize_megatron(expert_model_parallel_size=ep, seed=seed + 1)
         for scenario in scenarios:
-            results[f"{scenario}/ep{ep}"] = _guarded(lambda: _train_step(case_dir, scenario, extras and ep > 1))
+            results[f"{scenario}/ep{ep}"] = _guarded(
+                lambda scenario=scenario, ep=ep: _train_step(case_dir, scenario, extras and ep > 1))
         if extras and ep > 1:
             results[f"k3/ep{ep}"] = _guarded(lambda: _k3_forward(case_dir))
     return results
@@ -112,7 +113,8 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
            "ep": parallel_state.get_expert_model_parallel_world_size()}
 
     model = build_gpt_model(config)
-    out["layer_types"] = [(type(l.self_attention).__name__, type(l.mlp).__name__) for l in model.decoder.layers]
+    out["layer_types"] = [(type(layer.self_attention).__name__, type(layer.mlp).__name__)
+                          for layer in model.decoder.layers]
     if extras:  # before the real load: strict=False loads the broken checkpoint's weights
         out["load_errors"] = _load_errors(model, os.path.join(case_dir, "broken"), config)
     counts, restore = _count_reads(megatron_loading)
@@ -149,7 +151,7 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
     finally:
         MoEAlltoAllTokenDispatcher.token_dispatch = original
     out["widths"] = widths
-    out["loads"] = [l.mlp.pop_load() for l in model.decoder.layers if l.is_moe_layer]
+    out["loads"] = [layer.mlp.pop_load() for layer in model.decoder.layers if layer.is_moe_layer]
     out["groups_used"] = groups_used
     out["received"] = [r[0] for r in received]
     out["counts"] = vars(reduce_gradients(model))
@@ -161,8 +163,9 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = setup["packed_cu_seqlens"]
+        longest = int((cu[1:] - cu[:-1]).max())
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=int((cu[1:] - cu[:-1]).max()), max_seqlen_kv=int((cu[1:] - cu[:-1]).max()))
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
         with torch.no_grad():
             out["packed_logits"] = model(setup["packed"][rank], None, None, packed_seq_params=params)
     return out

@@ -44,7 +44,7 @@ def _layer(model, i):
 
 @pytest.mark.parametrize("overrides, check", [
     (dict(layer_types=["kda", "mla", "kda", "mla"]),
-     lambda m: [type(l.self_attn) for l in m.model.layers] == [KDAAttention, GatedMLAAttention] * 2),
+     lambda m: [type(layer.self_attn) for layer in m.model.layers] == [KDAAttention, GatedMLAAttention] * 2),
     (dict(use_dsa_indexer=False), lambda m: _layer(m, 3).self_attn.indexer is None),
     (dict(use_dsa_indexer=True, index_topk=5),
      lambda m: _layer(m, 3).self_attn.indexer is not None and _layer(m, 3).self_attn.config.index_topk == 5),
@@ -61,8 +61,9 @@ def _layer(model, i):
     (dict(routed_expert_hidden_size=16), lambda m: _layer(m, 1).block_sparse_moe.experts.w1.shape[2] == 16),
     (dict(num_shared_experts=0), lambda m: not hasattr(_layer(m, 1).block_sparse_moe, "shared_experts")),
     (dict(num_shared_experts=2), lambda m: _layer(m, 1).block_sparse_moe.shared_experts.up_proj.out_features == 64),
-    (dict(first_k_dense_replace=2), lambda m: [hasattr(l, "mlp") for l in m.model.layers] == [True, True, False, False]),
-    (dict(first_k_dense_replace=0), lambda m: all(hasattr(l, "block_sparse_moe") for l in m.model.layers)),
+    (dict(first_k_dense_replace=2),
+     lambda m: [hasattr(layer, "mlp") for layer in m.model.layers] == [True, True, False, False]),
+    (dict(first_k_dense_replace=0), lambda m: all(hasattr(layer, "block_sparse_moe") for layer in m.model.layers)),
 ])
 def test_model_follows_config(overrides, check):
     model = MoEPluginForCausalLM(moe_plugin.preset_config("tiny", **overrides))
@@ -70,7 +71,8 @@ def test_model_follows_config(overrides, check):
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (dict(vision_config=dict(hidden_size=30, num_layers=1, num_heads=4, intermediate_size=8)), "vision_config.num_heads"),
+    (dict(vision_config=dict(hidden_size=30, num_layers=1, num_heads=4, intermediate_size=8)),
+     "vision_config.num_heads"),
     (dict(linear_attn_config=dict(num_heads=3, head_dim=None)), "linear_attn_config.num_heads"),
     (dict(num_experts_per_token=9), "num_experts_per_token"),
     (dict(num_expert_group=3), "num_expert_group"),

@@ -86,7 +86,8 @@ def k3_text_shapes(k3, layers=None):
         shapes.update({m + "gate.weight": (e, d), m + "gate.e_score_correction_bias": (e,),
                        m + "routed_expert_down_proj.weight": (lat, d), m + "routed_expert_norm.weight": (lat,),
                        m + "routed_expert_up_proj.weight": (d, lat), m + "shared_experts.gate_proj.weight": (shared, d),
-                       m + "shared_experts.up_proj.weight": (shared, d), m + "shared_experts.down_proj.weight": (d, shared)})
+                       m + "shared_experts.up_proj.weight": (shared, d),
+                       m + "shared_experts.down_proj.weight": (d, shared)})
         for j in range(e):
             shapes.update({m + f"experts.{j}.w1.weight": (f, lat), m + f"experts.{j}.w3.weight": (f, lat),
                            m + f"experts.{j}.w2.weight": (lat, f)})

@@ -139,7 +139,7 @@ def test_padded_batch_equals_each_row_alone(tiny_model, side):
             mask[row, :n] = 1
     with torch.no_grad():
         batched = tiny_model(input_ids=ids, attention_mask=mask).logits
-        for row, n in enumerate(lengths):
+        for row in range(len(lengths)):
             real = mask[row].bool()
             alone = tiny_model(input_ids=ids[row, real].unsqueeze(0)).logits[0]
             assert rel(batched[row, real], alone) < 1e-5, (row, rel(batched[row, real], alone))

@@ -318,8 +318,8 @@ def test_document_balance_equals_the_formula_per_document():
 
 
 def test_document_balance_of_evenly_used_experts_is_one():
-    e, k, t = 4, 2, 8
-    indices = torch.tensor([[0, 1], [2, 3]] * (t // 2))
+    e, t = 4, 8
+    indices = torch.tensor([[0, 1], [2, 3]] * (t // 2))  # top-2
     scores = torch.full((t, e), 0.5)
     assert torch.allclose(document_balance(scores, indices, torch.zeros(t, dtype=torch.long), 1), torch.ones(1))
 

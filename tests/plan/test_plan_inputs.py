@@ -94,7 +94,7 @@ def test_the_largest_accepted_row_length_plans_in_well_under_a_minute():
 
 def test_packed_lengths_are_the_trainers_packing():
     rng = random.Random(0)
-    for trial in range(30):
+    for _ in range(30):
         seq_len = rng.choice([2, 7, 16, 64])
         sizes = [rng.randint(1, 2 * seq_len) for _ in range(rng.randint(1, 60))]
         for pack in (True, False):

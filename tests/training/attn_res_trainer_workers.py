@@ -24,7 +24,7 @@ def run(recipes: list) -> dict:
         with Trainer(recipe_from_dict(copy.deepcopy(recipe_dict))) as trainer:
             module, loss_fn, kls = trainer.engine.module, trainer.backend.loss, []
 
-            def recording_loss(engine, micro, num_items):
+            def recording_loss(engine, micro, num_items, loss_fn=loss_fn, kls=kls):
                 loss, metrics = loss_fn(engine, micro, num_items)
                 kls.append(float(metrics["indexer_kl"]) if "indexer_kl" in metrics else None)
                 return loss, metrics

@@ -73,7 +73,7 @@ def run_packed(scenarios: list) -> dict:
                       "resident": _resident(module), "packed": _gathered_packed(trainer)}
             grads = {}
             calls, hooks = _count_router_calls(trainer)  # after the logits' forward: the step's calls only
-            result["loss"] = trainer.train_step(on_gradients=lambda: grads.update(_full_grads(trainer)))
+            result["loss"] = trainer.train_step(on_gradients=lambda grads=grads: grads.update(_full_grads(trainer)))
             for hook in hooks:
                 hook.remove()
             result.update(grads=grads, router_calls=calls, loads=trainer.last_loads.clone())

@@ -14,7 +14,6 @@ import torch
 from PIL import Image
 
 from moe_plugin.models.image_processing import ImageProcessor
-from moe_plugin.models.inputs import causal_lm_loss
 from moe_plugin.models.presets import preset_config
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.training.backends.images import ImageTextTrainingModel

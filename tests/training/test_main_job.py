@@ -6,8 +6,9 @@ What is checked is what a user sees: the printed chance level and ``held-out acc
 with the accuracy risen to >= 0.9; the offline W&B run it names (with its ``wandb sync`` command) holding the
 logged steps, and in its last row the experts kept balanced by the router balance loss the recipe turns on
 (every MoE layer's busiest expert <= 1.5x the mean load, none dead; before it, 3.1x with near-dead experts);
-no deprecation warning of a collective in the output (they used to break the progress bar); and, independently of the trainer's own evaluation, the adapter loaded with plain peft
-from another working directory answers the held-out pictures by ``generate`` as the trainer reported."""
+no deprecation warning of a collective in the output (they used to break the progress bar); and, independently of the
+trainer's own evaluation, the adapter loaded with plain peft from another working directory answers the held-out
+pictures by ``generate`` as the trainer reported."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def _answers_in_plain_peft(model, held_out: str, limit: int):
         inputs = processor(text, images=question.images)
         out = model.generate(**inputs, do_sample=False, max_new_tokens=16)
         assert out[0, -1].item() in model.generation_config.eos_token_id  # it stopped at end of sequence
-        given.append(processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+        answer = out[0, inputs["input_ids"].shape[1]:]
+        given.append(processor.tokenizer.decode(answer, skip_special_tokens=True).strip())
     return given
 
 
@@ -86,7 +88,8 @@ def test_main_job_raises_held_out_accuracy_with_balanced_experts(tmp_path, monke
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForImageTextToText
 
-    adapter, held_out = str(tmp_path / "run" / "adapter"), os.path.join(REPO, "recipes", "data", "backgrounds_heldout.jsonl")
+    adapter = str(tmp_path / "run" / "adapter")
+    held_out = os.path.join(REPO, "recipes", "data", "backgrounds_heldout.jsonl")
     with open(os.path.join(adapter, "adapter_config.json")) as f:
         base = json.load(f)["base_model_name_or_path"]
     # as the job's printed hint says, and through peft's auto class (no import allow-list: the base's

@@ -138,7 +138,7 @@ def test_routing_drift_equals_both_routers_recomputed_from_their_inputs():
         adapted_logits = base_logits + gate.scaling["default"] * lora
         bias = layer.router.e_score_correction_bias
 
-        def chosen(logits):
+        def chosen(logits, bias=bias, k=k):
             return torch.topk(torch.sigmoid(logits) + bias, k, dim=-1).indices
 
         a, b = chosen(adapted_logits), chosen(base_logits)

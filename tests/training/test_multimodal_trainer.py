@@ -78,7 +78,8 @@ def runs(tmp_path_factory):
     data = _data(tmp)
     # activation checkpointing: each run again with "selective" and "full" (compared with these in test_recompute_*)
     layouts = {"hf": ("hf", 1, 1), "mg1": ("megatron", 1, 1), "mg4": ("megatron", 4, 2), "hf4": ("hf", 4, 1)}
-    names = {world: [f"{n}{s}" for n, l in layouts.items() if l[1] == world for s in ("", "-selective", "-full")]
+    names = {world: [f"{n}{s}" for n, layout in layouts.items() if layout[1] == world
+                     for s in ("", "-selective", "-full")]
              for world in (1, 4)}
 
     def recipes(world):

@@ -282,9 +282,9 @@ def test_a_micro_batch_conflict_names_both_places(tmp_path):
                         schedule={"micro_batch_size": 4})
     with pytest.raises(ValueError) as caught:
         deepspeed_config(recipe, 2)
-    assert str(caught.value) == (f"schedule.micro_batch_size (4) and {tmp_path}/ds.json: train_micro_batch_size_per_gpu "
-                                 "(1) disagree; remove it from the DeepSpeed config (the recipe fills it) or make "
-                                 "them equal")
+    assert str(caught.value) == (f"schedule.micro_batch_size (4) and {tmp_path}/ds.json: "
+                                 "train_micro_batch_size_per_gpu (1) disagree; remove it from the DeepSpeed config "
+                                 "(the recipe fills it) or make them equal")
 
 
 def test_a_precision_conflict_is_not_hidden_by_true_equal_to_one(tmp_path):

@@ -88,7 +88,8 @@ def _expected(tok, messages, image_id, tokens_per_image):
     for i, message in enumerate(bare):
         if message["role"] == "assistant":
             start = len(render(bare[:i], prompt=True))
-            answer = tok.encode(message["content"], add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+            answer = (tok.encode(message["content"], add_special_tokens=False)
+                      + [tok.convert_tokens_to_ids("<|im_end|>")])
             assert ids[start:start + len(answer)] == answer  # the answer is where the template put it
             labels[start:start + len(answer)] = answer
     out_ids, out_labels, counts = [], [], iter(tokens_per_image)
@@ -121,7 +122,7 @@ def test_trainer_ids_and_labels_equal_the_bases_chat_template(tmp_path, subword_
     assert resolved.tokens.image_token_id == image_id
     if which == "subword":  # subword ids: not the byte tokenizer's, and the run says which tokenizer it uses
         assert max(example.input_ids) < 240 and type(resolved.tokenizer).__name__ != "ByteTokenizer"
-        assert resolved.tokenizer_note.startswith(f"tokenizer: the base's own ") and str(base) in \
+        assert resolved.tokenizer_note.startswith("tokenizer: the base's own ") and str(base) in \
             resolved.tokenizer_note
 
 

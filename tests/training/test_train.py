@@ -126,7 +126,8 @@ def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
     recipe = {"output_dir": str(tmp_path / "run"), "seed": 5, "deepspeed": "ds_configs/zero3_lora.json",
               "model": {"preset": "tiny", "overrides": {"attn_res": False}},
               "lora": {"r": 4, "alpha": 8, "target_parameters": EXPERTS},
-              "data": {"num_documents": 300, "seq_len": 64}, "parallel": {"backend": "megatron", "expert_parallel_size": 2},
+              "data": {"num_documents": 300, "seq_len": 64},
+              "parallel": {"backend": "megatron", "expert_parallel_size": 2},
               "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-2}, "logging": {"every": 1}}
     first = tmp_path / "first.json"
     first.write_text(json.dumps(recipe))

@@ -107,9 +107,9 @@ def runs(tmp_path_factory):
 def test_ep2_zero3_on_4_processes_equals_one_process(runs, routing):
     """ROUTINGS: a preset base with free routing, an expert that gets no token, every token on EP rank 0's
     experts (each with the default balance loss: the seed's targets adapt the router); AUX: free routing with
-    the balance loss at coefficient 1. CHECKPOINTS: a base loaded under zero.Init, each rank streaming its slices into its partitions,
-    from a Hugging Face and a K3-layout checkpoint (megatron, EP=2), and the Hugging Face backend (ZeRO-3
-    data parallel over 4 ranks). Losses, gradient norms, every gradient element and every adapter element
+    the balance loss at coefficient 1. CHECKPOINTS: a base loaded under zero.Init, each rank streaming its slices into
+    its partitions, from a Hugging Face and a K3-layout checkpoint (megatron, EP=2), and the Hugging Face backend
+    (ZeRO-3 data parallel over 4 ranks). Losses, gradient norms, every gradient element and every adapter element
     after each step, within the fp32 bounds of tests/tolerances.py."""
     one, four = runs
     ref = one["scenarios"][routing]

@@ -11,7 +11,6 @@ Nothing here asserts.
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 import torch.distributed as dist
@@ -38,7 +37,8 @@ def _full_grads(trainer) -> dict:
     for name, p in module.named_parameters():
         if ".lora_" in name:
             g = safe_get_full_grad(p) if hasattr(p, "ds_id") else p.grad
-            saved[name] = (g if g is not None else torch.zeros(p.ds_shape if hasattr(p, "ds_shape") else p.shape)).clone()
+            shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape
+            saved[name] = (g if g is not None else torch.zeros(shape)).clone()
     return _state_with(trainer, module, saved)
 
 
@@ -55,7 +55,7 @@ def steps_with_gradients(trainer) -> dict:
         while trainer.step < trainer.recipe.schedule.steps:
             grads = {}
             calls[:] = [0] * len(calls)
-            losses.append(trainer.train_step(on_gradients=lambda: grads.update(_full_grads(trainer))))
+            losses.append(trainer.train_step(on_gradients=lambda grads=grads: grads.update(_full_grads(trainer))))
             step_grads.append(grads)
             router_calls.append(list(calls))
             loads.append(None if trainer.last_loads is None else trainer.last_loads.clone())

@@ -114,8 +114,9 @@ def test_each_ep_rank_plans_only_its_experts(checkpoints, tmp_path):
     for rank, (first, last) in enumerate([(0, 4), (4, 8)]):
         targets = {f"{stack}.w1": Target((4, 32, 4), experts=(first, last), dtype="int32"),
                    f"{stack}.w1_scale": Target((4, 32, 2), experts=(first, last), dtype="uint8")}
-        call = lambda: plan_reads(targets, weight_map, names="hf", config=config, layout="k3",  # noqa: E731
-                                  strict=False, stored=stored)
+
+        def call(targets=targets):
+            return plan_reads(targets, weight_map, names="hf", config=config, layout="k3", strict=False, stored=stored)
         if rank == 0:
             with pytest.raises(ValueError, match=key.replace(".", r"\.")):
                 call()

@@ -22,7 +22,8 @@ def test_every_hf_tensor_round_trips_through_megatron_names():
     assert names.hf_to_megatron_name("model.layers.0.post_attention_layernorm.weight") == \
         "decoder.layers.0.pre_mlp_layernorm.weight"
     # layer 0 is dense in the tiny preset: its mlp is "mlp", the others' "block_sparse_moe"
-    assert names.megatron_to_hf_name("decoder.layers.0.mlp.up_proj.weight", config) == "model.layers.0.mlp.up_proj.weight"
+    assert names.megatron_to_hf_name("decoder.layers.0.mlp.up_proj.weight", config) == \
+        "model.layers.0.mlp.up_proj.weight"
     assert names.megatron_to_hf_name("decoder.layers.1.mlp.gate.weight", config) == \
         "model.layers.1.block_sparse_moe.gate.weight"
     with pytest.raises(ValueError, match=r"^name: 'decoder\.rotary_pos_emb\.inv_freq' matches no megatron prefix"):
@@ -86,7 +87,8 @@ def test_k3_tensor_conversions_both_ways():
     heads = torch.tensor([0.5, -1.5])
     padded = names.tensor_to_k3("model.layers.0.self_attn.A_log", heads)
     assert padded.shape == (128,) and torch.equal(padded[:2], heads) and not padded[2:].any()
-    assert torch.equal(names.tensor_from_k3("model.layers.0.self_attn.A_log", padded.reshape(1, 1, 128, 1), (2,)), heads)
+    from_k3 = names.tensor_from_k3("model.layers.0.self_attn.A_log", padded.reshape(1, 1, 128, 1), (2,))
+    assert torch.equal(from_k3, heads)
     with pytest.raises(ValueError, match=r"A_log: expected a padded vector of at least 2 entries.*got shape \[1\]"):
         names.tensor_from_k3("model.layers.0.self_attn.A_log", torch.zeros(1), (2,))
     conv = torch.arange(12.0).reshape(3, 4)

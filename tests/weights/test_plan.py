@@ -136,7 +136,8 @@ def test_index_that_disagrees_with_its_shards_is_named(tmp_path):
     save_file({"a.weight": torch.zeros(2)}, str(tmp_path / "one.safetensors"))
     index = {"weight_map": {"a.weight": "one.safetensors", "b.weight": "one.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"^path: .*lists tensors that one\.safetensors does not hold: \['b\.weight'\]"):
+    with pytest.raises(ValueError,
+                       match=r"^path: .*lists tensors that one\.safetensors does not hold: \['b\.weight'\]"):
         stored_tensors(safetensors_weight_map(tmp_path))
     (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
     with pytest.raises(ValueError, match=r"^path: .*bad\.safetensors is not a safetensors file"):
