@@ -281,6 +281,6 @@ def test_quiet_wrapping_hides_only_pefts_deprecated_flag_read():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with quiet_wrapping():
-            warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
-            warnings.warn("something else", FutureWarning)
+            warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning, stacklevel=1)
+            warnings.warn("something else", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["something else"]

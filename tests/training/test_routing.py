@@ -1,7 +1,6 @@
 """Balancing the selection bias in full training (the loop's update on every layer moe_layers finds), and the
 per-layer load it reads."""
 
-import pytest
 import torch
 
 import moe_plugin
