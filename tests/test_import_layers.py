@@ -255,3 +255,41 @@ def test_synthetic_sources_resolve_relative_absolute_and_from_package_imports(tm
     assert "moe_plugin.config, moe_plugin.ops.kernels" in circles[0]
     assert untiered(graph) == ["moe_plugin/newpart.py: 'newpart' has no tier; add it to TIERS in "
                                "tests/test_import_layers.py"]
+
+
+# the single-device tiers: what the README promises they never reach
+SINGLE_DEVICE = ("ops", "layers", "models")
+DISTRIBUTED = ("torch.distributed", "deepspeed", "megatron")
+
+
+def distributed_imports(root: Path = ROOT) -> List[str]:
+    """``file:line imports X`` for every import of torch.distributed, DeepSpeed or megatron-core (lazy ones too)
+    in the single-device packages."""
+    out = []
+    for module, path in sorted(_module_names(root).items()):
+        if part_of(module) not in SINGLE_DEVICE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for name in names:
+                if any(name == d or name.startswith(d + ".") for d in DISTRIBUTED):
+                    out.append(f"{path.relative_to(root.parent)}:{node.lineno} imports {name}")
+    return out
+
+
+def test_single_device_code_never_imports_distributed_code(tmp_path):
+    """ops/, layers/ and models/ import none of torch.distributed, DeepSpeed and megatron-core, and importing
+    them (with the Auto classes registered) loads none of those; a planted lazy import is named."""
+    import subprocess
+    import sys
+
+    assert distributed_imports() == []
+    probe = ("import sys, moe_plugin.ops, moe_plugin.layers.decoder, moe_plugin.models, transformers; "
+             "print([m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'megatron')])")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            cwd=ROOT.parent).stdout.strip()
+    assert loaded == "[]", loaded
+    _write(tmp_path, {"moe_plugin/__init__.py": "", "moe_plugin/layers/__init__.py": "",
+                      "moe_plugin/layers/x.py": "def f():\n    import torch.distributed as dist\n"})
+    assert distributed_imports(tmp_path / "moe_plugin") == ["moe_plugin/layers/x.py:2 imports torch.distributed"]
