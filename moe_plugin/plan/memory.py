@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Optional
 
+from ..training.ds_config import zero_stage
 from .activations import ActivationPlan
 from .counts import ModelCounts, rank_share
 
@@ -166,8 +167,7 @@ def zero3_at(ds_config: Optional[dict], devices: int) -> bool:
     """Whether the trainer partitions with ZeRO-3 at ``devices`` ranks: the DeepSpeed config asks for stage 3, or
     there is more than one rank (``training.ds_config``: the default config is ZeRO-3 then, and a given one
     must be). The one rule for every device count the planner plans."""
-    stage = ((ds_config or {}).get("zero_optimization") or {}).get("stage", 0)
-    return int(stage) == 3 or devices > 1
+    return zero_stage(ds_config) == 3 or devices > 1
 
 
 def zero_settings(ds_config: Optional[dict]) -> Dict[str, int]:

@@ -29,6 +29,13 @@ def _missing(value: Any) -> bool:
     return value is None or value == _AUTO
 
 
+def zero_stage(ds_config: Optional[Dict[str, Any]]) -> int:
+    """The ZeRO stage a DeepSpeed config dict asks for (0 when it names none): the one reading of it, for the
+    trainer, its backends and the planner."""
+    zero = (ds_config or {}).get("zero_optimization") or {}
+    return int(zero.get("stage", 0))
+
+
 def _same(given: Any, value: Any) -> bool:
     # true == 1 in Python; in a DeepSpeed config a flag and a count are different things
     return isinstance(given, bool) == isinstance(value, bool) and given == value

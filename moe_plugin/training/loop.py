@@ -42,7 +42,7 @@ from .backends import get_backend
 from .checkpoint import CheckpointManager
 from .engine_state import agree, load_latest, rng_state, save_step, set_rng_state
 from .data import StepBatches, eval_batches, label_token_count, load_examples, pack_examples
-from .ds_config import deepspeed_config
+from .ds_config import deepspeed_config, zero_stage
 from .exporting import write_outputs
 from .guards import StepGuard, TrainingStopped
 from .moe_metrics import MoEMetrics, global_parameter_counts
@@ -116,7 +116,7 @@ class Trainer:
         self.model_config = self.resolved.model_config
         check_layout(recipe, world, self.model_config.moe.num_experts)
         self.ds_config = deepspeed_config(recipe, world)
-        self.zero3 = int(self.ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+        self.zero3 = zero_stage(self.ds_config) == 3
         self.device = choose_device()
         self.output_dir = os.path.abspath(recipe.output_dir)
         self.allow_changed_inputs = bool(allow_changed_inputs)
@@ -212,7 +212,7 @@ class Trainer:
         what = "every parameter" if recipe.lora is None else (
             f"LoRA r={recipe.lora.r} on {list(recipe.lora.target_modules) + list(recipe.lora.target_parameters)}")
         source = recipe.model.from_pretrained or f"preset {recipe.model.preset}"
-        stage, world = self.ds_config.get("zero_optimization", {}).get("stage", 0), dist.get_world_size()
+        stage, world = zero_stage(self.ds_config), dist.get_world_size()
         return (f"model: {source} ({self.backend.name} backend, {world} process{'es' * (world != 1)}, expert "
                 f"parallel {self.info.ep_size}, ZeRO stage {stage}): {n_total:,} parameters, {n_trainable:,} "
                 f"trainable ({what})")

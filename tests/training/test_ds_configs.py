@@ -36,3 +36,11 @@ def test_config_parses_once_merged(path, tmp_path):
     if "zero3" in path:
         assert config.zero_optimization_stage == 3
     assert not config.bfloat16_config.enabled and not config.float16_config.enabled  # CPU trains in fp32
+
+
+def test_zero_stage_is_read_in_one_place():
+    from moe_plugin.training.ds_config import zero_stage
+
+    assert zero_stage(None) == 0 and zero_stage({}) == 0 and zero_stage({"zero_optimization": None}) == 0
+    assert zero_stage({"zero_optimization": {"stage": 3}}) == 3
+    assert zero_stage({"zero_optimization": {"stage": "2"}}) == 2

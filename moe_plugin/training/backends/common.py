@@ -7,13 +7,10 @@ from __future__ import annotations
 from torch import nn
 
 from ...lora import lora_config
+from ..ds_config import zero_stage
 
-__all__ = ["zero3_enabled", "zero_init", "partition_while_building", "adapter_lora_config", "load_base", "hf_config",
+__all__ = ["zero_init", "partition_while_building", "adapter_lora_config", "load_base", "hf_config",
            "hide_expert_marks"]
-
-
-def zero3_enabled(ds_config: dict) -> bool:
-    return int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
 
 
 def zero_init(ds_config: dict):
@@ -36,7 +33,7 @@ def partition_while_building(ds_config: dict, recipe) -> bool:
     dense base and this rank's experts, never another EP rank's), exactly as one process draws it, and the
     engine partitions it; presets are for tests and small models.
     """
-    return zero3_enabled(ds_config) and recipe.model.from_pretrained is not None
+    return zero_stage(ds_config) == 3 and recipe.model.from_pretrained is not None
 
 
 def hide_expert_marks(model: nn.Module) -> None:

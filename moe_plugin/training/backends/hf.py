@@ -20,8 +20,8 @@ from ...parallel.zero3_gather import gathered
 from ...precision import apply_precision
 from ...training.routing import moe_layers
 from .base import Backend, ParallelInfo
-from .common import (adapter_lora_config, hide_expert_marks, load_base, partition_while_building, zero3_enabled,
-                     zero_init)
+from ..ds_config import zero_stage
+from .common import adapter_lora_config, hide_expert_marks, load_base, partition_while_building, zero_init
 
 __all__ = ["HFBackend"]
 
@@ -41,7 +41,7 @@ class HFBackend(Backend):
         from .images import ImageTextTrainingModel, wants_images
 
         model_class = ImageTextTrainingModel if wants_images(self.recipe, self.model_config) else MoEPluginForCausalLM
-        zero3 = zero3_enabled(ds_config)
+        zero3 = zero_stage(ds_config) == 3
         # while this object lives, transformers knows the model is ZeRO-3 partitioned (gathers to save, ...)
         self._hf_ds_config = HfDeepSpeedConfig(ds_config) if zero3 else None
         if partition_while_building(ds_config, self.recipe):

@@ -24,8 +24,8 @@ from ...parallel.zero3_ep import create_deepspeed_expert_groups, tag_expert_para
 from ...parallel.zero3_gather import gathered
 from ...precision import apply_precision
 from .base import Backend, ParallelInfo
-from .common import (adapter_lora_config, hide_expert_marks, load_base, partition_while_building, zero3_enabled,
-                     zero_init)
+from ..ds_config import zero_stage
+from .common import adapter_lora_config, hide_expert_marks, load_base, partition_while_building, zero_init
 
 __all__ = ["MegatronBackend"]
 
@@ -56,7 +56,7 @@ class MegatronBackend(Backend):
 
         mc = self.model_config
         tc = transformer_config(mc, use_cpu_initialization=self.device.type == "cpu")
-        zero3 = zero3_enabled(ds_config)
+        zero3 = zero_stage(ds_config) == 3
         with zero_init(ds_config) if partition_while_building(ds_config, self.recipe) else contextlib.nullcontext():
             build = build_multimodal_gpt_model if wants_images(self.recipe, mc) else build_gpt_model
             model = build(mc, tc, indexer_loss=self._indexer_loss_coeff() > 0)
