@@ -2,7 +2,8 @@
 
 A process declares its device once: ``prepare_device("cpu")`` applies the CPU stand-ins of
 ``moe_plugin.parallel.cpu_compat`` (megatron-core and DeepSpeed); ``prepare_device("cuda")`` requires a usable
-CUDA and selects the GPU of ``LOCAL_RANK``. Nothing is guessed from ``torch.cuda.is_available()``: a GPU node
+CUDA and selects the GPU of ``LOCAL_RANK``. Which kind a run takes when nobody names one is ``choose_device``,
+the one policy (the recipe trainer's): CUDA when it works, the CPU only where no GPU is visible, so a GPU node
 whose CUDA set-up is broken fails there instead of quietly training on CPU stand-ins.
 
 The rank and world come from torchrun's ``RANK`` and ``WORLD_SIZE`` (and ``LOCAL_RANK``). The ranks meet at
@@ -14,6 +15,7 @@ for ``"cpu"``, ``nccl`` for ``"cuda"``.
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import sys
 from typing import List, Optional
@@ -29,6 +31,21 @@ DEVICES = ("cpu", "cuda")
 DEFAULT_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 _DEFAULT_TIMEOUT_S = 300.0
 _PREPARED: List[str] = []  # the device kind prepare_device() set this process up for (one at most)
+
+
+def choose_device() -> torch.device:
+    """CUDA when it works; the CPU only on a machine without usable GPUs.
+
+    A machine whose GPUs are visible (``/dev/nvidia*``, no ``CUDA_VISIBLE_DEVICES`` hiding them) but where
+    CUDA does not initialise is an error, not a silent CPU run on stand-ins.
+    """
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+    if not hidden and glob.glob("/dev/nvidia[0-9]*"):
+        raise RuntimeError("this machine has NVIDIA GPUs but CUDA is not usable (torch.cuda.is_available() is "
+                           "False): fix the CUDA set-up, or hide the GPUs with CUDA_VISIBLE_DEVICES= for a CPU run")
+    return torch.device("cpu")
 
 
 def _check_device(device: object) -> str:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ..fileio import write_json_atomic
 from ..compat import check_all
 from ..compat.deepspeed import full_shape, use_current_collectives
+from ..parallel.distributed import choose_device
 from .backends import get_backend
 from .checkpoint import CheckpointManager
 from .engine_state import agree, load_latest, rng_state, save_step, set_rng_state
@@ -50,7 +51,7 @@ from .recipe import Recipe, check_layout, env_world_size
 from .resolved_model import resolve_model
 from .run_dir import claim_for_training
 from .run_logger import make_logger
-from .runtime import all_ok, choose_device, forget_processes, start_processes
+from .runtime import all_ok, forget_processes, start_processes
 from .schedule import lr_scheduler
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped", "train", "parameter_groups", "step_scale"]

@@ -1,4 +1,5 @@
-"""Where the trainer runs: the device, the process group, and agreeing across ranks on success.
+"""Where the trainer runs: the process group and agreeing across ranks on success (the device:
+``parallel.distributed.choose_device``, the one device policy).
 
 Launchers: the ``deepspeed`` launcher (``--num_accelerators N`` on CPU, ``--num_gpus N`` or a hostfile on GPUs),
 ``torchrun``, or none at all. Each of the first two sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and a TCP
@@ -8,7 +9,6 @@ directory.
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import tempfile
@@ -16,7 +16,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-__all__ = ["choose_device", "start_processes", "forget_processes", "all_ok"]
+__all__ = ["start_processes", "forget_processes", "all_ok"]
 
 # the environment a one-process run set for itself; removed again by forget_processes, so that nothing started
 # later from this process (a launcher, a subprocess) inherits a rendezvous that is gone
@@ -24,21 +24,6 @@ _SET_HERE: dict = {}
 # the temporary folder of a one-process rendezvous, removed by forget_processes (a run leaves nothing behind
 # outside its output_dir)
 _RENDEZVOUS_DIRS: list = []
-
-
-def choose_device() -> torch.device:
-    """CUDA when it works; the CPU only on a machine without usable GPUs.
-
-    A machine whose GPUs are visible (``/dev/nvidia*``, no ``CUDA_VISIBLE_DEVICES`` hiding them) but where
-    CUDA does not initialise is an error, not a silent CPU run on stand-ins.
-    """
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
-    if not hidden and glob.glob("/dev/nvidia[0-9]*"):
-        raise RuntimeError("this machine has NVIDIA GPUs but CUDA is not usable (torch.cuda.is_available() is "
-                           "False): fix the CUDA set-up, or hide the GPUs with CUDA_VISIBLE_DEVICES= for a CPU run")
-    return torch.device("cpu")
 
 
 def start_processes(device: torch.device) -> bool:
