@@ -8,9 +8,9 @@ not used (it is broken in peft 0.21, see docs/cpu.md) and not needed.
 Expert adapters carry megatron's expert mark ``allreduce = False`` like the experts themselves, so every
 gradient reduction (megatron's, ``moe_plugin.parallel.grad_reduce``, DeepSpeed ZeRO-3 through
 ``moe_plugin.parallel.zero3_ep``) treats them as expert parameters. ``init_expert_adapters`` draws each expert's
-``lora_A`` by its global index, so an expert-parallel run starts as one process does, and
-``stitch_expert_adapter`` puts the expert-parallel ranks' local stacks back into the full ``E``: both faces'
-trainers and the checkpoint export use them.
+``lora_A`` by its global index, so an expert-parallel run starts as one process does. The stacked layout itself
+(split, stack, slice, stitch of the EP ranks' local stacks back into the full ``E``) is
+``moe_plugin.expert_adapters``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from peft import LoraConfig, get_peft_model, inject_adapter_in_model
@@ -27,16 +27,16 @@ from torch import nn
 from .compat.deepspeed import full_numel, full_shape
 from .compat.peft import quiet_wrapping, register_custom_module
 from .config import require
+from .expert_adapters import slice_experts
 from .layers.packed_experts import PackedStackedExperts
 from .layers.stacked_experts import StackedExperts
 from .lora_packed import PackedParamWrapper
 
 __all__ = ["SEED_TARGET_MODULES", "lora_config", "add_lora", "mark_expert_adapters", "init_expert_adapters",
-           "stitch_expert_adapter", "count_parameters"]
+           "count_parameters"]
 
 # The seed's LoRA targets: the attention query/key projections and the router.
 SEED_TARGET_MODULES = ("q_proj", "k_proj", "gate")
-_EXPERT_ADAPTER = re.compile(r"(?:^|\.)experts\.(?:base_layer\.)*lora_([AB])\.")
 
 
 def lora_config(r: int = 8, alpha: float = 16, target_modules: Iterable[str] = SEED_TARGET_MODULES,
@@ -108,24 +108,13 @@ def init_expert_adapters(model: nn.Module, seed: int) -> int:
         key = zlib.crc32(f"{layer.group(1) if layer else name}/{getattr(module, 'parameter_name', '')}".encode())
         for lora_a in module.lora_A.values():
             w = lora_a.weight
-            r, bound = w.shape[0] // local, 1.0 / math.sqrt(w.shape[1])
+            bound = 1.0 / math.sqrt(w.shape[1])
             for j in range(local):
                 g = torch.Generator(device=w.device)
                 g.manual_seed((seed * 1_000_003 + key) * 4099 + experts.first_expert + j)
-                w[j * r:(j + 1) * r].uniform_(-bound, bound, generator=g)
+                slice_experts(w, "A", j, j + 1, local).uniform_(-bound, bound, generator=g)  # a view of w
                 drawn += 1
     return drawn
-
-
-def stitch_expert_adapter(name: str, parts: List[torch.Tensor], r: int) -> torch.Tensor:
-    """The full ``E`` stacking of an expert adapter of LoRA rank ``r`` from the EP ranks' local ones
-    (``lora_A [r*E_local, in]`` rows, ``lora_B [out, r*E_local]`` expert-minor columns), in EP-rank order."""
-    kind = _EXPERT_ADAPTER.search(name)
-    require(kind is not None, "name", f"{name!r} is not an expert adapter")
-    if kind.group(1) == "A":
-        return torch.cat(parts)
-    out = parts[0].shape[0]
-    return torch.cat([p.reshape(out, r, -1) for p in parts], dim=2).reshape(out, -1)
 
 
 def count_parameters(model: nn.Module, params: Optional[Sequence] = None):

@@ -10,6 +10,7 @@ what packed experts avoid.
 So ``PackedParamWrapper`` is a ``ParamWrapper`` subclass, registered with peft as the custom LoRA layer for
 ``PackedStackedExperts`` (``LoraConfig._register_custom_module``, done by ``moe_plugin.lora.lora_config``). It
 keeps everything peft saves and loads (``lora_A [r * E, in]``, ``lora_B [out, r * E]`` per expert kind, the
+layout of ``moe_plugin.expert_adapters``, whose ``split_factors`` hands them to the packed layer; the
 nesting of one wrapper per targeted parameter, the adapter config), so an adapter trained over the packed
 base loads with plain peft onto the BF16 model and back. It changes two things: the in/out sizes come from
 the layer's logical shapes, and the forward hands the adapters to the packed layer (``active_lora``), which
@@ -23,19 +24,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any, List
 
-import torch
 from .compat.peft import named_as_param_wrapper, param_wrapper_base
+from .expert_adapters import split_factors
 from .layers.packed_experts import PackedStackedExperts
 
-__all__ = ["PackedParamWrapper", "stacked_factors"]
-
-
-def stacked_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int):
-    """peft's stacked ``lora_A [r * E, in]``, ``lora_B [out, r * E]`` -> ``(A [E, r, in], B [E, out, r])``
-    (peft's expert-major rows of A and expert-minor columns of B, as ``ParamWrapper.get_delta_weight``)."""
-    a = lora_a.reshape(num_experts, -1, lora_a.shape[-1])
-    b = lora_b.reshape(lora_b.shape[0], -1, num_experts).permute(2, 0, 1)
-    return a, b
+__all__ = ["PackedParamWrapper"]
 
 
 # peft recognises its parameter wrappers by class name (tuners_utils' _inject_parameters nests a second
@@ -69,7 +62,7 @@ class PackedParamWrapper(param_wrapper_base()):
             yield
             return
         base = self.get_base_layer()
-        entries = [(*stacked_factors(self.lora_A[a].weight, self.lora_B[a].weight, self.num_experts),
+        entries = [(*split_factors(self.lora_A[a].weight, self.lora_B[a].weight, self.num_experts),
                     self.scaling[a]) for a in adapters]
         base.active_lora.setdefault(self.parameter_name, []).extend(entries)
         try:

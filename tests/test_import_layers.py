@@ -29,7 +29,7 @@ TIERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("foundation", ("config", "fileio", "cli_errors", "output_paths", "limits", "compat")),
     ("ops", ("ops",)),
     ("layers", ("layers", "precision")),
-    ("lora", ("lora", "lora_packed")),
+    ("lora", ("lora", "lora_packed", "expert_adapters")),
     ("weights", ("weights",)),
     ("models", ("models",)),
     ("megatron", ("megatron",)),

@@ -30,9 +30,9 @@ import torch
 
 from ..compat.peft import quiet_wrapping
 from ..config import require
+from ..expert_adapters import split_experts
 from ..fileio import atomic_directory
 from ..output_paths import check_output_dir, real_path
-from .deltas import split_experts
 from .merge import check_packed_base, has_vision, write_merged
 from .packed import dense_base_model, dense_config, dense_stream, packed_stacks
 from .source import RunLocation, RunSource, locate_run, open_run

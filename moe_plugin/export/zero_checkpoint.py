@@ -19,7 +19,8 @@ DeepSpeed's ``zero_to_fp32`` assumes one partition group of the whole world; wit
 sub-group is partitioned within an expert-data-parallel group (docs/zero3-ep.md) and each such group holds
 other experts, so this module stitches them itself: expert adapters of EP rank ``k`` (megatron's layout,
 tensor/pipeline parallel 1: rank ``g`` is EP rank ``g % EP``) hold experts ``[k*E/EP, (k+1)*E/EP)``; the full
-stacking is ``lora_A`` rows and ``lora_B`` ``view(out, r, E_local)`` columns concatenated in EP-rank order.
+stacking is ``lora_A`` rows and ``lora_B`` ``view(out, r, E_local)`` columns concatenated in EP-rank order
+(``moe_plugin.expert_adapters.stitch_experts``).
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backen
     """The adapter tensors of checkpoint ``step`` of the run under PEFT keys, experts stacked over all E (fp32
     master weights under ZeRO-3); vision: whether the base checkpoint has a vision tower (``_image_names``).
     ValueError naming the available steps if ``step`` has no complete checkpoint."""
-    from ..lora import stitch_expert_adapter
+    from ..expert_adapters import adapter_factor, stitch_experts
     from ..training.checkpoint import step_name
 
     root = os.path.join(run_dir, "checkpoints")
@@ -205,5 +206,8 @@ def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backen
     dense, experts = zero3_parameters(engine)
     out = {_peft_key(n, config, backend, image): t for n, t in dense.items() if ".lora_" in n}
     for name, parts in experts.items():
-        out[_peft_key(name, config, backend, image)] = stitch_expert_adapter(name, parts, r)
+        factor = adapter_factor(name)
+        require(factor is not None, "checkpoint", f"{name} sits in the expert sub-group but is not an expert "
+                "adapter; restore the checkpoint as the run saved it")
+        out[_peft_key(name, config, backend, image)] = stitch_experts(parts, factor, r)
     return out

@@ -6,7 +6,8 @@ megatron model, so parameter names keep the model's own prefixes and map through
 Expert adapters follow megatron's convention for expert parameters: ``allreduce = False``, so their gradients
 are reduced over the expert-data-parallel group (``moe_plugin.parallel.grad_reduce``). On an EP rank they hold
 only the local experts' adapters; peft stacks them as ``lora_A [r * E, in]`` (expert-major rows) and
-``lora_B [out, r * E]`` (expert-minor columns, ``view(out, r, E)``).
+``lora_B [out, r * E]`` (expert-minor columns, ``view(out, r, E)``; the layout is ``moe_plugin.expert_adapters``),
+and ``expert_gather.all_gather_expert_adapter`` stitches the ranks' parts into the full ``E``.
 """
 
 from __future__ import annotations
@@ -15,26 +16,16 @@ import re
 from typing import Dict
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..config import ModelConfig
+from ..expert_adapters import adapter_factor
+from .expert_gather import all_gather_expert_adapter
 from .weights import expert_ranges, megatron_to_hf_name
 
 __all__ = ["adapter_state_to_hf"]
 
-_EXPERT_ADAPTER = re.compile(r"(?:^|\.)experts\.(?:base_layer\.)*lora_([AB])\.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def _gather_expert_adapter(name: str, value: torch.Tensor, num_local: int, group, size: int) -> torch.Tensor:
-    """Full-``E`` stacking of an expert adapter from the EP ranks' slices (contiguous experts, rank order)."""
-    parts = [torch.empty_like(value) for _ in range(size)]
-    dist.all_gather(parts, value.contiguous(), group=group)
-    if _EXPERT_ADAPTER.search(name).group(1) == "A":
-        return torch.cat(parts)
-    out = value.shape[0]
-    return torch.cat([p.view(out, -1, num_local) for p in parts], dim=2).reshape(out, -1)
 
 
 @torch.no_grad()
@@ -53,9 +44,10 @@ def adapter_state_to_hf(model: nn.Module, config: ModelConfig, grads: bool = Fal
             continue
         value = p if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
         value = value.detach()
-        if ep_size > 1 and _EXPERT_ADAPTER.search(name):
+        factor = adapter_factor(name)
+        if ep_size > 1 and factor is not None:
             first, last = ranges[int(_LAYER.match(name).group(1))]
-            value = _gather_expert_adapter(name, value, last - first,
-                                           parallel_state.get_expert_model_parallel_group(), ep_size)
+            r = value.shape[0 if factor == "A" else 1] // (last - first)
+            value = all_gather_expert_adapter(value, factor, r)
         out[megatron_to_hf_name(name, config)] = value.clone()
     return out

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Dict
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..config import ModelConfig
 from ..weights.loader import LoadStats, expert_ranges, model_tensors
 from ..weights.names import NAME_TABLE, base_name, hf_to_megatron_name, is_expert_tensor, megatron_to_hf_name
+from .expert_gather import all_gather_expert_stack
 
 __all__ = ["NAME_TABLE", "hf_to_megatron_name", "megatron_to_hf_name", "base_name", "is_expert_tensor",
            "expert_ranges", "LoadStats", "megatron_to_hf_state_dict"]
@@ -39,8 +39,6 @@ def megatron_to_hf_state_dict(model: nn.Module, config: ModelConfig, gather_expe
     for mg_name, value in model_tensors(model).items():
         value = value.detach()
         if ep_size > 1 and is_expert_tensor(mg_name):
-            parts = [torch.empty_like(value) for _ in range(ep_size)]
-            dist.all_gather(parts, value.contiguous(), group=parallel_state.get_expert_model_parallel_group())
-            value = torch.cat(parts)
+            value = all_gather_expert_stack(value)
         out[megatron_to_hf_name(mg_name, config)] = value.clone()
     return out

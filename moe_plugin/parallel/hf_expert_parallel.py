@@ -212,25 +212,21 @@ def adapter_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The whole adapter of peft ``model`` under ``model.state_dict()``'s names (``...lora_A.default.weight``):
     ZeRO-3 partitions gathered, expert adapters all-gathered over the expert-parallel group into the full ``E``
     stacking. Collective: every rank calls it."""
-    from ..lora import stitch_expert_adapter
+    from ..expert_adapters import adapter_factor
+    from ..megatron.expert_gather import all_gather_expert_adapter
     from .zero3_gather import gathered
 
     ep = expert_parallel_size(model)
-    group = None
-    if ep > 1:
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_expert_model_parallel_group()
     named = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
     out = {}
     with gathered([p for _, p in named]):
         for n, p in named:
             value = p.detach().clone()
             if ep > 1 and getattr(p, "allreduce", True) is False:
-                parts = [torch.empty_like(value) for _ in range(ep)]
-                dist.all_gather(parts, value.contiguous(), group=group)
-                r = _lora_rank(model, n)
-                value = stitch_expert_adapter(n, parts, r)
+                factor = adapter_factor(n)
+                require(factor is not None, "model", f"{n} carries the expert mark but is not an expert adapter "
+                        "(experts...lora_A/lora_B); only prepare_expert_adapters should mark parameters")
+                value = all_gather_expert_adapter(value, factor, _lora_rank(model, n))
             out[n] = value
     return out
 

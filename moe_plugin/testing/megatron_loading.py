@@ -17,11 +17,12 @@ from torch import nn
 
 from ..config import ModelConfig, require
 # megatron.lora's own patterns of adapter names, so that both sides read the names alike
-from ..megatron.lora import _EXPERT_ADAPTER, _LAYER
+from ..expert_adapters import adapter_factor, slice_experts
+from ..megatron.lora import _LAYER
 from ..weights.loader import LoadStats, expert_ranges, load_state
 from ..weights.names import hf_to_megatron_name, megatron_to_hf_name
 
-__all__ = ["load_hf_checkpoint", "load_k3_checkpoint_per_rank", "slice_expert_adapter", "load_hf_adapter_state"]
+__all__ = ["load_hf_checkpoint", "load_k3_checkpoint_per_rank", "load_hf_adapter_state"]
 
 
 def _open_shard(file: str):
@@ -55,19 +56,6 @@ def load_k3_checkpoint_per_rank(model: nn.Module, path: str, config: ModelConfig
                       ignore_vision=True, open_file=_open_shard)
 
 
-def slice_expert_adapter(name: str, value: torch.Tensor, first: int, last: int, num_experts: int) -> torch.Tensor:
-    """The experts ``first .. last - 1`` of a full expert adapter ``value`` (``lora_A [r*E, in]`` or
-    ``lora_B [out, r*E]``) -> ``[r*E_local, in]`` / ``[out, r*E_local]``; other tensors pass through."""
-    m = _EXPERT_ADAPTER.search(name)
-    if m is None:
-        return value
-    if m.group(1) == "A":
-        r = value.shape[0] // num_experts
-        return value[first * r:last * r]
-    out, rank_times_e = value.shape
-    return value.view(out, rank_times_e // num_experts, num_experts)[:, :, first:last].reshape(out, -1)
-
-
 @torch.no_grad()
 def load_hf_adapter_state(model: nn.Module, state: Dict[str, torch.Tensor], config: ModelConfig) -> int:
     """Copy adapter tensors named as in the Hugging Face model (``model.layers.{i}...lora_A.default.weight``,
@@ -82,9 +70,10 @@ def load_hf_adapter_state(model: nn.Module, state: Dict[str, torch.Tensor], conf
     for name in adapters:
         hf_name, value = given[name]
         layer = _LAYER.match(name)
-        if _EXPERT_ADAPTER.search(name):
+        factor = adapter_factor(name)
+        if factor is not None:
             first, last = ranges[int(layer.group(1))]
-            value = slice_expert_adapter(name, value, first, last, config.moe.num_experts)
+            value = slice_experts(value, factor, first, last, config.moe.num_experts)
         require(tuple(value.shape) == tuple(params[name].shape), f"state[{hf_name!r}]",
                 f"has shape {tuple(value.shape)} on this rank, the model's {name} has {tuple(params[name].shape)}")
         params[name].copy_(value)

@@ -1,27 +1,17 @@
 """moe_plugin.export.deltas against its plain references and against peft's own delta of a stacked expert
-adapter; moe_plugin.export.targets' map against peft's nesting."""
+adapter; moe_plugin.export.targets' map against peft's nesting (the layout's split and stack:
+tests/test_expert_adapters.py)."""
 
 import pytest
 import torch
 
-from moe_plugin.export.deltas import (dense_delta, expert_deltas, expert_deltas_reference, split_experts,
-                                      split_experts_reference, stack_experts)
+from moe_plugin.expert_adapters import split_experts
+from moe_plugin.export.deltas import dense_delta, expert_deltas, expert_deltas_reference
 
 
 def _stacked(experts=5, r=3, out=7, inp=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(r * experts, inp, generator=g), torch.randn(out, r * experts, generator=g)
-
-
-def test_split_matches_the_reference_and_stacks_back():
-    a, b = _stacked()
-    fast, ref = split_experts(a, b, 5), split_experts_reference(a, b, 5)
-    assert len(fast) == 5
-    for (fa, fb), (ra, rb) in zip(fast, ref):
-        assert fa.shape == (3, 4) and fb.shape == (7, 3)
-        assert torch.equal(fa, ra) and torch.equal(fb, rb)
-    a2, b2 = stack_experts(fast)
-    assert torch.equal(a2, a) and torch.equal(b2, b)
 
 
 def test_expert_deltas_match_the_reference():

@@ -9,6 +9,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from peft import LoraConfig, inject_adapter_in_model
 
+from moe_plugin.expert_adapters import adapter_factor, slice_experts
 from moe_plugin.layers.gated_dsa import GatedMLAAttention
 from moe_plugin.layers.kda import KDAAttention
 from moe_plugin.layers.mlp import GLUMLP
@@ -22,7 +23,7 @@ from moe_plugin.megatron.recompute_layer import CheckpointedTransformerLayer
 from moe_plugin.megatron.weights import NAME_TABLE, hf_to_megatron_name, megatron_to_hf_name
 from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config
-from moe_plugin.testing.megatron_loading import load_hf_checkpoint, slice_expert_adapter
+from moe_plugin.testing.megatron_loading import load_hf_checkpoint
 
 TOL = 1e-6
 
@@ -180,7 +181,7 @@ def test_expert_adapter_slice_gives_peft_the_local_experts_deltas():
         for name, p in holder_full.named_parameters():
             if ".lora_" in name:
                 p.normal_()
-                local_params[name].copy_(slice_expert_adapter(name, p, 2, 6, experts))
+                local_params[name].copy_(slice_experts(p, adapter_factor(name), 2, 6, experts))
     wrappers = [(m, n) for n, m in holder_full.named_modules() if hasattr(m, "get_delta_weight")]
     assert len(wrappers) == 2
     local_modules = dict(holder_local.named_modules())
