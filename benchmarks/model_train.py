@@ -76,7 +76,7 @@ class _Glm5NextWithHead(torch.nn.Module):
         self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, input_ids, labels):
-        from moe_plugin.models.inputs import causal_lm_loss
+        from moe_plugin.ops.losses import causal_lm_loss
 
         hidden = self.model(input_ids=input_ids, use_cache=False).last_hidden_state
         return causal_lm_loss(self.lm_head(hidden), labels)

@@ -1,4 +1,4 @@
-"""What goes into the model and what comes out as a loss: input checks, padding <-> packing, the LM loss.
+"""What goes into the model: input checks, padding <-> packing (the loss is ``ops.losses``).
 
 Every check raises a ValueError naming the argument before any work is done.
 """
@@ -88,20 +88,3 @@ def check_labels(labels: torch.Tensor, batch: int, length: int, vocab_size: int,
     check_tensor("labels", labels, shape=(batch, length))
     ignored = labels == -100
     check_ids("labels", labels.masked_fill(ignored, 0), 0, vocab_size, "token ids (or -100 to ignore)")
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                   num_items_in_batch: Optional[int] = None) -> torch.Tensor:
-    """Next-token cross entropy (fp32), ignoring -100 and, for packed rows, predictions across documents.
-
-    logits ``[B, T, V]``; labels ``[B, T]`` (the input ids, not shifted). With ``num_items_in_batch`` (the
-    Hugging Face Trainer's count over all micro-batches) the sum is divided by it instead of averaged.
-    """
-    targets = labels[:, 1:].clone()
-    if cu_seqlens is not None:
-        ends = cu_seqlens[1:-1] - 1  # last token of each document but the final one
-        targets[0, ends[(ends >= 0) & (ends < targets.shape[1])]] = -100
-    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    if num_items_in_batch is None:
-        return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100)
-    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100, reduction="sum") / num_items_in_batch

@@ -35,11 +35,12 @@ from ..layers.norm import RMSNorm
 from ..layers.recompute import check_mode, set_recompute
 from ..layers.stacked_experts import StackedExperts
 from ..layers.vision import VisionTower
+from ..ops.losses import balance_terms, training_loss
 from ..ops.moe import document_weights
 from ..precision import FP32_TENSORS, keep_fp32_through
 from .cache import HybridCache
 from .configuration import MoEPluginConfig
-from .inputs import causal_lm_loss, check_inputs, check_labels, left_padding_mask, pack_padded, unpack_padded
+from .inputs import check_inputs, check_labels, left_padding_mask, pack_padded, unpack_padded
 
 
 @dataclass
@@ -307,8 +308,7 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                              cache=cache, use_cache=use_cache, cu_seqlens=cu_seqlens,
                              return_indexer_loss=want_indexer_loss)
-        terms = [layer.pop_balance() for layer in moe_layers]
-        balance = torch.stack(terms) if terms and all(t is not None for t in terms) else None
+        balance = balance_terms([layer.pop_balance() for layer in moe_layers])
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
@@ -317,11 +317,9 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
         if labels is not None:
             if attention_mask is not None:
                 labels = labels.masked_fill(~attention_mask.bool(), -100)
-            loss = causal_lm_loss(logits, labels, cu_seqlens, num_items_in_batch)
-            if want_indexer_loss and out.indexer_loss is not None:
-                loss = loss + self.config.indexer_loss_coeff * out.indexer_loss
-            if balance is not None:
-                loss = loss + self.router_aux_loss_coeff * balance.sum()
+            loss = training_loss(logits, labels, cu_seqlens, num_items_in_batch,
+                                 out.indexer_loss if want_indexer_loss else None, self.config.indexer_loss_coeff,
+                                 balance, self.router_aux_loss_coeff)
         return MoECausalLMOutput(loss=loss, logits=logits, cache=out.cache, expert_load=out.expert_load,
                                  indexer_loss=out.indexer_loss, balance_loss=balance)
 

@@ -244,7 +244,7 @@ def _head_bytes(mc, shape, dtype, lora_section) -> Tuple[int, int]:
     """The head's saved bytes, and the most its forward and backward hold beyond them (the backward starts
     here: the loss's fp32 logit gradients)."""
     from ..layers.norm import RMSNorm
-    from ..models.inputs import causal_lm_loss
+    from ..ops.losses import causal_lm_loss
 
     with torch.device("meta"):
         norm, head = RMSNorm(mc.hidden_size, mc.rms_norm_eps), nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)

@@ -1,7 +1,7 @@
 """Training data without downloads: generated arithmetic, plain text or chat (SFT) files, packed into rows.
 
 Every source becomes a list of ``Example`` (token ids plus labels, -100 where no loss is wanted). Labels
-follow the Hugging Face convention of ``moe_plugin.models.inputs.causal_lm_loss``: the input's shape, not
+follow the Hugging Face convention of ``moe_plugin.ops.losses.causal_lm_loss``: the input's shape, not
 shifted (position t is scored against label t + 1). ``pack_examples`` places whole examples into rows of
 exactly ``seq_len`` tokens, recording each example's boundaries in ``cu_seqlens`` so that the model resets
 its state there and the loss skips predictions across examples. ``StepBatches`` hands every data-parallel

@@ -44,7 +44,7 @@ def _direct(case_dir: str) -> dict:
     from moe_plugin.megatron.lora import adapter_state_to_hf
     from moe_plugin.megatron.specs import build_gpt_model
     from moe_plugin.models.configuration import MoEPluginConfig
-    from moe_plugin.models.inputs import causal_lm_loss
+    from moe_plugin.ops.losses import causal_lm_loss
     from moe_plugin.testing.grad_reduce import reduce_gradients
     from moe_plugin.testing.megatron_loading import load_hf_adapter_state, load_hf_checkpoint
 

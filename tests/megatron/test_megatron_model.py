@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from moe_plugin.lora import add_lora, lora_config
-from moe_plugin.models.inputs import causal_lm_loss
+from moe_plugin.ops.losses import causal_lm_loss
 from moe_plugin.models.k3_format import load_k3_checkpoint, save_k3_checkpoint
 from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config

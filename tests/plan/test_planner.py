@@ -146,7 +146,7 @@ def test_meta_working_bytes_match_the_allocator_of_a_real_layer(expert_format):
     still holds with its result (what it leaves for backward); the head's forward + backward: its peak."""
     from moe_plugin.layers.decoder import DecoderLayer
     from moe_plugin.layers.norm import RMSNorm
-    from moe_plugin.models.inputs import causal_lm_loss
+    from moe_plugin.ops.losses import causal_lm_loss
     from moe_plugin.plan.activations import _add_lora, _head_bytes, layer_saved_bytes
     from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
     from moe_plugin.training.backends.common import hf_config

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_plugin.models import MoEPluginForCausalLM, preset_config
-from moe_plugin.models.inputs import causal_lm_loss
+from moe_plugin.ops.losses import causal_lm_loss
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.training.data import (Example, StepBatches, arithmetic_documents, arithmetic_examples, chat_example,
                                       eval_batches, label_token_count, load_examples, pack_examples, sft_examples,

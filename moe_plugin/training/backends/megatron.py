@@ -18,7 +18,7 @@ from torch import nn
 from ...layers.moe import balancing
 from ...layers.recompute import set_recompute
 from ...lora import add_lora, init_expert_adapters
-from ...models.inputs import causal_lm_loss
+from ...ops.losses import balance_terms, training_loss
 from ...ops.moe import document_weights
 from ...parallel.zero3_ep import create_deepspeed_expert_groups, tag_expert_parameters
 from ...parallel.zero3_gather import gathered
@@ -81,8 +81,9 @@ class MegatronBackend(Backend):
     def loss(self, module: nn.Module, micro_batch, num_items: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """The token loss of the micro-batch, plus ``indexer_loss_coeff`` times the mean indexer KL loss of the
         Gated DSA layers when they computed one (training, indexer trainable), plus, in training, the recipe's
-        ``router_aux_loss_coeff`` times the MoE layers' per-document balance terms: what the Hugging Face model
-        adds (``MoEPluginForCausalLM``), from the same documents and weights (``ops.moe.document_weights``)."""
+        ``router_aux_loss_coeff`` times the MoE layers' per-document balance terms, composed by the one
+        ``ops.losses.training_loss`` the Hugging Face model (``MoEPluginForCausalLM``) calls too, from the same
+        documents and weights (``ops.moe.document_weights``)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         from ...megatron.adapters import indexer_loss_of
@@ -99,15 +100,12 @@ class MegatronBackend(Backend):
             balance = balancing(self.moe_layers(inner), *document_weights(labels, cu, num_items))
         with balance as layers:
             logits = module(ids, None, None, packed_seq_params=params, **micro_batch.image_inputs(self.device))
-        loss, metrics = causal_lm_loss(logits, labels, cu, num_items), {}
-        indexer_kl = indexer_loss_of(inner)
+        indexer_kl, terms = indexer_loss_of(inner), balance_terms([layer.pop_balance() for layer in layers])
+        loss = training_loss(logits, labels, cu, num_items, indexer_kl, self._indexer_loss_coeff(), terms, coeff)
+        metrics = {}
         if indexer_kl is not None:
-            loss = loss + self._indexer_loss_coeff() * indexer_kl
             metrics["indexer_kl"] = indexer_kl.detach()
-        terms = [layer.pop_balance() for layer in layers]
-        if terms and all(t is not None for t in terms):
-            terms = torch.stack(terms)
-            loss = loss + coeff * terms.sum()
+        if terms is not None:
             metrics["aux_loss"] = coeff * terms.detach()
         return loss, metrics
 
