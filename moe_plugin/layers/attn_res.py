@@ -153,6 +153,12 @@ def has_partial(layers_done: int, block_size: int) -> bool:
     return layers_done % block_size != 0
 
 
+def ends_block(layer_idx: int, block_size: int) -> bool:
+    """Whether the 0-based layer ``layer_idx`` closes an AttnRes block of ``block_size`` layers (its state then
+    has no partial sum): the one block schedule of both faces' decoder layers."""
+    return not has_partial(layer_idx + 1, block_size)
+
+
 def stream_from_state(state: Sequence[torch.Tensor], attn_res: bool, layers_done: int,
                       block_size: int) -> Union[PlainStream, AttnResStream]:
     """The stream whose ``state()`` is ``state`` after ``layers_done`` layers (blocks of ``block_size``)."""

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .attn_res import AttnResStream, PlainStream, attn_res_point, stream_from_state
+from .attn_res import AttnResStream, PlainStream, attn_res_point, ends_block, stream_from_state
 from .gated_dsa import GatedMLAAttention, MLACache
 from .kda import KDAAttention, KDACache
 from .mlp import GLUMLP
@@ -45,7 +45,7 @@ class DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         self.attention_type = config.layer_types[layer_idx]
         self.is_moe = config.is_moe_layer(layer_idx)
-        self.ends_block = (layer_idx + 1) % config.attn_res_block_size == 0
+        self.ends_block = ends_block(layer_idx, config.attn_res_block_size)
         self.input_layernorm = RMSNorm(d, eps)
         self.self_attn = KDAAttention(config.kda) if self.attention_type == "kda" else GatedMLAAttention(config.mla)
         self.post_attention_layernorm = RMSNorm(d, eps)

@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 
 from ..compat.megatron import adopt_subclass
 from ..config import require
-from ..layers.attn_res import AttnResStream, attn_res_point, stream_from_state
+from ..layers.attn_res import AttnResStream, attn_res_point, ends_block, stream_from_state
 from ..layers.recompute import read_stream
 from .recompute_layer import CheckpointedTransformerLayer
 
@@ -94,7 +94,7 @@ class AttnResTransformerLayer(CheckpointedTransformerLayer):
         out, bias = out_with_bias
         stream = AttnResStream.from_state(state, True)  # after the attention's add there is a partial sum
         stream.add(out if bias is None else out + bias)
-        if (self.layers_before + 1) % self.attn_res_block_size == 0:
+        if ends_block(self.layers_before, self.attn_res_block_size):
             stream.end_block()
         return stream.state()
 
