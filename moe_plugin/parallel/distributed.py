@@ -40,7 +40,7 @@ def choose_device() -> torch.device:
     CUDA does not initialise is an error, not a silent CPU run on stand-ins.
     """
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", _local_rank())
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
     if not hidden and glob.glob("/dev/nvidia[0-9]*"):
         raise RuntimeError("this machine has NVIDIA GPUs but CUDA is not usable (torch.cuda.is_available() is "

@@ -267,6 +267,17 @@ def _head_bytes(mc, shape, dtype, lora_section) -> Tuple[int, int]:
 RUN_TOKENS = 4096
 
 
+def linear_run_tokens(mc) -> int:
+    """The shorter of the two run lengths a long micro-batch is extended from (the longer is twice it): about
+    ``RUN_TOKENS``, whole KDA chunks and 64-token blocks, and past twice the indexer's top-k, where every query
+    keeps k keys and the saved sets grow linearly."""
+    step = math.lcm(mc.kda.chunk_size, 64)
+    t1 = max(RUN_TOKENS // step, 1) * step
+    if mc.mla.use_indexer:
+        t1 = max(t1, -(-2 * mc.mla.index_topk // step) * step)
+    return t1
+
+
 def packed_boundaries(batch: int, seq_len: int, documents: Optional[Sequence[int]]) -> Optional[torch.Tensor]:
     """The ``cu_seqlens`` of a micro-batch as the trainer feeds it (``batch`` rows of ``seq_len`` packed into one
     row ``[1, batch * seq_len]``): each row filled with the recipe's document lengths in order, cycled, the
@@ -295,10 +306,7 @@ def plan_activations(mc, lora_section, batch: int, seq_len: int, local_experts: 
     if batch * seq_len <= 2 * RUN_TOKENS:
         return _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache,
                                  documents, kernels)
-    step = math.lcm(mc.kda.chunk_size, 64)
-    t1 = max(RUN_TOKENS // step, 1) * step
-    if mc.mla.use_indexer:
-        t1 = max(t1, -(-2 * mc.mla.index_topk // step) * step)  # past the indexer's top-k every query keeps k
+    t1 = linear_run_tokens(mc)
     a = _plan_activations(mc, lora_section, 1, t1, local_experts, capacity, dtype, cache, documents, kernels)
     b = _plan_activations(mc, lora_section, 1, 2 * t1, local_experts, capacity, dtype, cache, documents, kernels)
     f = (batch * seq_len - t1) / t1

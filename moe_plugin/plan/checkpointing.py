@@ -12,13 +12,13 @@ trainer's are, give the most it holds at once beyond its input (``peaks``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .activations import RUN_TOKENS, _built_from, _state_shape, layer_kinds, layer_saved_bytes, packed_boundaries
+from .activations import (RUN_TOKENS, _built_from, _state_shape, layer_kinds, layer_saved_bytes,
+                          linear_run_tokens, packed_boundaries)
 from .meta_ops import MetaDispatch, meta_forward
 
 __all__ = ["CheckpointedPlan", "plan_checkpointed"]
@@ -47,10 +47,7 @@ def plan_checkpointed(mc, lora_section, batch: int, seq_len: int, local_experts:
     args = (mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode)
     if batch * seq_len <= 2 * RUN_TOKENS:
         return _measure(*args, batch, seq_len)
-    step = math.lcm(mc.kda.chunk_size, 64)
-    t1 = max(RUN_TOKENS // step, 1) * step
-    if mc.mla.use_indexer:
-        t1 = max(t1, -(-2 * mc.mla.index_topk // step) * step)
+    t1 = linear_run_tokens(mc)
     a, b = _measure(*args, 1, t1), _measure(*args, 1, 2 * t1)
     f = (batch * seq_len - t1) / t1
 
