@@ -38,7 +38,7 @@ def worker(recipe_dict: dict, threads: int) -> dict:
     import torch
 
     from moe_plugin.training.loop import Trainer
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     torch.set_num_threads(threads)
     baseline = _status_kib("VmRSS")

@@ -1,11 +1,11 @@
 """Training the Hugging Face model with ``transformers.Trainer``: the MoE metrics callback and the data helpers.
 
-``MoEMetricsCallback`` logs, through the project's one ``Logger`` (``moe_plugin.training.logger``: console
+``MoEMetricsCallback`` logs, through the project's one ``Logger`` (``moe_plugin.training.metrics.logger``: console
 lines, a W&B run, offline unless told otherwise, and the expert-load plot), what the Trainer's own logs do not
 have: per-layer expert load (bounded summaries and histograms), dead and overloaded experts, routing drift
 from the base router, the indexer KL where the DSA indexer trains, and tokens/s, beside the Trainer's loss,
 learning rate and gradient norm. ``CausalLMDataset`` and ``collate_causal_lm`` turn the project's examples
-(``moe_plugin.training.data``) into padded batches the model packs itself; ``datasets_for`` makes them from a
+(``moe_plugin.training.data.pipeline``) into padded batches the model packs itself; ``datasets_for`` makes them from a
 recipe's data section with the resolved base's tokenizer. ``MoETrainer`` is the Trainer whose
 ``save_model`` writes the whole adapter of a model given expert parallelism by
 ``moe_plugin.parallel.hf_expert_parallel.parallelize_experts``. Usage, and the settings a CPU machine needs
@@ -25,10 +25,10 @@ from transformers import Trainer, TrainerCallback
 
 from .compat import check_all
 from .compat.transformers import save_trainer_output
-from .training.data import IGNORE, Example
-from .training.logger import Logger, NullLogger
-from .training.moe_metrics import MoEMetrics
-from .training.run_logger import make_logger
+from .training.data.pipeline import IGNORE, Example
+from .training.metrics.logger import Logger, NullLogger
+from .training.metrics.moe import MoEMetrics
+from .training.metrics.run_logger import make_logger
 
 __all__ = ["MoEMetricsCallback", "MoETrainer", "CausalLMDataset", "collate_causal_lm", "datasets_for"]
 
@@ -66,11 +66,11 @@ def collate_causal_lm(rows: Sequence[Dict[str, List[int]]], pad_id: int = 256) -
 
 def datasets_for(resolved, data_section, seed: int = 0):
     """``(train, held_out, collator)`` for the Trainer: the recipe's data section tokenized with the resolved
-    base's own tokenizer (``training/resolved_model.py``: its chat template, image token, labels) and batches
+    base's own tokenizer (``recipe/resolved_model.py``: its chat template, image token, labels) and batches
     padded with its pad id."""
     import functools
 
-    from .training.data import load_examples
+    from .training.data.pipeline import load_examples
 
     train, held_out = load_examples(data_section, seed, resolved.tokenizer, resolved.tokens, resolved.processor)
     collator = functools.partial(collate_causal_lm, pad_id=resolved.tokens.pad_id)
@@ -109,7 +109,7 @@ class MoETrainer(Trainer):
 
 
 def _wandb_section(wandb: Union[None, str, dict, object]):
-    from .training.recipe import LoggingSection, recipe_from_dict
+    from .recipe.schema import LoggingSection, recipe_from_dict
 
     if wandb is None or isinstance(wandb, str):
         wandb = {} if wandb is None else {"mode": wandb}
@@ -143,7 +143,7 @@ class MoEMetricsCallback(TrainerCallback):
                              "through Trainer(callbacks=[...])")
         self.rank = args.process_index
         if self.logger is None:
-            from .training.recipe import LoggingSection
+            from .recipe.schema import LoggingSection
 
             section = LoggingSection(progress_bar=False, wandb=self.wandb)  # the Trainer draws its own bar
             self.logger = make_logger(self.rank, section, os.path.abspath(args.output_dir),

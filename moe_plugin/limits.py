@@ -1,6 +1,6 @@
 """The sizes ``moe-plugin plan`` and a recipe accept: each flag and recipe size has a largest value, named when
 refused. Torch-free and in the bottom tier, so the plan command checks its flags before anything heavy loads and
-the recipe (``training/recipe.py``) checks its sizes against the same numbers: whatever trains can be planned."""
+the recipe (``recipe/schema.py``) checks its sizes against the same numbers: whatever trains can be planned."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _train(argv: List[str]) -> None:
     args = parser().parse_args(argv)
-    from .training.recipe import load_recipe
+    from .recipe.schema import load_recipe
 
     recipe = load_recipe(args.recipe)  # before the loop's import: a bad recipe is refused without torch
     _quiet_cpu_imports()

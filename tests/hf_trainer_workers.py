@@ -41,7 +41,7 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
 
     import moe_plugin  # noqa: F401  (registers the Auto classes)
     from moe_plugin.hf_trainer import CausalLMDataset, MoEMetricsCallback, MoETrainer, collate_causal_lm
-    from moe_plugin.training.data import arithmetic_examples
+    from moe_plugin.training.data.pipeline import arithmetic_examples
 
     args = TrainingArguments(
         output_dir=output_dir, use_cpu=True, deepspeed=deepspeed, per_device_train_batch_size=per_device,
@@ -73,7 +73,7 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
     callback = MoEMetricsCallback(wandb=wandb)
     trainer = MoETrainer(model=model, args=args, train_dataset=CausalLMDataset(arithmetic_examples(400, 0, "-")),
                          data_collator=collate_causal_lm, callbacks=[callback])
-    from moe_plugin.training.routing import moe_layers
+    from moe_plugin.training.metrics.routing import moe_layers
 
     router_calls = [0]
     hooks = [layer.router.register_forward_pre_hook(lambda *_: router_calls.__setitem__(0, router_calls[0] + 1))

@@ -27,7 +27,7 @@ def _snapshot(trainer) -> dict:
 def run_scenarios(scenarios: list) -> dict:
     """``[{"name", "recipe"}]`` -> ``{name: {"built", "trained", "losses"}}``."""
     from moe_plugin.training.loop import Trainer
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     results = {}
     for scenario in scenarios:

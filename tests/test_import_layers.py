@@ -32,6 +32,7 @@ TIERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("lora", ("lora", "lora_packed", "expert_adapters")),
     ("weights", ("weights",)),
     ("models", ("models",)),
+    ("recipe", ("recipe",)),
     ("megatron", ("megatron",)),
     ("parallel", ("parallel",)),
     ("training", ("training",)),
@@ -219,7 +220,7 @@ def test_a_planted_upward_import_fails_naming_the_file_line_and_tiers(tmp_path):
     planted = sorted(set(upward_imports(scan(copy))) - set(upward_imports(scan())))
     assert planted == [
         f"moe_plugin/layers/moe.py:{len(lines) - 1} imports moe_plugin.training.loop: tier 2 (layers) imports the "
-        f"higher tier 8 (training); move what it needs down to layers or lower"]
+        f"higher {tier_name(TIER_OF['training'])}; move what it needs down to layers or lower"]
 
 
 def test_synthetic_sources_resolve_relative_absolute_and_from_package_imports(tmp_path):
@@ -246,7 +247,8 @@ def test_synthetic_sources_resolve_relative_absolute_and_from_package_imports(tm
     assert upward_imports(graph) == [
         "moe_plugin/config.py:1 imports moe_plugin.ops.kernels: tier 0 (foundation) imports the higher tier 1 "
         "(ops); move what it needs down to foundation or lower",
-        "moe_plugin/training/b.py:6 imports moe_plugin.cli: tier 8 (training) imports the higher tier 10 (entry); "
+        f"moe_plugin/training/b.py:6 imports moe_plugin.cli: {tier_name(TIER_OF['training'])} imports the higher "
+        f"{tier_name(TIER_OF['cli'])}; "
         "move what it needs down to training or lower"]
     circles = import_cycles(graph)
     assert len(circles) == 2

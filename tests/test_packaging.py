@@ -82,7 +82,7 @@ def test_the_command_lists_subcommands_and_prints_the_version(installed):
 
 def test_modules_import_from_the_installed_location(installed):
     _, python, _, work, site = installed
-    out = _run([python, "-c", "import moe_plugin.train, moe_plugin.training.recipe as r; print(r.__file__)"],
+    out = _run([python, "-c", "import moe_plugin.train, moe_plugin.recipe.schema as r; print(r.__file__)"],
                cwd=work).stdout.strip().splitlines()[-1]
-    assert Path(out).resolve() == (site / "moe_plugin" / "training" / "recipe.py").resolve(), out
+    assert Path(out).resolve() == (site / "moe_plugin" / "recipe" / "schema.py").resolve(), out
     assert REPO not in Path(out).resolve().parents

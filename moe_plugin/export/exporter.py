@@ -86,7 +86,7 @@ def _leaf(weight: str) -> str:
 def _tokenizer(source: RunSource, directory: str) -> List[str]:
     """The base's tokenizer files copied unchanged (a preset run's base/ holds the byte tokenizer it trained
     with); a base that holds none gets none, never a tokenizer other than the one the run trained with."""
-    from ..training.resolved_model import copy_tokenizer_files
+    from ..recipe.resolved_model import copy_tokenizer_files
 
     return copy_tokenizer_files(source.base_path, directory)
 

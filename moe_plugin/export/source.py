@@ -188,9 +188,8 @@ def open_run(run_dir: str, step: Optional[int] = None, allow_changed_inputs: boo
              location: Optional[RunLocation] = None) -> RunSource:
     """Read the run at ``run_dir`` (its final adapter, or checkpoint ``step``); ValueError naming what is wrong.
     location: what ``locate_run`` found already (it is not looked up again)."""
-    from ..training.backends.common import adapter_lora_config
-    from ..training.recipe import LoraSection, ModelSection, ParallelSection
-    from ..training.resolved_model import base_hf_config
+    from ..recipe.schema import LoraSection, ModelSection, ParallelSection
+    from ..recipe.resolved_model import base_hf_config
     from .merge import has_vision
 
     where_run = location or locate_run(run_dir, allow_changed_inputs)
@@ -201,8 +200,8 @@ def open_run(run_dir: str, step: Optional[int] = None, allow_changed_inputs: boo
     model = ModelSection.model_validate(model_values)
     lora = LoraSection.model_validate(recipe["lora"])
     backend = ParallelSection.model_validate(recipe.get("parallel", {})).backend
-    config = base_hf_config(model)  # the trainer's one reading of a base's config (training/resolved_model.py)
-    trained = adapter_lora_config(lora)
+    config = base_hf_config(model)  # the trainer's one reading of a base's config (recipe/resolved_model.py)
+    trained = lora.peft_config()
     targets = adapter_targets(config, trained)
     if step is None:
         adapter = os.path.join(where_run.run_dir, "adapter")

@@ -89,7 +89,8 @@ class LatentMoEMixin:
     down/norm/up modules, routing with the config's options, the expert load and selection-bias balancing.
 
     The host is an ``nn.Module`` with ``moe_config`` (``MoEConfig``), a ``gate`` and a ``router`` property
-    (the ``MoERouter`` behind ``gate``). ``moe_plugin.training.routing.moe_layers`` finds MoE layers by this class.
+    (the ``MoERouter`` behind ``gate``). ``moe_plugin.training.metrics.routing.moe_layers`` finds MoE layers by
+    this class.
 
     Load: ``last_load`` ``[E]`` sums the token copies per expert over every forward run with gradients enabled
     (so evaluation and the no-grad first pass of full activation recomputation do not count) since the last

@@ -34,7 +34,7 @@ from ..compat.deepspeed import expert_groups
 from ..megatron.expert_tags import group_name, tag_expert_parameter
 from .grad_reduce import is_expert_parameter
 
-__all__ = ["tag_expert_parameters", "create_deepspeed_expert_groups"]
+__all__ = ["tag_expert_parameters", "hide_expert_marks", "create_deepspeed_expert_groups"]
 
 
 def tag_expert_parameters(model: nn.Module) -> int:
@@ -43,6 +43,16 @@ def tag_expert_parameters(model: nn.Module) -> int:
     for p in params:
         tag_expert_parameter(p)
     return len(params)
+
+
+def hide_expert_marks(model: nn.Module) -> None:
+    """Remove megatron's expert mark ``allreduce = False`` where no expert group partitions the experts
+    (one process, or the Hugging Face face without expert parallelism): DeepSpeed's engine reads the mark as a
+    DeepSpeed-MoE parameter and looks for a DeepSpeed-MoE expert group that such a model does not have. With
+    every parameter replicated over the data-parallel group there is nothing the mark would change."""
+    for p in model.parameters():
+        if hasattr(p, "allreduce"):
+            del p.allreduce
 
 
 def _rank_lists(group) -> List[int]:

@@ -78,7 +78,7 @@ def format_plan(plan) -> str:
 
 def _plan(argv: List[str]) -> int:
     from ..config import require
-    from ..training.recipe import load_recipe
+    from ..recipe.schema import load_recipe
     from ..limits import check_limit, parse_bytes
 
     p = ArgumentParser(prog="moe-plugin plan", description=__doc__)

@@ -51,8 +51,8 @@ class Plan:
 def document_lengths(recipe, seq_len: int, seq_len_field: str = "data.seq_len") -> List[int]:
     """The segment lengths of the recipe's training rows as the trainer packs them (``training.data``), in
     order: its documents and each row's trailing padding segment."""
-    from ..training.data import load_examples
-    from ..training.resolved_model import resolve_model
+    from ..training.data.pipeline import load_examples
+    from ..recipe.resolved_model import resolve_model
 
     if recipe.data.kind == "arithmetic":
         check_limit(recipe.data.num_documents, "num_documents", "data.num_documents")
@@ -205,7 +205,7 @@ def _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, e
           overhead_bytes, cache, knobs, images, image_size, kernels, from_checkpoint, context: bool) -> Plan:
     """``plan_recipe``; ``context=False`` leaves out the 1M-token context (``million_context`` empty), which
     costs two meta forwards of every layer kind at 8k and 16k tokens, for a plan read only for its peak."""
-    from ..training.backends.common import hf_config
+    from ..recipe.resolved_model import base_hf_config
     from ..training.backends.images import wants_images
 
     s = recipe.schedule
@@ -242,7 +242,7 @@ def _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, e
     if expert_format is not None:
         overrides["expert_format"] = expert_format
     section = recipe.model.model_copy(update={"overrides": overrides})
-    cfg = hf_config(section)
+    cfg = base_hf_config(section)
     mc = cfg.to_model_config()
     require(mc.moe.num_experts % ep == 0, "parallel.expert_parallel_size",
             f"{ep} does not divide the model's {mc.moe.num_experts} experts")

@@ -134,7 +134,7 @@ def measure_worker(recipes: List[dict], threads: int = 1) -> List[Dict[str, floa
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from ..training.loop import Trainer
-    from ..training.recipe import recipe_from_dict
+    from ..recipe.schema import recipe_from_dict
 
     torch.set_num_threads(threads)
     out = []
@@ -158,7 +158,7 @@ def measure_worker(recipes: List[dict], threads: int = 1) -> List[Dict[str, floa
 
 def planned_peak(recipe_values: dict, world: int, cache: dict) -> float:
     """The planner's peak for one measured layout, without the overhead constant (bytes)."""
-    from ..training.recipe import recipe_from_dict
+    from ..recipe.schema import recipe_from_dict
     from ..plan.planner import plan_recipe
 
     # the trainer drops no token: every expert computes exactly its rows, a capacity factor of 1

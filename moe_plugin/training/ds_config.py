@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from .recipe import Recipe
+from ..recipe.schema import Recipe
 
 # the ZeRO-3 settings of ds_configs/zero3_lora.json. A persistence threshold of 0 keeps small tensors
 # partitioned too; above 0, every tensor of a tiny model would stay gathered on every rank.
@@ -34,6 +34,29 @@ def zero_stage(ds_config: Optional[Dict[str, Any]]) -> int:
     trainer, its backends and the planner."""
     zero = (ds_config or {}).get("zero_optimization") or {}
     return int(zero.get("stage", 0))
+
+
+def zero_init(ds_config: dict):
+    """``deepspeed.zero.Init`` for a model built partitioned. The dtype comes from the config's bf16 section
+    (the recipe's precision): in DeepSpeed 0.19.8 an explicit ``dtype`` argument is dropped on accelerators
+    without fp16 (an operator-precedence slip in ``Init._set_dtype``), which made the CPU partitions bf16."""
+    import deepspeed
+
+    return deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=None, pin_memory=False)
+
+
+def partition_while_building(ds_config: dict, recipe) -> bool:
+    """Whether to build the model under ``zero.Init`` (partitioned module by module, so no rank ever holds a
+    whole tensor it does not own) rather than whole, for ``deepspeed.initialize`` to partition.
+
+    Under ZeRO-3 with a checkpoint: yes, the loader then writes each rank's slices into its partitions. A
+    preset has no checkpoint: its weights are drawn from the seed, and a layer's init code that touches its
+    children's weights after they were built (the Hugging Face post-init, our layers' ``reset_parameters``)
+    would only see empty placeholders under ``zero.Init``. So a preset is built whole on each rank (the
+    dense base and this rank's experts, never another EP rank's), exactly as one process draws it, and the
+    engine partitions it; presets are for tests and small models.
+    """
+    return zero_stage(ds_config) == 3 and recipe.model.from_pretrained is not None
 
 
 def _same(given: Any, value: Any) -> bool:

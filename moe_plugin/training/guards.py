@@ -15,7 +15,7 @@ decides alike):
 
 A stop is ``TrainingStopped`` (a ValueError: the recipe's schedule is the input at fault), raised before the
 step is checkpointed, so the newest checkpoint is the last good one and no adapter is written. The settings
-are the recipe's ``guards.divergence`` section (``GuardsSection``); no torch here.
+are the recipe's ``guards.divergence`` section (``moe_plugin.recipe.guards_section``); no torch here.
 """
 
 from __future__ import annotations
@@ -23,26 +23,9 @@ from __future__ import annotations
 import math
 from typing import Callable, List, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from ..recipe.guards_section import DivergenceSection, GuardsSection
 
 __all__ = ["DivergenceSection", "GuardsSection", "TrainingStopped", "StepGuard"]
-
-
-class DivergenceSection(BaseModel):
-    """The divergence rule: diverging when mean(last ``window`` losses) > ``factor`` x the first step's loss;
-    stop once more than ``stop_after`` steps in a row diverge (null: warn only)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    factor: float = Field(1.5, gt=1, description="use a factor above 1, e.g. 1.5")
-    window: int = Field(5, gt=0, description="use a positive number of steps, e.g. 5")
-    stop_after: Optional[int] = Field(10, ge=0, description="use 0 or more steps, or null to only warn")
-
-
-class GuardsSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    divergence: DivergenceSection = Field(default_factory=DivergenceSection)
 
 
 class TrainingStopped(ValueError):

@@ -42,15 +42,15 @@ from ..parallel.distributed import choose_device
 from .backends import get_backend
 from .checkpoint import CheckpointManager
 from .engine_state import agree, load_latest, rng_state, save_step, set_rng_state
-from .data import StepBatches, eval_batches, label_token_count, load_examples, pack_examples
+from .data.pipeline import StepBatches, eval_batches, label_token_count, load_examples, pack_examples
 from .ds_config import deepspeed_config, zero_stage
 from .exporting import write_outputs
 from .guards import StepGuard, TrainingStopped
-from .moe_metrics import MoEMetrics, global_parameter_counts
-from .recipe import Recipe, check_layout, env_world_size
-from .resolved_model import resolve_model
+from .metrics.moe import MoEMetrics, global_parameter_counts
+from ..recipe.schema import Recipe, check_layout, env_world_size
+from ..recipe.resolved_model import resolve_model
 from .run_dir import claim_for_training
-from .run_logger import make_logger
+from .metrics.run_logger import make_logger
 from .runtime import all_ok, forget_processes, start_processes
 from .schedule import lr_scheduler
 
@@ -304,7 +304,7 @@ class Trainer:
                   f"({self.result.step_time_s:.2f} s a step after {self.startup_s:.1f} s of start-up); {where}",
                   flush=True)
         if recipe.eval.answers is not None:  # generated answers on held-out examples (answer_eval.py)
-            from .answer_eval import report_answers
+            from .metrics.answer_eval import report_answers
 
             self.result.answers = report_answers(recipe.eval.answers, self.output_dir, self.rank,
                                                  dist.get_world_size(), self.device, self.resolved)

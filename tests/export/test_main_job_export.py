@@ -53,7 +53,7 @@ def job(tmp_path_factory):
 def _picture_inputs():
     """The processor's inputs for a held-out picture the run never trained on nor answered (record 10)."""
     import moe_plugin
-    from moe_plugin.training.answer_eval import read_questions
+    from moe_plugin.training.metrics.answer_eval import read_questions
 
     question = read_questions(HELD_OUT, 11)[10]
     processor = moe_plugin.MoEProcessor()

@@ -81,9 +81,9 @@ def test_the_run_trains_the_text_model_on_the_bases_text_weights(job):
     language model's own loss on the two conversations: the trainer loaded the base's text weights."""
     from safetensors.torch import load_file
 
-    from moe_plugin.training.chat_data import sft_examples
-    from moe_plugin.training.recipe import ModelSection
-    from moe_plugin.training.resolved_model import resolve_model
+    from moe_plugin.training.data.chat import sft_examples
+    from moe_plugin.recipe.schema import ModelSection
+    from moe_plugin.recipe.resolved_model import resolve_model
 
     keys = list(load_file(os.path.join(job["run"], "adapter", "adapter_model.safetensors")))
     assert keys and all(k.startswith("base_model.model.model.layers.") for k in keys), keys[:5]

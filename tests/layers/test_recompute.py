@@ -156,7 +156,7 @@ def test_transformers_switch_is_the_same_mechanism():
 def test_the_recipe_key_names_the_same_modes():
     from typing import get_args
 
-    from moe_plugin.training.recipe import ScheduleSection, recipe_from_dict
+    from moe_plugin.recipe.schema import ScheduleSection, recipe_from_dict
 
     assert get_args(ScheduleSection.model_fields["activation_checkpointing"].annotation) == MODES
     assert ScheduleSection().activation_checkpointing == "off"

@@ -76,7 +76,7 @@ def _direct(case_dir: str) -> dict:
 
 def _trainer(recipe_dict: dict) -> dict:
     from moe_plugin.training.loop import Trainer
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     with Trainer(recipe_from_dict(copy.deepcopy(recipe_dict))) as trainer:
         first = trainer.train_step()

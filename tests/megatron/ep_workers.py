@@ -271,7 +271,7 @@ def _balance(seed: int) -> dict:
 
     from moe_plugin.config import MoEConfig
     from moe_plugin.megatron.latent_moe import LatentMoELayer
-    from moe_plugin.training.routing import moe_layers
+    from moe_plugin.training.metrics.routing import moe_layers
 
     moe = MoEConfig(**LATENT)
     layer = LatentMoELayer(_latent_config(moe), moe)

@@ -23,7 +23,7 @@ from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.testing.launch import run_distributed
-from moe_plugin.training.data import label_token_count
+from moe_plugin.training.data.pipeline import label_token_count
 
 TOL = 1e-5
 WORLD = 4

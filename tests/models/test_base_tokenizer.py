@@ -72,9 +72,9 @@ def test_config_image_token_out_of_range_is_refused(subword):
 
 
 def test_task_texts_encode_without_unknown_tokens(subword):
-    from moe_plugin.training.data import arithmetic_documents
-    from moe_plugin.training.shape_tasks import QUESTION_OF
-    from moe_plugin.training.synthetic import COLORS, SHAPES
+    from moe_plugin.training.data.pipeline import arithmetic_documents
+    from examples.shape_tasks import QUESTION_OF
+    from examples.shapes import COLORS, SHAPES
 
     texts = list(QUESTION_OF.values()) + sorted(COLORS) + list(SHAPES) + arithmetic_documents(50, 0, "-")
     for text in texts:

@@ -17,7 +17,7 @@ from moe_plugin.plan.activations import _state_shape, layer_saved_bytes, packed_
 from moe_plugin.plan.checkpointing import plan_checkpointed
 from moe_plugin.plan.command import main
 from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
-from moe_plugin.training.recipe import LoraSection
+from moe_plugin.recipe.schema import LoraSection
 
 MC = preset_config("tiny").to_model_config()  # Attention Residuals on, KDA and MLA, dense and MoE layers
 SHAPE = (1, 256, MC.hidden_size)

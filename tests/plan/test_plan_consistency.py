@@ -14,7 +14,7 @@ import torch
 
 from moe_plugin.plan.planner import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, plan_recipe
 from moe_plugin.testing.plan_measure import layout_recipe
-from moe_plugin.training.recipe import recipe_from_dict
+from moe_plugin.recipe.schema import recipe_from_dict
 
 SMALL = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, layer_types=["kda", "mla"], attn_res=False,
              num_experts=64, num_experts_per_token=4, moe_intermediate_size=32, routed_expert_hidden_size=32,
@@ -74,10 +74,10 @@ def test_a_bf16_moe_layer_saves_what_the_trainer_held_layer_saves():
     from moe_plugin.plan.activations import _add_lora, layer_saved_bytes
     from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
     from moe_plugin.precision import apply_precision
-    from moe_plugin.training.backends.common import hf_config
+    from moe_plugin.recipe.resolved_model import base_hf_config
 
     recipe = recipe_from_dict(layout_recipe("/tmp/never", 1, 1, 32, shape=SMALL))
-    mc = hf_config(recipe.model).to_model_config()
+    mc = base_hf_config(recipe.model).to_model_config()
     assert mc.is_moe_layer(0)
     shape = (1, 32, mc.hidden_size)
     torch.manual_seed(0)

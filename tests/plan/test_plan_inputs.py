@@ -14,8 +14,8 @@ import pytest
 from moe_plugin.plan import command
 from moe_plugin.limits import LIMITS
 from moe_plugin.plan.planner import packed_lengths, plan_recipe
-from moe_plugin.training.data import Example, pack_examples
-from moe_plugin.training.recipe import recipe_from_dict
+from moe_plugin.training.data.pipeline import Example, pack_examples
+from moe_plugin.recipe.schema import recipe_from_dict
 
 TINY = {"output_dir": "outputs/never", "model": {"preset": "tiny"}, "lora": {"r": 8},
         "data": {"kind": "arithmetic", "num_documents": 200, "seq_len": 256, "eval_fraction": 0.0}}

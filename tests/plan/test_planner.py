@@ -14,7 +14,7 @@ from moe_plugin.plan.planner import parse_bytes, plan_recipe
 from moe_plugin.testing.launch import run_distributed
 from moe_plugin.testing.plan_measure import (CALIBRATION, CHECKPOINTED_SHAPE, SHAPE, layout_recipe, layout_recipes,
                                              measured_layouts, planned_peak, tensor_peak)
-from moe_plugin.training.recipe import LoraSection, recipe_from_dict
+from moe_plugin.recipe.schema import LoraSection, recipe_from_dict
 
 
 def test_counts_come_from_the_model_and_split_by_the_zero3_ep_rule():
@@ -77,10 +77,10 @@ def test_meta_forward_saves_what_the_real_layer_saves(expert_format, extras):
     autograd saves per segment agree (balanced routing is exact here: N x top_k is a multiple of E)."""
     from moe_plugin.plan.activations import layer_saved_bytes
     from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
-    from moe_plugin.training.backends.common import hf_config
+    from moe_plugin.recipe.resolved_model import base_hf_config
 
     recipe = recipe_from_dict(layout_recipe("/tmp/never", 1, 1, 256, expert_format, dict(SHAPE, **extras)))
-    mc = hf_config(recipe.model).to_model_config()
+    mc = base_hf_config(recipe.model).to_model_config()
     cands = 2 if mc.attn_res else 1
     for index in (0, 1, 3):  # KDA + dense MLP, KDA + MoE, MLA + MoE
         torch.manual_seed(0)
@@ -98,7 +98,7 @@ def test_seed_layout_plan_by_hand():
     [T, D] input per layer plus what each layer keeps, which is mostly each MoE layer's dispatched tokens
     (T x top-k x latent, never recomputed: layers.recompute), tens of GB at 1 x 4096 tokens; selective keeps
     more, off most."""
-    from moe_plugin.training.recipe import load_recipe
+    from moe_plugin.recipe.schema import load_recipe
 
     recipe = load_recipe("recipes/k3_seed_layout.json")
     cache: dict = {}
@@ -149,10 +149,10 @@ def test_meta_working_bytes_match_the_allocator_of_a_real_layer(expert_format):
     from moe_plugin.ops.losses import causal_lm_loss
     from moe_plugin.plan.activations import _add_lora, _head_bytes, layer_saved_bytes
     from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
-    from moe_plugin.training.backends.common import hf_config
+    from moe_plugin.recipe.resolved_model import base_hf_config
 
     recipe = recipe_from_dict(layout_recipe("/tmp/never", 1, 1, 256, expert_format))
-    mc = hf_config(recipe.model).to_model_config()
+    mc = base_hf_config(recipe.model).to_model_config()
     shape = (1, 512, mc.hidden_size)
     cu = torch.tensor([0, 40, 100, 256, 300, 512])
     for index in (0, 1, 3):

@@ -11,7 +11,7 @@ from moe_plugin.config import VisionConfig
 from moe_plugin.plan.planner import plan_recipe
 from moe_plugin.plan.vision import image_grid, vision_activation_bytes
 from moe_plugin.testing.plan_measure import layout_recipe
-from moe_plugin.training.recipe import LoraSection, recipe_from_dict
+from moe_plugin.recipe.schema import LoraSection, recipe_from_dict
 
 VISION = VisionConfig(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512, out_hidden_size=64,
                       max_grid=64)
@@ -68,6 +68,6 @@ def test_plan_adds_the_vision_tower_and_names_bad_picture_counts():
 
 
 def recipe_vision(recipe):
-    from moe_plugin.training.backends.common import hf_config
+    from moe_plugin.recipe.resolved_model import base_hf_config
 
-    return hf_config(recipe.model).to_model_config().vision
+    return base_hf_config(recipe.model).to_model_config().vision

@@ -17,7 +17,7 @@ from tests.training.trainer_workers import steps_with_gradients
 
 def run(recipes: list) -> dict:
     from moe_plugin.training.loop import Trainer
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     results = {}
     for name, recipe_dict in recipes:

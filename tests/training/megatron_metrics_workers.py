@@ -10,9 +10,9 @@ import torch
 
 
 def run(recipe: dict) -> dict:
-    from moe_plugin.training.logger import Logger, MultiLogger
+    from moe_plugin.training.metrics.logger import Logger, MultiLogger
     from moe_plugin.training.loop import Trainer
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     logged, kls = {}, []
 

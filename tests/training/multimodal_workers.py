@@ -34,7 +34,7 @@ def _logits(trainer, micro) -> torch.Tensor:
 
 def run_recipes(recipes: list) -> list:
     from moe_plugin.training.loop import Trainer
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     results = []
     for recipe_dict in recipes:

@@ -62,7 +62,7 @@ def _gathered_packed(trainer) -> list:
 def run_packed(scenarios: list) -> dict:
     """``[{"name", "recipe", "ids": [T] token ids}]`` -> ``{name: result}``."""
     from moe_plugin.training.loop import Trainer
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     results = {}
     for scenario in scenarios:

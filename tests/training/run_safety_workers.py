@@ -68,7 +68,7 @@ def save_base(path: Path, seed: int) -> None:
 
 def _error(recipe: dict) -> str:
     from moe_plugin.training.loop import Trainer
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     try:
         Trainer(recipe_from_dict(copy.deepcopy(recipe))).close()
@@ -94,7 +94,7 @@ def zero3_cases(recipe: dict, sentinel_dir: str) -> dict:
     (each in a copy of the run) is refused; then the clean run resumes to step 2 with every torch.load call
     recorded."""
     from moe_plugin.training.loop import train
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     rank, root = dist.get_rank(), recipe["output_dir"]
     train(recipe_from_dict(copy.deepcopy(recipe)))

@@ -1,5 +1,5 @@
-"""Held-out answers by greedy generation (moe_plugin/training/answer_eval.py) and the main job's generated data
-(moe_plugin/training/shape_tasks.py): answers against a plain greedy loop, stopping at end of sequence, the
+"""Held-out answers by greedy generation (moe_plugin/training/metrics/answer_eval.py) and the main job's generated data
+(examples/shape_tasks.py): answers against a plain greedy loop, stopping at end of sequence, the
 chance level by hand, named errors, and pictures whose answers are read back from their pixels."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from moe_plugin.models import MoEPluginForConditionalGeneration, MoEProcessor, preset_config
-from moe_plugin.training.answer_eval import Question, accuracy, answer, chance_level, read_questions
-from moe_plugin.training.recipe import recipe_from_dict
-from moe_plugin.training.shape_tasks import image_bytes, task_records, write_main_job_data, write_task
-from moe_plugin.training.synthetic import COLORS
+from moe_plugin.training.metrics.answer_eval import Question, accuracy, answer, chance_level, read_questions
+from moe_plugin.recipe.schema import recipe_from_dict
+from examples.shape_tasks import image_bytes, task_records, write_main_job_data, write_task
+from examples.shapes import COLORS
 
 
 def _image(record):

@@ -4,7 +4,7 @@ import pytest
 
 from moe_plugin.models.base_tokenizer import chat_tokens, load_base_tokenizer
 from moe_plugin.models.tokenizer import ByteTokenizer
-from moe_plugin.training.chat_template import IGNORE, expand_image_tokens, tokenize_chat
+from moe_plugin.training.data.chat_template import IGNORE, expand_image_tokens, tokenize_chat
 
 REPO = Path(__file__).resolve().parents[2]
 BASES = {"byte": REPO / "recipes/bases/tiny-arith", "subword": REPO / "recipes/bases/tiny-subword"}

@@ -13,9 +13,9 @@ import torch
 from moe_plugin.models import MoEPluginForCausalLM, preset_config
 from moe_plugin.ops.losses import causal_lm_loss
 from moe_plugin.models.tokenizer import ByteTokenizer
-from moe_plugin.training.data import (Example, StepBatches, arithmetic_documents, arithmetic_examples, chat_example,
-                                      eval_batches, label_token_count, load_examples, pack_examples, sft_examples,
-                                      text_examples)
+from moe_plugin.training.data.pipeline import (Example, StepBatches, arithmetic_documents, arithmetic_examples,
+                                               chat_example, eval_batches, label_token_count, load_examples,
+                                               pack_examples, sft_examples, text_examples)
 
 BOS, EOS, PAD, IM_START, IM_END = 257, 258, 256, 260, 261
 TWO_TURNS = [{"role": "system", "content": "Be brief."},

@@ -14,9 +14,9 @@ import pytest
 from PIL import Image
 
 from moe_plugin.models.tokenizer import ByteTokenizer
-from moe_plugin.training.data import (arithmetic_examples, label_token_count, load_examples, pack_examples,
+from moe_plugin.training.data.pipeline import (arithmetic_examples, label_token_count, load_examples, pack_examples,
                                       sft_examples, text_examples)
-from moe_plugin.training.records import IGNORE, read_records
+from moe_plugin.training.data.records import IGNORE, read_records
 
 
 def write_lines(path, lines):

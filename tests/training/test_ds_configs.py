@@ -7,7 +7,7 @@ import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from moe_plugin.training.ds_config import deepspeed_config
-from moe_plugin.training.recipe import recipe_from_dict
+from moe_plugin.recipe.schema import recipe_from_dict
 
 CONFIGS = sorted(glob.glob("ds_configs/*.json"))
 RECIPE_FILLS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")

@@ -17,8 +17,8 @@ from moe_plugin.models.image_processing import ImageProcessor
 from moe_plugin.models.presets import preset_config
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.training.backends.images import ImageTextTrainingModel
-from moe_plugin.training.data import eval_batches, label_token_count, pack_examples, sft_examples
-from moe_plugin.training.synthetic import COLORS, shapes_records
+from moe_plugin.training.data.pipeline import eval_batches, label_token_count, pack_examples, sft_examples
+from examples.shapes import COLORS, shapes_records
 
 IMAGE_ID = 259
 

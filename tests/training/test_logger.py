@@ -1,4 +1,4 @@
-"""The logger interface (moe_plugin/training/logger.py, wandb_logger.py, load_plot.py): what the console prints,
+"""The logger interface (moe_plugin/training/metrics/logger.py, wandb_logger.py, load_plot.py): what the console prints,
 what an offline W&B run holds (read back from its file), the plot, and the recipe's logging.wandb errors."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from moe_plugin.training.load_plot import LoadPlotLogger, plot_expert_load
-from moe_plugin.training.logger import ConsoleLogger, Distribution, Logger, MultiLogger, NullLogger
-from moe_plugin.training.run_logger import make_logger
-from moe_plugin.training.recipe import LoggingSection, RecipeError, recipe_from_dict
+from moe_plugin.training.metrics.load_plot import LoadPlotLogger, plot_expert_load
+from moe_plugin.training.metrics.logger import ConsoleLogger, Distribution, Logger, MultiLogger, NullLogger
+from moe_plugin.training.metrics.run_logger import make_logger
+from moe_plugin.recipe.schema import LoggingSection, RecipeError, recipe_from_dict
 
 
 def test_console_prints_the_summaries_and_leaves_out_distributions_and_per_layer_keys():
@@ -71,7 +71,7 @@ def test_plot_draws_the_balance_term_beside_the_load(tmp_path):
 
 
 def test_offline_wandb_run_holds_scalars_histograms_and_the_image(tmp_path):
-    from moe_plugin.training.wandb_logger import WandbLogger
+    from moe_plugin.training.metrics.wandb_logger import WandbLogger
     from tests.training.wandb_records import offline_history
 
     logger = make_logger(0, LoggingSection(progress_bar=False, wandb={"project": "p", "name": "n"}),
@@ -90,7 +90,7 @@ def test_offline_wandb_run_holds_scalars_histograms_and_the_image(tmp_path):
 
 
 def test_wandb_modes_and_their_errors(tmp_path):
-    from moe_plugin.training.wandb_logger import WandbLogger, wandb_logger
+    from moe_plugin.training.metrics.wandb_logger import WandbLogger, wandb_logger
 
     assert type(wandb_logger(LoggingSection(wandb={"mode": "disabled"}).wandb, str(tmp_path))) is NullLogger
     assert not os.path.exists(tmp_path / "wandb")

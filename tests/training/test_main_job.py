@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from moe_plugin.training.recipe import DEFAULT_ROUTER_AUX_LOSS_COEFF
+from moe_plugin.recipe.schema import DEFAULT_ROUTER_AUX_LOSS_COEFF
 from tests.training.launchers import BIN, REPO, free_port, launch
 from tests.training.wandb_records import offline_history
 
@@ -43,7 +43,7 @@ def _main_job(tmp_path) -> str:
 def _answers_in_plain_peft(model, held_out: str, limit: int):
     """Greedy answers of ``model`` (the base + adapter in peft) to the first ``limit`` pictures, by ``generate``."""
     import moe_plugin
-    from moe_plugin.training.answer_eval import read_questions
+    from moe_plugin.training.metrics.answer_eval import read_questions
 
     processor, given = moe_plugin.MoEProcessor(), []
     for question in read_questions(held_out, limit):

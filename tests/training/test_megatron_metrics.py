@@ -1,4 +1,4 @@
-"""The megatron backend's training log (moe_plugin/training/moe_metrics.py, backends/megatron.py): the DSA
+"""The megatron backend's training log (moe_plugin/training/metrics/moe.py, backends/megatron.py): the DSA
 indexer's KL, which the backend's loss reports, is logged as ``moe/indexer_kl`` (once, on the Hugging Face
 backend too), and the "model:" line counts the whole model, every expert-parallel rank's experts included, as
 the same recipe on the ``hf`` backend in one process does."""
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from moe_plugin.testing.launch import run_distributed
-from moe_plugin.training.moe_metrics import MoEMetrics, global_parameter_counts
+from moe_plugin.training.metrics.moe import MoEMetrics, global_parameter_counts
 
 WORKER = "tests/training/megatron_metrics_workers.py:run"
 STEPS = 2

@@ -1,4 +1,4 @@
-"""MoE metrics (moe_plugin/training/moe_metrics.py): load summaries against hand-computed numbers, a key set
+"""MoE metrics (moe_plugin/training/metrics/moe.py): load summaries against hand-computed numbers, a key set
 that does not grow with the experts, the per-EP-rank load and its capacity warning, the logged window of steps,
 routing drift against an explicit recomputation of both routers from the router's recorded inputs, no extra
 router call, indexer KL, the balance term; and the recipe trainer's W&B run and plot."""
@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from moe_plugin.training.logger import Distribution
-from moe_plugin.training.moe_metrics import MoEMetrics, load_metrics, moe_layer_labels, rank_load_metrics, rank_loads
+from moe_plugin.training.metrics.logger import Distribution
+from moe_plugin.training.metrics.moe import MoEMetrics, load_metrics, moe_layer_labels, rank_load_metrics, rank_loads
 
 
 def test_load_metrics_match_hand_computed_numbers():
@@ -180,7 +180,7 @@ def test_recipe_trainer_writes_an_offline_wandb_run_and_the_load_plot(tmp_path):
     from matplotlib.image import imread
 
     from moe_plugin.training.loop import train
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
     from tests.training.wandb_records import offline_history
 
     keys = {}

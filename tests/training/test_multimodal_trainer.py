@@ -18,7 +18,7 @@ from moe_plugin.models.modeling_vl import MoEPluginForConditionalGeneration
 from moe_plugin.models.presets import preset_config
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.testing.launch import run_distributed
-from moe_plugin.training.synthetic import write_shapes_dataset
+from examples.shapes import write_shapes_dataset
 from tests.tolerances import chain_length, chain_rel, check_run
 
 WORKER = "tests/training/multimodal_workers.py:run_recipes"

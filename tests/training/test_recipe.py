@@ -10,7 +10,7 @@ from moe_plugin.models.configuration import MoEPluginConfig
 from moe_plugin.models.k3_config import config_to_k3
 from moe_plugin.models.presets import preset_config
 from moe_plugin.training.ds_config import ZERO3_SETTINGS, deepspeed_config
-from moe_plugin.training.recipe import (LoraSection, RecipeError, check_layout, env_world_size, load_recipe,
+from moe_plugin.recipe.schema import (LoraSection, RecipeError, check_layout, env_world_size, load_recipe,
                                         recipe_from_dict)
 
 BASE = {"output_dir": "outputs/test", "model": {"preset": "tiny"}}
@@ -340,9 +340,9 @@ def test_a_relative_deepspeed_path_resolves_against_base_dir(tmp_path):
 
 @pytest.fixture(scope="module")
 def subword_init(tmp_path_factory):
-    """What ``python -m moe_plugin.training.subword_base init`` writes: the start the pretrain recipe names
+    """What ``python -m examples.subword_base init`` writes: the start the pretrain recipe names
     (a clean clone has no ``outputs/``), built here as the README's first step builds it."""
-    from moe_plugin.training.subword_base import write_init
+    from examples.subword_base import write_init
 
     return write_init(str(tmp_path_factory.mktemp("subword") / "tiny-subword-init"))
 

@@ -1,4 +1,4 @@
-"""The model resolved once (moe_plugin/training/resolved_model.py): the trainer's ids and labels come from the
+"""The model resolved once (moe_plugin/recipe/resolved_model.py): the trainer's ids and labels come from the
 base's own tokenizer and chat template, for the byte base and a subword base; a base without a tokenizer, or
 with remote code not trusted, is refused; adapter/ and merged exports carry the base's tokenizer files."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_plugin.training.data import IGNORE, load_examples
-from moe_plugin.training.recipe import recipe_from_dict
-from moe_plugin.training.resolved_model import resolve_model, tokenizer_files
+from moe_plugin.training.data.pipeline import IGNORE, load_examples
+from moe_plugin.recipe.schema import recipe_from_dict
+from moe_plugin.recipe.resolved_model import resolve_model, tokenizer_files
 
 REPO = Path(__file__).resolve().parents[2]
 BYTE_BASE, SUBWORD = REPO / "recipes/bases/tiny-arith", REPO / "recipes/bases/tiny-subword"

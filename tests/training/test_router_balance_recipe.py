@@ -1,4 +1,4 @@
-"""The recipe's balance-loss and capacity keys (moe_plugin/training/recipe.py): lora.router_balance.aux_loss_coeff is
+"""The recipe's balance-loss and capacity keys (moe_plugin/recipe/schema.py): lora.router_balance.aux_loss_coeff is
 on by default whenever a LoRA target is the router and 0 turns it off; full training takes the top-level
 router_balance beside the bias rule (off by default); parallel.capacity_factor defaults to the planner's 1.25."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_plugin.training.recipe import DEFAULT_ROUTER_AUX_LOSS_COEFF, RecipeError, recipe_from_dict
+from moe_plugin.recipe.schema import DEFAULT_ROUTER_AUX_LOSS_COEFF, RecipeError, recipe_from_dict
 
 BASE = {"output_dir": "outputs/test", "model": {"preset": "tiny"}}
 

@@ -5,7 +5,7 @@ import torch
 
 import moe_plugin
 from moe_plugin import MoEPluginForCausalLM
-from moe_plugin.training.routing import moe_layers
+from moe_plugin.training.metrics.routing import moe_layers
 
 
 def _model():

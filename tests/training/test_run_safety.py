@@ -140,7 +140,7 @@ def _recipe(tmp: Path, name: str, **schedule) -> dict:
 
 def _train(recipe: dict, **kwargs):
     from moe_plugin.training.loop import train
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     return train(recipe_from_dict(copy.deepcopy(recipe)), **kwargs)
 
@@ -272,7 +272,7 @@ def test_a_finished_run_without_markers_is_refused_and_untouched(one):
 
 def test_a_nan_step_stops_before_saving_or_writing_the_adapter(one):
     from moe_plugin.training.loop import Trainer
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     tmp, _ = one
     with Trainer(recipe_from_dict(_recipe(tmp, "nan", steps=3))) as trainer:
@@ -288,7 +288,7 @@ def test_a_nan_step_stops_before_saving_or_writing_the_adapter(one):
 
 def test_lr_1e6_warns_and_stops_on_divergence(one, capsys):
     from moe_plugin.training.loop import Trainer
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     tmp, _ = one
     recipe = {"output_dir": str(tmp / "lr1e6"), "seed": 1, "model": {"from_pretrained": "recipes/bases/tiny-arith"},

@@ -67,7 +67,7 @@ def test_lora_over_the_subword_base_learns_the_held_out_answers(tmp_path, monkey
 
     from moe_plugin.training import data as training_data
     from moe_plugin.training.loop import train
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     tokenizer = AutoTokenizer.from_pretrained(str(BASE))
     assert type(tokenizer).__name__ != "ByteTokenizer"

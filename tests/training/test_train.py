@@ -10,9 +10,9 @@ import os
 
 import torch
 
-from moe_plugin.training.data import eval_batches, label_token_count, load_examples, pack_examples
+from moe_plugin.training.data.pipeline import eval_batches, label_token_count, load_examples, pack_examples
 from moe_plugin.training.loop import train
-from moe_plugin.training.recipe import recipe_from_dict
+from moe_plugin.recipe.schema import recipe_from_dict
 from tests.training.launchers import BIN, REPO, free_port, launch
 
 EXPERTS = ["experts.w1", "experts.w2", "experts.w3"]

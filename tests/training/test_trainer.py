@@ -12,7 +12,7 @@ import torch
 
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.testing.launch import run_distributed
-from moe_plugin.training.recipe import DEFAULT_ROUTER_AUX_LOSS_COEFF
+from moe_plugin.recipe.schema import DEFAULT_ROUTER_AUX_LOSS_COEFF
 from tests.tolerances import chain_length, chain_rel, check_run
 
 WORKER = "tests/training/trainer_workers.py:run_all"

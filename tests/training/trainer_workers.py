@@ -135,7 +135,7 @@ def _gathered_experts(trainer) -> dict:
 def run_scenarios(scenarios: list) -> dict:
     """``[{"name", "recipe", "routing", "steps_then"?: int}]`` -> ``{name: result}``."""
     from moe_plugin.training.loop import Trainer
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     results = {}
     for scenario in scenarios:
@@ -155,7 +155,7 @@ def run_scenarios(scenarios: list) -> dict:
 def run_recipes(recipes: list) -> list:
     """Run each recipe dict with the product's ``train`` (as the launcher would); the TrainResults."""
     from moe_plugin.training.loop import train
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     return [train(recipe_from_dict(copy.deepcopy(r))) for r in recipes]
 
@@ -164,7 +164,7 @@ def run_stopped_then_resumed(recipe_dict: dict, stop_after: int) -> dict:
     """The recipe run ``stop_after`` steps and checkpointed, the process "stopped" (its Trainer closed without
     finishing), then ``train`` on the same recipe and output_dir again: it resumes from that checkpoint."""
     from moe_plugin.training.loop import Trainer, train
-    from moe_plugin.training.recipe import recipe_from_dict
+    from moe_plugin.recipe.schema import recipe_from_dict
 
     with Trainer(recipe_from_dict(copy.deepcopy(recipe_dict))) as trainer:
         for _ in range(stop_after):

@@ -39,7 +39,7 @@ class ParallelInfo:
 
 class Backend(abc.ABC):
     """One model face (see the module docstring). ``recipe`` is the validated recipe, ``resolved`` its
-    ``ResolvedModel`` (``training/resolved_model.py``: path, configs, tokenizer), ``device`` the torch device
+    ``ResolvedModel`` (``recipe/resolved_model.py``: path, configs, tokenizer), ``device`` the torch device
     the model computes on."""
 
     name: str = ""

@@ -3,7 +3,7 @@
 Every rank holds the whole (partitioned) model and reads its own batches. This backend runs without expert
 parallelism (recipes give the ``megatron`` backend for it; the Hugging Face Trainer gets it from
 ``moe_plugin.parallel.hf_expert_parallel``), so the expert mark ``allreduce = False`` that ``add_lora`` sets on
-expert adapters is removed here (``common.hide_expert_marks``).
+expert adapters is removed here (``parallel.zero3_ep.hide_expert_marks``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from ...layers.recompute import set_recompute
 from ...lora import add_lora, init_expert_adapters
 from ...parallel.zero3_gather import gathered
 from ...precision import apply_precision
-from ...training.routing import moe_layers
+from ..metrics.routing import moe_layers
 from .base import Backend, ParallelInfo
-from ..ds_config import zero_stage
-from .common import adapter_lora_config, hide_expert_marks, load_base, partition_while_building, zero_init
+from ...parallel.zero3_ep import hide_expert_marks
+from ...weights.loader import load_base
+from ..ds_config import partition_while_building, zero_init, zero_stage
 
 __all__ = ["HFBackend"]
 
@@ -59,7 +60,7 @@ class HFBackend(Backend):
         section = self.recipe.lora
         if section is not None:
             torch.manual_seed(self.recipe.seed)
-            model = add_lora(model, adapter_lora_config(section), wrap=True)
+            model = add_lora(model, section.peft_config(), wrap=True)
             init_expert_adapters(model, self.recipe.seed)
             # the base is frozen now: its fp32 tensors become fp32 buffers, which deepspeed.initialize leaves
             apply_precision(model)  # alone (docs/precision.md)

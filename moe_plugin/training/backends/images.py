@@ -9,7 +9,7 @@ import torch
 
 from ...layers.vision_blank import blank_image_tokens
 from ...models.modeling_vl import MoEPluginForConditionalGeneration
-from ..data import has_images
+from ..data.pipeline import has_images
 
 __all__ = ["wants_images", "ImageTextTrainingModel"]
 

@@ -24,8 +24,9 @@ from ...parallel.zero3_ep import create_deepspeed_expert_groups, tag_expert_para
 from ...parallel.zero3_gather import gathered
 from ...precision import apply_precision
 from .base import Backend, ParallelInfo
-from ..ds_config import zero_stage
-from .common import adapter_lora_config, hide_expert_marks, load_base, partition_while_building, zero_init
+from ...parallel.zero3_ep import hide_expert_marks
+from ...weights.loader import load_base
+from ..ds_config import partition_while_building, zero_init, zero_stage
 
 __all__ = ["MegatronBackend"]
 
@@ -66,7 +67,7 @@ class MegatronBackend(Backend):
         section = self.recipe.lora
         if section is not None:
             torch.manual_seed(self.recipe.seed)  # the same dense adapters on every rank and in every layout
-            add_lora(model, adapter_lora_config(section))
+            add_lora(model, section.peft_config())
             init_expert_adapters(model, self.recipe.seed)
             # the base is frozen now: its fp32 tensors become fp32 buffers, which deepspeed.initialize leaves
             apply_precision(model)  # alone (docs/precision.md)

@@ -24,8 +24,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..compat.peft import quiet_wrapping
-from ..config import require
+from ...compat.peft import quiet_wrapping
+from ...config import require
 
 __all__ = ["Question", "read_questions", "answer", "accuracy", "chance_level", "load_adapted", "report_answers",
            "loading_hint"]
@@ -45,9 +45,9 @@ class Question:
 def read_questions(path: str, limit: Optional[int] = None) -> List[Question]:
     """The records of a chat JSONL file as questions (at most ``limit``); each must end with an assistant turn
     holding a string, the expected answer."""
-    from .chat_data import _checked_messages
-    from .records import read_records as _records
-    from .image_data import image_sources, open_image
+    from ..data.chat import _checked_messages
+    from ..data.records import read_records as _records
+    from ..data.images import image_sources, open_image
 
     base_dir, questions = os.path.dirname(os.path.abspath(path)), []
     for where, record in _records(path):
@@ -71,7 +71,7 @@ def answer(model, processor, question: Question, max_new_tokens: int = 16, token
     tokens, stripped. ``processor``: a ``MoEProcessor`` (needed for images) or a bare tokenizer; ``tokens``:
     the base's ``ChatTokens``, whose stop ids (eos and end of turn) and pad id generation then uses (default:
     the model's generation config)."""
-    from .chat_template import expand_image_tokens
+    from ..data.chat_template import expand_image_tokens
 
     tokenizer = getattr(processor, "tokenizer", processor)
     ids = [int(t) for t in tokenizer.apply_chat_template(question.messages, add_generation_prompt=True,
@@ -123,7 +123,7 @@ def load_adapted(base: str, adapter: str, images: bool):
     """The base (``images``: the image+text model) with the adapter of ``adapter`` through plain peft, eval mode."""
     from peft import PeftModel
 
-    from ..models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
+    from ...models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
 
     model_class = MoEPluginForConditionalGeneration if images else MoEPluginForCausalLM
     base_model = model_class.from_pretrained(base)
@@ -139,7 +139,7 @@ def _load_run(output_dir: str, images: bool):
         with open(os.path.join(adapter, "adapter_config.json")) as f:
             base = json.load(f)["base_model_name_or_path"]
         return load_adapted(base, adapter, images), base, adapter
-    from ..models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
+    from ...models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
 
     path = os.path.join(output_dir, "model")
     model_class = MoEPluginForConditionalGeneration if images else MoEPluginForCausalLM
@@ -164,8 +164,8 @@ def report_answers(section, output_dir: str, rank: int, world_size: int, device=
     tokenizer, processor and stop tokens the answers use (default: the byte tokenizer of the presets)."""
     import torch.distributed as dist
 
-    from ..fileio import write_json_atomic
-    from ..models import MoEProcessor
+    from ...fileio import write_json_atomic
+    from ...models import MoEProcessor
 
     dist.barrier()  # rank 0 has written the outputs
     questions = read_questions(section.path, section.limit)

@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..config import require
+from ...config import require
 
 IMAGE_PLACEHOLDER = "<|image|>"  # the byte tokenizer's; the trainer takes the base's (ChatTokens.image_token)
 _DATA_URL = "data:image/"

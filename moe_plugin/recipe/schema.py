@@ -20,10 +20,10 @@ from typing import Any, Dict, List, Literal, Optional, Tuple
 from pydantic import Field, ValidationError
 
 from ..limits import LIMITS
-from .guards import GuardsSection
-from .recipe_errors import describe_errors
-from .recipe_model import ModelSection
-from .recipe_section import DEFER_MODEL_CHECKS, Problem, _field, _Section
+from .guards_section import GuardsSection
+from .errors import describe_errors
+from .model_section import ModelSection
+from .section import DEFER_MODEL_CHECKS, Problem, _field, _Section
 
 # the sizes a run accepts are the planner's (limits.py), so whatever trains can be planned; steps: a
 # billion optimizer steps is centuries of any real run, and keeps every count exact in float64 metrics
@@ -79,6 +79,12 @@ class LoraSection(_Section):
         if given is not None:
             return float(given)
         return DEFAULT_ROUTER_AUX_LOSS_COEFF if targets_router(self.target_modules) else 0.0
+
+    def peft_config(self):
+        """peft's ``LoraConfig`` for this section (``moe_plugin.lora.lora_config``)."""
+        from ..lora import lora_config
+
+        return lora_config(self.r, self.alpha, self.target_modules, self.target_parameters, self.dropout)
 
     def _problems(self) -> List[Problem]:
         if self.target_modules or self.target_parameters:
@@ -157,7 +163,7 @@ class ScheduleSection(_Section):
 
 
 class AnswersSection(_Section):
-    """Held-out answers by greedy generation at the end of a LoRA run (``moe_plugin/training/answer_eval.py``):
+    """Held-out answers by greedy generation at the end of a LoRA run (``moe_plugin/training/metrics/answer_eval.py``):
     ``path`` is a chat JSONL whose records end with the expected assistant answer."""
 
     path: str = _field(fix='give the held-out chat JSONL, e.g. "recipes/data/shapes_heldout.jsonl"',

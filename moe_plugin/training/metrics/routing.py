@@ -12,7 +12,7 @@ from typing import List
 
 from torch import nn
 
-from ..layers.moe import LatentMoEMixin
+from ...layers.moe import LatentMoEMixin
 
 
 def moe_layers(model: nn.Module) -> List[LatentMoEMixin]:

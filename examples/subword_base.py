@@ -9,10 +9,10 @@ the shape?" (pretrain), the LoRA job "What color is the background?". Both copy 
 held-out colour/shape combinations are answerable by either question. All files are generated without
 randomness; the same call writes the same bytes.
 
-    python -m moe_plugin.training.subword_base data recipes/data
-    python -m moe_plugin.training.subword_base init outputs/tiny-subword-init
+    python -m examples.subword_base data recipes/data
+    python -m examples.subword_base init outputs/tiny-subword-init
     OMP_NUM_THREADS=1 .venv/bin/python -m moe_plugin.train --recipe recipes/tiny_subword_pretrain.json
-    python -m moe_plugin.training.subword_base finish outputs/tiny-subword/model recipes/bases/tiny-subword
+    python -m examples.subword_base finish outputs/tiny-subword/model recipes/bases/tiny-subword
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import shutil
 from typing import Dict, List, Tuple
 
-TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "bases", "tiny-subword")
+TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "..", "recipes", "bases", "tiny-subword")
 COLORS = ("red", "green", "blue", "yellow")
 SHAPES = ("square", "circle", "triangle")
 SHAPE_QUESTION = "What color is the shape?"
@@ -80,8 +80,8 @@ def write_init(directory: str, tokenizer_dir: str = TOKENIZER_DIR, seed: int = 0
     ``directory``, which must not exist yet (nothing is overwritten). Returns ``directory``."""
     import torch
 
-    from ..models import MoEPluginForCausalLM
-    from ..models.presets import preset_config
+    from moe_plugin.models import MoEPluginForCausalLM
+    from moe_plugin.models.presets import preset_config
 
     if os.path.exists(directory):
         raise ValueError(f"init directory {directory}: already exists; give a new directory (it is never "
@@ -110,7 +110,7 @@ def finish(model_dir: str, base_dir: str = TOKENIZER_DIR) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m moe_plugin.training.subword_base", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m examples.subword_base", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("data").add_argument("directory")

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compat.deepspeed import full_numel
-from ..layers.moe import LatentMoEMixin, route_logits
+from ...compat.deepspeed import full_numel
+from ...layers.moe import LatentMoEMixin, route_logits
 from .logger import Distribution, Value
 
 __all__ = ["OVERLOAD_FACTOR", "MoEMetrics", "global_parameter_counts", "load_metrics", "moe_layer_labels",
@@ -297,7 +297,7 @@ def global_parameter_counts(model: nn.Module, ep_size: int) -> Tuple[int, int]:
 
 def _outermost_models(model: nn.Module) -> List[nn.Module]:
     """The outermost modules whose forward returns ``indexer_loss`` (this project's Hugging Face models)."""
-    from ..models.modeling import MoEPluginPreTrainedModel
+    from ...models.modeling import MoEPluginPreTrainedModel
 
     found: List[Tuple[str, nn.Module]] = []
     for name, module in model.named_modules():  # parents come before their children

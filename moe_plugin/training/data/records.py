@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple
 
-from ..config import require
-from .image_data import Images
+from ...config import require
+from .images import Images
 
 _DATASETS_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}
 IGNORE = -100
@@ -39,7 +39,7 @@ def default_tokenizer(tokenizer):
     its own, ``resolved_model``), and the default of the data functions' callers that give none."""
     if tokenizer is not None:
         return tokenizer
-    from ..models.tokenizer import ByteTokenizer  # imported late: transformers is slow to import
+    from ...models.tokenizer import ByteTokenizer  # imported late: transformers is slow to import
     return ByteTokenizer()
 
 

@@ -1,6 +1,6 @@
 """What every recipe section is: a strict pydantic model whose checks across fields run once its fields are
 valid, and whose checks against the model's config (which need transformers) can be left to a second pass.
-See ``training/recipe.py`` for the two passes."""
+See ``recipe/schema.py`` for the two passes."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The recipe's ``model`` section: which base (a preset or a model directory), its config overrides, and
 whether its remote code may run. Reading it loads neither torch nor transformers; its second-pass checks
-build the model's config (``training/recipe.py``)."""
+build the model's config (``recipe/schema.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Literal, Optional
 
 from ..config import HF_MODEL_TYPE, ModelConfig
 from ..fileio import read_json
-from .recipe_section import Problem, _field, _Section
+from .section import Problem, _field, _Section
 
 
 def _read_json(path: str) -> Dict[str, Any]:

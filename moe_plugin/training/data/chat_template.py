@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from ..models.base_tokenizer import ChatTokens, chat_tokens
+from ...models.base_tokenizer import ChatTokens, chat_tokens
 from .records import IGNORE
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Tuple
 
-from ..config import require
-from .image_data import Images, image_sources, inline_source, load_images, record_has_images
+from ...config import require
+from .images import Images, image_sources, inline_source, load_images, record_has_images
 from .records import Example, default_tokenizer, describe, read_records
 
 _ROLES = ("system", "user", "assistant")
@@ -72,7 +72,7 @@ def chat_example(messages: List[dict], tokenizer=None, where: str = "messages", 
     token of the rendering, in order; a different count raises a ValueError), each placeholder becomes its
     image's ``h * w / merge_size**2`` placeholder tokens, which are never trained. ``tokens``: the base's
     ``ChatTokens`` (default: read from ``tokenizer``; pass them when tokenizing many records)."""
-    from ..models.base_tokenizer import chat_tokens
+    from ...models.base_tokenizer import chat_tokens
     from .chat_template import expand_image_tokens, tokenize_chat
 
     tokenizer = default_tokenizer(tokenizer)
@@ -97,7 +97,7 @@ def sft_examples(path: str, tokenizer=None, processor=None, tokens=None) -> List
     """One ``{"messages": [{"role", "content"}, ...]}`` conversation per record, loss only on assistant turns;
     images (``image_data``) through ``processor`` (default: a ``MoEProcessor`` around ``tokenizer``);
     ``tokens``: the base's ``ChatTokens`` (default: read from ``tokenizer`` once)."""
-    from ..models.base_tokenizer import chat_tokens
+    from ...models.base_tokenizer import chat_tokens
 
     tokenizer = default_tokenizer(tokenizer)
     tokens = tokens if tokens is not None else chat_tokens(tokenizer, processor=processor)
@@ -106,7 +106,7 @@ def sft_examples(path: str, tokenizer=None, processor=None, tokens=None) -> List
         messages, inline = _checked_messages(where, record)
         sources = image_sources(where, record, inline)
         if sources and processor is None:
-            from ..models.processing import MoEProcessor  # imported late: transformers is slow to import
+            from ...models.processing import MoEProcessor  # imported late: transformers is slow to import
             processor = MoEProcessor(tokenizer=tokenizer)
         images = load_images(where, sources, base_dir, processor.image_processor) if sources else None
         merge = processor.image_processor.merge_size if processor is not None else 2

@@ -23,9 +23,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..config import require
-from .chat_data import chat_example, has_images, sft_examples
-from .image_data import Images, concat_images
+from ...config import require
+from .chat import chat_example, has_images, sft_examples
+from .images import Images, concat_images
 from .records import IGNORE, Example, default_tokenizer, describe, encode, read_records
 
 __all__ = ["Example", "Row", "MicroBatch", "IGNORE", "arithmetic_documents", "arithmetic_examples", "text_examples",

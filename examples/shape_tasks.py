@@ -9,7 +9,7 @@ self-contained file, no downloads). The question is the same for every picture, 
 
 ``write_task(path, task, count, seed, exclude)`` writes ``count`` records drawn from ``seed``, none of whose
 images is in ``exclude`` (the PNG bytes of another file's images), so a held-out file holds only pictures the
-training file never shows. ``python -m moe_plugin.training.shape_tasks OUT_DIR`` writes the four files the
+training file never shows. ``python -m examples.shape_tasks OUT_DIR`` writes the four files the
 recipes read (``colors_train.jsonl``, ``backgrounds_train.jsonl`` and the held-out ``backgrounds_heldout.jsonl``,
 ``colors_heldout.jsonl``); the same arguments write the same bytes.
 """
@@ -23,8 +23,8 @@ import os
 import random
 from typing import Dict, List, Optional, Set, Tuple
 
-from ..config import require
-from .synthetic import COLORS, QUESTIONS, SHAPES, _png_bytes, shape_image
+from moe_plugin.config import require
+from examples.shapes import COLORS, QUESTIONS, SHAPES, _png_bytes, shape_image
 
 TASKS = ("color", "background", "shape")
 QUESTION_OF = dict(QUESTIONS, background="What color is the background?")

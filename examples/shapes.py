@@ -2,7 +2,7 @@
 question whose answer can only be read from the picture (its colour or its shape).
 
 ``write_shapes_dataset(directory, count)`` writes ``images/NNNNN.png`` and ``train.jsonl`` (chat records in the
-format ``moe_plugin.training.data.sft_examples`` reads) and returns the JSONL's path. Everything is drawn from
+format ``moe_plugin.training.data.pipeline.sft_examples`` reads) and returns the JSONL's path. Everything is drawn from
 ``seed``: the same arguments write the same bytes.
 """
 
@@ -15,7 +15,7 @@ import os
 import random
 from typing import List, Optional, Tuple
 
-from ..config import require
+from moe_plugin.config import require
 
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 SHAPES = ("square", "circle", "triangle")
