@@ -7,7 +7,7 @@ not used (it is broken in peft 0.21, see docs/cpu.md) and not needed.
 
 Expert adapters carry megatron's expert mark ``allreduce = False`` like the experts themselves, so every
 gradient reduction (megatron's, ``moe_plugin.parallel.grad_reduce``, DeepSpeed ZeRO-3 through
-``moe_plugin.parallel.zero3_ep``) treats them as expert parameters. ``init_expert_adapters`` draws each expert's
+``moe_plugin.parallel.layout``) treats them as expert parameters. ``init_expert_adapters`` draws each expert's
 ``lora_A`` by its global index, so an expert-parallel run starts as one process does. The stacked layout itself
 (split, stack, slice, stitch of the EP ranks' local stacks back into the full ``E``) is
 ``moe_plugin.expert_adapters``.

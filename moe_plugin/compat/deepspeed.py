@@ -5,7 +5,7 @@
   partition, ``ds_process_group`` the group it is partitioned over. ``is_zero3_param``, ``is_zero3_partitioned``,
   ``full_shape``, ``full_numel``, ``local_partition``, ``partition_group`` read them; ``tag_partition`` sets the
   ``ds_zero_partition_*``/``ds_zero_placement_family`` attributes ZeRO-3 reads to partition an expert
-  parameter within its own group (moe_plugin.parallel.zero3_ep says why); ``partition_like`` calls the
+  parameter within its own group (moe_plugin.parallel.layout says why); ``partition_like`` calls the
   ``convert_to_zero_parameters`` method ``Init`` attaches to a converted parameter.
 * The private expert-group functions of ``deepspeed.utils.groups`` (``expert_groups``).
 * ``TorchCheckpointEngine.load``, replaced while an engine checkpoint loads (``safe_checkpoint_loading``).

@@ -1,5 +1,5 @@
 """The expert tags: megatron's mark ``allreduce = False`` and the ZeRO-3 attributes that partition an expert
-parameter within its expert-data-parallel group (``moe_plugin.parallel.zero3_ep`` says why, docs/zero3-ep.md).
+parameter within its expert-data-parallel group (``moe_plugin.parallel.layout`` says why, docs/zero3-ep.md).
 
 Here rather than in ``parallel/`` because ``MegatronStackedExperts`` (``latent_moe``) tags its parameters as it
 builds them, and megatron/ sits below parallel/ (tests/test_import_layers.py).

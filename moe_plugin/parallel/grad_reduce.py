@@ -1,4 +1,4 @@
-"""Which parameters are expert parameters: megatron's mark, read by ZeRO-3's expert placement (``zero3_ep``).
+"""Which parameters are expert parameters: megatron's mark, read by ZeRO-3's expert placement (``parallel.layout``).
 
 Expert parameters (megatron's ``p.allreduce = False``, also set on expert LoRA adapters by
 ``moe_plugin.megatron.lora``) live on one expert-parallel rank, so their gradients are reduced over the

@@ -9,7 +9,7 @@ above the entry points). Its modules:
 - ``plan_measure``: the planner's measured check, the tensor peaks of tiny layouts trained for real through the
   ``Trainer`` (docs/planner.md, "Checked against measurements");
 - ``grad_reduce``: ``reduce_gradients``, the data + expert-parallel gradient reduction of a bare megatron model
-  (the trainer's ZeRO-3 reduces over the expert groups itself, ``parallel.zero3_ep``);
+  (the trainer's ZeRO-3 reduces over the expert groups itself, ``parallel.layout``);
 - ``megatron_loading``: a bare megatron ``GPTModel``'s loaders per EP rank (Hugging Face and K3 checkpoints,
   adapters under Hugging Face names), which the megatron tests' rank code calls;
 - ``packed_checkpoints``: writers of the published packed-expert layout, and the tiny packed checkpoints (with

@@ -4,7 +4,7 @@
 layout against the world size, the DeepSpeed config, the output directory), then builds the backend's model,
 hands it to ``deepspeed.initialize`` with a torch AdamW and the recipe's schedule, and runs optimizer steps of
 ``gradient_accumulation_steps`` micro-batches. DeepSpeed's engine reduces gradients (ZeRO-3 within the groups
-``moe_plugin.parallel.zero3_ep`` tags), clips them with one norm on every rank and steps. The loss of a step
+``moe_plugin.parallel.layout`` tags), clips them with one norm on every rank and steps. The loss of a step
 is the mean over every label token of the global batch, whatever the layout: each micro-batch's token-loss
 sum is divided by the step's global token count times the engine's averaging factors (``step_scale``).
 
@@ -39,6 +39,7 @@ from ..fileio import write_json_atomic
 from ..compat import check_all
 from ..compat.deepspeed import full_shape, use_current_collectives
 from ..parallel.distributed import choose_device
+from ..parallel.layout import ParallelLayout
 from .backends import get_backend
 from .checkpoint import CheckpointManager
 from .engine_state import agree, load_latest, rng_state, save_step, set_rng_state
@@ -115,7 +116,8 @@ class Trainer:
         # the base's configs and tokenizer, read once here; everything after takes this object
         self.recipe, self.resolved = recipe, resolve_model(recipe.model)
         self.model_config = self.resolved.model_config
-        check_layout(recipe, world, self.model_config.moe.num_experts)
+        check_layout(recipe, world, self.model_config.moe.num_experts, self.model_config.moe.expert_format)
+        layout = ParallelLayout.from_recipe(recipe.parallel, world)  # the one layout object of the run
         self.ds_config = deepspeed_config(recipe, world)
         self.zero3 = zero_stage(self.ds_config) == 3
         self.device = choose_device()
@@ -152,13 +154,13 @@ class Trainer:
                 except ValueError as e:
                     error = e
             agree(error, "rank 0 could not claim output_dir (its error says why)")
-            self.backend = get_backend(recipe.parallel.backend)(recipe, self.resolved, self.device)
-            self.info = self.backend.setup_parallel()
+            self.backend = get_backend(recipe.parallel.backend)(recipe, self.resolved, self.device, layout)
+            self.layout = self.backend.setup_parallel()
             set_rng_state(after_data)  # the model draws what it drew when the data was read right before it
             self.stream = StepBatches(rows, schedule.micro_batch_size, schedule.gradient_accumulation_steps,
-                                      self.info.dp_size, recipe.seed)
+                                      self.layout.data, recipe.seed)
             model = self.backend.build_model(self.ds_config)
-            self.counts = global_parameter_counts(model, self.info.ep_size)  # every EP rank's experts
+            self.counts = global_parameter_counts(model, self.layout.expert)  # every EP rank's experts
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(parameter_groups(trainable, schedule.weight_decay), lr=schedule.lr)
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -166,7 +168,7 @@ class Trainer:
                 config=self.ds_config, dist_init_required=False)
             self.logger = make_logger(self.rank, recipe.logging, self.output_dir, recipe.to_dict())
             # hooks on the routers (drift, indexer KL); per-EP-rank load against the planned capacity factor
-            self.moe_metrics = MoEMetrics(self.engine.module, self.info.ep_size, recipe.parallel.capacity_factor,
+            self.moe_metrics = MoEMetrics(self.engine.module, self.layout.expert, recipe.parallel.capacity_factor,
                                           warn=self.logger.message)
             self.result = TrainResult(output_dir=self.output_dir)
             self.guard = StepGuard(recipe.guards.divergence, self.logger.message)
@@ -215,15 +217,15 @@ class Trainer:
         source = recipe.model.from_pretrained or f"preset {recipe.model.preset}"
         stage, world = zero_stage(self.ds_config), dist.get_world_size()
         return (f"model: {source} ({self.backend.name} backend, {world} process{'es' * (world != 1)}, expert "
-                f"parallel {self.info.ep_size}, ZeRO stage {stage}): {n_total:,} parameters, {n_trainable:,} "
+                f"parallel {self.layout.expert}, ZeRO stage {stage}): {n_total:,} parameters, {n_trainable:,} "
                 f"trainable ({what})")
 
     def train_step(self, on_gradients: Optional[Callable[[], None]] = None) -> float:
         """One optimizer step; returns its loss (the global token mean). ``on_gradients`` is called after the
         last backward of the step, before the engine's optimizer step (the reduced gradients are there)."""
-        schedule, info, engine = self.recipe.schedule, self.info, self.engine
-        micro_batches, label_tokens = self.stream.next_step(info.dp_rank)
-        scale = step_scale(label_tokens, info.dp_size, schedule.gradient_accumulation_steps)
+        schedule, layout, engine = self.recipe.schedule, self.layout, self.engine
+        micro_batches, label_tokens = self.stream.next_step(layout.dp_rank)
+        scale = step_scale(label_tokens, layout.data, schedule.gradient_accumulation_steps)
         local, norm = 0.0, None
         self.lr = self.optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves on in engine.step)
         for m, micro in enumerate(micro_batches):
@@ -237,7 +239,7 @@ class Trainer:
                     norm = _local_grad_norm(engine.module)
             engine.step()
             local += float(loss.detach())
-        step_loss = _sum(local, self.device) / (info.dp_size * schedule.gradient_accumulation_steps)
+        step_loss = _sum(local, self.device) / (layout.data * schedule.gradient_accumulation_steps)
         if self.zero3:
             norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
@@ -267,7 +269,7 @@ class Trainer:
             logger.close()
             return self.result
         logger.start(schedule.steps, self.step)
-        tokens_per_step = schedule.micro_batch_size * recipe.data.seq_len * self.info.dp_size \
+        tokens_per_step = schedule.micro_batch_size * recipe.data.seq_len * self.layout.data \
             * schedule.gradient_accumulation_steps
         clock = time.perf_counter()
         self.engine.train()
@@ -314,13 +316,13 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean token loss over ``eval.batches`` held-out micro-batches per data-parallel rank. Every rank runs
         the same number of forwards (expert parallelism makes each forward a collective)."""
-        info, engine = self.info, self.engine
+        layout, engine = self.layout, self.engine
         batches = eval_batches(self.eval_rows, self.recipe.schedule.micro_batch_size,
-                               self.recipe.eval.batches * info.dp_size)
+                               self.recipe.eval.batches * layout.data)
         if not batches:
             return float("nan")
-        each = max(1, len(batches) // info.dp_size)
-        mine = [batches[(info.dp_rank * each + i) % len(batches)] for i in range(each)]
+        each = max(1, len(batches) // layout.data)
+        mine = [batches[(layout.dp_rank * each + i) % len(batches)] for i in range(each)]
         engine.eval()
         total, count = 0.0, 0
         for micro in mine:

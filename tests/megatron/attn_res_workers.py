@@ -81,7 +81,7 @@ def _trainer(recipe_dict: dict) -> dict:
     with Trainer(recipe_from_dict(copy.deepcopy(recipe_dict))) as trainer:
         first = trainer.train_step()
         out = {"first_loss": first, "adapters": trainer.backend.adapter_state(trainer.engine.module),
-               "ep": trainer.info.ep_size, "zero3": trainer.zero3}
+               "ep": trainer.layout.expert, "zero3": trainer.zero3}
         seen = {"batches": [], "logits": [], "metrics": []}
         loss_fn, module = trainer.backend.loss, trainer.engine.module
         forward = module.forward

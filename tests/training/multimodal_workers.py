@@ -40,7 +40,7 @@ def run_recipes(recipes: list) -> list:
     for recipe_dict in recipes:
         recipe = recipe_from_dict(copy.deepcopy(recipe_dict))
         with Trainer(recipe) as trainer:
-            micro = copy.deepcopy(trainer.stream).next_step(trainer.info.dp_rank)[0][0]
+            micro = copy.deepcopy(trainer.stream).next_step(trainer.layout.dp_rank)[0][0]
             result = {"model": type(trainer.engine.module).__name__, "has_images": micro.pixel_patches is not None,
                       "input_ids": micro.input_ids, "logits": _logits(trainer, micro)}
             if hasattr(trainer.engine.module, "get_base_model"):

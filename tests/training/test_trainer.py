@@ -43,7 +43,7 @@ def _recipe(output_dir, world: int, ep: int, steps: int = 3, model=None, backend
 
 ROUTINGS = ("free", "empty_expert", "one_ep_rank")
 AUX = "balance_loss"  # the free routing with a strong balance loss: its gradient is a large part of the router's
-CHECKPOINTS = ("hf_checkpoint", "k3_checkpoint", "hf_backend")
+CHECKPOINTS = ("hf_checkpoint", "k3_checkpoint", "hf_backend", "hf_backend_ep")
 
 
 def _checkpoints(tmp) -> dict:
@@ -64,7 +64,8 @@ def _checkpoints(tmp) -> dict:
         ByteTokenizer().save_pretrained(tmp / base)
     return {"hf_checkpoint": {"from_pretrained": str(tmp / "base_hf")},
             "k3_checkpoint": {"from_pretrained": str(tmp / "base_k3")},
-            "hf_backend": {"from_pretrained": str(tmp / "base_hf")}}
+            "hf_backend": {"from_pretrained": str(tmp / "base_hf")},
+            "hf_backend_ep": {"from_pretrained": str(tmp / "base_hf")}}
 
 
 def _scenarios(tmp, world: int, ep: int, bases: dict) -> list:
@@ -74,8 +75,8 @@ def _scenarios(tmp, world: int, ep: int, bases: dict) -> list:
     strong["lora"]["router_balance"] = {"aux_loss_coeff": 1.0}
     out.append({"name": AUX, "recipe": strong})
     for name in CHECKPOINTS:
-        backend = "hf" if name == "hf_backend" else "megatron"
-        out.append({"name": name, "recipe": _recipe(tmp / f"{name}-w{world}", world, 1 if backend == "hf" else ep,
+        backend = "hf" if name.startswith("hf_backend") else "megatron"
+        out.append({"name": name, "recipe": _recipe(tmp / f"{name}-w{world}", world, 1 if name == "hf_backend" else ep,
                                                     model=bases[name], backend=backend)})
     return out
 
@@ -109,8 +110,9 @@ def test_ep2_zero3_on_4_processes_equals_one_process(runs, routing):
     experts (each with the default balance loss: the seed's targets adapt the router); AUX: free routing with
     the balance loss at coefficient 1. CHECKPOINTS: a base loaded under zero.Init, each rank streaming its slices into
     its partitions, from a Hugging Face and a K3-layout checkpoint (megatron, EP=2), and the Hugging Face backend
-    (ZeRO-3 data parallel over 4 ranks). Losses, gradient norms, every gradient element and every adapter element
-    after each step, within the fp32 bounds of tests/tolerances.py."""
+    (ZeRO-3 data parallel over 4 ranks, and EP=2 x ZeRO-3 from the recipe: expert parallelism applied from
+    outside the Hugging Face model, its experts re-read from the checkpoint). Losses, gradient norms, every
+    gradient element and every adapter element after each step, within the fp32 bounds of tests/tolerances.py."""
     one, four = runs
     ref = one["scenarios"][routing]
     assert len(ref["losses"]) == 3 and min(ref["grad_norms"]) > MAX_NORM  # clipping active on every step

@@ -93,7 +93,9 @@ def _state_with(trainer, module, tensors: dict) -> dict:
     if trainer.backend.name != "megatron":
         from peft import get_peft_model_state_dict
 
-        return dict(get_peft_model_state_dict(module, state_dict=dict(tensors)))
+        from moe_plugin.parallel.hf_expert_parallel import whole_experts
+
+        return dict(get_peft_model_state_dict(module, state_dict=whole_experts(module, dict(tensors))))
     params = dict(module.named_parameters())
     backup = {n: params[n].data for n in tensors}
     try:

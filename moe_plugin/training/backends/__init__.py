@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Dict, Type
 
-from .base import Backend, ParallelInfo
+from .base import Backend
 
-__all__ = ["Backend", "ParallelInfo", "BACKENDS", "get_backend"]
+__all__ = ["Backend", "BACKENDS", "get_backend"]
 
 
 def _megatron() -> Type[Backend]:

@@ -2,8 +2,9 @@
 
 The loop (``moe_plugin.training.loop``) knows no backend's internals. A backend:
 
-* ``setup_parallel()``: starts its process groups (torch.distributed is already up) and says which
-  data-parallel rank this process is and how many there are: each data-parallel rank reads its own batches;
+* ``setup_parallel()``: starts the groups of the run's ``ParallelLayout`` that this face needs
+  (torch.distributed is already up) and returns the layout, which says which data-parallel rank this process
+  is and how many there are: each data-parallel rank reads its own batches;
 * ``build_model(ds_config)``: the model with its base weights and adapters, already partitioned by ZeRO-3
   when the DeepSpeed config asks for stage 3 (built under ``deepspeed.zero.Init``, so no rank ever holds a
   whole tensor it does not own);
@@ -19,37 +20,28 @@ The loop (``moe_plugin.training.loop``) knows no backend's internals. A backend:
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["Backend", "ParallelInfo"]
-
-
-@dataclass
-class ParallelInfo:
-    """Where this process sits: its data-parallel rank and size, and the expert-parallel size."""
-
-    dp_rank: int
-    dp_size: int
-    ep_size: int
+__all__ = ["Backend"]
 
 
 class Backend(abc.ABC):
     """One model face (see the module docstring). ``recipe`` is the validated recipe, ``resolved`` its
     ``ResolvedModel`` (``recipe/resolved_model.py``: path, configs, tokenizer), ``device`` the torch device
-    the model computes on."""
+    the model computes on, ``layout`` the run's ``ParallelLayout`` (built from the recipe, groups not started:
+    ``setup_parallel`` starts what this face needs)."""
 
     name: str = ""
 
-    def __init__(self, recipe, resolved, device: torch.device):
-        self.recipe, self.resolved, self.device = recipe, resolved, device
+    def __init__(self, recipe, resolved, device: torch.device, layout):
+        self.recipe, self.resolved, self.device, self.layout = recipe, resolved, device, layout
         self.model_config = resolved.model_config
 
     @abc.abstractmethod
-    def setup_parallel(self) -> ParallelInfo:
+    def setup_parallel(self):  # -> ParallelLayout, its groups started as this face needs them
         ...
 
     @abc.abstractmethod

@@ -1,9 +1,13 @@
-"""The ``hf`` backend: the Hugging Face ``MoEPluginForCausalLM``, one process or ZeRO-3 data parallel.
+"""The ``hf`` backend: the Hugging Face ``MoEPluginForCausalLM``, one process, ZeRO-3 data parallel, or expert
+parallel x ZeRO-3.
 
-Every rank holds the whole (partitioned) model and reads its own batches. This backend runs without expert
-parallelism (recipes give the ``megatron`` backend for it; the Hugging Face Trainer gets it from
-``moe_plugin.parallel.hf_expert_parallel``), so the expert mark ``allreduce = False`` that ``add_lora`` sets on
-expert adapters is removed here (``parallel.zero3_ep.hide_expert_marks``).
+Every rank holds the whole (partitioned) dense model and reads its own batches. With
+``parallel.expert_parallel_size`` above 1 the layout's groups are started and expert parallelism is applied from
+outside the single-device model by the one function every face uses
+(``parallel.expert_parallel.apply_expert_parallel``: each MoE layer holds this rank's experts and dispatches
+tokens with megatron-core's all-to-all), exactly as ``moe_plugin.hf_trainer.MoETrainer`` users get it. The
+expert adapters are then tagged for ZeRO-3, or their marks removed without expert parallelism
+(``ParallelLayout.tag_expert_parameters``).
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from ...lora import add_lora, init_expert_adapters
 from ...parallel.zero3_gather import gathered
 from ...precision import apply_precision
 from ..metrics.routing import moe_layers
-from .base import Backend, ParallelInfo
-from ...parallel.zero3_ep import hide_expert_marks
+from ...parallel.expert_parallel import apply_expert_parallel
+from ...parallel.layout import ParallelLayout
+from .base import Backend
 from ...weights.loader import load_base
 from ..ds_config import partition_while_building, zero_init, zero_stage
 
@@ -30,10 +35,15 @@ __all__ = ["HFBackend"]
 class HFBackend(Backend):
     name = "hf"
 
-    def setup_parallel(self) -> ParallelInfo:
-        import torch.distributed as dist
+    def setup_parallel(self) -> ParallelLayout:
+        if self.layout.expert > 1:  # data parallel alone needs no megatron groups
+            from ...compat import check_all
+            from ...compat.megatron import use_current_collectives
 
-        return ParallelInfo(dp_rank=dist.get_rank(), dp_size=dist.get_world_size(), ep_size=1)
+            check_all(("megatron",))
+            use_current_collectives()
+            self.layout.start(seed=None)  # the loop restores the RNG after this; the seed draws nothing here
+        return self.layout
 
     def build_model(self, ds_config: dict) -> nn.Module:
         from transformers.integrations import HfDeepSpeedConfig
@@ -57,6 +67,7 @@ class HFBackend(Backend):
         if not zero3:
             model.to(self.device)
         load_base(model, self.resolved, names="hf")
+        apply_expert_parallel(model, self.layout, checkpoint=self.resolved.path)
         section = self.recipe.lora
         if section is not None:
             torch.manual_seed(self.recipe.seed)
@@ -64,7 +75,7 @@ class HFBackend(Backend):
             init_expert_adapters(model, self.recipe.seed)
             # the base is frozen now: its fp32 tensors become fp32 buffers, which deepspeed.initialize leaves
             apply_precision(model)  # alone (docs/precision.md)
-        hide_expert_marks(model)
+        self.layout.tag_expert_parameters(model, zero3)
         # the recipe's activation checkpointing (after LoRA: a frozen vision tower recomputes nothing)
         set_recompute(model, self.recipe.schedule.activation_checkpointing)
         from ...models.modeling import MoEPluginForCausalLM
@@ -87,10 +98,16 @@ class HFBackend(Backend):
         return moe_layers(module)
 
     def adapter_state(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        """The whole adapter under the names peft writes (``hf_expert_parallel.adapter_state``, the Trainer's:
+        ZeRO-3 gathered, expert adapters all-gathered over the expert-parallel group), adapter name removed."""
         from peft import get_peft_model_state_dict
 
-        with gathered([p for n, p in module.named_parameters() if ".lora_" in n]):
-            return {k: v.detach().clone() for k, v in get_peft_model_state_dict(module).items()}
+        from ...parallel.hf_expert_parallel import adapter_state
+
+        return get_peft_model_state_dict(module, state_dict=adapter_state(module))
+
+    def teardown(self) -> None:
+        self.layout.stop()
 
     def full_state(self, module: nn.Module) -> Dict[str, torch.Tensor]:
         """The base model's state dict under its own names (adapters left out), gathered whole."""

@@ -4,7 +4,9 @@ parallelism on its all-to-all dispatcher, sharded by DeepSpeed ZeRO-3 within the
 Process groups: megatron's ``parallel_state`` with ``parallel.expert_parallel_size``; its data-parallel group is
 the whole world (tensor, pipeline and context parallel sizes are 1), so every rank reads its own batches and
 the expert-parallel all-to-all exchanges tokens between them. DeepSpeed's expert groups are built from the same
-ranks and checked equal (``moe_plugin.parallel.zero3_ep``).
+ranks and checked equal (``moe_plugin.parallel.layout.ParallelLayout.start``), and expert parallelism is
+applied, and the expert parameters tagged, by the one place that does it for every face
+(``parallel.expert_parallel.apply_expert_parallel``, ``ParallelLayout.tag_expert_parameters``).
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from ...layers.recompute import set_recompute
 from ...lora import add_lora, init_expert_adapters
 from ...ops.losses import balance_terms, training_loss
 from ...ops.moe import document_weights
-from ...parallel.zero3_ep import create_deepspeed_expert_groups, tag_expert_parameters
+from ...parallel.expert_parallel import apply_expert_parallel
+from ...parallel.layout import ParallelLayout
 from ...parallel.zero3_gather import gathered
 from ...precision import apply_precision
-from .base import Backend, ParallelInfo
-from ...parallel.zero3_ep import hide_expert_marks
+from .base import Backend
 from ...weights.loader import load_base
 from ..ds_config import partition_while_building, zero_init, zero_stage
 
@@ -34,20 +36,13 @@ __all__ = ["MegatronBackend"]
 class MegatronBackend(Backend):
     name = "megatron"
 
-    def setup_parallel(self) -> ParallelInfo:
+    def setup_parallel(self) -> ParallelLayout:
         from ...compat import check_all
         from ...compat.megatron import use_current_collectives
-        from ...parallel.distributed import initialize_megatron
 
         check_all(("megatron",))  # megatron-core's internals this backend reaches, once, before any is used
         use_current_collectives()  # no deprecation warnings from the dispatcher's gathers in the progress bar
-        ep = self.recipe.parallel.expert_parallel_size
-        initialize_megatron(expert_model_parallel_size=ep, seed=self.recipe.seed)
-        create_deepspeed_expert_groups(ep)
-        from megatron.core import parallel_state
-
-        return ParallelInfo(dp_rank=parallel_state.get_data_parallel_rank(),
-                            dp_size=parallel_state.get_data_parallel_world_size(), ep_size=ep)
+        return self.layout.start(seed=self.recipe.seed)  # megatron builds its MoE layers from these groups
 
     def build_model(self, ds_config: dict) -> nn.Module:
 
@@ -61,6 +56,7 @@ class MegatronBackend(Backend):
         with zero_init(ds_config) if partition_while_building(ds_config, self.recipe) else contextlib.nullcontext():
             build = build_multimodal_gpt_model if wants_images(self.recipe, mc) else build_gpt_model
             model = build(mc, tc, indexer_loss=self._indexer_loss_coeff() > 0)
+        apply_expert_parallel(model, self.layout)
         if not zero3:
             model.to(self.device)
         load_base(model, self.resolved, names="megatron")
@@ -71,10 +67,7 @@ class MegatronBackend(Backend):
             init_expert_adapters(model, self.recipe.seed)
             # the base is frozen now: its fp32 tensors become fp32 buffers, which deepspeed.initialize leaves
             apply_precision(model)  # alone (docs/precision.md)
-        if zero3:
-            tag_expert_parameters(model)
-        else:  # one process: the experts are not partitioned (the recipe check allows nothing else)
-            hide_expert_marks(model)
+        self.layout.tag_expert_parameters(model, zero3)
         # the recipe's activation checkpointing (after LoRA: a frozen vision tower recomputes nothing)
         set_recompute(model, self.recipe.schedule.activation_checkpointing)
         return model
@@ -132,10 +125,7 @@ class MegatronBackend(Backend):
             return _image_model_names(module, megatron_to_hf_state_dict(module, self.model_config))
 
     def teardown(self) -> None:
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+        self.layout.stop()
 
 
 def _image_model_names(module: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
