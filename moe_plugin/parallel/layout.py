@@ -98,6 +98,10 @@ class ParallelLayout:
         require(dist.get_world_size() == self.world, "world size (WORLD_SIZE)",
                 f"the layout is for {self.world} processes but torch.distributed has {dist.get_world_size()}")
         self._check_megatron()
+        import deepspeed
+
+        # DeepSpeed's communication layer wraps the process group that is up (idempotent)
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         self._check_deepspeed()
         self.started = True
         _STARTED[:] = [self]
