@@ -167,6 +167,16 @@ def stream_from_state(state: Sequence[torch.Tensor], attn_res: bool, layers_done
     return AttnResStream.from_state(state, has_partial(layers_done, block_size))
 
 
+def layer_stream(state: Sequence[torch.Tensor], after_attention: bool, *, attn_res: bool, layer_idx: int,
+                 block_size: int) -> Union[PlainStream, AttnResStream]:
+    """The stream of the 0-based layer ``layer_idx`` over ``state``: its input (the state after ``layer_idx``
+    layers) or, ``after_attention``, the state after its attention's add, when an AttnRes stream always ends
+    with the block's partial sum. A ``layers.composition.LayerParts.stream`` for both faces."""
+    if attn_res and after_attention:
+        return AttnResStream.from_state(state, True)
+    return stream_from_state(state, attn_res, layer_idx, block_size)
+
+
 def make_stream(embeddings: torch.Tensor, attn_res: bool) -> Union[PlainStream, AttnResStream]:
     """A residual stream over the embeddings ``[B, T, D]``: an ``AttnResStream`` with Attention Residuals,
     else a ``PlainStream``; every tensor it later reads or is given is ``[B, T, D]`` too."""

@@ -10,19 +10,20 @@ loss): ZeRO-3 registers its backward hooks on a module's tensor outputs only (do
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .attn_res import AttnResStream, PlainStream, attn_res_point, ends_block, stream_from_state
+from .attn_res import attn_res_point, ends_block, layer_stream
+from .composition import LayerParts, run_layer
 from .gated_dsa import GatedMLAAttention, MLACache
 from .kda import KDAAttention, KDACache
 from .mlp import GLUMLP
 from .moe import StableLatentMoE
 from .norm import RMSNorm
-from .recompute import read_stream, recomputed
 
 LayerCache = Union[KDACache, MLACache]
 # (the stream's state after the layer, expert load [E] or None, indexer KL loss (scalar) or None)
@@ -85,18 +86,17 @@ class DecoderLayer(nn.Module):
         mode = self.recompute_mode if cache is None else "off"
         attn_kwargs = dict(cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
         want_index = return_indexer_loss and self.attention_type == "mla"  # only MLA layers have an indexer
-        if not self.is_moe:
-            state, indexer_loss = self._recomputed(mode, "layer", self._dense_layer, residual, attn_kwargs,
-                                                   want_index, mode)
-            return state, None, indexer_loss
-        state, h, indexer_loss = self._recomputed(mode, "layer", self._before_router, residual, attn_kwargs,
-                                                  want_index, mode)
         padding = None if token_mask is None else ~token_mask.bool()
-        out, load = self.block_sparse_moe(h, padding_mask=padding)
-        return self._after_mlp(state, out), load, indexer_loss
-
-    def _recomputed(self, mode: str, region: str, fn, *args):
-        return recomputed(mode, region, fn, *args, checkpoint_fn=self.recompute_checkpoint_fn)
+        parts = LayerParts(
+            stream=partial(layer_stream, attn_res=self.attn_res, layer_idx=self.layer_idx,
+                           block_size=self.block_size),
+            attention=partial(self._attention, attn_kwargs=attn_kwargs, want_index=want_index),
+            mlp_norm=self.post_attention_layernorm,
+            mlp=None if self.is_moe else self.mlp,
+            moe=partial(self.block_sparse_moe, padding_mask=padding) if self.is_moe else None,
+            attention_point=self._res_point("self_attention"), mlp_point=self._res_point("mlp"),
+            ends_block=self.attn_res and self.ends_block)
+        return run_layer(residual, parts, mode, self.recompute_checkpoint_fn)
 
     def _attention(self, x: torch.Tensor, attn_kwargs: dict, want_index: bool):
         """x ``[B, T, D]`` (the mixed residual) -> (attention output ``[B, T, D]``, indexer loss or None)."""
@@ -104,41 +104,6 @@ class DecoderLayer(nn.Module):
         if want_index:
             return self.self_attn(h, return_indexer_loss=True, **attn_kwargs)
         return self.self_attn(h, **attn_kwargs), None
-
-    def _through_attention(self, residual, attn_kwargs: dict, want_index: bool, mode: str):
-        """The stream after the attention sublayer, and the indexer loss."""
-        stream = stream_from_state(residual, self.attn_res, self.layer_idx, self.block_size)
-        x = read_stream(mode, stream, self._res_point("self_attention"), self.recompute_checkpoint_fn)
-        out, indexer_loss = self._recomputed(mode, "attention", self._attention, x, attn_kwargs, want_index)
-        stream.add(out)
-        return stream, indexer_loss
-
-    def _before_router(self, residual, attn_kwargs: dict, want_index: bool, mode: str):
-        """An MoE layer up to its router: (the stream's state after attention, the MoE input ``[B, T, D]``,
-        the indexer loss or None)."""
-        stream, indexer_loss = self._through_attention(residual, attn_kwargs, want_index, mode)
-        x = read_stream(mode, stream, self._res_point("mlp"), self.recompute_checkpoint_fn)
-        h = self._recomputed(mode, "mlp_norm", self.post_attention_layernorm, x)
-        return stream.state(), h, indexer_loss
-
-    def _dense_mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.post_attention_layernorm(x))
-
-    def _dense_layer(self, residual, attn_kwargs: dict, want_index: bool, mode: str):
-        """A dense layer whole: (the stream's state after it, the indexer loss or None)."""
-        stream, indexer_loss = self._through_attention(residual, attn_kwargs, want_index, mode)
-        x = read_stream(mode, stream, self._res_point("mlp"), self.recompute_checkpoint_fn)
-        out = self._recomputed(mode, "dense_mlp", self._dense_mlp, x)
-        return self._after_mlp(stream.state(), out), indexer_loss
-
-    def _after_mlp(self, state: Tuple[torch.Tensor, ...], out: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """The stream's state after the attention plus the MLP's output ``[B, T, D]``: the state after the layer."""
-        # after the attention's add an AttnRes stream always ends with the block's partial sum
-        stream = AttnResStream.from_state(state, True) if self.attn_res else PlainStream.from_state(state)
-        stream.add(out)
-        if self.attn_res and self.ends_block:
-            stream.end_block()
-        return stream.state()
 
     def _res_point(self, name: str):
         if not self.attn_res:
