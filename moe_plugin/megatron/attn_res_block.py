@@ -28,9 +28,9 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 
 from ..compat.megatron import adopt_subclass
 from ..config import require
-from ..layers.attn_res import AttnResStream, attn_res_point, ends_block, stream_from_state
-from ..layers.recompute import read_stream
-from .recompute_layer import CheckpointedTransformerLayer
+from ..layers.attn_res import AttnResStream, attn_res_point, ends_block, layer_stream, stream_from_state
+from ..layers.composition import run_layer
+from .recompute_layer import CheckpointedTransformerLayer, merged_bias
 
 __all__ = ["AttnResTransformerLayer", "AttnResTransformerBlock", "enable_attn_res_block"]
 
@@ -59,44 +59,28 @@ class AttnResTransformerLayer(CheckpointedTransformerLayer):
         """residual: the stream's state before this layer, tensors ``[S, B, H]`` -> the state after it.
 
         Rotary and cross-attention arguments are ignored (the model has neither); ``inference_context`` is
-        refused by the attention adapters. ``recompute_mode``: the regions of ``layers.recompute``, as the
-        Hugging Face ``DecoderLayer`` runs them (the MoE routes outside them).
+        refused by the attention adapters. The layer is ``layers.composition.run_layer``, the Hugging Face
+        ``DecoderLayer``'s composition, with ``recompute_mode``'s regions (the MoE routes outside them).
         """
         mode = self.recompute_mode if inference_context is None else "off"
         attn_kwargs = dict(attention_mask=attention_mask, inference_context=inference_context,
                            packed_seq_params=packed_seq_params)
-        if not self.is_moe_layer:
-            return self._recomputed(mode, "layer", self._dense_res_layer, residual, attn_kwargs, padding_mask, mode)
-        state, h = self._recomputed(mode, "layer", self._res_before_router, residual, attn_kwargs, mode)
-        return self._res_after_mlp(state, self.mlp(h, padding_mask=padding_mask))
+        state, _, _ = run_layer(residual, self._layer_parts(attn_kwargs, padding_mask), mode,
+                                self.recompute_checkpoint_fn)
+        return state
 
-    def _res_through_attention(self, residual: State, attn_kwargs: dict, mode: str) -> AttnResStream:
-        stream = stream_from_state(residual, True, self.layers_before, self.attn_res_block_size)
-        x = read_stream(mode, stream, (self.self_attention_res_proj, self.self_attention_res_norm),
-                        self.recompute_checkpoint_fn)
-        stream.add(self._recomputed(mode, "attention", self._attention, x, attn_kwargs))
-        return stream
+    def _stream(self, state: State, after_attention: bool) -> AttnResStream:
+        return layer_stream(state, after_attention, attn_res=True, layer_idx=self.layers_before,
+                            block_size=self.attn_res_block_size)
 
-    def _res_before_router(self, residual: State, attn_kwargs: dict, mode: str):
-        """An MoE layer up to its router: (the state after attention, the MoE's input ``[S, B, H]``)."""
-        stream = self._res_through_attention(residual, attn_kwargs, mode)
-        x = read_stream(mode, stream, (self.mlp_res_proj, self.mlp_res_norm), self.recompute_checkpoint_fn)
-        return stream.state(), self._recomputed(mode, "mlp_norm", self.pre_mlp_layernorm, x)
+    def _mixing_points(self) -> dict:
+        return dict(attention_point=(self.self_attention_res_proj, self.self_attention_res_norm),
+                    mlp_point=(self.mlp_res_proj, self.mlp_res_norm),
+                    ends_block=ends_block(self.layers_before, self.attn_res_block_size))
 
-    def _dense_res_layer(self, residual: State, attn_kwargs: dict, padding_mask, mode: str) -> State:
-        stream = self._res_through_attention(residual, attn_kwargs, mode)
-        x = read_stream(mode, stream, (self.mlp_res_proj, self.mlp_res_norm), self.recompute_checkpoint_fn)
-        out = self._recomputed(mode, "dense_mlp", self._dense_mlp, x, padding_mask)
-        return self._res_after_mlp(stream.state(), out)
-
-    def _res_after_mlp(self, state: State, out_with_bias) -> State:
-        """The state after the attention plus the MLP's ``(out, bias)``: the state after the layer."""
-        out, bias = out_with_bias
-        stream = AttnResStream.from_state(state, True)  # after the attention's add there is a partial sum
-        stream.add(out if bias is None else out + bias)
-        if ends_block(self.layers_before, self.attn_res_block_size):
-            stream.end_block()
-        return stream.state()
+    def _mlp_output(self, out_with_bias) -> torch.Tensor:
+        """The stream adds one tensor: the MLP's ``out + bias`` (there is no bias-dropout-add here)."""
+        return merged_bias(out_with_bias)
 
 
 class AttnResTransformerBlock(TransformerBlock):
