@@ -43,7 +43,7 @@ from ._upstream import missing, require_in_source, resolve
 __all__ = ["deepspeed_safe_globals", "load_engine_file", "check_engine_files", "safe_checkpoint_loading",
            "use_current_collectives", "TESTED_DEEPSPEED", "check", "is_zero3_param", "is_zero3_partitioned",
            "full_shape", "full_numel", "local_partition", "partition_group", "partition_like", "tag_partition",
-           "expert_groups"]
+           "expert_groups", "inner_optimizer", "adam_states", "stepped_tensors"]
 
 TESTED_DEEPSPEED = "0.19.8"
 _DIST = "deepspeed"
@@ -174,6 +174,28 @@ def partition_group(p: torch.Tensor):
     return p.ds_process_group
 
 
+def inner_optimizer(optimizer):
+    """The torch optimizer inside the engine's ``optimizer``: DeepSpeed's ZeRO and bf16 optimizers hold it as
+    ``.optimizer`` (stepping their flat fp32 partitions); a plain torch optimizer (one process, fp32, no ZeRO) is
+    its own."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def adam_states(optimizer) -> dict:
+    """The per-tensor state dict of ``inner_optimizer(optimizer)``."""
+    return inner_optimizer(optimizer).state
+
+
+def stepped_tensors(optimizer) -> list:
+    """The tensors ``inner_optimizer(optimizer)`` steps: its parameter groups' (a plain or DeepSpeed's bf16
+    optimizer), and ZeRO-3's flat fp32 partitions (``fp32_partitioned_groups_flat``, which ZeRO-3 swaps into the
+    groups one sub-group at a time while it steps)."""
+    inner = inner_optimizer(optimizer)
+    tensors = [t for group in inner.param_groups for t in group["params"]]
+    known = {id(t) for t in tensors}
+    return tensors + [t for t in getattr(optimizer, "fp32_partitioned_groups_flat", []) if id(t) not in known]
+
+
 def partition_like(p: torch.Tensor, params) -> None:
     """Partition ``params`` as ZeRO-3 partitioned ``p`` was (its ``Init``'s config, within the groups their own
     tags name): ``p.convert_to_zero_parameters``, which ``Init`` attaches to every parameter it converts."""
@@ -234,4 +256,7 @@ def check() -> None:
     optimizer = resolve("deepspeed", _DIST, TESTED_DEEPSPEED, *_ZERO3_OPTIMIZER)
     require_in_source("deepspeed", _DIST, TESTED_DEEPSPEED, optimizer, ".".join(_ZERO3_OPTIMIZER),
                       _ZERO3_OPTIMIZER_READS, "the ZeRO-3 parameter attribute")
+    require_in_source("deepspeed", _DIST, TESTED_DEEPSPEED, optimizer, ".".join(_ZERO3_OPTIMIZER),
+                      ("self.optimizer = ", "fp32_partitioned_groups_flat"),
+                      "the wrapped torch optimizer and its flat partitions (adam_states, stepped_tensors)")
     resolve("deepspeed", _DIST, TESTED_DEEPSPEED, "deepspeed.comm.comm")

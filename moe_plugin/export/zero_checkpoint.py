@@ -1,4 +1,6 @@
-"""The adapters of a DeepSpeed engine checkpoint (``output_dir/checkpoints/step-N/engine``), on one process.
+"""The adapters of a checkpoint (``output_dir/checkpoints/step-N``), on one process: its layout-free
+``trainable.safetensors`` (``moe_plugin.training.trainable_state``), or, in a checkpoint of an earlier version that
+has none, DeepSpeed's engine files (``step-N/engine``), parsed as below.
 
 What the trainer's ``engine.save_checkpoint(exclude_frozen_parameters=True)`` leaves (DeepSpeed 0.19.8):
 
@@ -184,8 +186,10 @@ def _peft_key(name: str, config: ModelConfig, backend: str, image: bool = False)
 def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backend: str, r: int,
                             vision: bool = False) -> Dict[str, torch.Tensor]:
     """The adapter tensors of checkpoint ``step`` of the run under PEFT keys, experts stacked over all E (fp32
-    master weights under ZeRO-3); vision: whether the base checkpoint has a vision tower (``_image_names``).
-    ValueError naming the available steps if ``step`` has no complete checkpoint."""
+    master weights under ZeRO-3): from the layout-free ``trainable.safetensors`` (``training.trainable_state``),
+    or, for a checkpoint of an earlier version, from DeepSpeed's per-rank files; vision: whether the base
+    checkpoint has a vision tower (``_image_names``). ValueError naming the available steps if ``step`` has no
+    complete checkpoint."""
     from ..expert_adapters import adapter_factor, stitch_experts
     from ..training.checkpoint import step_name
 
@@ -198,6 +202,12 @@ def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backen
                 "(leave --step out to export the final adapter)")
     engine = os.path.join(path, "engine")
     image = backend == "megatron" and _image_names(run_dir, vision)
+    from ..training.trainable_state import TENSORS, read_trainable
+
+    if os.path.isfile(os.path.join(path, TENSORS)):  # the layout-free state: whole tensors, whoever wrote them
+        return {_peft_key(n, config, backend, image): t.float().clone() for n, t in read_trainable(path).items()
+                if ":" not in n and ".lora_" in n}
+    # a checkpoint of an earlier version: DeepSpeed's per-rank files
     if os.path.isfile(os.path.join(engine, _PLAIN_MODEL)):
         plain = os.path.join(engine, _PLAIN_MODEL)
         module = _entry(load_engine_file(plain), "module", plain)

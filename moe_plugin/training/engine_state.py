@@ -1,6 +1,10 @@
 """One step's checkpoint of a run, written and read back: DeepSpeed's engine files (adapters or trainable
 parameters, optimizer shards, scheduler) under ``engine/`` beside the trainer's own state (step, losses, data
-position, RNG), through ``CheckpointManager``'s atomic step directories (``checkpoint.py``).
+position, RNG) and the layout-free trainable state (``trainable_state.py``: every trainable tensor and its AdamW
+moments whole, the schedule), through ``CheckpointManager``'s atomic step directories (``checkpoint.py``).
+
+At the layout that wrote it a checkpoint loads through DeepSpeed's files (bitwise what was saved); at another
+world or expert-parallel size through the layout-free state, resharded to this run's layout.
 
 Nothing is unpickled: the trainer's state is JSON and safetensors, the engine's files are checked first and
 load with ``weights_only=True`` (``compat/deepspeed.py``). Every function here is collective."""
@@ -17,6 +21,8 @@ import torch.distributed as dist
 from ..compat.deepspeed import check_engine_files, safe_checkpoint_loading
 from .checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
 from .runtime import all_ok
+from .trainable_state import (META, follow_schedule, read_trainable, read_trainable_meta, restore_trainable,
+                              write_trainable)
 
 __all__ = ["ENGINE_TAG", "rng_state", "set_rng_state", "agree", "save_step", "load_latest"]
 
@@ -40,20 +46,34 @@ def agree(error: Optional[BaseException], others: str) -> None:
         raise error if error is not None else ValueError(others)
 
 
-def save_step(checkpoints: CheckpointManager, engine, step: int, rank: int, state: Callable[[], Dict]) -> str:
-    """Write step ``step``'s checkpoint; ``state()`` gives the trainer's part (the RNG states are added).
+def save_step(checkpoints: CheckpointManager, engine, step: int, rank: int, state: Callable[[], Dict],
+              layout_free: Callable[[], Tuple[Dict[str, torch.Tensor], Dict]]) -> str:
+    """Write step ``step``'s checkpoint; ``state()`` gives the trainer's part (the RNG states are added),
+    ``layout_free()`` (collective) the layout-free tensors and their metadata, which rank 0 writes.
     Returns its directory."""
 
     def write(staging: str) -> None:
         engine.save_checkpoint(staging, tag=ENGINE_TAG, exclude_frozen_parameters=True, save_latest=False)
         write_trainer_state(staging, rank, {**state(), "step": step, "rng": rng_state()})
+        tensors, meta = layout_free()
+        if rank == 0:
+            write_trainable(staging, tensors, meta)
 
     return checkpoints.save(step, write)
 
 
-def load_latest(checkpoints: CheckpointManager, engine, rank: int) -> Optional[Tuple[int, str, Dict]]:
+def written_layout(path: str) -> Optional[Dict]:
+    """The layout a checkpoint was written at (``trainable.json``'s), or None for one of an earlier version
+    (DeepSpeed's files only)."""
+    return read_trainable_meta(path)["layout"] if os.path.exists(os.path.join(path, META)) else None
+
+
+def load_latest(checkpoints: CheckpointManager, engine, rank: int, layout, r: int,
+                say: Callable[[str], None]) -> Optional[Tuple[int, str, Dict]]:
     """Load the newest complete checkpoint into ``engine`` (after removing leftovers of failed saves) and
-    restore the RNG states; ``(step, directory, the trainer's state)``, or None when there is none."""
+    restore the RNG states; ``(step, directory, the trainer's state)``, or None when there is none. At the
+    layout that wrote it through DeepSpeed's files; at another one through the layout-free state, resharded
+    to ``layout`` (``r``: the LoRA rank), saying so in one line (``say``, rank 0)."""
     if rank == 0:
         checkpoints.clean_leftovers()
     dist.barrier()
@@ -61,7 +81,15 @@ def load_latest(checkpoints: CheckpointManager, engine, rank: int) -> Optional[T
     if latest is None:
         return None
     step, path = latest
-    error, state = None, None
+    error, state, written = None, None, None
+    try:
+        written = written_layout(path)
+    except ValueError as e:
+        error = e
+    agree(error, f"another rank found a damaged file in {path} (its error names it)")
+    here = {"world": layout.world, "expert": layout.expert}
+    if written is not None and {k: written[k] for k in here} != here:
+        return step, path, _load_resharded(path, step, engine, rank, layout, r, written, say)
     try:  # engine.load_checkpoint runs collectives: its files are checked first, so that all ranks stop alike
         check_engine_files(os.path.join(path, ENGINE_TAG), rank, dist.get_world_size())
     except ValueError as e:
@@ -71,9 +99,39 @@ def load_latest(checkpoints: CheckpointManager, engine, rank: int) -> Optional[T
         with safe_checkpoint_loading():
             engine.load_checkpoint(path, tag=ENGINE_TAG, load_module_strict=False,
                                    load_optimizer_states=True, load_lr_scheduler_states=True)
+        follow_schedule(engine.optimizer, engine.lr_scheduler)  # the recipe's schedule (more steps: its new length)
         state = read_trainer_state(path, rank)
     except ValueError as e:
         error = e
     agree(error, f"another rank could not load the checkpoint {path} (its error names the file)")
     set_rng_state(state["rng"])
     return step, path, state
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def _load_resharded(path: str, step: int, engine, rank: int, layout, r: int, written: Dict,
+                    say: Callable[[str], None]) -> Dict:
+    """The layout-free state of checkpoint ``path`` into this run's layout; the trainer's state of rank 0."""
+    error, tensors, meta, state = None, None, None, None
+    try:
+        meta, tensors = read_trainable_meta(path), read_trainable(path)
+        state = read_trainer_state(path, 0)  # global: the data position, the losses, the RNG every rank seeded alike
+    except ValueError as e:
+        error = e
+    agree(error, f"another rank could not read the layout-free state of {path} (its error names the file)")
+    if rank == 0:
+        say(f"resuming step {step} written at {_processes(written['world'])} EP {written['expert']} on "
+            f"{_processes(layout.world)} EP {layout.expert}")
+    try:
+        restore_trainable(engine.module, engine.optimizer, engine.lr_scheduler, tensors, meta, layout, r)
+    except ValueError as e:
+        error = e
+    agree(error, f"another rank could not restore the layout-free state of {path} (its error says why)")
+    accumulation = engine.gradient_accumulation_steps()
+    engine.global_steps, engine.micro_steps = step, step * accumulation
+    engine.global_samples = step * written["global_batch"]
+    set_rng_state(state["rng"])
+    return state

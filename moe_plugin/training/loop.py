@@ -43,6 +43,7 @@ from ..parallel.layout import ParallelLayout
 from .backends import get_backend
 from .checkpoint import CheckpointManager
 from .engine_state import agree, load_latest, rng_state, save_step, set_rng_state
+from .trainable_state import layout_free_state
 from .data.pipeline import StepBatches, eval_batches, label_token_count, load_examples, pack_examples
 from .ds_config import deepspeed_config, zero_stage
 from .exporting import write_outputs
@@ -150,7 +151,7 @@ class Trainer:
                     base = recipe.model.from_pretrained
                     self.run_dir = claim_for_training(self.output_dir, recipe.to_dict(), self.checkpoints,
                                                       os.path.realpath(base) if base else None,
-                                                      self.allow_changed_inputs)
+                                                      self.allow_changed_inputs, world)
                 except ValueError as e:
                     error = e
             agree(error, "rank 0 could not claim output_dir (its error says why)")
@@ -337,15 +338,21 @@ class Trainer:
     def save(self) -> str:
         """A complete checkpoint of this step (collective; atomic across ranks)."""
         path = save_step(self.checkpoints, self.engine, self.step, self.rank,
-                         lambda: {"losses": self.result.losses, "data": self.stream.state_dict()})
+                         lambda: {"losses": self.result.losses, "data": self.stream.state_dict()},
+                         lambda: layout_free_state(self.engine, self.layout, self._lora_rank(),
+                                                   self.stream.rows_per_step))
         self.last_saved = self.step
         if self.rank == 0:
             write_json_atomic(os.path.join(self.output_dir, "losses.json"), self.result.losses)
         return path
 
+    def _lora_rank(self) -> int:
+        return self.recipe.lora.r if self.recipe.lora is not None else 0
+
     def _resume(self) -> int:
         """Continue from the newest complete checkpoint, if any; the step it continues from (0: none)."""
-        latest = load_latest(self.checkpoints, self.engine, self.rank)
+        latest = load_latest(self.checkpoints, self.engine, self.rank, self.layout, self._lora_rank(),
+                             self.logger.message)
         if latest is None:
             return 0
         step, path, state = latest

@@ -22,14 +22,19 @@ import sys
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 from ..output_paths import check_output_dir
+from .checkpoint import COMPLETE
 from .inputs import check_inputs, fingerprint_inputs, read_recorded_inputs, write_recorded_inputs
 
 MARKER = "moe_plugin_run.json"
 OVERRIDE_FLAG = "--allow-changed-inputs"  # moe-plugin train's flag for allow_changed_inputs
 LOCK = ".lock"
 _PROBE = ".moe_plugin_write_probe"
-# a resume may train longer, evaluate or log differently; output_dir names this same directory either way
-RESUMABLE_CHANGES = ("schedule.steps", "eval", "logging", "output_dir", "guards")
+# a resume may train longer, evaluate or log differently; output_dir names this same directory either way; and it
+# may run on another layout (its micro-batch, accumulation and DeepSpeed config with it), the global batch kept
+# (check_resume_layout)
+RESUMABLE_CHANGES = ("schedule.steps", "eval", "logging", "output_dir", "guards", "parallel.expert_parallel_size",
+                     "parallel.capacity_factor", "schedule.micro_batch_size", "schedule.gradient_accumulation_steps",
+                     "deepspeed")
 # what a run writes once it has trained: a directory holding none of these has no output to protect
 OUTPUTS = ("checkpoints", "adapter", "model", "losses.json", "results.json")
 
@@ -214,8 +219,39 @@ class RunDirectory:
         return None
 
 
+def check_resume_layout(recipe_dict: Dict[str, Any], latest: Optional[Tuple[int, str]], world: int,
+                        stored: Optional[Dict[str, Any]]) -> None:
+    """Refuse (ValueError naming the field) resuming checkpoint ``latest`` (``(step, path)``) on ``world``
+    processes with ``recipe_dict`` when the global batch differs from the one it was written with, or when it is
+    a checkpoint of an earlier version (DeepSpeed's files only) and the layout changed. ``stored``: the recipe
+    the run recorded."""
+    if latest is None:
+        return
+    from .trainable_state import META, read_trainable_meta
+
+    step, path = latest
+    schedule, parallel = recipe_dict.get("schedule") or {}, recipe_dict.get("parallel") or {}
+    micro, accumulation = schedule.get("micro_batch_size"), schedule.get("gradient_accumulation_steps")
+    ep = parallel.get("expert_parallel_size")
+    if not os.path.exists(os.path.join(path, META)):
+        with open(os.path.join(path, COMPLETE)) as f:
+            written = json.load(f).get("world_size")
+        old_ep = ((stored or {}).get("parallel") or {}).get("expert_parallel_size", ep)
+        if (written, old_ep) != (world, ep):
+            _refuse(f"{path} was written by an earlier version of moe_plugin on {written} processes at "
+                    f"parallel.expert_parallel_size {old_ep}, and holds no layout-free state; resume it on "
+                    f"{written} processes with parallel.expert_parallel_size {old_ep}, or start a new output_dir")
+        return
+    layout = read_trainable_meta(path)["layout"]
+    if layout["global_batch"] != micro * accumulation * world:
+        _refuse(f"schedule.micro_batch_size x schedule.gradient_accumulation_steps x {world} processes is "
+                f"{micro * accumulation * world} rows a step, but checkpoint step {step} was written with "
+                f"{layout['global_batch']} ({layout['world']} processes); a resume keeps the global batch: make "
+                f"micro_batch_size x gradient_accumulation_steps {layout['global_batch'] / world:g}")
+
+
 def claim_for_training(output_dir: str, recipe_dict: Dict[str, Any], checkpoints, base_path: Optional[str],
-                       allow_changed_inputs: bool = False) -> RunDirectory:
+                       allow_changed_inputs: bool = False, world: int = 1) -> RunDirectory:
     """The trainer's claim (rank 0): ``RunDirectory.claim``, then refuse damaged checkpoints and a finished run's
     outputs that resuming would train over, then compare the inputs with those the run recorded (when there is
     a checkpoint to resume) and record them. ``checkpoints``: the run's ``CheckpointManager``."""
@@ -228,6 +264,9 @@ def claim_for_training(output_dir: str, recipe_dict: Dict[str, Any], checkpoints
                              "directory aside to resume from an earlier checkpoint")
         latest = checkpoints.latest()
         RunDirectory(real, None, True).refuse_overwriting_outputs(latest[0] if latest else None)
+        marker = os.path.join(real, MARKER)
+        check_resume_layout(recipe_dict, latest, world,
+                            RunDirectory._read_marker(marker) if os.path.isfile(marker) else None)
         current.update(fingerprint_inputs(recipe_dict, base_path))
         recorded = read_recorded_inputs(real) if latest else None
         if recorded is not None:
