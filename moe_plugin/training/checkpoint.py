@@ -149,7 +149,9 @@ class CheckpointManager:
                     f"than step {step}, so latest() would not return the new one: remove the later "
                     "checkpoints (when resuming from an earlier one) or save a later step")
         os.makedirs(self.root, exist_ok=True)
-        for debris in (staging, final):  # what a killed save of this step left (final: without a valid marker)
+        if os.path.lexists(final) and _problem(final, step) != _NO_MARKER:  # a damaged checkpoint of this step:
+            _set_aside(final)  # kept beside the new one, never removed
+        for debris in (staging, final):  # what a killed save of this step left (final: without a marker)
             if os.path.lexists(debris):
                 _remove(debris)
         os.mkdir(staging)
@@ -205,14 +207,16 @@ class CheckpointManager:
 
     def clean_leftovers(self) -> List[str]:
         """Remove what killed saves left in ``root``: ``.staging-*`` and ``.pruning-*`` directories and step
-        directories without a valid ``COMPLETE`` marker (missing, unreadable, or listing files that are
-        missing or of other sizes). Only rank 0 removes anything (the others return []); entries of ``root``
+        directories without a ``COMPLETE`` marker. A step directory whose marker exists but does not match its
+        files (``damaged()``: changed after it was saved) is left as it is; a later save of its step sets it
+        aside as ``.damaged-step-*``. Only rank 0 removes anything (the others return []); entries of ``root``
         named otherwise are never touched. Call it at start-up, before the first save. Returns the paths
         removed."""
         if self.rank != 0 or not os.path.isdir(self.root):
             return []
         removed = [os.path.join(self.root, e) for e in os.listdir(self.root) if _LEFTOVER.fullmatch(e)]
-        removed += [path for step, path in self._step_directories() if not _is_complete(path, step)]
+        # a step directory with a marker that no longer matches was changed after it was saved: left as it is
+        removed += [path for step, path in self._step_directories() if _problem(path, step) == _NO_MARKER]
         for path in removed:
             _remove(path)
         return sorted(removed)
@@ -296,6 +300,17 @@ def _write_json_durably(path: str, value: object) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _set_aside(path: str) -> str:
+    """Rename a damaged step directory to ``.damaged-step-<8 digits>[-k]`` beside it (out of ``latest()``'s and
+    ``clean_leftovers()``'s sight, its files untouched); returns the new path."""
+    parent, name = os.path.split(path)
+    target, k = os.path.join(parent, f".damaged-{name}"), 1
+    while os.path.lexists(target):
+        target, k = os.path.join(parent, f".damaged-{name}-{k}"), k + 1
+    os.rename(path, target)
+    return target
 
 
 def _remove(path: str) -> None:

@@ -258,10 +258,9 @@ def claim_for_training(output_dir: str, recipe_dict: Dict[str, Any], checkpoints
     current: Dict[str, Any] = {}
 
     def check(real: str) -> None:  # before the marker is written: a refusal changes nothing
-        damaged = checkpoints.damaged()
-        if damaged:
-            raise ValueError(f"{damaged[0]}, so that checkpoint changed after it was saved; move its step "
-                             "directory aside to resume from an earlier checkpoint")
+        for problem in checkpoints.damaged():  # skipped, kept: the newest complete one resumes instead
+            print(f"warning: {problem}, so that checkpoint changed after it was saved: it is not resumed (its "
+                  "files are left as they are) and the newest complete checkpoint is", file=sys.stderr, flush=True)
         latest = checkpoints.latest()
         RunDirectory(real, None, True).refuse_overwriting_outputs(latest[0] if latest else None)
         marker = os.path.join(real, MARKER)

@@ -8,15 +8,17 @@ import io
 import torch.distributed as dist
 
 
-def stop_after(recipe_dict: dict, steps: int) -> dict:
-    """Run ``steps`` steps of the recipe, checkpoint, and "stop" (close the Trainer without finishing)."""
+def stop_after(recipe_dict: dict, steps: int, saves=None) -> dict:
+    """Run ``steps`` steps of the recipe, checkpoint (after each step of ``saves``, default the last), and
+    "stop" (close the Trainer without finishing)."""
     from moe_plugin.recipe.schema import recipe_from_dict
     from moe_plugin.training.loop import Trainer
 
     with Trainer(recipe_from_dict(copy.deepcopy(recipe_dict))) as trainer:
-        for _ in range(steps):
+        for step in range(1, steps + 1):
             trainer.train_step()
-        trainer.save()
+            if step in (saves or [steps]):
+                trainer.save()
         return {"losses": list(trainer.result.losses)}
 
 
@@ -37,7 +39,7 @@ def run(calls: list) -> list:
     results = []
     for call in calls:
         if call["kind"] == "stop":
-            results.append(stop_after(call["recipe"], call["steps"]))
+            results.append(stop_after(call["recipe"], call["steps"], call.get("saves")))
         else:
             results.append(train_capturing(call["recipe"]))
         dist.barrier()

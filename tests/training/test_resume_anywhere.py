@@ -10,6 +10,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from moe_plugin.testing.launch import run_distributed
@@ -20,8 +21,8 @@ WORKER = "tests/training/resume_anywhere_workers.py:run"
 STEPS = 4
 
 
-def _at(tmp, name: str, world: int, ep: int, steps: int = STEPS) -> dict:
-    recipe = _recipe(tmp / name, world, ep, steps=steps, warmup_steps=1)
+def _at(tmp, name: str, world: int, ep: int, steps: int = STEPS, **schedule) -> dict:
+    recipe = _recipe(tmp / name, world, ep, steps=steps, **{"warmup_steps": 1, **schedule})
     recipe["checkpoint"]["every"] = 2
     return recipe
 
@@ -40,20 +41,32 @@ def _adapter(recipe: dict) -> dict:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
     whole, written1 = _at(tmp, "whole-w1", 1, 1), _at(tmp, "written-w1", 1, 1)
+    # a constant schedule: a finished 2-step run, raised to 4 steps, equals one 4-step run
+    constant, finished = (_at(tmp, name, 1, 1, steps=n, decay="constant") for name, n in (("constant", 4),
+                                                                                      ("finished", 2)))
+    longer = dict(copy.deepcopy(finished), schedule={**finished["schedule"], "steps": 4})
     one = run_distributed(WORKER, world_size=1, timeout_s=900, calls=[
-        {"kind": "train", "recipe": whole}, {"kind": "stop", "recipe": written1, "steps": 2}])[0]
-    written4 = _at(tmp, "written-w4", 4, 2)
+        {"kind": "train", "recipe": whole}, {"kind": "stop", "recipe": written1, "steps": 2},
+        {"kind": "train", "recipe": constant}, {"kind": "train", "recipe": finished},
+        {"kind": "train", "recipe": longer}])[0]
+    written4, damaged4 = _at(tmp, "written-w4", 4, 2), _at(tmp, "damaged-w4", 4, 2)
     from_one = _moved(written1, tmp, "from-w1-on-w4", 4, 2)
     four = run_distributed(WORKER, world_size=4, timeout_s=1200, calls=[
-        {"kind": "stop", "recipe": written4, "steps": 2}, {"kind": "train", "recipe": from_one}])[0]
+        {"kind": "stop", "recipe": written4, "steps": 2}, {"kind": "train", "recipe": from_one},
+        {"kind": "stop", "recipe": damaged4, "steps": 4, "saves": [2, 4]}])[0]
     on_two = _moved(written4, tmp, "from-w4-on-w2", 2, 1)
-    two = run_distributed(WORKER, world_size=2, timeout_s=900, calls=[{"kind": "train", "recipe": on_two}])[0]
+    truncated = _moved(damaged4, tmp, "damaged-w4-on-w2", 2, 1)
+    cut = next((tmp / "damaged-w4-on-w2" / "checkpoints" / "step-00000004" / "engine").glob("zero_pp_rank_1_*optim*"))
+    cut.write_bytes(cut.read_bytes()[:100])  # one rank's file of the newest checkpoint, cut short
+    two = run_distributed(WORKER, world_size=2, timeout_s=900, calls=[{"kind": "train", "recipe": on_two},
+                                                                      {"kind": "train", "recipe": truncated}])[0]
     on_one = _moved(written4, tmp, "from-w4-on-w1", 1, 1)
     one_b = run_distributed(WORKER, world_size=1, timeout_s=900, calls=[{"kind": "train", "recipe": on_one}])[0]
     resumed = {"4 processes EP 2 -> 2 processes EP 1": (two[0], on_two, "4 processes EP 2 on 2 processes EP 1"),
                "4 processes EP 2 -> 1 process": (one_b[0], on_one, "4 processes EP 2 on 1 process EP 1"),
                "1 process -> 4 processes EP 2": (four[1], from_one, "1 process EP 1 on 4 processes EP 2")}
-    return {"whole": (one[0], whole), "written4": four[0], "resumed": resumed}
+    return {"whole": (one[0], whole), "written4": four[0], "resumed": resumed, "truncated": (two[1], cut),
+            "longer": (one[2], one[3], one[4])}
 
 
 @pytest.mark.parametrize("which", ["4 processes EP 2 -> 2 processes EP 1", "4 processes EP 2 -> 1 process",
@@ -98,3 +111,61 @@ def test_a_resume_that_changes_the_global_batch_is_refused_naming_the_field(runs
                                          r"gradient_accumulation_steps x 1 processes is 2 rows a step, but "
                                          r"checkpoint step 2 was written with 4 \(1 processes\)"):
         train(recipe_from_dict(recipe))
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_and_the_previous_one_resumes(runs):
+    """Written at 4 processes EP 2 with checkpoints at steps 2 and 4; rank 1's optimizer file of step 4 cut short;
+    on 2 processes: step 4 is named and skipped (kept as it is), step 2 resumes, and the run equals the
+    uninterrupted one."""
+    whole, _ = runs["whole"]
+    got, cut = runs["truncated"]
+    assert got["resumed_from"] == 2, got["printed"][-2000:]
+    assert f"warning: {cut} is 100 bytes, its COMPLETE marker lists" in got["printed"]
+    for a, b in zip(whole["losses"], got["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(a)
+    kept = [p.name for p in cut.parents[2].iterdir()]
+    assert ".damaged-step-00000004" in kept  # the new step 4 set the damaged one aside, never removed it
+
+
+def test_raising_the_steps_continues_a_finished_run_as_one_longer_run(runs):
+    constant, finished, longer = runs["longer"]
+    assert finished["resumed_from"] is None and len(finished["losses"]) == 2
+    assert longer["resumed_from"] == 2 and longer["losses"] == constant["losses"]  # bitwise: the same layout
+
+
+def test_an_earlier_versions_checkpoint_is_refused_at_another_layout(tmp_path):
+    """A checkpoint with DeepSpeed's files only (no trainable.json) resumes at the layout that wrote it only."""
+    from moe_plugin.training.run_dir import check_resume_layout
+
+    step = tmp_path / "step-00000002"
+    step.mkdir()
+    (step / "COMPLETE").write_text(json.dumps({"step": 2, "world_size": 4, "files": {}}))
+    stored = {"parallel": {"expert_parallel_size": 2}}
+    same = {"parallel": {"expert_parallel_size": 2}, "schedule": {"micro_batch_size": 1,
+                                                                 "gradient_accumulation_steps": 1}}
+    check_resume_layout(same, (2, str(step)), 4, stored)
+    other = copy.deepcopy(same)
+    other["parallel"]["expert_parallel_size"] = 1
+    with pytest.raises(ValueError, match=rf"^output_dir: {step} was written by an earlier version of moe_plugin on 4 "
+                                         r"processes at parallel\.expert_parallel_size 2, and holds no layout-free "
+                                         r"state; resume it on 4 processes with parallel\.expert_parallel_size 2"):
+        check_resume_layout(other, (2, str(step)), 2, stored)
+
+
+def test_export_step_reads_the_layout_free_state_as_it_read_deepspeeds_files(runs, tmp_path):
+    """``adapter_from_checkpoint`` of the EP 2 checkpoint: from trainable.safetensors, and (as for a checkpoint of
+    an earlier version) from DeepSpeed's per-rank files once those are removed: the same tensors."""
+    from moe_plugin.export.zero_checkpoint import adapter_from_checkpoint
+    from moe_plugin.models import preset_config
+
+    _, whole_recipe = runs["whole"]
+    run = tmp_path / "run"
+    shutil.copytree(whole_recipe["output_dir"].replace("whole-w1", "written-w4"), run)
+    config = preset_config("tiny", attn_res=False).to_model_config()
+    new = adapter_from_checkpoint(str(run), 2, config, "megatron", 4)
+    for name in ("trainable.safetensors", "trainable.json"):
+        (run / "checkpoints" / "step-00000002" / name).unlink()
+    old = adapter_from_checkpoint(str(run), 2, config, "megatron", 4)
+    assert sorted(new) == sorted(old) and any("experts" in k for k in new)
+    for name in new:
+        assert new[name].shape == old[name].shape and torch.equal(new[name], old[name]), name

@@ -240,13 +240,19 @@ def test_payloads_in_the_engine_file_and_an_old_trainer_state_do_not_run(one):
         assert not (tmp / f"{name}.sentinel").exists()
 
 
-def test_a_truncated_engine_file_is_named(one):
+def test_a_truncated_engine_file_is_named(one, capsys):
     tmp, _ = one
     recipe = _copy(tmp, "truncated")
     checkpoint = tmp / "truncated" / "checkpoints" / "step-00000002"
     engine = checkpoint / "engine" / "mp_rank_00_model_states.pt"
     engine.write_bytes(engine.read_bytes()[:1000])  # the marker still lists the full size
-    assert _refused(recipe).startswith(f"{engine} is 1000 bytes, its COMPLETE marker lists ")
+    # named and skipped (kept as it is); the newest complete checkpoint, step 1, is older than the run's
+    # outputs, so starting it again would train over them: refused
+    message = _refused(recipe)
+    assert message.startswith(f"output_dir: '{tmp / 'truncated'}' holds the outputs of a finished run"), message
+    assert "its newest usable checkpoint is step 1" in message
+    assert f"warning: {engine} is 1000 bytes, its COMPLETE marker lists " in capsys.readouterr().err
+    assert checkpoint.is_dir() and engine.stat().st_size == 1000
     plant(str(checkpoint), "engine/mp_rank_00_model_states.pt", str(tmp / "unused"))  # marker now agrees
     engine.write_bytes(engine.read_bytes()[:200])
     marker = json.loads((checkpoint / "COMPLETE").read_text())
