@@ -340,7 +340,7 @@ class Trainer:
         path = save_step(self.checkpoints, self.engine, self.step, self.rank,
                          lambda: {"losses": self.result.losses, "data": self.stream.state_dict()},
                          lambda: layout_free_state(self.engine, self.layout, self._lora_rank(),
-                                                   self.stream.rows_per_step))
+                                                   self.stream.rows_per_step, self._trained_buffers()))
         self.last_saved = self.step
         if self.rank == 0:
             write_json_atomic(os.path.join(self.output_dir, "losses.json"), self.result.losses)
@@ -348,6 +348,13 @@ class Trainer:
 
     def _lora_rank(self) -> int:
         return self.recipe.lora.r if self.recipe.lora is not None else 0
+
+    def _trained_buffers(self) -> list:
+        """The buffers training changes: with the base training, the routers' selection bias (``_balance``)."""
+        if self.recipe.lora is not None:
+            return []
+        biases = {id(layer.router.e_score_correction_bias) for layer in self.backend.moe_layers(self.engine.module)}
+        return [n for n, b in self.engine.module.named_buffers() if id(b) in biases]
 
     def _resume(self) -> int:
         """Continue from the newest complete checkpoint, if any; the step it continues from (0: none)."""

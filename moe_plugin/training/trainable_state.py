@@ -6,11 +6,13 @@ Files (rank 0 writes them; every rank takes part in the gathers):
 
 * ``trainable.safetensors``: for every trainable parameter ``N`` (the model's own name; expert tensors stacked
   over all ``E`` experts in global order, the layout of one process): ``N`` (fp32 value), ``N:exp_avg`` and
-  ``N:exp_avg_sq`` (AdamW's moments, fp32). Whole tensors rather than torch.distributed.checkpoint's slices with
+  ``N:exp_avg_sq`` (AdamW's moments, fp32); and the buffers training changes (full training moves each router's
+  ``e_score_correction_bias``), under their names. Whole tensors rather than torch.distributed.checkpoint's slices with
   offsets: for LoRA the state is small (the planner's counts put the seed layout's adapters and moments at a few
   GB), one process can read it with no knowledge of the writer (``moe-plugin export --step``), and resharding is
   slicing the expert dimension and re-partitioning, both already this project's own code.
-* ``trainable.json``: the format, the AdamW step, the scheduler's state, and the layout that wrote it
+* ``trainable.json``: the format, the AdamW step, the scheduler's state, those buffers' names, and the layout that
+  wrote it
   (``world``, ``expert``, ``data``, the global batch in rows).
 
 The data position (rows of the epoch consumed, a global count), the losses and the RNG are the trainer's state
@@ -69,22 +71,25 @@ def _whole_experts(name: str, p: nn.Parameter, value: torch.Tensor, ep: int, r: 
     return all_gather_expert_stack(value) if factor is None else all_gather_expert_adapter(value, factor, r)
 
 
-def gather_trainable(module: nn.Module, optimizer, layout, r: int) -> Dict[str, torch.Tensor]:
-    """Every trainable tensor of ``module`` and its moments, whole (module docstring). Collective."""
-    out = {}
+def gather_trainable(module: nn.Module, optimizer, layout, r: int, buffers=()) -> Dict[str, torch.Tensor]:
+    """Every trainable tensor of ``module`` and its moments, whole (module docstring), and the named
+    ``buffers`` that training changes (full training moves the routers' selection bias). Collective."""
+    named_buffers = dict(module.named_buffers())
+    out = {name: named_buffers[name].detach().float().cpu().clone() for name in buffers}
     for name, p in _trainable(module):
         for key, value in zip(("",) + tuple(":" + k for k in MOMENTS), _full(p, optimizer)):
             out[name + key] = _whole_experts(name, p, value, layout.expert, r)
     return out
 
 
-def layout_free_state(engine, layout, r: int, global_batch: int) -> Tuple[Dict[str, torch.Tensor], Dict]:
-    """What ``write_trainable`` writes for ``engine`` now: the tensors (``gather_trainable``, collective) and
-    the metadata (the AdamW step, the scheduler, the layout and the global batch in rows)."""
-    tensors = gather_trainable(engine.module, engine.optimizer, layout, r)
+def layout_free_state(engine, layout, r: int, global_batch: int, buffers=()) -> Tuple[Dict[str, torch.Tensor], Dict]:
+    """What ``write_trainable`` writes for ``engine`` now: the tensors (``gather_trainable``, collective; with the
+    named ``buffers`` training changes) and the metadata (the AdamW step, the scheduler, the buffers' names, the
+    layout and the global batch in rows)."""
+    tensors = gather_trainable(engine.module, engine.optimizer, layout, r, buffers)
     steps = [s["step"] for s in adam_states(engine.optimizer).values() if "step" in s]
     adam_step = int(steps[0]) if steps else int(engine.global_steps)
-    meta = {"adam_step": adam_step, "scheduler": engine.lr_scheduler.state_dict(),
+    meta = {"adam_step": adam_step, "scheduler": engine.lr_scheduler.state_dict(), "buffers": list(buffers),
             "layout": {"world": layout.world, "expert": layout.expert, "data": layout.data,
                        "global_batch": global_batch}}
     return tensors, meta
@@ -165,14 +170,20 @@ def _start_adam_states(optimizer) -> None:
             states[t] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
 
 
+@torch.no_grad()
 def restore_trainable(module: nn.Module, optimizer, scheduler, tensors: Dict[str, torch.Tensor], meta: Dict,
                       layout, r: int) -> None:
     """Write ``read_trainable``'s tensors into this rank's parameters, partitions and AdamW state, resharded to
     ``layout``, and restore the step and the schedule. ValueError naming what does not fit (another model or
     adapter)."""
     _start_adam_states(optimizer)
+    named_buffers, buffers = dict(module.named_buffers()), list(meta.get("buffers", []))
+    for name in buffers:
+        require(name in named_buffers, "checkpoint", f"holds the buffer {name}, which this model does not have; "
+                "resume with the same model section")
+        named_buffers[name].copy_(tensors[name])
     names = {n for n, _ in _trainable(module)}
-    saved = {k for k in tensors if ":" not in k}
+    saved = {k for k in tensors if ":" not in k} - set(buffers)
     require(saved == names, "checkpoint", f"holds the trainable tensors of another model or adapter "
             f"({len(saved ^ names)} names differ, e.g. {sorted(saved ^ names)[:2]}); resume with the same "
             "model and lora sections")
