@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import require
-from ..fileio import fsync_path, read_json
+from ..fileio import fsync_path
 
 COMPLETE = "COMPLETE"
 _STEP = re.compile(r"step-(\d+)")
@@ -66,23 +66,42 @@ class CheckpointManager:
     over torch.distributed when it is initialised, and for a single rank the flag itself.
     """
 
-    def __init__(self, root: str | os.PathLike, rank: int, world_size: int, barrier: Callable[[], None],
-                 keep: int = 2, all_ok: Optional[Callable[[bool], bool]] = None):
-        require(isinstance(world_size, int) and world_size >= 1, "CheckpointManager.world_size",
-                f"must be a positive integer, got {world_size!r}")
-        require(isinstance(rank, int) and 0 <= rank < world_size, "CheckpointManager.rank",
-                f"must be an integer in [0, world_size={world_size}), got {rank!r}")
-        require(isinstance(keep, int) and keep >= 1, "CheckpointManager.keep",
-                f"must be a positive integer (the newest checkpoints to keep), got {keep!r}")
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        rank: int,
+        world_size: int,
+        barrier: Callable[[], None],
+        keep: int = 2,
+        all_ok: Optional[Callable[[bool], bool]] = None,
+    ):
+        require(
+            isinstance(world_size, int) and world_size >= 1,
+            "CheckpointManager.world_size",
+            f"must be a positive integer, got {world_size!r}",
+        )
+        require(
+            isinstance(rank, int) and 0 <= rank < world_size,
+            "CheckpointManager.rank",
+            f"must be an integer in [0, world_size={world_size}), got {rank!r}",
+        )
+        require(
+            isinstance(keep, int) and keep >= 1,
+            "CheckpointManager.keep",
+            f"must be a positive integer (the newest checkpoints to keep), got {keep!r}",
+        )
         require(callable(barrier), "CheckpointManager.barrier", f"must be callable, got {barrier!r}")
         if all_ok is None:
             if dist.is_available() and dist.is_initialized():
                 all_ok = distributed_all_ok
             else:
-                require(world_size == 1, "CheckpointManager.all_ok",
-                        f"world_size is {world_size} but torch.distributed is not initialised, so a failure "
-                        "on one rank could not stop the others: initialise it first or pass an all_ok "
-                        "callable that is True only when every rank's flag is")
+                require(
+                    world_size == 1,
+                    "CheckpointManager.all_ok",
+                    f"world_size is {world_size} but torch.distributed is not initialised, so a failure "
+                    "on one rank could not stop the others: initialise it first or pass an all_ok "
+                    "callable that is True only when every rank's flag is",
+                )
                 all_ok = _identity
         require(callable(all_ok), "CheckpointManager.all_ok", f"must be callable, got {all_ok!r}")
         self.root = os.path.abspath(os.fspath(root))
@@ -104,28 +123,56 @@ class CheckpointManager:
         checkpoints as they were. ValueError when ``root`` already holds a complete checkpoint of this or a
         later step (``latest()`` would not return the new one).
         """
-        require(isinstance(step, int) and not isinstance(step, bool) and step >= 0, "step",
-                f"must be a non-negative integer, got {step!r}")
+        require(
+            isinstance(step, int) and not isinstance(step, bool) and step >= 0,
+            "step",
+            f"must be a non-negative integer, got {step!r}",
+        )
         require(callable(write), "write", f"must be callable with the staging directory, got {write!r}")
         final = os.path.join(self.root, step_name(step))
         staging = os.path.join(self.root, f".staging-{step_name(step)}")
         nothing_published = "no checkpoint was published and the previous ones are untouched"
-        self._agree(step, staging, "preparing", f"rank 0 could not prepare {staging}; {nothing_published}",
-                    (lambda: self._prepare(step, staging, final)) if self.rank == 0 else None)
+        self._agree(
+            step,
+            staging,
+            "preparing",
+            f"rank 0 could not prepare {staging}; {nothing_published}",
+            (lambda: self._prepare(step, staging, final)) if self.rank == 0 else None,
+        )
         written: List[Optional[Iterable[str]]] = []
-        self._agree(step, staging, "writing", f"another rank failed while writing; {nothing_published}",
-                    lambda: written.append(write(staging)))
-        self._agree(step, staging, "recording", f"another rank failed to record its files; {nothing_published}",
-                    lambda: self._record(staging, written[0]))
-        self._agree(step, staging, "publishing",
-                    f"rank 0 could not verify or publish {final}; {nothing_published}",
-                    (lambda: self._publish(step, staging, final)) if self.rank == 0 else None)
-        self._agree(step, None, "pruning", f"{final} was saved, but rank 0 could not remove older checkpoints",
-                    self._prune if self.rank == 0 else None)
+        self._agree(
+            step,
+            staging,
+            "writing",
+            f"another rank failed while writing; {nothing_published}",
+            lambda: written.append(write(staging)),
+        )
+        self._agree(
+            step,
+            staging,
+            "recording",
+            f"another rank failed to record its files; {nothing_published}",
+            lambda: self._record(staging, written[0]),
+        )
+        self._agree(
+            step,
+            staging,
+            "publishing",
+            f"rank 0 could not verify or publish {final}; {nothing_published}",
+            (lambda: self._publish(step, staging, final)) if self.rank == 0 else None,
+        )
+        self._agree(
+            step,
+            None,
+            "pruning",
+            f"{final} was saved, but rank 0 could not remove older checkpoints",
+            self._prune if self.rank == 0 else None,
+        )
         return final
 
-    def _agree(self, step: int, staging: Optional[str], phase: str, others_message: str,
-               action: Optional[Callable[[], object]]) -> None:
+    def _agree(
+        self, step: int, staging: Optional[str], phase: str, others_message: str, action: Optional[Callable[[], object]]
+    ) -> None:
         """Run this rank's part of a phase, then wait for all ranks; raise on every rank if any failed."""
         error: Optional[BaseException] = None
         if action is not None:
@@ -144,10 +191,13 @@ class CheckpointManager:
 
     def _prepare(self, step: int, staging: str, final: str) -> None:
         for existing, path in self._complete_checkpoints():
-            require(existing < step, "step",
-                    f"{self.root} already holds the complete checkpoint {os.path.basename(path)}, not older "
-                    f"than step {step}, so latest() would not return the new one: remove the later "
-                    "checkpoints (when resuming from an earlier one) or save a later step")
+            require(
+                existing < step,
+                "step",
+                f"{self.root} already holds the complete checkpoint {os.path.basename(path)}, not older "
+                f"than step {step}, so latest() would not return the new one: remove the later "
+                "checkpoints (when resuming from an earlier one) or save a later step",
+            )
         os.makedirs(self.root, exist_ok=True)
         if os.path.lexists(final) and _problem(final, step) != _NO_MARKER:  # a damaged checkpoint of this step:
             _set_aside(final)  # kept beside the new one, never removed
@@ -159,7 +209,7 @@ class CheckpointManager:
     def _record(self, staging: str, returned: Optional[Iterable[str]]) -> None:
         if returned is None:
             listing = sorted(_files(staging, with_markers=False))
-            own = listing[self.rank::self.world_size]  # each rank flushes a share of what all wrote
+            own = listing[self.rank :: self.world_size]  # each rank flushes a share of what all wrote
         else:
             listing = own = sorted({_inside(staging, path) for path in returned})
         for path in own:
@@ -181,16 +231,19 @@ class CheckpointManager:
             for path, size in listed.items():
                 if present.get(path) != size:
                     found = "missing" if path not in present else f"{present[path]} bytes"
-                    raise RuntimeError(f"checkpoint {step_name(step)}: rank {rank} wrote {path} of {size} bytes, "
-                                       f"rank 0 finds it {found} in {staging}")
-        _write_json_durably(os.path.join(staging, COMPLETE),
-                            {"step": step, "world_size": self.world_size, "files": present})
+                    raise RuntimeError(
+                        f"checkpoint {step_name(step)}: rank {rank} wrote {path} of {size} bytes, "
+                        f"rank 0 finds it {found} in {staging}"
+                    )
+        _write_json_durably(
+            os.path.join(staging, COMPLETE), {"step": step, "world_size": self.world_size, "files": present}
+        )
         for directory, _, _ in os.walk(staging):
             fsync_path(directory)
         os.rename(staging, final)  # the last step: a failure up to here publishes nothing
 
     def _prune(self) -> None:
-        for _, path in self._complete_checkpoints()[self.keep:]:
+        for _, path in self._complete_checkpoints()[self.keep :]:
             aside = os.path.join(self.root, f".pruning-{os.path.basename(path)}")
             os.rename(path, aside)  # out of latest()'s sight at once, however long the removal takes
             _remove(aside)
@@ -231,8 +284,9 @@ class CheckpointManager:
         """``(step, path)`` of every entry named like a checkpoint, newest first."""
         if not os.path.isdir(self.root):
             return []
-        found = [(int(m.group(1)), os.path.join(self.root, e)) for e in os.listdir(self.root)
-                 if (m := _STEP.fullmatch(e))]
+        found = [
+            (int(m.group(1)), os.path.join(self.root, e)) for e in os.listdir(self.root) if (m := _STEP.fullmatch(e))
+        ]
         return sorted(found, reverse=True)
 
     def _complete_checkpoints(self) -> List[Tuple[int, str]]:
@@ -273,8 +327,11 @@ def _inside(directory: str, path: str | os.PathLike) -> str:
     """``path`` (absolute, or relative to ``directory``) relative to ``directory``; ValueError unless it is a
     file inside it."""
     relative = os.path.relpath(os.path.join(directory, os.fspath(path)), directory)
-    if relative.startswith(os.pardir) or os.path.isabs(relative) or not os.path.isfile(
-            os.path.join(directory, relative)):
+    if (
+        relative.startswith(os.pardir)
+        or os.path.isabs(relative)
+        or not os.path.isfile(os.path.join(directory, relative))
+    ):
         raise ValueError(f"write: returned {os.fspath(path)!r}, which is not a file inside {directory}")
     return relative
 
@@ -285,8 +342,11 @@ def _files(directory: str, with_markers: bool) -> Dict[str, int]:
     sizes = {}
     for parent, _, names in os.walk(directory):
         for name in names:
-            if parent == directory and (name == COMPLETE or _MARKER_BEING_WRITTEN.fullmatch(name)
-                                        or (not with_markers and _RANK_MARKER.fullmatch(name))):
+            if parent == directory and (
+                name == COMPLETE
+                or _MARKER_BEING_WRITTEN.fullmatch(name)
+                or (not with_markers and _RANK_MARKER.fullmatch(name))
+            ):
                 continue
             path = os.path.join(parent, name)
             sizes[os.path.relpath(path, directory)] = os.path.getsize(path)
@@ -319,76 +379,3 @@ def _remove(path: str) -> None:
         os.remove(path)
     else:
         shutil.rmtree(path)
-
-
-# ---------------------------------------------------------------- the trainer's own state, without pickle
-
-TRAINER_STATE_FORMAT = 1
-
-
-def trainer_state_files(directory: str, rank: int) -> Tuple[str, str]:
-    """This rank's trainer state in a checkpoint: JSON (step, losses, data position, python RNG) and
-    safetensors (the torch RNG)."""
-    return (os.path.join(directory, f"trainer_state_rank{rank}.json"),
-            os.path.join(directory, f"trainer_rng_rank{rank}.safetensors"))
-
-
-def write_trainer_state(directory: str, rank: int, state: Dict) -> List[str]:
-    """Write ``{"step", "losses", "data", "rng": {"torch": uint8 tensor, "python": random.getstate()}}``;
-    returns the two paths. JSON keeps every float exactly (Python writes the shortest repr that reads back)."""
-    from safetensors.torch import save_file
-
-    state_path, rng_path = trainer_state_files(directory, rank)
-    version, internal, gauss = state["rng"]["python"]
-    with open(state_path, "w", encoding="utf-8") as f:
-        json.dump({"format": TRAINER_STATE_FORMAT, "step": state["step"], "losses": list(state["losses"]),
-                   "data": state["data"], "python_rng": [version, list(internal), gauss]}, f)
-    save_file({"torch": state["rng"]["torch"].contiguous()}, rng_path)
-    return [state_path, rng_path]
-
-
-def read_trainer_state(directory: str, rank: int) -> Dict:
-    """What ``write_trainer_state`` wrote (a checkpoint of an earlier version, ``trainer_state_rank{r}.pt``, is
-    read with ``torch.load(weights_only=True)``); ValueError naming the file when it is damaged."""
-    state_path, rng_path = trainer_state_files(directory, rank)
-    legacy = os.path.join(directory, f"trainer_state_rank{rank}.pt")
-    if not os.path.exists(state_path) and os.path.exists(legacy):
-        return _read_legacy_state(legacy)
-    fix = f"the checkpoint is damaged: remove {directory} to resume from an earlier one"
-    saved = read_json(state_path, fix)
-    python = saved.get("python_rng") if isinstance(saved, dict) else None
-    if not (isinstance(saved, dict) and saved.get("format") == TRAINER_STATE_FORMAT
-            and isinstance(saved.get("step"), int) and isinstance(saved.get("losses"), list)
-            and all(isinstance(x, (int, float)) for x in saved["losses"]) and isinstance(saved.get("data"), dict)
-            and isinstance(python, list) and len(python) == 3 and isinstance(python[1], list)
-            and all(isinstance(x, int) for x in python[1])):
-        raise ValueError(f"{state_path}: not a trainer state (format {TRAINER_STATE_FORMAT}: step, losses, data, "
-                         f"python_rng); {fix}")
-    try:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        tensors = load_file(rng_path)
-    except (OSError, SafetensorError, ValueError) as err:
-        raise ValueError(f"{rng_path}: not a readable safetensors file ({err}); {fix}") from None
-    torch_rng = tensors.get("torch")
-    if torch_rng is None or torch_rng.dtype != torch.uint8 or torch_rng.dim() != 1:
-        raise ValueError(f"{rng_path}: holds no 1-D uint8 tensor 'torch' (the torch RNG state); {fix}")
-    return {"step": saved["step"], "losses": [float(x) for x in saved["losses"]], "data": saved["data"],
-            "rng": {"torch": torch_rng, "python": (python[0], tuple(python[1]), python[2])}}
-
-
-def _read_legacy_state(path: str) -> Dict:
-    import pickle
-    import zipfile
-
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile, ValueError) as err:
-        first = (str(err).strip().splitlines() or [""])[0][:200]
-        raise ValueError(f"{path}: not a trainer state that loads without running code ({type(err).__name__}: "
-                         f"{first}); remove {os.path.dirname(path)} to resume from an earlier checkpoint") from None
-    if not (isinstance(state, dict) and {"step", "losses", "data", "rng"} <= set(state)):
-        raise ValueError(f"{path}: not a trainer state (step, losses, data, rng); remove {os.path.dirname(path)} "
-                         "to resume from an earlier checkpoint")
-    return state

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ..compat.deepspeed import check_engine_files, safe_checkpoint_loading
-from .checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
+from .checkpoint import CheckpointManager
+from .trainer_state import read_trainer_state, write_trainer_state
 from .runtime import all_ok
 from .trainable_state import (META, follow_schedule, read_trainable, read_trainable_meta, restore_trainable,
                               write_trainable)

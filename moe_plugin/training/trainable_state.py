@@ -16,7 +16,7 @@ Files (rank 0 writes them; every rank takes part in the gathers):
   (``world``, ``expert``, ``data``, the global batch in rows).
 
 The data position (rows of the epoch consumed, a global count), the losses and the RNG are the trainer's state
-files (``checkpoint.write_trainer_state``); rank 0's are read at another layout. Nothing here is pickled.
+files (``trainer_state.write_trainer_state``); rank 0's are read at another layout. Nothing here is pickled.
 """
 
 from __future__ import annotations

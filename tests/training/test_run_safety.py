@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from moe_plugin.compat.deepspeed import load_engine_file, safe_checkpoint_loading
-from moe_plugin.training.checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
+from moe_plugin.training.checkpoint import CheckpointManager
+from moe_plugin.training.trainer_state import read_trainer_state, write_trainer_state
 from moe_plugin.training.guards import DivergenceSection, StepGuard, TrainingStopped
 from moe_plugin.training.inputs import RECORD, read_recorded_inputs
 from moe_plugin.training.run_dir import MARKER, RunDirectory
