@@ -24,7 +24,8 @@ def base_tensors(base_path: str, hf_config) -> Iterator[Tuple[str, torch.Tensor]
     image+text base's vision tensors (``vision_tower.``, ``mm_projector.``) follow, under their stored names."""
     from ..models import MoEPluginForCausalLM
     from ..weights.loader import LoadStats, _apply, _open_safetensors
-    from ..weights.plan import Target as ReadTarget, detect_layout, plan_reads, stored_tensors
+    from ..weights.plan import detect_layout, plan_reads, stored_tensors
+    from ..weights.reads import Target as ReadTarget
 
     config = hf_config.to_model_config()
     with torch.device("meta"):

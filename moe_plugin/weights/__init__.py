@@ -4,7 +4,8 @@ and ``loader`` (streaming, per-rank, ZeRO-3-partition-aware loads)."""
 
 from .loader import LoadStats, expert_ranges, load_state, model_tensors, state_from_tensors
 from .names import NAME_TABLE, base_name, hf_to_megatron_name, is_expert_tensor, megatron_to_hf_name
-from .plan import Plan, Read, Stored, Target, detect_layout, plan_reads, stored_tensors
+from .plan import Plan, detect_layout, plan_reads, stored_tensors
+from .reads import Read, Stored, Target
 
 __all__ = ["LoadStats", "NAME_TABLE", "Plan", "Read", "Stored", "Target", "base_name", "detect_layout",
            "expert_ranges", "hf_to_megatron_name", "is_expert_tensor", "load_state", "megatron_to_hf_name",

@@ -35,7 +35,8 @@ from .checks import check_dtypes, check_finite, check_packed_scale, config_dtype
 from .names import NAMINGS, base_name, expert_layer, is_expert_tensor, is_stacked_expert, strip_text_prefix, \
     tensor_from_k3
 from .packed import is_packed_expert_stack
-from .plan import Plan, Read, Stored, Target, detect_layout, plan_reads, stored_tensors
+from .plan import Plan, detect_layout, plan_reads, stored_tensors
+from .reads import Read, Stored, Target
 
 __all__ = ["LoadStats", "load_state", "load_base", "run_reads", "state_from_tensors", "model_tensors", "model_targets",
            "expert_ranges", "is_partitioned", "partition_range", "zero_padding", "write_flat"]

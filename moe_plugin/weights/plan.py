@@ -21,56 +21,43 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..config import HF_MODEL_TYPE, K3_TEXT_MODEL_TYPE, K3_VL_MODEL_TYPE, ModelConfig, require
 from ..fileio import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, read_safetensors_header
-from .packed import (bit_compatible, expert_naming, is_k2_expert, is_packed_expert_stack, k2_block_name,
-                     logical_shape, packed_expert_names, shape_tensor_name, stack_of, viewed_shape)
-from .names import (NAMINGS, TEXT_PREFIX, VISION_PREFIXES, is_indexer_tensor, is_mtp, k3_expert_name,
-                    k3_shape_fits, needs_k3_conversion, parse_k3_expert, quantised_tensors, to_hf_name)
+from .packed import (
+    expert_naming,
+    is_k2_expert,
+    is_packed_expert_stack,
+    k2_block_name,
+    packed_expert_names,
+    shape_tensor_name,
+)
+from .reads import (
+    LISTED,
+    Read,
+    Stored,
+    Target,
+    _listing,
+    _mismatches,
+    _packed_dtype_problems,
+    _raise_problems,
+    _shape_checks,
+    _weight_shape_problems,
+)
+from .names import (
+    NAMINGS,
+    TEXT_PREFIX,
+    VISION_PREFIXES,
+    is_indexer_tensor,
+    is_mtp,
+    k3_expert_name,
+    needs_k3_conversion,
+    parse_k3_expert,
+    quantised_tensors,
+    to_hf_name,
+)
 
 __all__ = ["LAYOUTS", "Stored", "Target", "Read", "Plan", "stored_tensors", "detect_layout", "plan_reads"]
 
 LAYOUTS = ("hf", "k3")  # stacked experts as the Hugging Face model saves them, or K3's published layout
-LISTED = 20  # names shown per category in an error
 CONFIG_NAME = "config.json"
-
-
-@dataclass(frozen=True)
-class Stored:
-    """One checkpoint tensor as its header describes it: shard file, shape, torch dtype name."""
-
-    file: str
-    shape: Tuple[int, ...]
-    dtype: str
-
-
-@dataclass(frozen=True)
-class Target:
-    """One tensor of the target model.
-
-    shape: the full shape this rank holds (under ZeRO-3 ``ds_shape``, not the empty placeholder's); for a
-    routed-expert stack ``[E_local, ...]``. experts: for such a stack, the global experts ``[first, last)``
-    its rows are. flat_range: under ZeRO-3, the elements ``[lo, hi)`` of the flattened tensor this rank's
-    partition holds (None: all of them)."""
-
-    shape: Tuple[int, ...]
-    experts: Optional[Tuple[int, int]] = None
-    flat_range: Optional[Tuple[int, int]] = None
-    dtype: Optional[str] = None  # torch dtype name; what a packed expert target must be given (weights.packed)
-
-
-@dataclass(frozen=True)
-class Read:
-    """Read ``name`` from ``file`` (rows ``[a, b)`` of dim 0 through ``get_slice``, or the whole tensor when
-    ``rows`` is None) and write it, flattened, at element ``offset`` of the flattened ``target``; ``convert``:
-    first unpad it (K3's padded ``A_log``, ``names.tensor_from_k3``)."""
-
-    target: str
-    file: str
-    name: str
-    rows: Optional[Tuple[int, int]]
-    offset: int
-    convert: bool = False
-    expert: bool = False
-    bitcast: Optional[str] = None  # reinterpret the stored bits as this dtype (a packed target, weights.packed)
 
 
 @dataclass
@@ -106,11 +93,18 @@ def stored_tensors(weight_map: Mapping[str, str]) -> Dict[str, Stored]:
     for file, names in sorted(by_file.items()):
         header = read_safetensors_header(file)
         strays = sorted(k for k in header if weight_map.get(k) != file)
-        require(not strays, "path", f"{os.path.basename(file)} holds tensors that {SAFETENSORS_INDEX} maps to another "
-                f"file or not at all: {strays[:LISTED]}")
+        require(
+            not strays,
+            "path",
+            f"{os.path.basename(file)} holds tensors that {SAFETENSORS_INDEX} maps to another "
+            f"file or not at all: {strays[:LISTED]}",
+        )
         absent = sorted(n for n in names if n not in header)
-        require(not absent, "path", f"{SAFETENSORS_INDEX} lists tensors that {os.path.basename(file)} does not hold: "
-                f"{absent[:LISTED]}")
+        require(
+            not absent,
+            "path",
+            f"{SAFETENSORS_INDEX} lists tensors that {os.path.basename(file)} does not hold: {absent[:LISTED]}",
+        )
         for name in names:
             entry = header[name]
             out[name] = Stored(file, tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]][0])
@@ -129,7 +123,7 @@ def _config_model_type(path: Optional[str]) -> Optional[str]:
 
 
 def detect_layout(path: Optional[str], names: Iterable[str]) -> str:
-    """"k3" or "hf": by ``config.json``'s ``model_type`` in ``path`` (K3's "kimi_linear" / "kimi_k3", or this
+    """ "k3" or "hf": by ``config.json``'s ``model_type`` in ``path`` (K3's "kimi_linear" / "kimi_k3", or this
     project's "moe_plugin"), else by the tensor names (K3 stores one tensor per expert)."""
     model_type = _config_model_type(path)
     if model_type in (K3_TEXT_MODEL_TYPE, K3_VL_MODEL_TYPE):
@@ -139,59 +133,18 @@ def detect_layout(path: Optional[str], names: Iterable[str]) -> str:
     return "k3" if any(parse_k3_expert(name) or is_k2_expert(name) for name in names) else "hf"
 
 
-def _listing(names: List[str]) -> str:
-    more = f" ... ({len(names) - LISTED} more)" if len(names) > LISTED else ""
-    return f"{names[:LISTED]}{more}"
-
-
-def _mismatches(tname: str, target: Target, stored_name: str, wanted: List[str], stored: Mapping[str, Stored],
-                layout: str, num_experts: int) -> List[str]:
-    """One "name: checkpoint [...], model [...]" entry per stored tensor whose shape the target cannot take."""
-    present = [n for n in wanted if n in stored]
-    if target.experts is not None and layout == "k3":
-        row = list(target.shape[1:])
-        packed = is_packed_expert_stack(tname, target.dtype)  # compared as the bytes the target will see
-        return [f"{n}: checkpoint {list(stored[n].shape)} {stored[n].dtype}, model {row} (one expert of {tname})"
-                for n in present
-                if list(viewed_shape(stored[n].shape, stored[n].dtype, target.dtype) if packed else stored[n].shape)
-                != row]
-    if not present:
-        return []
-    have = stored[present[0]].shape
-    if target.experts is not None:
-        want = (num_experts, *target.shape[1:])
-        first, last = target.experts
-        note = f" (this rank holds experts {first}..{last - 1})" if last - first != num_experts else ""
-        return [] if tuple(have) == want else [f"{present[0]}: checkpoint {list(have)}, model {list(want)}{note}"]
-    if layout == "k3":
-        reason = k3_shape_fits(stored_name, have, target.shape)
-    else:
-        reason = None if tuple(have) == tuple(target.shape) else ""
-    if reason is None:
-        return []
-    return [f"{present[0]}: checkpoint {list(have)}, model {list(target.shape)}" + (f" ({reason})" if reason else "")]
-
-
-def _reads_of(tname: str, target: Target, stored_name: str, wanted: List[str], stored: Mapping[str, Stored],
-              layout: str) -> List[Read]:
+def _reads_of(
+    tname: str, target: Target, stored_name: str, wanted: List[str], stored: Mapping[str, Stored], layout: str
+) -> List[Read]:
     reads = _plain_reads_of(tname, target, stored_name, wanted, stored, layout)
     if not is_packed_expert_stack(tname, target.dtype):
         return reads
-    return [r if stored[r.name].dtype == target.dtype else Read(**{**vars(r), "bitcast": target.dtype})
-            for r in reads]
+    return [r if stored[r.name].dtype == target.dtype else Read(**{**vars(r), "bitcast": target.dtype}) for r in reads]
 
 
-def _packed_dtype_problems(tname: str, target: Target, wanted: List[str], stored: Mapping[str, Stored]) -> List[str]:
-    """Stored tensors whose bits a packed target cannot take as they are (no byte is ever converted)."""
-    if not is_packed_expert_stack(tname, target.dtype):
-        return []
-    return [f"{n}: checkpoint dtype {stored[n].dtype}, model {target.dtype} (packed experts take the stored bits "
-            "unconverted; was the model built with this checkpoint's expert format?)"
-            for n in wanted if n in stored and not bit_compatible(stored[n].dtype, target.dtype)]
-
-
-def _plain_reads_of(tname: str, target: Target, stored_name: str, wanted: List[str], stored: Mapping[str, Stored],
-                    layout: str) -> List[Read]:
+def _plain_reads_of(
+    tname: str, target: Target, stored_name: str, wanted: List[str], stored: Mapping[str, Stored], layout: str
+) -> List[Read]:
     numel = math.prod(target.shape)
     lo, hi = target.flat_range or (0, numel)
     if lo >= hi:
@@ -220,10 +173,20 @@ def _plain_reads_of(tname: str, target: Target, stored_name: str, wanted: List[s
     return [Read(tname, entry.file, stored_name, rows, a * row)]
 
 
-def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, names: str, config: ModelConfig,
-               layout: Optional[str] = None, strict: bool = True, ignore_vision: bool = False,
-               ignore_mtp: bool = False, stored: Optional[Mapping[str, Stored]] = None,
-               field_name: str = "checkpoint", source: Optional[str] = None) -> Plan:
+def plan_reads(
+    targets: Mapping[str, Target],
+    weight_map: Mapping[str, str],
+    *,
+    names: str,
+    config: ModelConfig,
+    layout: Optional[str] = None,
+    strict: bool = True,
+    ignore_vision: bool = False,
+    ignore_mtp: bool = False,
+    stored: Optional[Mapping[str, Stored]] = None,
+    field_name: str = "checkpoint",
+    source: Optional[str] = None,
+) -> Plan:
     """The reads that fill ``targets`` (model names in ``names``' naming, "hf" or "megatron") from a checkpoint.
 
     weight_map: ``{stored name: shard file}``; stored: the headers (default: read with ``stored_tensors``);
@@ -244,11 +207,14 @@ def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, 
     require(layout in LAYOUTS, "layout", f"must be one of {LAYOUTS}, got {layout!r}")
     quantised = quantised_tensors({n: s.dtype for n, s in stored.items()})
     packed_model = any(is_packed_expert_stack(n, t.dtype) for n, t in targets.items())
-    require(not quantised or packed_model, field_name,
-            "the checkpoint holds MXFP4-quantised tensors (FP4 e2m1 blocks with e8m0 "
-            "scales) but the model's experts are dense: build it with the checkpoint's expert format (config.json's "
-            "quantization_config sets expert_format; docs/packed-experts.md), or dequantise the experts first. "
-            f"{len(quantised)} quantised tensor(s): {_listing(quantised)}")
+    require(
+        not quantised or packed_model,
+        field_name,
+        "the checkpoint holds MXFP4-quantised tensors (FP4 e2m1 blocks with e8m0 "
+        "scales) but the model's experts are dense: build it with the checkpoint's expert format (config.json's "
+        "quantization_config sets expert_format; docs/packed-experts.md), or dequantise the experts first. "
+        f"{len(quantised)} quantised tensor(s): {_listing(quantised)}",
+    )
 
     prefix = TEXT_PREFIX if any(n.startswith(TEXT_PREFIX) for n in stored) else ""
     naming = expert_naming(stored) if layout == "k3" else "k3"  # K2's INT4 releases name their MoE blocks alike
@@ -271,14 +237,19 @@ def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, 
             continue
         if target.experts is not None:
             first, last = target.experts
-            require(len(target.shape) == 3 and target.shape[0] == last - first and 0 <= first < last <= num_experts,
-                    f"targets[{tname!r}]", f"an expert stack of shape {list(target.shape)} cannot hold experts "
-                    f"[{first}, {last}) of {num_experts}")
+            require(
+                len(target.shape) == 3 and target.shape[0] == last - first and 0 <= first < last <= num_experts,
+                f"targets[{tname!r}]",
+                f"an expert stack of shape {list(target.shape)} cannot hold experts [{first}, {last}) of {num_experts}",
+            )
         per_expert = layout == "k3" and target.experts is not None
         packed = is_packed_expert_stack(tname, target.dtype)
         if per_expert:
-            wanted = packed_expert_names(stored_name, num_experts, naming) if packed else \
-                [k3_expert_name(stored_name, e) for e in range(num_experts)]
+            wanted = (
+                packed_expert_names(stored_name, num_experts, naming)
+                if packed
+                else [k3_expert_name(stored_name, e) for e in range(num_experts)]
+            )
         else:
             wanted = [stored_name]
         expected.update(wanted)
@@ -296,76 +267,11 @@ def plan_reads(targets: Mapping[str, Target], weight_map: Mapping[str, str], *, 
     mismatched += _weight_shape_problems(shape_checks, stored)
 
     extra = sorted(n for n in stored if n not in expected)
-    plan.ignored = [n for n in extra if (ignore_vision and n.startswith(VISION_PREFIXES))
-                    or (ignore_mtp and is_mtp(n, config.num_layers))]
+    plan.ignored = [
+        n
+        for n in extra
+        if (ignore_vision and n.startswith(VISION_PREFIXES)) or (ignore_mtp and is_mtp(n, config.num_layers))
+    ]
     plan.unknown = [n for n in extra if n not in set(plan.ignored)]
     _raise_problems(field_name, sorted(missing), plan.unknown if strict else [], mismatched, layout, config, source)
     return plan
-
-
-def _shape_checks(tname: str, reads: List[Read], stored: Mapping[str, Stored], config: ModelConfig,
-                  mismatched: List[str]) -> List[Tuple[str, Tuple[int, int], str]]:
-    """(``weight_shape`` name, the logical ``[out, in]`` the model needs, model tensor) of each expert this
-    rank reads into the packed codes ``tname``; a record whose header is not an integer ``[2]`` is added to
-    ``mismatched`` at once (its values could not be read)."""
-    found = stack_of(tname.removeprefix(TEXT_PREFIX))
-    if found is None or found[2]:
-        return []  # the scales: their experts' records are checked with the codes
-    moe = config.moe
-    want = logical_shape(found[1], moe.expert_intermediate_size, moe.latent_size or moe.hidden_size)
-    out = []
-    for read in reads:
-        name = shape_tensor_name(read.name)
-        if name not in stored:
-            continue  # MXFP4 has none; compressed-tensors' INT4 always writes it, but it adds nothing
-        entry = stored[name]
-        if entry.dtype not in ("int32", "int64") or tuple(entry.shape) != (2,):
-            mismatched.append(f"{name}: checkpoint {list(entry.shape)} {entry.dtype}, expected int32 [2] (the "
-                              f"logical [out, in] of one expert of {tname})")
-        else:
-            out.append((name, want, tname))
-    return out
-
-
-def _weight_shape_problems(checks: List[Tuple[str, Tuple[int, int], str]], stored: Mapping[str, Stored]) -> List[str]:
-    """Read each ``weight_shape`` record (8 bytes, once per shard file) and name those that differ from the
-    model's logical expert shape. In-memory plans (no shard file) have no values to read and check headers only."""
-    from safetensors import safe_open  # a header-only planner otherwise; only these records are read
-
-    by_file: Dict[str, List[Tuple[str, Tuple[int, int], str]]] = defaultdict(list)
-    for check in checks:
-        if stored[check[0]].file:
-            by_file[stored[check[0]].file].append(check)
-    out = []
-    for file, items in sorted(by_file.items()):
-        with safe_open(file, framework="pt") as handle:
-            for name, want, tname in items:
-                got = tuple(int(v) for v in handle.get_tensor(name).tolist())
-                if got != tuple(want):
-                    out.append(f"{name}: checkpoint weight_shape {list(got)}, model {list(want)} (the logical "
-                               f"[out, in] of one expert of {tname}; was the model built from this checkpoint's "
-                               "config?)")
-    return out
-
-
-def _raise_problems(field_name: str, missing: List[str], unknown: List[str], mismatched: List[str], layout: str,
-                    config: ModelConfig, source: Optional[str]) -> None:
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} tensors of the model are missing: {_listing(missing)}")
-    if unknown:
-        parts.append(f"{len(unknown)} tensors the model does not have: {_listing(unknown)} (strict=False to skip them)")
-        if layout == "k3" and any(is_mtp(n, config.num_layers) for n in unknown):
-            parts.append("multi-token-prediction layers are not supported: pass ignore_mtp=True to drop them")
-        if any(n.startswith(VISION_PREFIXES) for n in unknown):
-            parts.append(f"the unknown tensors under {'/'.join(VISION_PREFIXES)} belong to the image model: load "
-                         "them into MoEPluginForConditionalGeneration, or pass ignore_vision=True to drop them")
-    if mismatched:
-        parts.append(f"{len(mismatched)} tensors differ in shape from the model: " + "; ".join(mismatched[:LISTED])
-                     + (f" ... ({len(mismatched) - LISTED} more)" if len(mismatched) > LISTED else ""))
-    if not parts:
-        return
-    fix = " (was the model built from this checkpoint's own config?)" if missing or mismatched else ""
-    where = f"{source}: " if source else ""
-    raise ValueError(f"{field_name}: " + "; ".join(parts)
-                     + f" [{where}{len(missing)} missing, {len(unknown)} unknown, {len(mismatched)} misshapen]{fix}")

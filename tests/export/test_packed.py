@@ -109,7 +109,7 @@ def test_a_dropped_or_wrong_expert_is_named(fmt):
 
 def test_the_bases_floating_dtype_counts_values_and_leaves_packed_scales_out():
     from moe_plugin.export.packed import float_dtype
-    from moe_plugin.weights.plan import Stored
+    from moe_plugin.weights.reads import Stored
 
     int4_fp32 = {f"m.experts.{e}.w1.weight_scale": Stored("", (32, 1), "bfloat16") for e in range(72)}
     int4_fp32.update({"m.embed.weight": Stored("", (384, 64), "float32"), "m.norm": Stored("", (64,), "float32")})

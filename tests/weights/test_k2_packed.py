@@ -22,7 +22,8 @@ from moe_plugin.ops.quant import decode
 from moe_plugin.testing.launch import run_distributed
 from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from moe_plugin.weights.packed import expert_naming, k2_block_name, k2_packed_name
-from moe_plugin.weights.plan import Target, detect_layout, plan_reads, stored_tensors
+from moe_plugin.weights.plan import detect_layout, plan_reads, stored_tensors
+from moe_plugin.weights.reads import Target
 
 KINDS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 ROUTED = "model.layers.1.mlp.experts"

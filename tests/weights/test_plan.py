@@ -8,7 +8,8 @@ from safetensors.torch import save_file
 
 from moe_plugin.fileio import safetensors_weight_map
 from moe_plugin.models import preset_config
-from moe_plugin.weights.plan import Read, Stored, Target, detect_layout, plan_reads, stored_tensors
+from moe_plugin.weights.plan import detect_layout, plan_reads, stored_tensors
+from moe_plugin.weights.reads import Read, Stored, Target
 
 W1 = "model.layers.1.block_sparse_moe.experts.w1"  # the tiny preset: 8 experts, F = 32, L = 32
 
