@@ -15,7 +15,6 @@ gives the same loss.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import warnings
 from dataclasses import dataclass
@@ -26,13 +25,29 @@ import torch
 from ...config import require
 from .chat import chat_example, has_images, sft_examples
 from .images import Images, concat_images
-from .records import IGNORE, Example, default_tokenizer, describe, encode, read_records
 
-__all__ = ["Example", "Row", "MicroBatch", "IGNORE", "arithmetic_documents", "arithmetic_examples", "text_examples",
-           "chat_example", "sft_examples", "has_images", "split_examples", "load_examples", "label_token_count",
-           "pack_examples", "StepBatches", "eval_batches"]
+# the sources, re-exported: docs/hf-trainer.md and the Hugging Face trainer import them from here
+from .sources import arithmetic_documents, arithmetic_examples, load_examples, split_examples, text_examples
+from .records import IGNORE, Example, describe
 
-_OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+__all__ = [
+    "Example",
+    "Row",
+    "MicroBatch",
+    "IGNORE",
+    "arithmetic_documents",
+    "arithmetic_examples",
+    "text_examples",
+    "chat_example",
+    "sft_examples",
+    "has_images",
+    "split_examples",
+    "load_examples",
+    "label_token_count",
+    "pack_examples",
+    "StepBatches",
+    "eval_batches",
+]
 
 
 @dataclass
@@ -65,93 +80,8 @@ class MicroBatch:
         return {"pixel_patches": self.pixel_patches.to(device), "grid_hw": self.grid_hw.to(device)}
 
 
-# ----------------------------------------------------------------------------------------------- sources
-
-def arithmetic_documents(count: int, seed: int = 0, operation: str = "+") -> List[str]:
-    """Short questions on two-digit numbers: learnable by a tiny model, so a falling loss means something."""
-    require(operation in _OPERATIONS, "data.operation", f"expected one of {sorted(_OPERATIONS)}, got {operation!r}")
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(count):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        docs.append(f"Q: {a} {operation} {b} = ? A: {_OPERATIONS[operation](a, b)}.")
-    return docs
-
-
-def _document_example(tokenizer, text: str, where: str = "") -> Example:
-    # a tokenizer without a bos token (many subword ones) starts the document with its first token
-    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    ids = bos + encode(tokenizer, text) + [tokenizer.eos_token_id]
-    return Example(ids, list(ids), where=where)
-
-
-def arithmetic_examples(count: int, seed: int = 0, operation: str = "+", tokenizer=None) -> List[Example]:
-    """``<|bos|>Q: a - b = ? A: c.<|eos|>`` per document, loss on every token."""
-    tokenizer = default_tokenizer(tokenizer)
-    return [_document_example(tokenizer, doc, f"generated arithmetic document {i}")
-            for i, doc in enumerate(arithmetic_documents(count, seed, operation), 1)]
-
-
-def text_examples(path: str, tokenizer=None) -> List[Example]:
-    """One ``{"text": ...}`` record per document, tokenized as ``<|bos|> text <|eos|>``, loss on every token."""
-    tokenizer = default_tokenizer(tokenizer)
-    examples = []
-    for where, record in read_records(path):
-        require(isinstance(record, dict) and isinstance(record.get("text"), str), "data.path",
-                f"{where}: needs an object with a string field 'text', got {describe(record)}")
-        examples.append(_document_example(tokenizer, record["text"], where))
-    return examples
-
-
-# ------------------------------------------------------------------------------------------------- split
-
-def _held_out_score(example: Example) -> float:
-    """A number in [0, 1) fixed by the example's content alone, so the split survives reordered or added lines."""
-    content = ",".join(map(str, example.input_ids)) + "|" + ",".join(map(str, example.labels))
-    return int.from_bytes(hashlib.blake2b(content.encode(), digest_size=8).digest(), "big") / 2.0 ** 64
-
-
-def split_examples(examples: List[Example], eval_fraction: float) -> Tuple[List[Example], List[Example]]:
-    """(train, held_out): an example is held out when its content hash falls below ``eval_fraction``, so about
-    that fraction is held out and identical examples always land on the same side."""
-    require(isinstance(eval_fraction, (int, float)) and 0 <= eval_fraction <= 0.5, "data.eval_fraction",
-            f"must be a number in [0, 0.5], got {eval_fraction!r}")
-    train, held_out = [], []
-    for example in examples:
-        (held_out if _held_out_score(example) < eval_fraction else train).append(example)
-    return train, held_out
-
-
-def load_examples(section, seed: int = 0, tokenizer=None, tokens=None,
-                  processor=None) -> Tuple[List[Example], List[Example]]:
-    """(train, held_out) examples for the recipe's data section (duck-typed: ``kind``, ``path``, ``operation``,
-    ``num_documents``, ``eval_fraction``); ``seed`` draws the arithmetic questions. ``tokenizer``, ``tokens``
-    (its ``ChatTokens``) and ``processor`` are the base's (``ResolvedModel``); without a tokenizer, the byte
-    tokenizer of the presets."""
-    kind = section.kind
-    if kind == "arithmetic":
-        examples = arithmetic_examples(section.num_documents, seed, section.operation, tokenizer)
-    elif kind == "sft":
-        require(bool(section.path), "data.path", f"is required when data.kind is {kind!r}")
-        examples = sft_examples(section.path, tokenizer, processor, tokens)
-    elif kind == "text":
-        require(bool(section.path), "data.path", f"is required when data.kind is {kind!r}")
-        examples = text_examples(section.path, tokenizer)
-    else:
-        raise ValueError(f"data.kind: must be 'arithmetic', 'sft' or 'text', got {kind!r}")
-    require(len(examples) > 0, "data.num_documents" if kind == "arithmetic" else "data.path",
-            f"must be positive to generate examples, got {section.num_documents}" if kind == "arithmetic"
-            else f"{section.path} holds no examples; add records")
-    fraction = getattr(section, "eval_fraction", 0.0)
-    train, held_out = split_examples(examples, fraction)
-    require(len(train) > 0, "data.eval_fraction", f"{fraction} holds out all {len(examples)} examples; lower it")
-    require(fraction == 0 or len(held_out) > 0, "data.eval_fraction",
-            f"{fraction} of {len(examples)} examples selects none for the held-out split; raise it, add "
-            f"examples, or set it to 0")
-    return train, held_out
-
-
 # ------------------------------------------------------------------------------------------------ packing
+
 
 def label_token_count(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> int:
     """The label tokens ``causal_lm_loss`` scores in a packed row: labels ``[T]`` or ``[1, T]`` other than
@@ -190,11 +120,17 @@ class _LabelLosses:
         if not self.lost:
             return
         where = f"data.seq_len={self.seq_len} (first: {self.first})"
-        require(self.kept > 0, "data.seq_len",
-                f"no label survives: all {self.lost} of {self.total} records with labels lose every label to "
-                f"{where}; raise data.seq_len to at least {self.needed} or shorten them")
-        warnings.warn(f"data.seq_len: {self.lost} of {self.total} records lose every label to {where}; raise "
-                      "data.seq_len or shorten them", stacklevel=2)
+        require(
+            self.kept > 0,
+            "data.seq_len",
+            f"no label survives: all {self.lost} of {self.total} records with labels lose every label to "
+            f"{where}; raise data.seq_len to at least {self.needed} or shorten them",
+        )
+        warnings.warn(
+            f"data.seq_len: {self.lost} of {self.total} records lose every label to {where}; raise "
+            "data.seq_len or shorten them",
+            stacklevel=2,
+        )
 
 
 def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_id: int = 256) -> List[Row]:
@@ -213,9 +149,12 @@ def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_
     for number, example in enumerate(examples, 1):
         losses.add(example, number)
         if len(example.input_ids) > seq_len:
-            require(example.images is None, "data.seq_len",
-                    f"{example.where or 'an example'} holds images and is {len(example.input_ids)} tokens long, "
-                    f"more than data.seq_len ({seq_len}); raise data.seq_len to at least {len(example.input_ids)}")
+            require(
+                example.images is None,
+                "data.seq_len",
+                f"{example.where or 'an example'} holds images and is {len(example.input_ids)} tokens long, "
+                f"more than data.seq_len ({seq_len}); raise data.seq_len to at least {len(example.input_ids)}",
+            )
             truncated += 1
             example = Example(example.input_ids[:seq_len], example.labels[:seq_len], where=example.where)
         size = len(example.input_ids)
@@ -228,8 +167,11 @@ def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_
         room[target] -= size
     losses.report()
     if truncated:
-        warnings.warn(f"data.seq_len: {truncated} of {len(examples)} examples are longer than {seq_len} tokens "
-                      f"and were truncated to it; raise data.seq_len to keep them whole", stacklevel=2)
+        warnings.warn(
+            f"data.seq_len: {truncated} of {len(examples)} examples are longer than {seq_len} tokens "
+            f"and were truncated to it; raise data.seq_len to keep them whole",
+            stacklevel=2,
+        )
     rows = []
     for members, free in zip(bins, room):
         ids = [t for e in members for t in e.input_ids] + [pad_id] * free
@@ -239,8 +181,14 @@ def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_
             bounds.append(bounds[-1] + len(e.input_ids))
         if free:
             bounds.append(seq_len)
-        rows.append(Row(torch.tensor(ids, dtype=torch.int64), torch.tensor(labels, dtype=torch.int64),
-                        torch.tensor(bounds, dtype=torch.int64), concat_images([e.images for e in members])))
+        rows.append(
+            Row(
+                torch.tensor(ids, dtype=torch.int64),
+                torch.tensor(labels, dtype=torch.int64),
+                torch.tensor(bounds, dtype=torch.int64),
+                concat_images([e.images for e in members]),
+            )
+        )
     return rows
 
 
@@ -251,9 +199,13 @@ def _micro_batch(rows: List[Row]) -> MicroBatch:
         cu.append(row.cu_seqlens[1:] + offset)
         offset += row.input_ids.numel()
     images = concat_images([r.images for r in rows])
-    return MicroBatch(torch.cat([r.input_ids for r in rows]).unsqueeze(0),
-                      torch.cat([r.labels for r in rows]).unsqueeze(0), torch.cat(cu),
-                      images.pixel_patches if images else None, images.grid_hw if images else None)
+    return MicroBatch(
+        torch.cat([r.input_ids for r in rows]).unsqueeze(0),
+        torch.cat([r.labels for r in rows]).unsqueeze(0),
+        torch.cat(cu),
+        images.pixel_patches if images else None,
+        images.grid_hw if images else None,
+    )
 
 
 class StepBatches:
@@ -268,15 +220,21 @@ class StepBatches:
     """
 
     def __init__(self, rows: List[Row], micro_batch_size: int, accumulation: int, dp_size: int, seed: int):
-        for name, value in (("train.micro_batch_size", micro_batch_size),
-                            ("train.gradient_accumulation", accumulation), ("parallel.dp_size", dp_size)):
+        for name, value in (
+            ("train.micro_batch_size", micro_batch_size),
+            ("train.gradient_accumulation", accumulation),
+            ("parallel.dp_size", dp_size),
+        ):
             require(isinstance(value, int) and value > 0, name, f"must be a positive integer, got {value!r}")
         self.rows, self.seed = rows, seed
         self.micro_batch_size, self.accumulation, self.dp_size = micro_batch_size, accumulation, dp_size
         self.rows_per_step = dp_size * accumulation * micro_batch_size
-        require(len(rows) >= self.rows_per_step, "train.micro_batch_size",
-                f"a step takes dp_size * accumulation * micro_batch_size = {self.rows_per_step} rows but the "
-                f"data has only {len(rows)}; add examples, shorten data.seq_len or take smaller steps")
+        require(
+            len(rows) >= self.rows_per_step,
+            "train.micro_batch_size",
+            f"a step takes dp_size * accumulation * micro_batch_size = {self.rows_per_step} rows but the "
+            f"data has only {len(rows)}; add examples, shorten data.seq_len or take smaller steps",
+        )
         self._row_tokens = [label_token_count(r.labels, r.cu_seqlens) for r in rows]
         self.epoch, self.index = 0, 0
         self._order = self._shuffle(0)
@@ -289,18 +247,21 @@ class StepBatches:
     def next_step(self, dp_rank: int) -> Tuple[List[MicroBatch], int]:
         """This rank's ``accumulation`` micro-batches of the next step, and the label tokens of the whole step
         (all ranks, all micro-batches: what ``causal_lm_loss`` counts), for ``num_items_in_batch``."""
-        require(isinstance(dp_rank, int) and 0 <= dp_rank < self.dp_size, "dp_rank",
-                f"must be in [0, {self.dp_size}), got {dp_rank!r}")
+        require(
+            isinstance(dp_rank, int) and 0 <= dp_rank < self.dp_size,
+            "dp_rank",
+            f"must be in [0, {self.dp_size}), got {dp_rank!r}",
+        )
         if self.index + self.rows_per_step > len(self.rows):
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._shuffle(self.epoch)
-        step = self._order[self.index:self.index + self.rows_per_step]
+        step = self._order[self.index : self.index + self.rows_per_step]
         self.index += self.rows_per_step
         mb = self.micro_batch_size
         micro_batches = []
         for m in range(self.accumulation):
             first = (m * self.dp_size + dp_rank) * mb
-            micro_batches.append(_micro_batch([self.rows[i] for i in step[first:first + mb]]))
+            micro_batches.append(_micro_batch([self.rows[i] for i in step[first : first + mb]]))
         return micro_batches, sum(self._row_tokens[i] for i in step)
 
     def state_dict(self) -> dict:
@@ -309,27 +270,45 @@ class StepBatches:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume exactly where ``state_dict`` was taken; a state from other data raises a ValueError."""
-        require(isinstance(state, dict) and all(isinstance(state.get(k), int) for k in
-                                                ("epoch", "index", "num_rows", "seed")),
-                "data state", f"needs integer 'epoch', 'index', 'num_rows' and 'seed', got {describe(state)}")
-        require(state["num_rows"] == len(self.rows), "data state",
-                f"was saved with {state['num_rows']} rows but this run has {len(self.rows)}; resume with the "
-                f"same data, data.seq_len and data.pack")
-        require(state["seed"] == self.seed, "data state",
-                f"was saved with seed {state['seed']} but this run has {self.seed}; resume with the same seed")
-        require(state["epoch"] >= 0 and 0 <= state["index"] <= len(self.rows), "data state",
-                f"epoch {state['epoch']}, index {state['index']} is not a position in {len(self.rows)} rows")
+        require(
+            isinstance(state, dict)
+            and all(isinstance(state.get(k), int) for k in ("epoch", "index", "num_rows", "seed")),
+            "data state",
+            f"needs integer 'epoch', 'index', 'num_rows' and 'seed', got {describe(state)}",
+        )
+        require(
+            state["num_rows"] == len(self.rows),
+            "data state",
+            f"was saved with {state['num_rows']} rows but this run has {len(self.rows)}; resume with the "
+            f"same data, data.seq_len and data.pack",
+        )
+        require(
+            state["seed"] == self.seed,
+            "data state",
+            f"was saved with seed {state['seed']} but this run has {self.seed}; resume with the same seed",
+        )
+        require(
+            state["epoch"] >= 0 and 0 <= state["index"] <= len(self.rows),
+            "data state",
+            f"epoch {state['epoch']}, index {state['index']} is not a position in {len(self.rows)} rows",
+        )
         self.epoch, self.index = state["epoch"], state["index"]
         self._order = self._shuffle(self.epoch)
 
 
 def eval_batches(rows: List[Row], micro_batch_size: int, count: Optional[int] = None) -> List[MicroBatch]:
     """The first ``count`` (default: all) micro-batches of ``rows`` in order, the last possibly shorter."""
-    require(isinstance(micro_batch_size, int) and micro_batch_size > 0, "train.micro_batch_size",
-            f"must be a positive integer, got {micro_batch_size!r}")
-    require(count is None or (isinstance(count, int) and count >= 0), "eval batch count",
-            f"must be a non-negative integer, got {count!r}")
+    require(
+        isinstance(micro_batch_size, int) and micro_batch_size > 0,
+        "train.micro_batch_size",
+        f"must be a positive integer, got {micro_batch_size!r}",
+    )
+    require(
+        count is None or (isinstance(count, int) and count >= 0),
+        "eval batch count",
+        f"must be a non-negative integer, got {count!r}",
+    )
     starts = range(0, len(rows), micro_batch_size)
     if count is not None:
         starts = starts[:count]
-    return [_micro_batch(rows[s:s + micro_batch_size]) for s in starts]
+    return [_micro_batch(rows[s : s + micro_batch_size]) for s in starts]
