@@ -18,28 +18,26 @@ that differ (``strict=False`` to skip that).
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from ..layers.attn_res import AttnResProjection, attn_res_point, make_stream, stream_from_state
+from ..layers.attn_res import attn_res_point, make_stream, stream_from_state
 from ..layers.decoder import DecoderLayer
-from ..layers.kda import KDAAttention, ShortConvolution
 from ..layers.moe import MoERouter, balancing
 from ..layers.norm import RMSNorm
 from ..layers.recompute import check_mode, set_recompute
-from ..layers.stacked_experts import StackedExperts
 from ..layers.vision import VisionTower
 from ..ops.losses import balance_terms, training_loss
 from ..ops.moe import document_weights
 from ..precision import FP32_TENSORS, keep_fp32_through
 from .cache import HybridCache
 from .configuration import MoEPluginConfig
+from .loading import SELF_INITIALISED, check_loading_info, reset_unloaded
 from .inputs import check_inputs, check_labels, left_padding_mask, pack_padded, unpack_padded
 
 
@@ -63,60 +61,6 @@ class MoECausalLMOutput(ModelOutput):
     balance_loss: Optional[torch.Tensor] = None  # [num_moe_layers]: each layer's balance term (no coefficient)
 
 
-# The DSA indexer is optional on both sides: a checkpoint without it (K3 ships none) loads into a model with
-# it (the indexer starts fresh), and a model without it loads a checkpoint that has one (dense attention).
-_INDEXER = re.compile(r"\.self_attn\.indexer\.")
-LISTED = 10  # tensor names shown per kind in a load error
-
-
-def check_loading_info(info: dict, model_order: List[str], ignore_mismatched_sizes: bool = False) -> None:
-    """Raise ValueError naming the first tensors whose names or shapes differ between checkpoint and model.
-
-    info: transformers' loading info (``missing_keys``, ``unexpected_keys``, ``mismatched_keys`` as
-    ``(name, checkpoint_shape, model_shape)``); model_order: the model's tensor names in state-dict order,
-    which is the order names are listed in. Indexer tensors may be missing or extra (see ``_INDEXER``).
-    """
-    rank = {name: i for i, name in enumerate(model_order)}
-    first = lambda name: (rank.get(name, len(rank)), name)  # noqa: E731
-    problems: List[str] = []
-    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda item: first(item[0]))
-    if mismatched and not ignore_mismatched_sizes:
-        listed = ", ".join(f"{name} (checkpoint {tuple(ckpt)}, model {tuple(model)})"
-                           for name, ckpt, model in mismatched[:LISTED])
-        problems.append(f"{len(mismatched)} with other shapes: {listed}")
-    missing = sorted((k for k in info.get("missing_keys") or () if not _INDEXER.search(k)), key=first)
-    if missing:
-        problems.append(f"{len(missing)} missing from the checkpoint: {', '.join(missing[:LISTED])}")
-    unexpected = sorted(k for k in info.get("unexpected_keys") or () if not _INDEXER.search(k))
-    if unexpected:
-        problems.append(f"{len(unexpected)} the model does not have: {', '.join(unexpected[:LISTED])}")
-    if problems:
-        raise ValueError("checkpoint: its tensors do not match the config; " + "; ".join(problems)
-                         + " (pass strict=False to load anyway)")
-
-
-# Modules whose reset_parameters() initialises their own tensors that are not plain Linear/Embedding/norm
-# weights (decay parameters, convolutions, stacked experts, position table) or that must not be drawn like
-# a Linear (the AttnRes projections start at zero).
-SELF_INITIALISED = (AttnResProjection, KDAAttention, ShortConvolution, StackedExperts, VisionTower)
-
-
-@torch.no_grad()
-def reset_unloaded(module: nn.Module) -> None:
-    """``module.reset_parameters()`` for the module's own tensors, keeping those transformers has loaded.
-
-    transformers marks loaded tensors ``_is_hf_initialized`` and guards ``nn.init`` with it, but the layers'
-    init also uses plain tensor ops (``log_``, ``copy_``), so loaded values are saved and put back here.
-    """
-    own = [t for t in list(module._parameters.values()) + list(module._buffers.values()) if t is not None]
-    loaded = [(t, t.detach().clone()) for t in own if getattr(t, "_is_hf_initialized", False)]
-    if len(loaded) == len(own):
-        return
-    module.reset_parameters()
-    for tensor, value in loaded:
-        tensor.detach().copy_(value)
-
-
 class MoEPluginPreTrainedModel(PreTrainedModel):
     config_class = MoEPluginConfig
     base_model_prefix = "model"
@@ -136,8 +80,7 @@ class MoEPluginPreTrainedModel(PreTrainedModel):
         want_info = kwargs.pop("output_loading_info", False)
         ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
         # load with mismatches allowed so that transformers reports them all, then decide here
-        model, info = super().from_pretrained(*args, ignore_mismatched_sizes=True, output_loading_info=True,
-                                              **kwargs)
+        model, info = super().from_pretrained(*args, ignore_mismatched_sizes=True, output_loading_info=True, **kwargs)
         check_loading_info(info, list(model.state_dict()), ignore_mismatched)
         return (model, info) if want_info else model
 
@@ -145,21 +88,25 @@ class MoEPluginPreTrainedModel(PreTrainedModel):
         # model.to(bfloat16) / .half() follow the precision policy: its fp32 tensors keep their exact values
         return keep_fp32_through(self, lambda: super(MoEPluginPreTrainedModel, self)._apply(fn, recurse))
 
-    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
-                                        offload: bool = False):
+    def activation_checkpointing_enable(
+        self, activation_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False
+    ):
         """transformers' switch onto ``layers.recompute``: mode ``"full"``, or ``activation_checkpointing_kwargs
         ["mode"]`` (``"selective"``); the other keys go to ``torch.utils.checkpoint.checkpoint``, always
         non-reentrant (``use_reentrant=True`` is refused)."""
         kwargs = dict(activation_checkpointing_kwargs or {})
         mode = check_mode(kwargs.pop("mode", "full"), "activation_checkpointing_kwargs.mode")
         if kwargs.setdefault("use_reentrant", False):
-            raise ValueError("activation_checkpointing_kwargs.use_reentrant: must be False (reentrant checkpointing "
-                             "would recompute the router and breaks ZeRO-3's frozen parameters); drop it")
+            raise ValueError(
+                "activation_checkpointing_kwargs.use_reentrant: must be False (reentrant checkpointing "
+                "would recompute the router and breaks ZeRO-3's frozen parameters); drop it"
+            )
         self.recompute_mode_on_enable = mode
         return super().activation_checkpointing_enable(kwargs, every_n_layers=every_n_layers, offload=offload)
 
-    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
-                                    every_n_layers: int = 1) -> None:
+    def _set_gradient_checkpointing(
+        self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1
+    ) -> None:
         # transformers' hook (enable and disable): every every_n_layers-th decoder layer (and its MoE) takes the
         # mode with transformers' checkpoint function; a vision tower recomputes only when it trains
         mode = self.recompute_mode_on_enable if enable else "off"
@@ -211,23 +158,35 @@ class MoEPluginModel(MoEPluginPreTrainedModel):
     def new_cache(self) -> HybridCache:
         return HybridCache([layer.new_cache() for layer in self.layers])
 
-    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                inputs_embeds: Optional[torch.Tensor] = None, cache: Optional[HybridCache] = None,
-                use_cache: Optional[bool] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                return_indexer_loss: bool = False, **kwargs) -> MoEModelOutput:
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        cache: Optional[HybridCache] = None,
+        use_cache: Optional[bool] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        return_indexer_loss: bool = False,
+        **kwargs,
+    ) -> MoEModelOutput:
         """input_ids ``[B, T]`` or inputs_embeds ``[B, T, D]``; attention_mask ``[B, T]`` (1 real, 0 padding);
         cu_seqlens ``[N+1]`` for packed rows (B = 1). Bad input raises a ValueError naming the argument."""
         mc = self.model_config
-        batch, length = check_inputs(input_ids, inputs_embeds, attention_mask, mc.vocab_size, mc.hidden_size,
-                                     cache.seq_length if cache is not None else 0)
+        batch, length = check_inputs(
+            input_ids,
+            inputs_embeds,
+            attention_mask,
+            mc.vocab_size,
+            mc.hidden_size,
+            cache.seq_length if cache is not None else 0,
+        )
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache and cache is None:
             cache = self.new_cache()
         index = token_mask = None
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             if cu_seqlens is not None:
-                raise ValueError("attention_mask: padding cannot be combined with cu_seqlens; pack only real "
-                                 "tokens")
+                raise ValueError("attention_mask: padding cannot be combined with cu_seqlens; pack only real tokens")
             if cache is not None:  # left padding, masked inside the layers (nothing to pack one step at a time)
                 token_mask = left_padding_mask(attention_mask, length, cache.seq_length)
             else:
@@ -238,9 +197,13 @@ class MoEPluginModel(MoEPluginPreTrainedModel):
         residual = make_stream(x, mc.attn_res).state()  # tuples of tensors between modules (ZeRO-3's hooks)
         loads, index_losses = [], []
         for i, layer in enumerate(self.layers):
-            residual, load, index_loss = layer(residual, cu_seqlens=cu_seqlens,
-                                               cache=cache[i] if cache is not None else None,
-                                               return_indexer_loss=return_indexer_loss, token_mask=token_mask)
+            residual, load, index_loss = layer(
+                residual,
+                cu_seqlens=cu_seqlens,
+                cache=cache[i] if cache is not None else None,
+                return_indexer_loss=return_indexer_loss,
+                token_mask=token_mask,
+            )
             if load is not None:
                 loads.append(load)
             if index_loss is not None:
@@ -256,9 +219,11 @@ class MoEPluginModel(MoEPluginPreTrainedModel):
         if cache is not None:
             cache.seq_length += length
         return MoEModelOutput(
-            last_hidden_state=hidden, cache=cache,
+            last_hidden_state=hidden,
+            cache=cache,
             expert_load=torch.stack(loads) if loads else None,
-            indexer_loss=torch.stack(index_losses).mean() if index_losses else None)
+            indexer_loss=torch.stack(index_losses).mean() if index_losses else None,
+        )
 
 
 class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
@@ -280,11 +245,19 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
-    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
-                cache: Optional[HybridCache] = None, use_cache: Optional[bool] = None,
-                cu_seqlens: Optional[torch.Tensor] = None, logits_to_keep: int = 0,
-                num_items_in_batch: Optional[int] = None, **kwargs) -> MoECausalLMOutput:
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        cache: Optional[HybridCache] = None,
+        use_cache: Optional[bool] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        logits_to_keep: int = 0,
+        num_items_in_batch: Optional[int] = None,
+        **kwargs,
+    ) -> MoECausalLMOutput:
         """Logits ``[B, T, V]`` (``[B, logits_to_keep, V]``) and, with labels, the next-token loss.
 
         input_ids ``[B, T]`` int (or inputs_embeds ``[B, T, D]``); attention_mask ``[B, T]``, 1 for real tokens
@@ -298,16 +271,31 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
         """
         if labels is not None:  # fail before the forward, not inside the loss
             mc = self.model.model_config
-            batch, length = check_inputs(input_ids, inputs_embeds, attention_mask, mc.vocab_size, mc.hidden_size,
-                                         cache.seq_length if cache is not None else 0)
+            batch, length = check_inputs(
+                input_ids,
+                inputs_embeds,
+                attention_mask,
+                mc.vocab_size,
+                mc.hidden_size,
+                cache.seq_length if cache is not None else 0,
+            )
             check_labels(labels, batch, length, mc.vocab_size, logits_to_keep)
         # the indexer learns only from its KL loss (its inputs are detached): compute it when it can learn
-        want_indexer_loss = (self.training and self.config.indexer_loss_coeff > 0
-                             and any(p.requires_grad for p in self.indexer_parameters()))
+        want_indexer_loss = (
+            self.training
+            and self.config.indexer_loss_coeff > 0
+            and any(p.requires_grad for p in self.indexer_parameters())
+        )
         with self._balancing(labels, attention_mask, cu_seqlens, cache, num_items_in_batch) as moe_layers:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                             cache=cache, use_cache=use_cache, cu_seqlens=cu_seqlens,
-                             return_indexer_loss=want_indexer_loss)
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                cache=cache,
+                use_cache=use_cache,
+                cu_seqlens=cu_seqlens,
+                return_indexer_loss=want_indexer_loss,
+            )
         balance = balance_terms([layer.pop_balance() for layer in moe_layers])
         hidden = out.last_hidden_state
         if logits_to_keep:
@@ -317,11 +305,24 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
         if labels is not None:
             if attention_mask is not None:
                 labels = labels.masked_fill(~attention_mask.bool(), -100)
-            loss = training_loss(logits, labels, cu_seqlens, num_items_in_batch,
-                                 out.indexer_loss if want_indexer_loss else None, self.config.indexer_loss_coeff,
-                                 balance, self.router_aux_loss_coeff)
-        return MoECausalLMOutput(loss=loss, logits=logits, cache=out.cache, expert_load=out.expert_load,
-                                 indexer_loss=out.indexer_loss, balance_loss=balance)
+            loss = training_loss(
+                logits,
+                labels,
+                cu_seqlens,
+                num_items_in_batch,
+                out.indexer_loss if want_indexer_loss else None,
+                self.config.indexer_loss_coeff,
+                balance,
+                self.router_aux_loss_coeff,
+            )
+        return MoECausalLMOutput(
+            loss=loss,
+            logits=logits,
+            cache=out.cache,
+            expert_load=out.expert_load,
+            indexer_loss=out.indexer_loss,
+            balance_loss=balance,
+        )
 
     def _balancing(self, labels, attention_mask, cu_seqlens, cache, num_items_in_batch):
         """``layers.moe.balancing`` over this model's MoE layers for a training forward with labels and a
@@ -343,8 +344,13 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
         """The DSA lightning indexers' parameters (trained by the indexer KL loss alone)."""
         return (p for name, p in self.named_parameters() if ".self_attn.indexer." in name)
 
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, cache: Optional[HybridCache] = None,
-                                      attention_mask: Optional[torch.Tensor] = None, **kwargs):
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        cache: Optional[HybridCache] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        **kwargs,
+    ):
         # after the prefill the cache holds every earlier position: feed only what it has not seen
         seen = cache.seq_length if cache is not None else 0
         inputs = {"input_ids": input_ids[:, seen:], "cache": cache, "use_cache": kwargs.get("use_cache", True)}
