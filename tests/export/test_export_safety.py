@@ -206,9 +206,17 @@ def _planted_pickle(path, proof) -> None:
                 "optimizer_state_dict": _Payload(proof)}, path)
 
 
+def _earlier_version(run: str, step: int = 1) -> None:
+    """Make checkpoint ``step`` one of an earlier version: DeepSpeed's files only, no layout-free state (which
+    ``export --step`` reads first when it is there)."""
+    for name in ("trainable.safetensors", "trainable.json"):
+        os.remove(os.path.join(run, "checkpoints", f"step-{step:08d}", name))
+
+
 @pytest.mark.parametrize("name", ENGINE_FILES + ["mp_rank_00_model_states.pt"])
 def test_a_pickle_payload_in_any_engine_file_is_not_executed_and_the_file_is_named(copied, tmp_path, name):
     run, _ = copied
+    _earlier_version(run)
     engine = os.path.join(run, "checkpoints", "step-00000001", "engine")
     if name == "mp_rank_00_model_states.pt":  # the one-process (no ZeRO-3) layout reads this file alone
         for f in os.listdir(engine):
@@ -222,8 +230,19 @@ def test_a_pickle_payload_in_any_engine_file_is_not_executed_and_the_file_is_nam
     assert not (tmp_path / "out").exists()
 
 
+def test_a_truncated_layout_free_state_is_named(copied, tmp_path):
+    run, _ = copied
+    path = os.path.join(run, "checkpoints", "step-00000001", "trainable.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(ValueError, match=rf"^{path}: not a readable safetensors file"):
+        export_run(run, "peft", str(tmp_path / "out"), step=1)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_truncated_engine_file_is_named(copied, tmp_path):
     run, _ = copied
+    _earlier_version(run)
     path = os.path.join(run, "checkpoints", "step-00000001", "engine", ENGINE_FILES[1])
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
