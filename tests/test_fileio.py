@@ -77,7 +77,7 @@ def test_weight_map_names_the_path_when_there_is_no_checkpoint(tmp_path):
 
 
 # A process that saves ``path`` over and over, each version a different set of files written slowly. It loads
-# fileio.py by its file path: importing the package would import torch and cost seconds per restart.
+# fileio/atomic.py by its file path: importing the package would import torch and cost seconds per restart.
 SAVER = r"""
 import importlib.util, os, signal, sys, time
 spec = importlib.util.spec_from_file_location("fileio_under_test", sys.argv[1])
@@ -117,7 +117,7 @@ while True:
 def _start_saver(target: Path, started: Path, mode: str, die_at_swap: bool, first_version: int):
     if started.exists():
         started.unlink()
-    proc = subprocess.Popen([sys.executable, "-c", SAVER, fileio.__file__, str(target), str(started), mode,
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, fileio.atomic.__file__, str(target), str(started), mode,
                              "1" if die_at_swap else "0", str(first_version)])
     deadline = time.monotonic() + 120  # generous: the machine may be busy
     while not started.exists():
