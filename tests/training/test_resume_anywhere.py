@@ -21,8 +21,8 @@ WORKER = "tests/training/resume_anywhere_workers.py:run"
 STEPS = 4
 
 
-def _at(tmp, name: str, world: int, ep: int, steps: int = STEPS, **schedule) -> dict:
-    recipe = _recipe(tmp / name, world, ep, steps=steps, **{"warmup_steps": 1, **schedule})
+def _at(tmp, name: str, world: int, ep: int, steps: int = STEPS, backend: str = "megatron", **schedule) -> dict:
+    recipe = _recipe(tmp / name, world, ep, steps=steps, backend=backend, **{"warmup_steps": 1, **schedule})
     recipe["checkpoint"]["every"] = 2
     return recipe
 
@@ -38,7 +38,7 @@ def _full(recipe: dict) -> dict:
 def _moved(recipe: dict, tmp, name: str, world: int, ep: int) -> dict:
     """``recipe``'s output_dir copied to ``name``, and the recipe for it at ``world`` processes, EP ``ep``."""
     shutil.copytree(recipe["output_dir"], tmp / name)
-    moved = _at(tmp, name, world, ep)
+    moved = _at(tmp, name, world, ep, backend=recipe["parallel"]["backend"])
     return moved if recipe.get("lora") is not None else _full(moved)
 
 
@@ -57,14 +57,15 @@ def runs(tmp_path_factory):
     one = run_distributed(WORKER, world_size=1, timeout_s=900, calls=[
         {"kind": "train", "recipe": whole}, {"kind": "stop", "recipe": written1, "steps": 2},
         {"kind": "train", "recipe": constant}, {"kind": "train", "recipe": finished},
-        {"kind": "train", "recipe": longer}, {"kind": "train", "recipe": _full(_at(tmp, "full-w1", 1, 1))}])[0]
+        {"kind": "train", "recipe": longer}, {"kind": "train", "recipe": _full(_at(tmp, "full-w1", 1, 1))},
+        {"kind": "train", "recipe": _at(tmp, "hf-w1", 1, 1, backend="hf")}])[0]
     written4, damaged4 = _at(tmp, "written-w4", 4, 2), _at(tmp, "damaged-w4", 4, 2)
-    full4 = _full(_at(tmp, "full-w4", 4, 2))
+    full4, hf4 = _full(_at(tmp, "full-w4", 4, 2)), _at(tmp, "hf-w4", 4, 2, backend="hf")
     from_one = _moved(written1, tmp, "from-w1-on-w4", 4, 2)
     four = run_distributed(WORKER, world_size=4, timeout_s=1200, calls=[
         {"kind": "stop", "recipe": written4, "steps": 2}, {"kind": "train", "recipe": from_one},
         {"kind": "stop", "recipe": damaged4, "steps": 4, "saves": [2, 4]},
-        {"kind": "stop", "recipe": full4, "steps": 2}])[0]
+        {"kind": "stop", "recipe": full4, "steps": 2}, {"kind": "stop", "recipe": hf4, "steps": 2}])[0]
     on_two = _moved(written4, tmp, "from-w4-on-w2", 2, 1)
     truncated = _moved(damaged4, tmp, "damaged-w4-on-w2", 2, 1)
     cut = next((tmp / "damaged-w4-on-w2" / "checkpoints" / "step-00000004" / "engine").glob("zero_pp_rank_1_*optim*"))
@@ -73,13 +74,15 @@ def runs(tmp_path_factory):
     two = run_distributed(WORKER, world_size=2, timeout_s=900, calls=[{"kind": "train", "recipe": on_two},
                                                                       {"kind": "train", "recipe": truncated},
                                                                       {"kind": "train", "recipe": full_on_two}])[0]
-    on_one = _moved(written4, tmp, "from-w4-on-w1", 1, 1)
-    one_b = run_distributed(WORKER, world_size=1, timeout_s=900, calls=[{"kind": "train", "recipe": on_one}])[0]
+    on_one, hf_on_one = _moved(written4, tmp, "from-w4-on-w1", 1, 1), _moved(hf4, tmp, "hf-w4-on-w1", 1, 1)
+    one_b = run_distributed(WORKER, world_size=1, timeout_s=900, calls=[{"kind": "train", "recipe": on_one},
+                                                                        {"kind": "train", "recipe": hf_on_one}])[0]
     resumed = {"4 processes EP 2 -> 2 processes EP 1": (two[0], on_two, "4 processes EP 2 on 2 processes EP 1"),
                "4 processes EP 2 -> 1 process": (one_b[0], on_one, "4 processes EP 2 on 1 process EP 1"),
                "1 process -> 4 processes EP 2": (four[1], from_one, "1 process EP 1 on 4 processes EP 2")}
     return {"whole": (one[0], whole), "written4": four[0], "resumed": resumed, "truncated": (two[1], cut),
-            "longer": (one[2], one[3], one[4]), "full": (one[5], two[2])}
+            "longer": (one[2], one[3], one[4]), "full": (one[5], two[2]),
+            "hf": (one[6], one_b[1])}
 
 
 @pytest.mark.parametrize("which", ["4 processes EP 2 -> 2 processes EP 1", "4 processes EP 2 -> 1 process",
@@ -189,5 +192,14 @@ def test_full_training_resumes_at_another_layout(runs):
     trainable parameter (the expert stacks all-gathered over EP) and its moments resharded."""
     whole, got = runs["full"]
     assert got["resumed_from"] == 2 and len(got["losses"]) == len(whole["losses"]) == STEPS
+    for a, b in zip(whole["losses"], got["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(a), (whole["losses"], got["losses"])
+
+
+def test_the_hugging_face_backend_resumes_at_another_layout(runs):
+    """The recipe's hf backend at EP 2 x ZeRO-3 on 4 processes (expert parallelism applied from outside the
+    Hugging Face model) after step 2, resumed on 1 process without expert parallelism."""
+    whole, got = runs["hf"]
+    assert got["resumed_from"] == 2 and "written at 4 processes EP 2 on 1 process EP 1" in got["printed"]
     for a, b in zip(whole["losses"], got["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a), (whole["losses"], got["losses"])
