@@ -6,24 +6,24 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from ..config import require
 from ..layers.recompute import MODES, check_mode
-from .activations import plan_activations
-from .checkpointing import plan_checkpointed
+from .layout_activations import activations_of
 from .counts import ModelCounts, count_model
 from ..limits import LIMITS, check_limit, parse_bytes  # noqa: F401 - parse_bytes: where callers found it
+from .packing import document_lengths
 from .memory import Layout, MemoryPlan, plan_memory, zero3_at, zero_settings
-from .vision import image_grid, vision_activation_bytes
+from .vision import image_grid
 
-__all__ = ["Plan", "plan_recipe", "devices_from_ds_config", "CPU_OVERHEAD_BYTES", "GPU_OVERHEAD_BYTES",
-           "packed_lengths", "parse_bytes"]
+__all__ = ["Plan", "plan_recipe", "devices_from_ds_config", "CPU_OVERHEAD_BYTES", "GPU_OVERHEAD_BYTES", "parse_bytes"]
 
 # the framework's own memory, by the kernels planned (not by the device's size: a small GPU has a CUDA context too)
-GPU_OVERHEAD_BYTES = 3 * 2 ** 30  # CUDA context, NCCL buffers, allocator fragmentation: an assumption
+GPU_OVERHEAD_BYTES = 3 * 2**30  # CUDA context, NCCL buffers, allocator fragmentation: an assumption
 CPU_OVERHEAD_BYTES = 0.0  # measured per launch by moe_plugin.testing.plan_measure (the calibration layout)
 MILLION_CONTEXT = 1 << 20
+
 
 @dataclass
 class Plan:
@@ -46,103 +46,6 @@ class Plan:
         d = asdict(self)
         d["memory"] = self.memory.to_dict()
         return d
-
-
-def document_lengths(recipe, seq_len: int, seq_len_field: str = "data.seq_len") -> List[int]:
-    """The segment lengths of the recipe's training rows as the trainer packs them (``training.data``), in
-    order: its documents and each row's trailing padding segment."""
-    from ..training.data.pipeline import load_examples
-    from ..recipe.resolved_model import resolve_model
-
-    if recipe.data.kind == "arithmetic":
-        check_limit(recipe.data.num_documents, "num_documents", "data.num_documents")
-    # tokenized as the trainer does, with a base directory's own tokenizer and template; a preset's documents
-    # in the byte tokenizer (a full-size preset, K3's, is planned but never trained here, and its config holds
-    # K3's own token ids, beyond the byte tokenizer's)
-    if recipe.model.from_pretrained is None:
-        train, _ = load_examples(recipe.data, recipe.seed)
-    else:
-        resolved = resolve_model(recipe.model)
-        train, _ = load_examples(recipe.data, recipe.seed, resolved.tokenizer, resolved.tokens, resolved.processor)
-    for example in train:  # what pack_examples refuses: a cut would split an image from its tokens
-        require(example.images is None or len(example.input_ids) <= seq_len, seq_len_field,
-                f"{example.where or 'an example'} holds images and is {len(example.input_ids)} tokens long, more "
-                f"than {seq_len}; raise it to at least {len(example.input_ids)}")
-    return packed_lengths([len(e.input_ids) for e in train], seq_len, getattr(recipe.data, "pack", True))
-
-
-def packed_lengths(sizes: List[int], seq_len: int, pack: bool = True) -> List[int]:
-    """The segment lengths ``training.data.pack_examples`` gives examples of ``sizes`` tokens: each cut to
-    ``seq_len``, placed in the first row with room (first fit, in order) or one per row, each row's padding
-    its last segment. Lengths only, so a row of 16M tokens costs nothing; the first row with room is found in
-    a max-tree over the rows' free room (log time, where pack_examples scans every row)."""
-    sizes = [min(size, seq_len) for size in sizes]
-    if not pack:
-        return [x for size in sizes for x in ((size, seq_len - size) if size < seq_len else (size,))]
-    leaves = 1 << max(len(sizes) - 1, 0).bit_length()
-    tree = [-1] * (2 * leaves)  # tree[i]: the most room of any row under node i (-1: no row opened there yet)
-    rows: List[List[int]] = []
-    for size in sizes:
-        if tree[1] >= size:
-            node = 1
-            while node < leaves:  # the leftmost row with room, as first fit takes it
-                node = 2 * node if tree[2 * node] >= size else 2 * node + 1
-            index = node - leaves
-        else:
-            index, node = len(rows), len(rows) + leaves
-            rows.append([])
-            tree[node] = seq_len
-        rows[index].append(size)
-        tree[node] -= size
-        node //= 2
-        while node:
-            tree[node] = max(tree[2 * node], tree[2 * node + 1])
-            node //= 2
-    lengths: List[int] = []
-    for index, members in enumerate(rows):
-        free = tree[leaves + index]
-        lengths += members + ([free] if free else [])
-    return lengths
-
-
-def _activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]], shared: dict):
-    """``layout -> ActivationPlan`` for this model, run on meta at the layout's micro-batch and sizes (the
-    vision encoder's on the layout's pictures). ``cache`` is this model's; ``shared`` holds the layer forwards,
-    keyed by what each layer is built from, so a model that differs only in its experts (the knob's other
-    expert format) reuses its dense layers."""
-    import torch
-
-    # the cache is shared by recipes of one model; hashed once here, not at every lookup
-    documents_key = (len(documents), hash(tuple(documents))) if documents else None
-
-    def of(layout: Layout):
-        # plan_memory asks once per layout it plans (the knobs, the device-count search): the activations do
-        # not depend on the device count, ZeRO or checkpointing, so each distinct shape is planned once
-        shape = ("activations", layout.micro_batch, layout.seq_len, layout.ep, layout.capacity,
-                 layout.precision_bytes, layout.kernels, layout.images, layout.image_size, documents_key,
-                 layout.checkpointing)
-        if shape not in cache:
-            cache[shape] = _activations(layout)
-        return cache[shape]
-
-    def _activations(layout: Layout):
-        dtype = torch.bfloat16 if layout.precision_bytes == 2 else torch.float32
-        act = plan_activations(mc, lora_section, layout.micro_batch, layout.seq_len,
-                               mc.moe.num_experts // layout.ep, layout.capacity, dtype, shared, documents,
-                               layout.kernels)
-        if layout.checkpointing != "off":  # what the mode keeps, from the layers' own rule (plan/checkpointing.py)
-            act = replace(act, checkpointed=plan_checkpointed(
-                mc, lora_section, layout.micro_batch, layout.seq_len, mc.moe.num_experts // layout.ep,
-                layout.capacity, dtype, shared, documents, layout.kernels, layout.checkpointing))
-        if not layout.images:
-            return act
-        key = ("vision", layout.images, layout.image_size, dtype, repr(lora_section))
-        if key not in cache:
-            cache[key] = vision_activation_bytes(mc.vision, lora_section, layout.images, layout.image_size, dtype)
-        saved, working, _ = cache[key]
-        return replace(act, by_segment={**act.by_segment, "vision": saved}, vision_working=working)
-
-    return of
 
 
 def devices_from_ds_config(ds: Optional[dict], micro_batch: int, accum: int) -> Optional[int]:
@@ -172,18 +75,29 @@ def _flops(counts: ModelCounts, mc, layout: Layout, tokens: int) -> float:
     kda_layers = sum(t == "kda" for t in mc.layer_types)
     mla_layers = len(mc.layer_types) - kda_layers
     keys = min(m.index_topk, layout.seq_len / 2) if m.use_indexer else layout.seq_len / 2
-    attn = (kda_layers * 4 * k.num_heads * k.head_dim * (k.chunk_size + k.head_dim)
-            + mla_layers * 2 * keys * m.num_heads * (m.qk_head_dim + m.v_head_dim))
+    attn = kda_layers * 4 * k.num_heads * k.head_dim * (
+        k.chunk_size + k.head_dim
+    ) + mla_layers * 2 * keys * m.num_heads * (m.qk_head_dim + m.v_head_dim)
     return tokens * (active * passes + attn * passes / 2)
 
 
-def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[float] = None,
-                micro_batch: Optional[int] = None, seq_len: Optional[int] = None,
-                checkpointing: Optional[str] = None, expert_format: Optional[str] = None,
-                capacity: Optional[float] = None,
-                overhead_bytes: Optional[float] = None, cache: Optional[dict] = None,
-                knobs: bool = False, images: Optional[int] = None, image_size: int = 896,
-                kernels: str = "cpu", from_checkpoint: Optional[bool] = None) -> Plan:
+def plan_recipe(
+    recipe,
+    devices: Optional[int] = None,
+    device_memory: Optional[float] = None,
+    micro_batch: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    checkpointing: Optional[str] = None,
+    expert_format: Optional[str] = None,
+    capacity: Optional[float] = None,
+    overhead_bytes: Optional[float] = None,
+    cache: Optional[dict] = None,
+    knobs: bool = False,
+    images: Optional[int] = None,
+    image_size: int = 896,
+    kernels: str = "cpu",
+    from_checkpoint: Optional[bool] = None,
+) -> Plan:
     """Plan ``recipe`` (a validated ``Recipe``) at a layout; arguments left ``None`` come from the recipe and
     its DeepSpeed config (``devices`` from its ``train_batch_size``; ``images``, pictures per micro-batch
     through the vision tower: one per row when the recipe trains on images, else none; ``kernels``: whose
@@ -197,12 +111,44 @@ def plan_recipe(recipe, devices: Optional[int] = None, device_memory: Optional[f
     memory, by default ``GPU_OVERHEAD_BYTES`` with GPU kernels and ``CPU_OVERHEAD_BYTES`` with CPU ones).
     ``cache`` keeps counts and meta-measured activation models between calls (keyed by the model's
     structure)."""
-    return _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, expert_format, capacity,
-                 overhead_bytes, cache, knobs, images, image_size, kernels, from_checkpoint, context=True)
+    return _plan(
+        recipe,
+        devices,
+        device_memory,
+        micro_batch,
+        seq_len,
+        checkpointing,
+        expert_format,
+        capacity,
+        overhead_bytes,
+        cache,
+        knobs,
+        images,
+        image_size,
+        kernels,
+        from_checkpoint,
+        context=True,
+    )
 
 
-def _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, expert_format, capacity,
-          overhead_bytes, cache, knobs, images, image_size, kernels, from_checkpoint, context: bool) -> Plan:
+def _plan(
+    recipe,
+    devices,
+    device_memory,
+    micro_batch,
+    seq_len,
+    checkpointing,
+    expert_format,
+    capacity,
+    overhead_bytes,
+    cache,
+    knobs,
+    images,
+    image_size,
+    kernels,
+    from_checkpoint,
+    context: bool,
+) -> Plan:
     """``plan_recipe``; ``context=False`` leaves out the 1M-token context (``million_context`` empty), which
     costs two meta forwards of every layer kind at 8k and 16k tokens, for a plan read only for its peak."""
     from ..recipe.resolved_model import base_hf_config
@@ -224,8 +170,11 @@ def _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, e
     devices_field = "--devices" if devices is not None else "train_batch_size of the recipe's DeepSpeed config"
     if devices is None:
         devices = devices_from_ds_config(ds, micro_batch, s.gradient_accumulation_steps)
-    require(devices is not None, "--devices", "the recipe's DeepSpeed config pins no train_batch_size; give the "
-            "device count, e.g. --devices 128")
+    require(
+        devices is not None,
+        "--devices",
+        "the recipe's DeepSpeed config pins no train_batch_size; give the device count, e.g. --devices 128",
+    )
     check_limit(devices, "devices", devices_field)
     if device_memory is not None:
         check_limit(device_memory, "device_memory", "--device-memory")
@@ -234,8 +183,11 @@ def _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, e
     check_limit(capacity, "capacity", capacity_field)
     check_limit(image_size, "image_size", "--image-size")
     ep = recipe.parallel.expert_parallel_size
-    require(devices % ep == 0, "--devices", f"{devices} is not a multiple of parallel.expert_parallel_size "
-            f"({ep}); use a multiple of {ep}")
+    require(
+        devices % ep == 0,
+        "--devices",
+        f"{devices} is not a multiple of parallel.expert_parallel_size ({ep}); use a multiple of {ep}",
+    )
     require(images is None or isinstance(images, int), "--images", f"must be a whole number, got {images!r}")
     require(kernels in ("cpu", "gpu"), "--kernels", f"must be 'cpu' or 'gpu', got {kernels!r}")
     overrides = dict(recipe.model.overrides)
@@ -244,22 +196,31 @@ def _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, e
     section = recipe.model.model_copy(update={"overrides": overrides})
     cfg = base_hf_config(section)
     mc = cfg.to_model_config()
-    require(mc.moe.num_experts % ep == 0, "parallel.expert_parallel_size",
-            f"{ep} does not divide the model's {mc.moe.num_experts} experts")
+    require(
+        mc.moe.num_experts % ep == 0,
+        "parallel.expert_parallel_size",
+        f"{ep} does not divide the model's {mc.moe.num_experts} experts",
+    )
     zero3 = zero3_at(ds, devices)
     pb = 2 if s.precision == "bf16" else 4
     if images is None:
         images = micro_batch if wants_images(recipe, mc) else 0
     check_limit(images, "images", "--images", least=0)
-    require(images == 0 or mc.vision is not None, "--images",
-            f"the model has no vision tower, so it takes no pictures; drop --images (got {images})")
+    require(
+        images == 0 or mc.vision is not None,
+        "--images",
+        f"the model has no vision tower, so it takes no pictures; drop --images (got {images})",
+    )
     if images:
         h, w = image_grid(image_size, mc.vision.patch_size, mc.vision.merge_size)
-        per_image = h * w // mc.vision.merge_size ** 2
-        require(images * per_image <= micro_batch * seq_len, "--images",
-                f"{images} pictures of {image_size} px fill {images * per_image} image tokens, more than the "
-                f"micro-batch's {micro_batch} x {seq_len}; use fewer or smaller pictures (--image-size) or "
-                "longer rows")
+        per_image = h * w // mc.vision.merge_size**2
+        require(
+            images * per_image <= micro_batch * seq_len,
+            "--images",
+            f"{images} pictures of {image_size} px fill {images * per_image} image tokens, more than the "
+            f"micro-batch's {micro_batch} x {seq_len}; use fewer or smaller pictures (--image-size) or "
+            "longer rows",
+        )
     cache = {} if cache is None else cache
     key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), repr(recipe.lora), pb, images > 0)
     if ("counts",) + key not in cache:
@@ -268,30 +229,53 @@ def _plan(recipe, devices, device_memory, micro_batch, seq_len, checkpointing, e
     docs_key = ("documents", repr(recipe.data), recipe.seed, seq_len)
     if docs_key not in cache:
         cache[docs_key] = document_lengths(recipe, seq_len, seq_len_field)
-    act = _activations_of(mc, recipe.lora, cache.setdefault(("meta",) + key, {}), cache[docs_key],
-                          cache.setdefault(("layers",), {}))
+    act = activations_of(
+        mc, recipe.lora, cache.setdefault(("meta",) + key, {}), cache[docs_key], cache.setdefault(("layers",), {})
+    )
     if overhead_bytes is None:
         overhead_bytes = GPU_OVERHEAD_BYTES if kernels == "gpu" else CPU_OVERHEAD_BYTES
-    layout = Layout(devices=devices, ep=ep, zero3=zero3, micro_batch=micro_batch, seq_len=seq_len,
-                    grad_accum=s.gradient_accumulation_steps, checkpointing=checkpointing, capacity=capacity,
-                    precision_bytes=pb, zero=zero_settings(ds),
-                    preset_build=not from_checkpoint and recipe.model.from_pretrained is None,
-                    overhead_bytes=overhead_bytes, images=images, image_size=image_size, kernels=kernels)
+    layout = Layout(
+        devices=devices,
+        ep=ep,
+        zero3=zero3,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        grad_accum=s.gradient_accumulation_steps,
+        checkpointing=checkpointing,
+        capacity=capacity,
+        precision_bytes=pb,
+        zero=zero_settings(ds),
+        preset_build=not from_checkpoint and recipe.model.from_pretrained is None,
+        overhead_bytes=overhead_bytes,
+        images=images,
+        image_size=image_size,
+        kernels=kernels,
+    )
     memory = plan_memory(counts, mc, act, layout)
     tokens = devices * micro_batch * s.gradient_accumulation_steps * seq_len
     n = micro_batch * seq_len
-    a2a = (4 * n * mc.moe.top_k * capacity * mc.moe.expert_dim * pb * (ep - 1) / ep
-           * s.gradient_accumulation_steps) if ep > 1 else 0.0
+    a2a = (
+        (4 * n * mc.moe.top_k * capacity * mc.moe.expert_dim * pb * (ep - 1) / ep * s.gradient_accumulation_steps)
+        if ep > 1
+        else 0.0
+    )
     million = _million_context(counts, mc, act, layout) if context else {}
     kinds = {k: {"parameters": c.numel, "bytes": c.nbytes} for k, c in counts.kinds.items()}
-    plan = Plan(recipe=getattr(recipe, "source", "") or "", layout=layout, memory=memory,
-                device_memory=device_memory, fits=None if device_memory is None else memory.peak <= device_memory,
-                counts=kinds, tokens_per_step=tokens, flops_per_step=_flops(counts, mc, layout, tokens),
-                all_to_all_bytes_per_layer_step=a2a, million_context=million,
-                kinds_per_layer=act(layout).kinds)
+    plan = Plan(
+        recipe=getattr(recipe, "source", "") or "",
+        layout=layout,
+        memory=memory,
+        device_memory=device_memory,
+        fits=None if device_memory is None else memory.peak <= device_memory,
+        counts=kinds,
+        tokens_per_step=tokens,
+        flops_per_step=_flops(counts, mc, layout, tokens),
+        all_to_all_bytes_per_layer_step=a2a,
+        million_context=million,
+        kinds_per_layer=act(layout).kinds,
+    )
     if context:  # the step peak of every checkpointing mode: which one fits
-        plan.modes = {mode: plan_memory(counts, mc, act, replace(layout, checkpointing=mode)).peak
-                      for mode in MODES}
+        plan.modes = {mode: plan_memory(counts, mc, act, replace(layout, checkpointing=mode)).peak for mode in MODES}
     if knobs:
         plan.knobs = _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert_format, ds)
         if device_memory:
@@ -304,11 +288,10 @@ def _million_context(counts, mc, act, layout: Layout) -> Dict[str, float]:
     for mode in MODES:
         big = replace(layout, micro_batch=1, seq_len=MILLION_CONTEXT, checkpointing=mode)
         million[f"checkpointing {mode}"] = plan_memory(counts, mc, act, big).peak
-    kda_state = sum(t == "kda" for t in mc.layer_types) * mc.kda.num_heads * mc.kda.head_dim ** 2 * 4
+    kda_state = sum(t == "kda" for t in mc.layer_types) * mc.kda.num_heads * mc.kda.head_dim**2 * 4
     million["KDA state per sequence (all layers, fp32)"] = float(kda_state)
     one_row = replace(layout, micro_batch=1, checkpointing="off")
-    million["activations per token (no checkpointing)"] = act(one_row).total / (
-        layout.seq_len)
+    million["activations per token (no checkpointing)"] = act(one_row).total / (layout.seq_len)
     return million
 
 
@@ -316,28 +299,48 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
     """Peak bytes saved (positive) or added (negative) by one change at a time."""
     layout, base = plan.layout, plan.memory.peak
     out: Dict[str, float] = {}
-    variants = {f"checkpointing {mode}": replace(layout, checkpointing=mode)
-                for mode in MODES if mode != checkpointing}
-    variants.update({"micro-batch 1": replace(layout, micro_batch=1),
-                     f"micro-batch {layout.micro_batch * 2}": replace(layout, micro_batch=layout.micro_batch * 2)})
+    variants = {f"checkpointing {mode}": replace(layout, checkpointing=mode) for mode in MODES if mode != checkpointing}
+    variants.update(
+        {
+            "micro-batch 1": replace(layout, micro_batch=1),
+            f"micro-batch {layout.micro_batch * 2}": replace(layout, micro_batch=layout.micro_batch * 2),
+        }
+    )
     e = mc.moe.num_experts
     for ep in (layout.ep // 2, layout.ep * 2):
         if ep >= 1 and e % ep == 0 and layout.devices % ep == 0 and ep != layout.ep:
             variants[f"EP {ep}"] = replace(layout, ep=ep)
-    variants[f"{layout.devices * 2} devices"] = replace(layout, devices=layout.devices * 2,
-                                                        zero3=zero3_at(ds, layout.devices * 2))
+    variants[f"{layout.devices * 2} devices"] = replace(
+        layout, devices=layout.devices * 2, zero3=zero3_at(ds, layout.devices * 2)
+    )
     for name, variant in variants.items():
         out[name] = base - plan_memory(counts, mc, act, variant).peak
     other = "dense" if (expert_format or mc.moe.expert_format) != "dense" else "mxfp4"
-    alt = _plan(recipe, layout.devices, None, layout.micro_batch, layout.seq_len, checkpointing, other, capacity,
-                layout.overhead_bytes, cache, False, layout.images, layout.image_size, layout.kernels,
-                not layout.preset_build, context=False)
+    alt = _plan(
+        recipe,
+        layout.devices,
+        None,
+        layout.micro_batch,
+        layout.seq_len,
+        checkpointing,
+        other,
+        capacity,
+        layout.overhead_bytes,
+        cache,
+        False,
+        layout.images,
+        layout.image_size,
+        layout.kernels,
+        not layout.preset_build,
+        context=False,
+    )
     out[f"experts {other}"] = base - alt.memory.peak
     return out
 
 
-def _min_devices(counts, mc, act, layout: Layout, device_memory: float, ds: Optional[dict],
-                 limit: int = 8192) -> Optional[int]:
+def _min_devices(
+    counts, mc, act, layout: Layout, device_memory: float, ds: Optional[dict], limit: int = 8192
+) -> Optional[int]:
     """The fewest devices (a multiple of EP) whose per-rank peak fits, the recipe's EP and micro-batch kept,
     each planned as ``plan_recipe`` plans that count (``zero3_at``)."""
     for d in range(layout.ep, limit + 1, layout.ep):
@@ -347,5 +350,8 @@ def _min_devices(counts, mc, act, layout: Layout, device_memory: float, ds: Opti
 
 
 def recipe_path_problem(path: str) -> Optional[str]:
-    return None if os.path.isfile(path) else f"{path!r} does not exist; give a recipe JSON, e.g. " \
-                                             "recipes/k3_seed_layout.json"
+    return (
+        None
+        if os.path.isfile(path)
+        else f"{path!r} does not exist; give a recipe JSON, e.g. recipes/k3_seed_layout.json"
+    )

@@ -13,7 +13,8 @@ import pytest
 
 from moe_plugin.plan import command
 from moe_plugin.limits import LIMITS
-from moe_plugin.plan.planner import packed_lengths, plan_recipe
+from moe_plugin.plan.packing import packed_lengths
+from moe_plugin.plan.planner import plan_recipe
 from moe_plugin.training.data.pipeline import Example, pack_examples
 from moe_plugin.recipe.schema import recipe_from_dict
 
