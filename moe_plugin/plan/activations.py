@@ -18,19 +18,25 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .meta_ops import MetaDispatch, meta_forward
+from .saved_bytes import _inputs, _LiveBytes, _run
 
-__all__ = ["ActivationPlan", "attn_res_candidates", "final_candidates", "layer_kinds", "layer_saved_bytes",
-           "packed_boundaries", "plan_activations"]
+__all__ = [
+    "ActivationPlan",
+    "attn_res_candidates",
+    "final_candidates",
+    "layer_kinds",
+    "layer_saved_bytes",
+    "packed_boundaries",
+    "plan_activations",
+]
 
 
 def attn_res_candidates(layer: int, block_size: int) -> Tuple[int, int]:
@@ -80,119 +86,46 @@ class ActivationPlan:
         return max(self.per_layer or [0.0])
 
 
-class _LiveBytes(TorchDispatchMode):
-    """The bytes of the storages the ops make that are still alive, and their peak. A storage is alive while a
-    tensor on it is (each output's weakref finalizer drops one reference); parameters and inputs made before
-    are not counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: Dict[int, int] = collections.Counter()
-        self.size: Dict[int, int] = {}
-        self.made: set = set()  # every storage made during the run (a saved one is counted by _SavedBytes)
-        self.live = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # a view of a storage made before the run (a parameter's slice, an input's reshape) allocates nothing:
-        # on meta a layer holds all E experts, and a rank's E / EP slice would count the whole stack
-        before = {_key(a) for a in tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor) and not self.refs[_key(a)]}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                key = _key(t)
-                if key in before:
-                    continue
-                if not self.refs[key]:
-                    self.size[key] = t.untyped_storage().nbytes()
-                    self.live += self.size[key]
-                    self.peak = max(self.peak, self.live)
-                    self.made.add(key)
-                self.refs[key] += 1
-                weakref.finalize(t, self._drop, key)
-        return out
-
-    def _drop(self, key: int) -> None:
-        self.refs[key] -= 1
-        if not self.refs[key]:
-            self.live -= self.size.pop(key)
-            del self.refs[key]
-
-
-class _SavedBytes:
-    """Counts the storages autograd saves, attributed to the innermost tagged module running."""
-
-    def __init__(self, modules: Dict[nn.Module, str], default: str):
-        self.stack: List[str] = [default]
-        self.out: Dict[str, int] = collections.Counter()
-        self.seen, self.own = set(), set()
-        self.keep: List[torch.Tensor] = []  # a freed storage's key could be reused by a later one: hold them
-        self.handles = []
-        for module, segment in modules.items():
-            self.own.update(_key(t) for t in list(module.parameters()) + list(module.buffers()))
-            self.handles.append(module.register_forward_pre_hook(lambda *_, s=segment: self.stack.append(s)))
-            self.handles.append(module.register_forward_hook(lambda *_: (self.stack.pop(), None)[1]))
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _key(t)
-        if key not in self.own and key not in self.seen:
-            self.seen.add(key)
-            self.keep.append(t)
-            self.out[self.stack[-1]] += t.untyped_storage().nbytes()
-        return t
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def _key(t: torch.Tensor) -> int:
-    # a meta storage has no address (data_ptr 0): its StorageImpl tells storages apart, views share it
-    return t.untyped_storage()._cdata
-
-
-def _inputs(shape, count: int, dtype, device: str = "meta") -> Tuple[torch.Tensor, ...]:
-    return tuple(torch.randn(shape, dtype=dtype, device=device).requires_grad_() for _ in range(count))
-
-
-def _run(fn, modules: Dict[nn.Module, str], default: str, working: Optional[list] = None,
-         exclude: Sequence[torch.Tensor] = ()) -> Dict[str, int]:
-    """Saved bytes of ``fn()`` per segment; ``working`` (a list) gets the most ``fn`` held at once beyond what
-    it leaves: the peak of the storages its ops made, less those still alive with its result. Tensors in
-    ``exclude`` (the inputs, when the caller counts them itself) are not counted."""
-    counter, live = _SavedBytes(modules, default), _LiveBytes()
-    counter.own.update(_key(t) for t in exclude)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), live:
-            result = fn()
-        held = live.live  # with the result and its graph alive: what the run leaves for backward
-        del result
-    finally:
-        counter.close()
-    if working is not None:
-        working.append(max(0, live.peak - held))
-    return dict(counter.out)
-
-
 def _add_lora(module: nn.Module, lora_section) -> None:
     from ..lora import add_lora, lora_config
 
     for p in module.parameters():
         p.requires_grad_(False)
     if lora_section is not None:
-        targets = [t for t in lora_section.target_modules
-                   if any(n.split(".")[-1] == t or n.endswith("." + t) for n, _ in module.named_modules())]
+        targets = [
+            t
+            for t in lora_section.target_modules
+            if any(n.split(".")[-1] == t or n.endswith("." + t) for n, _ in module.named_modules())
+        ]
         params = [t for t in lora_section.target_parameters if any(n.endswith(t) for n, _ in module.named_parameters())]
         if targets or params:
             # made where the layer is: on meta an adapter costs no allocation and no random draws
             with torch.device(next(module.parameters()).device):
-                add_lora(module, lora_config(lora_section.r, lora_section.alpha,
-                                             targets or lora_section.target_modules, params, lora_section.dropout))
+                add_lora(
+                    module,
+                    lora_config(
+                        lora_section.r,
+                        lora_section.alpha,
+                        targets or lora_section.target_modules,
+                        params,
+                        lora_section.dropout,
+                    ),
+                )
 
 
-def layer_saved_bytes(mc, index: int, lora_section, shape, dtype, cands: int, device: str = "meta",
-                      cu_seqlens: Optional[torch.Tensor] = None, working: Optional[list] = None,
-                      mode: str = "off", peak: Optional[list] = None) -> Dict[str, int]:
+def layer_saved_bytes(
+    mc,
+    index: int,
+    lora_section,
+    shape,
+    dtype,
+    cands: int,
+    device: str = "meta",
+    cu_seqlens: Optional[torch.Tensor] = None,
+    working: Optional[list] = None,
+    mode: str = "off",
+    peak: Optional[list] = None,
+) -> Dict[str, int]:
     """Saved-for-backward bytes of decoder layer ``index`` of ``mc`` (with the recipe's adapters) on ``cands``
     input tensors of ``shape`` ``[B, T, D]``, per segment. ``device="cpu"`` runs it for real (the tests'
     reference for the meta run, which needs ``meta_forward``). cu_seqlens ``[n+1]`` (a CPU tensor, batch 1):
@@ -213,8 +146,12 @@ def layer_saved_bytes(mc, index: int, lora_section, shape, dtype, cands: int, de
     # itself and saves no fp32 copy (E x hidden x 4 bytes a MoE layer)
     apply_precision(layer, dtype)
     kind, moe = mc.layer_types[index], mc.is_moe_layer(index)
-    tags = {layer.input_layernorm: kind, layer.self_attn: kind, layer.post_attention_layernorm: "moe" if moe
-            else "mlp", getattr(layer, "block_sparse_moe", None) or layer.mlp: "moe" if moe else "mlp"}
+    tags = {
+        layer.input_layernorm: kind,
+        layer.self_attn: kind,
+        layer.post_attention_layernorm: "moe" if moe else "mlp",
+        getattr(layer, "block_sparse_moe", None) or layer.mlp: "moe" if moe else "mlp",
+    }
     state = _inputs(shape, cands, dtype, device)
     set_recompute(layer, mode)
     run = lambda: layer(state, cu_seqlens=cu_seqlens)  # noqa: E731
@@ -292,9 +229,18 @@ def packed_boundaries(batch: int, seq_len: int, documents: Optional[Sequence[int
     return torch.tensor(bounds, dtype=torch.int64)
 
 
-def plan_activations(mc, lora_section, batch: int, seq_len: int, local_experts: int, capacity: float,
-                     dtype: torch.dtype = torch.bfloat16, cache: Optional[dict] = None,
-                     documents: Optional[Sequence[int]] = None, kernels: str = "cpu") -> ActivationPlan:
+def plan_activations(
+    mc,
+    lora_section,
+    batch: int,
+    seq_len: int,
+    local_experts: int,
+    capacity: float,
+    dtype: torch.dtype = torch.bfloat16,
+    cache: Optional[dict] = None,
+    documents: Optional[Sequence[int]] = None,
+    kernels: str = "cpu",
+) -> ActivationPlan:
     """The ``ActivationPlan`` of ``mc`` (a ``ModelConfig``) for ``batch`` rows of ``seq_len`` tokens on a rank
     holding ``local_experts`` experts, with the recipe's ``lora_section`` (None: no adapters) in ``dtype``.
     documents: the recipe's document lengths in packing order (KDA and the short convolution restart at each
@@ -304,8 +250,9 @@ def plan_activations(mc, lora_section, batch: int, seq_len: int, local_experts: 
     cache = {} if cache is None else cache
     documents = tuple(documents) if documents else None
     if batch * seq_len <= 2 * RUN_TOKENS:
-        return _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache,
-                                 documents, kernels)
+        return _plan_activations(
+            mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache, documents, kernels
+        )
     t1 = linear_run_tokens(mc)
     a = _plan_activations(mc, lora_section, 1, t1, local_experts, capacity, dtype, cache, documents, kernels)
     b = _plan_activations(mc, lora_section, 1, 2 * t1, local_experts, capacity, dtype, cache, documents, kernels)
@@ -314,16 +261,20 @@ def plan_activations(mc, lora_section, batch: int, seq_len: int, local_experts: 
     def ext(x, y):
         return x + (y - x) * f
 
-    return ActivationPlan(per_layer=[ext(x, y) for x, y in zip(a.per_layer, b.per_layer)],
-                          by_segment={k: ext(v, b.by_segment[k]) for k, v in a.by_segment.items()},
-                          layer_inputs=ext(a.layer_inputs, b.layer_inputs), head=ext(a.head, b.head),
-                          kinds={k: ext(v, b.kinds[k]) for k, v in a.kinds.items()},
-                          working=[ext(x, y) for x, y in zip(a.working, b.working)],
-                          head_working=ext(a.head_working, b.head_working))
+    return ActivationPlan(
+        per_layer=[ext(x, y) for x, y in zip(a.per_layer, b.per_layer)],
+        by_segment={k: ext(v, b.by_segment[k]) for k, v in a.by_segment.items()},
+        layer_inputs=ext(a.layer_inputs, b.layer_inputs),
+        head=ext(a.head, b.head),
+        kinds={k: ext(v, b.kinds[k]) for k, v in a.kinds.items()},
+        working=[ext(x, y) for x, y in zip(a.working, b.working)],
+        head_working=ext(a.head_working, b.head_working),
+    )
 
 
-def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache,
-                      documents, kernels) -> ActivationPlan:
+def _plan_activations(
+    mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache, documents, kernels
+) -> ActivationPlan:
     cu = packed_boundaries(batch, seq_len, documents)
     shape = (1, batch * seq_len, mc.hidden_size)
     bs = mc.attn_res_block_size
@@ -342,8 +293,9 @@ def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity,
                 # the layer's own mixing is measured apart (it depends on the layer's place in the stream)
                 cands = len(_state_shape(index, mc))
                 working: list = []
-                measured = layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu,
-                                             working=working)
+                measured = layer_saved_bytes(
+                    mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu, working=working
+                )
                 measured.pop("attn_res", None)
                 cache[key] = measured, working[0]
             per_kind[kind], work_of[kind] = cache[key]
@@ -378,11 +330,21 @@ def _plan_activations(mc, lora_section, batch, seq_len, local_experts, capacity,
     itemsize = torch.empty(0, dtype=dtype).element_size()
     # checkpointing keeps each layer's input state: the block values are shared, a partial sum is new per layer
     inputs = batch * seq_len * mc.hidden_size * itemsize * mc.num_layers
-    names = {("kda", True): "KDA + MoE", ("kda", False): "KDA + dense MLP", ("mla", True): "MLA + MoE",
-             ("mla", False): "MLA + dense MLP"}
-    return ActivationPlan(per_layer=per_layer, by_segment=dict(by_segment), layer_inputs=inputs, head=head,
-                          kinds={names[k]: float(sum(v.values())) for k, v in per_kind.items()},
-                          working=[float(work_of[k]) for k in kinds], head_working=float(head_working))
+    names = {
+        ("kda", True): "KDA + MoE",
+        ("kda", False): "KDA + dense MLP",
+        ("mla", True): "MLA + MoE",
+        ("mla", False): "MLA + dense MLP",
+    }
+    return ActivationPlan(
+        per_layer=per_layer,
+        by_segment=dict(by_segment),
+        layer_inputs=inputs,
+        head=head,
+        kinds={names[k]: float(sum(v.values())) for k, v in per_kind.items()},
+        working=[float(work_of[k]) for k in kinds],
+        head_working=float(head_working),
+    )
 
 
 def _built_from(mc, routed: bool = True) -> str:

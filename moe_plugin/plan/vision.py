@@ -68,7 +68,8 @@ def vision_activation_bytes(vision_config, lora_section, images: int, image_size
     ``VisionConfig``) on ``images`` square pictures of ``image_size`` pixels in ``dtype``; image tokens is
     how many placeholders they fill in the text (patches / merge_size^2)."""
     from ..layers.vision import VisionEncoder
-    from .activations import _add_lora, _run
+    from .activations import _add_lora
+    from .saved_bytes import _run
 
     require(images >= 0, "--images", f"must be >= 0, got {images}")
     require(image_size > 0, "--image-size", f"must be positive, got {image_size}")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_plugin.layers import kda as kda_layer
-from moe_plugin.plan.activations import _run
+from moe_plugin.plan.saved_bytes import _run
 from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
 
 B, T, H, K, V = 1, 200, 2, 16, 32

@@ -22,7 +22,8 @@ def test_meta_encoder_holds_what_the_real_encoder_holds(targets):
     """Frozen (the seed's targets name no vision module: nothing is saved, only working tensors) and with
     adapters inside the tower; two pictures of 448 px (32 x 32 patches each), fp32."""
     from moe_plugin.layers.vision import VisionEncoder
-    from moe_plugin.plan.activations import _add_lora, _run
+    from moe_plugin.plan.activations import _add_lora
+    from moe_plugin.plan.saved_bytes import _run
 
     lora = LoraSection(r=8, alpha=16, target_modules=targets)
     saved, working, tokens = vision_activation_bytes(VISION, lora, 2, 448, torch.float32)
