@@ -198,7 +198,7 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
     records the per-document balance term of this rank's tokens (``pop_balance``); ``last_load`` ``[E]`` accumulates
     this rank's non-padded token copies per (global) expert over the micro-batches until ``pop_load``; the training
     loop all-reduces it (SUM) over ``parallel_state.get_data_parallel_group()``, which spans the expert-parallel
-    ranks, and then calls ``update_routing_bias`` on every rank (``training.loop._balance``).
+    ranks, and then calls ``update_routing_bias`` on every rank (``training.step_math.balance_loads``).
     """
 
     def __init__(self, config: TransformerConfig, moe: MoEConfig, submodules: Optional[MoESubmodules] = None,

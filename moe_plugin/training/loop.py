@@ -30,14 +30,14 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..fileio import write_json_atomic
 from ..compat import check_all
-from ..compat.deepspeed import full_shape, use_current_collectives
+from ..compat.deepspeed import use_current_collectives
 from ..parallel.distributed import choose_device
 from ..parallel.layout import ParallelLayout
 from .backends import get_backend
@@ -49,14 +49,17 @@ from .ds_config import deepspeed_config, zero_stage
 from .exporting import write_outputs
 from .guards import StepGuard, TrainingStopped
 from .metrics.moe import MoEMetrics, global_parameter_counts
-from ..recipe.schema import Recipe, check_layout, env_world_size
+from ..recipe.schema import Recipe
+from ..recipe.world import check_layout, env_world_size
 from ..recipe.resolved_model import resolve_model
 from .run_dir import claim_for_training
 from .metrics.run_logger import make_logger
 from .runtime import all_ok, forget_processes, start_processes
 from .schedule import lr_scheduler
+from .step_math import balance_loads, global_sum, local_grad_norm, parameter_groups, step_scale
 
-__all__ = ["TrainResult", "Trainer", "TrainingStopped", "train", "parameter_groups", "step_scale"]
+__all__ = ["TrainResult", "Trainer", "TrainingStopped", "train"]
+
 
 @dataclass
 class TrainResult:
@@ -67,29 +70,6 @@ class TrainResult:
     resumed_from: Optional[int] = None  # the step of the checkpoint this run continued from
     step_time_s: float = 0.0  # mean wall time of this run's steps (start-up excluded)
     answers: Optional[dict] = None  # rank 0: the held-out answers record of eval.answers (answer_eval.py)
-
-
-def parameter_groups(params, weight_decay: float) -> List[Dict]:
-    """AdamW groups: no weight decay for vectors (norms, biases) and parameters marked ``_no_weight_decay``
-    (KDA's ``A_log`` and ``dt_bias``, docs/architecture.md section 2.1)."""
-    decay, no_decay = [], []
-    for p in params:
-        ndim = len(full_shape(p))
-        (no_decay if ndim < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
-    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-            if g["params"]]
-
-
-def step_scale(label_tokens: int, dp_size: int, accumulation: int) -> float:
-    """What a micro-batch's token-loss sum is divided by: the engine divides by ``accumulation`` (backward)
-    and averages over ``dp_size`` ranks, so this makes the step's gradient that of the global token mean."""
-    return max(label_tokens, 1) / (dp_size * accumulation)
-
-
-def _sum(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t.item())
 
 
 def train(recipe: Recipe, allow_changed_inputs: bool = False) -> TrainResult:
@@ -135,42 +115,58 @@ class Trainer:
             random.seed(recipe.seed)
             try:
                 resolved, pad = self.resolved, self.resolved.tokens.pad_id
-                train_examples, held_out = load_examples(recipe.data, recipe.seed, resolved.tokenizer,
-                                                         resolved.tokens, resolved.processor)
+                train_examples, held_out = load_examples(
+                    recipe.data, recipe.seed, resolved.tokenizer, resolved.tokens, resolved.processor
+                )
                 rows = pack_examples(train_examples, recipe.data.seq_len, recipe.data.pack, pad)
-                self.eval_rows = pack_examples(held_out, recipe.data.seq_len, recipe.data.pack, pad) \
-                    if held_out else []
+                self.eval_rows = pack_examples(held_out, recipe.data.seq_len, recipe.data.pack, pad) if held_out else []
             except ValueError as e:
                 error = e
             agree(error, "another rank could not read the data (its error says why)")
             after_data = rng_state()
-            self.checkpoints = CheckpointManager(os.path.join(self.output_dir, "checkpoints"), self.rank,
-                                                 dist.get_world_size(), dist.barrier, keep=recipe.checkpoint.keep)
+            self.checkpoints = CheckpointManager(
+                os.path.join(self.output_dir, "checkpoints"),
+                self.rank,
+                dist.get_world_size(),
+                dist.barrier,
+                keep=recipe.checkpoint.keep,
+            )
             if self.rank == 0:
                 try:
                     base = recipe.model.from_pretrained
-                    self.run_dir = claim_for_training(self.output_dir, recipe.to_dict(), self.checkpoints,
-                                                      os.path.realpath(base) if base else None,
-                                                      self.allow_changed_inputs, world)
+                    self.run_dir = claim_for_training(
+                        self.output_dir,
+                        recipe.to_dict(),
+                        self.checkpoints,
+                        os.path.realpath(base) if base else None,
+                        self.allow_changed_inputs,
+                        world,
+                    )
                 except ValueError as e:
                     error = e
             agree(error, "rank 0 could not claim output_dir (its error says why)")
             self.backend = get_backend(recipe.parallel.backend)(recipe, self.resolved, self.device, layout)
             self.layout = self.backend.setup_parallel()
             set_rng_state(after_data)  # the model draws what it drew when the data was read right before it
-            self.stream = StepBatches(rows, schedule.micro_batch_size, schedule.gradient_accumulation_steps,
-                                      self.layout.data, recipe.seed)
+            self.stream = StepBatches(
+                rows, schedule.micro_batch_size, schedule.gradient_accumulation_steps, self.layout.data, recipe.seed
+            )
             model = self.backend.build_model(self.ds_config)
             self.counts = global_parameter_counts(model, self.layout.expert)  # every EP rank's experts
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(parameter_groups(trainable, schedule.weight_decay), lr=schedule.lr)
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=lr_scheduler(optimizer, schedule),
-                config=self.ds_config, dist_init_required=False)
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler(optimizer, schedule),
+                config=self.ds_config,
+                dist_init_required=False,
+            )
             self.logger = make_logger(self.rank, recipe.logging, self.output_dir, recipe.to_dict())
             # hooks on the routers (drift, indexer KL); per-EP-rank load against the planned capacity factor
-            self.moe_metrics = MoEMetrics(self.engine.module, self.layout.expert, recipe.parallel.capacity_factor,
-                                          warn=self.logger.message)
+            self.moe_metrics = MoEMetrics(
+                self.engine.module, self.layout.expert, recipe.parallel.capacity_factor, warn=self.logger.message
+            )
             self.result = TrainResult(output_dir=self.output_dir)
             self.guard = StepGuard(recipe.guards.divergence, self.logger.message)
             self.last_saved: Optional[int] = None
@@ -213,13 +209,18 @@ class Trainer:
 
     def describe(self) -> str:
         recipe, (n_trainable, n_total) = self.recipe, self.counts
-        what = "every parameter" if recipe.lora is None else (
-            f"LoRA r={recipe.lora.r} on {list(recipe.lora.target_modules) + list(recipe.lora.target_parameters)}")
+        what = (
+            "every parameter"
+            if recipe.lora is None
+            else (f"LoRA r={recipe.lora.r} on {list(recipe.lora.target_modules) + list(recipe.lora.target_parameters)}")
+        )
         source = recipe.model.from_pretrained or f"preset {recipe.model.preset}"
         stage, world = zero_stage(self.ds_config), dist.get_world_size()
-        return (f"model: {source} ({self.backend.name} backend, {world} process{'es' * (world != 1)}, expert "
-                f"parallel {self.layout.expert}, ZeRO stage {stage}): {n_total:,} parameters, {n_trainable:,} "
-                f"trainable ({what})")
+        return (
+            f"model: {source} ({self.backend.name} backend, {world} process{'es' * (world != 1)}, expert "
+            f"parallel {self.layout.expert}, ZeRO stage {stage}): {n_total:,} parameters, {n_trainable:,} "
+            f"trainable ({what})"
+        )
 
     def train_step(self, on_gradients: Optional[Callable[[], None]] = None) -> float:
         """One optimizer step; returns its loss (the global token mean). ``on_gradients`` is called after the
@@ -237,16 +238,16 @@ class Trainer:
                 if on_gradients is not None:
                     on_gradients()
                 if not self.zero3:  # the engine reports a norm only under ZeRO; one process: the local grads
-                    norm = _local_grad_norm(engine.module)
+                    norm = local_grad_norm(engine.module)
             engine.step()
             local += float(loss.detach())
-        step_loss = _sum(local, self.device) / (layout.data * schedule.gradient_accumulation_steps)
+        step_loss = global_sum(local, self.device) / (layout.data * schedule.gradient_accumulation_steps)
         if self.zero3:
             norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
         self.result.losses.append(step_loss)
         self.result.grad_norms.append(norm if norm is not None else float("nan"))
-        self.last_loads = _balance(self.backend, engine.module, self.recipe.lora is None, self.device)
+        self.last_loads = balance_loads(self.backend, engine.module, self.recipe.lora is None, self.device)
         self.moe_metrics.add_step(self.last_loads)  # the logged load is over the steps since the last log
         self.step += 1
         # a local norm (no ZeRO) may be finite here and not on another rank: every rank stops alike
@@ -263,15 +264,19 @@ class Trainer:
         logger.message(f"start-up {self.startup_s:.1f} s")
         first = self.step
         # output_dir is on one file system for every rank (checkpoint.py), so every rank decides alike
-        if first >= schedule.steps and os.path.isdir(os.path.join(self.output_dir, "adapter" if recipe.lora else
-                                                                  "model")):
-            logger.message(f"the run had finished (step {first} of {schedule.steps}): its outputs in "
-                           f"{self.output_dir} stay as they are; raise schedule.steps to train on")
+        if first >= schedule.steps and os.path.isdir(
+            os.path.join(self.output_dir, "adapter" if recipe.lora else "model")
+        ):
+            logger.message(
+                f"the run had finished (step {first} of {schedule.steps}): its outputs in "
+                f"{self.output_dir} stay as they are; raise schedule.steps to train on"
+            )
             logger.close()
             return self.result
         logger.start(schedule.steps, self.step)
-        tokens_per_step = schedule.micro_batch_size * recipe.data.seq_len * self.layout.data \
-            * schedule.gradient_accumulation_steps
+        tokens_per_step = (
+            schedule.micro_batch_size * recipe.data.seq_len * self.layout.data * schedule.gradient_accumulation_steps
+        )
         clock = time.perf_counter()
         self.engine.train()
         while self.step < schedule.steps:
@@ -280,8 +285,12 @@ class Trainer:
             rate = tokens_per_step * (done - first) / max(time.perf_counter() - clock, 1e-9)
             logger.step(done, loss, rate)
             if done % recipe.logging.every == 0 or done == first + 1 or done == schedule.steps:
-                metrics = {"train/loss": loss, "train/lr": self.lr,
-                           "train/grad_norm": self.result.grad_norms[-1], "train/tokens_per_s": rate}
+                metrics = {
+                    "train/loss": loss,
+                    "train/lr": self.lr,
+                    "train/grad_norm": self.result.grad_norms[-1],
+                    "train/tokens_per_s": rate,
+                }
                 metrics.update(self.moe_metrics.collect())  # collective: on every rank
                 logger.log(done, metrics)
             if recipe.eval.every and done % recipe.eval.every == 0 and done != schedule.steps:
@@ -296,21 +305,31 @@ class Trainer:
             self.save()
         where = write_outputs(self.backend, self.engine.module, recipe, self.output_dir, self.rank)
         if self.rank == 0:
-            write_json_atomic(os.path.join(self.output_dir, "results.json"), {
-                "steps": len(self.result.losses), "final_loss": self.result.losses[-1] if self.result.losses else None,
-                "eval_loss": self.result.eval_loss, "resumed_from": self.result.resumed_from,
-                "startup_s": self.startup_s, "step_time_s": self.result.step_time_s})
+            write_json_atomic(
+                os.path.join(self.output_dir, "results.json"),
+                {
+                    "steps": len(self.result.losses),
+                    "final_loss": self.result.losses[-1] if self.result.losses else None,
+                    "eval_loss": self.result.eval_loss,
+                    "resumed_from": self.result.resumed_from,
+                    "startup_s": self.startup_s,
+                    "step_time_s": self.result.step_time_s,
+                },
+            )
         logger.close()
         if self.rank == 0 and self.result.losses:
             losses = self.result.losses
-            print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps "
-                  f"({self.result.step_time_s:.2f} s a step after {self.startup_s:.1f} s of start-up); {where}",
-                  flush=True)
+            print(
+                f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps "
+                f"({self.result.step_time_s:.2f} s a step after {self.startup_s:.1f} s of start-up); {where}",
+                flush=True,
+            )
         if recipe.eval.answers is not None:  # generated answers on held-out examples (answer_eval.py)
             from .metrics.answer_eval import report_answers
 
-            self.result.answers = report_answers(recipe.eval.answers, self.output_dir, self.rank,
-                                                 dist.get_world_size(), self.device, self.resolved)
+            self.result.answers = report_answers(
+                recipe.eval.answers, self.output_dir, self.rank, dist.get_world_size(), self.device, self.resolved
+            )
         return self.result
 
     @torch.no_grad()
@@ -318,8 +337,9 @@ class Trainer:
         """Mean token loss over ``eval.batches`` held-out micro-batches per data-parallel rank. Every rank runs
         the same number of forwards (expert parallelism makes each forward a collective)."""
         layout, engine = self.layout, self.engine
-        batches = eval_batches(self.eval_rows, self.recipe.schedule.micro_batch_size,
-                               self.recipe.eval.batches * layout.data)
+        batches = eval_batches(
+            self.eval_rows, self.recipe.schedule.micro_batch_size, self.recipe.eval.batches * layout.data
+        )
         if not batches:
             return float("nan")
         each = max(1, len(batches) // layout.data)
@@ -333,14 +353,20 @@ class Trainer:
         engine.train()
         for layer in self.backend.moe_layers(engine.module):
             layer.reset_load()
-        return _sum(total, self.device) / max(_sum(count, self.device), 1.0)
+        return global_sum(total, self.device) / max(global_sum(count, self.device), 1.0)
 
     def save(self) -> str:
         """A complete checkpoint of this step (collective; atomic across ranks)."""
-        path = save_step(self.checkpoints, self.engine, self.step, self.rank,
-                         lambda: {"losses": self.result.losses, "data": self.stream.state_dict()},
-                         lambda: layout_free_state(self.engine, self.layout, self._lora_rank(),
-                                                   self.stream.rows_per_step, self._trained_buffers()))
+        path = save_step(
+            self.checkpoints,
+            self.engine,
+            self.step,
+            self.rank,
+            lambda: {"losses": self.result.losses, "data": self.stream.state_dict()},
+            lambda: layout_free_state(
+                self.engine, self.layout, self._lora_rank(), self.stream.rows_per_step, self._trained_buffers()
+            ),
+        )
         self.last_saved = self.step
         if self.rank == 0:
             write_json_atomic(os.path.join(self.output_dir, "losses.json"), self.result.losses)
@@ -358,8 +384,9 @@ class Trainer:
 
     def _resume(self) -> int:
         """Continue from the newest complete checkpoint, if any; the step it continues from (0: none)."""
-        latest = load_latest(self.checkpoints, self.engine, self.rank, self.layout, self._lora_rank(),
-                             self.logger.message)
+        latest = load_latest(
+            self.checkpoints, self.engine, self.rank, self.layout, self._lora_rank(), self.logger.message
+        )
         if latest is None:
             return 0
         step, path, state = latest
@@ -372,23 +399,3 @@ class Trainer:
         self.result.losses = list(state["losses"])
         self.result.resumed_from = self.last_saved = step
         return step
-
-
-def _local_grad_norm(module) -> float:
-    grads = [p.grad.detach().float() for p in module.parameters() if p.requires_grad and p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
-
-
-def _balance(backend, module, full: bool, device: torch.device) -> Optional[torch.Tensor]:
-    """Sum each MoE layer's expert load of the step over every rank (``[layers, E]``); with the base training
-    (no LoRA) move the selection bias toward balance, the same update on every rank."""
-    layers = backend.moe_layers(module)
-    loads = [layer.pop_load() for layer in layers]
-    if not layers or any(load is None for load in loads):
-        return None
-    stacked = torch.stack([load.to(device) for load in loads])
-    dist.all_reduce(stacked)
-    if full:
-        for layer, load in zip(layers, stacked):
-            layer.update_routing_bias(load)
-    return stacked

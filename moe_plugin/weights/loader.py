@@ -38,7 +38,7 @@ from .packed import is_packed_expert_stack
 from .plan import Plan, detect_layout, plan_reads, stored_tensors
 from .reads import Read, Stored, Target
 
-__all__ = ["LoadStats", "load_state", "load_base", "run_reads", "state_from_tensors", "model_tensors", "model_targets",
+__all__ = ["LoadStats", "load_state", "run_reads", "state_from_tensors", "model_tensors", "model_targets",
            "expert_ranges", "is_partitioned", "partition_range", "zero_padding", "write_flat"]
 
 _EXTRA_STATE = "_extra_state"
@@ -248,23 +248,6 @@ def load_state(model: nn.Module, path: str | os.PathLike, *, names: str, config:
     stats = LoadStats(ignored=plan.ignored, unknown=plan.unknown, fresh=plan.fresh, layout=layout)
     run_reads(plan, tensors, targets, open_file or _open_safetensors, stats, config.moe.expert_format)
     return stats
-
-
-def load_base(model: nn.Module, resolved, names: str) -> None:
-    """Load a recipe's resolved base (``moe_plugin.recipe.resolved_model.ResolvedModel``: a Hugging Face or
-    K3-layout checkpoint at ``resolved.path``) into ``model`` strictly, each rank writing only its own slices and
-    ZeRO-3 partitions (a text model over an image base reads the text tensors only); a preset
-    (``resolved.path`` None) keeps the weights it was initialised with from the seed. What both backends call."""
-    if resolved.path is None:
-        return
-    from ..precision import apply_precision
-    from .names import VISION_PREFIXES
-
-    apply_precision(model)  # built under zero.Init, the fp32 tensors are bf16 partitions: whole fp32 before loading
-    # a text-only run of an image base builds the text model (images.wants_images): the base's vision tower is
-    # no part of it, so it is left in the checkpoint (the exports copy it through); an image model reads it
-    text_only = not any(n.startswith(VISION_PREFIXES) for n, _ in model.named_parameters())
-    load_state(model, resolved.path, names=names, config=resolved.model_config, strict=True, ignore_vision=text_only)
 
 
 def _unpacked_reads(plan: Plan, stored: Mapping[str, Stored], tensors: Mapping[str, torch.Tensor],

@@ -295,7 +295,7 @@ def _balance(seed: int) -> dict:
     after_pop = layer.last_load
     total = local.clone()
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    layer.update_routing_bias(total)  # what training.loop._balance does with the summed load
+    layer.update_routing_bias(total)  # what training.step_math.balance_loads does with the summed load
     return {"x": batches, "padding_mask": masks, "router": layer.router.weight.detach().clone(),
             "bias_before": bias_before, "local_load": local, "after_pop": after_pop, "global_load": total,
             "bias_after": layer.router.e_score_correction_bias.clone(),

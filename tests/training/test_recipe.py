@@ -1,4 +1,5 @@
-"""The recipe schema, the layout check and the DeepSpeed config merge: each bad input is asserted on its message."""
+"""The recipe schema and the DeepSpeed config merge: each bad input is asserted on its message (the layout check:
+tests/recipe/test_world.py)."""
 
 import copy
 import glob
@@ -10,8 +11,8 @@ from moe_plugin.models.configuration import MoEPluginConfig
 from moe_plugin.models.k3_config import config_to_k3
 from moe_plugin.models.presets import preset_config
 from moe_plugin.training.ds_config import ZERO3_SETTINGS, deepspeed_config
-from moe_plugin.recipe.schema import (LoraSection, RecipeError, check_layout, env_world_size, load_recipe,
-                                        recipe_from_dict)
+from moe_plugin.recipe.schema import LoraSection, RecipeError, load_recipe, recipe_from_dict
+from moe_plugin.recipe.world import check_layout
 
 BASE = {"output_dir": "outputs/test", "model": {"preset": "tiny"}}
 SHIPPED_BASE = "recipes/bases/tiny-arith"
@@ -214,37 +215,6 @@ def test_model_sources_and_configs(tmp_path):
     assert type(k3).model_config["strict"] is True  # pydantic's settings are still there on the class
 
 
-def _layout(ep, backend="megatron"):
-    return recipe_from_dict(_with(parallel={"expert_parallel_size": ep, "backend": backend}))
-
-
-def test_check_layout():
-    check_layout(_layout(2), world_size=4, num_experts=8)
-    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: 3 does not divide the model's 8 experts"):
-        check_layout(_layout(3), world_size=3, num_experts=8)
-    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: 2 does not divide the world size 3"):
-        check_layout(_layout(2), world_size=3, num_experts=8)
-    check_layout(_layout(2, "hf"), world_size=2, num_experts=8)  # the Hugging Face face has expert parallelism
-    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: is 2, but the Hugging Face backend's "
-                                         r"expert parallelism takes dense experts and the base's are 'mxfp4'; use "
-                                         r"parallel\.backend \"megatron\""):
-        check_layout(_layout(2, "hf"), world_size=2, num_experts=8, expert_format="mxfp4")
-    full = recipe_from_dict(_with(parallel={"expert_parallel_size": 2, "backend": "hf"}, lora=None))
-    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: is 2, but full training \(\"lora\": "
-                                         r"null\) on the Hugging Face backend runs without expert parallelism"):
-        check_layout(full, world_size=2, num_experts=8)
-
-
-def test_env_world_size(monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert env_world_size() == 1
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    assert env_world_size() == 4
-    monkeypatch.setenv("WORLD_SIZE", "two")
-    with pytest.raises(ValueError, match="WORLD_SIZE: must be a positive integer, got 'two'"):
-        env_world_size()
-
-
 # ---- the DeepSpeed config merge ----
 
 def _ds_recipe(tmp_path, ds=None, **sections):
@@ -335,7 +305,8 @@ def test_the_default_config(tmp_path):
         shipped = json.load(f)["zero_optimization"]
     assert ZERO3_SETTINGS == shipped
     assert deepspeed_config(recipe_from_dict(BASE), 2)["zero_optimization"] == shipped
-    assert deepspeed_config(_layout(2), 2)["zero_optimization"] == shipped
+    ep2 = recipe_from_dict(_with(parallel={"expert_parallel_size": 2}))
+    assert deepspeed_config(ep2, 2)["zero_optimization"] == shipped
 
 
 def test_a_relative_deepspeed_path_resolves_against_base_dir(tmp_path):

@@ -14,7 +14,7 @@ def _model():
 
 
 def test_balance_moves_bias_against_the_load():
-    """What training.loop._balance does with the summed load: each layer's sign update."""
+    """What training.step_math.balance_loads does with the summed load: each layer's sign update."""
     model = _model()
     layers = moe_layers(model)
     load = torch.zeros(len(layers), 8)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from moe_plugin.fileio import read_safetensors_header, safetensors_weight_map
 from moe_plugin.models import MoEPluginForCausalLM, load_k3_checkpoint, preset_config
 from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
-from moe_plugin.weights.loader import load_base
+from moe_plugin.weights.base_loading import load_base
 from moe_plugin.weights import load_state, stored_tensors
 from moe_plugin.weights.checks import check_module_finite, dtype_problems
 
@@ -172,7 +172,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(base, tmp_path, name, 
 
 
 def test_the_trainer_backends_refuse_a_nan_base(base, tmp_path):
-    """``weights.loader.load_base``: what both backends call to load ``model.from_pretrained``."""
+    """``weights.base_loading.load_base``: what both backends call to load ``model.from_pretrained``."""
     bad = base[1][NORM].clone()
     bad[0] = math.nan
     path = copy_with(base, tmp_path, {NORM: bad})

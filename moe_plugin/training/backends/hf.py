@@ -26,7 +26,7 @@ from ..metrics.routing import moe_layers
 from ...parallel.expert_parallel import apply_expert_parallel
 from ...parallel.layout import ParallelLayout
 from .base import Backend
-from ...weights.loader import load_base
+from ...weights.base_loading import load_base
 from ..ds_config import partition_while_building, zero_init, zero_stage
 
 __all__ = ["HFBackend"]

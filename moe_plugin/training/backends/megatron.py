@@ -27,7 +27,7 @@ from ...parallel.layout import ParallelLayout
 from ...parallel.zero3_gather import gathered
 from ...precision import apply_precision
 from .base import Backend
-from ...weights.loader import load_base
+from ...weights.base_loading import load_base
 from ..ds_config import partition_while_building, zero_init, zero_stage
 
 __all__ = ["MegatronBackend"]

@@ -1,7 +1,7 @@
 """The model's MoE layers, found by type, for the loop's balancing and logging.
 
 docs/architecture.md 3: with every base weight trainable, the selection bias ``e_score_correction_bias`` is
-moved toward balance after each global batch (no auxiliary loss): the loop (``training.loop._balance``) sums
+moved toward balance after each global batch (no auxiliary loss): the loop (``training.step_math.balance_loads``) sums
 the layers' loads over the ranks and calls each layer's ``update_routing_bias``. The layers are found here so
 that the single-device model and megatron's agree on their order.
 """

@@ -1,0 +1,48 @@
+"""moe_plugin/recipe/world.py: the launcher's world size and the recipe's expert-parallel layout checked against
+it and the model, each refusal asserted on its message."""
+
+import copy
+
+import pytest
+
+from moe_plugin.recipe.schema import recipe_from_dict
+from moe_plugin.recipe.world import check_layout, env_world_size
+
+BASE = {"output_dir": "outputs/test", "model": {"preset": "tiny"}}
+
+
+def _with(**sections):
+    values = copy.deepcopy(BASE)
+    values.update(sections)
+    return values
+
+
+def _layout(ep, backend="megatron"):
+    return recipe_from_dict(_with(parallel={"expert_parallel_size": ep, "backend": backend}))
+
+
+def test_check_layout():
+    check_layout(_layout(2), world_size=4, num_experts=8)
+    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: 3 does not divide the model's 8 experts"):
+        check_layout(_layout(3), world_size=3, num_experts=8)
+    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: 2 does not divide the world size 3"):
+        check_layout(_layout(2), world_size=3, num_experts=8)
+    check_layout(_layout(2, "hf"), world_size=2, num_experts=8)  # the Hugging Face face has expert parallelism
+    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: is 2, but the Hugging Face backend's "
+                                         r"expert parallelism takes dense experts and the base's are 'mxfp4'; use "
+                                         r"parallel\.backend \"megatron\""):
+        check_layout(_layout(2, "hf"), world_size=2, num_experts=8, expert_format="mxfp4")
+    full = recipe_from_dict(_with(parallel={"expert_parallel_size": 2, "backend": "hf"}, lora=None))
+    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: is 2, but full training \(\"lora\": "
+                                         r"null\) on the Hugging Face backend runs without expert parallelism"):
+        check_layout(full, world_size=2, num_experts=8)
+
+
+def test_env_world_size(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert env_world_size() == 1
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert env_world_size() == 4
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE: must be a positive integer, got 'two'"):
+        env_world_size()
