@@ -40,8 +40,11 @@ def _child(mode: str, seq: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = add_lora(MoEPluginForCausalLM(preset_config("tiny", **LAYERS)).train(),
-                     lora_config(8, 16, ["q_proj", "k_proj", "gate"]), wrap=True)
+    model = add_lora(
+        MoEPluginForCausalLM(preset_config("tiny", **LAYERS)).train(),
+        lora_config(8, 16, ["q_proj", "k_proj", "gate"]),
+        wrap=True,
+    )
     set_recompute(model, mode)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
@@ -70,17 +73,26 @@ def _child(mode: str, seq: int, threads: int) -> dict:
 def run_mode(mode: str, seq: int = SEQ, threads: int = THREADS) -> dict:
     """One mode's step in a fresh process: {"activation_bytes", "seconds", "loss"}."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.checkpointing", "--child", mode, str(seq), str(threads)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.checkpointing", "--child", mode, str(seq), str(threads)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     raise RuntimeError(f"mode {mode}: {(proc.stderr or proc.stdout).strip()[-2000:]}")
 
 
 def main(seq: int = SEQ) -> list:
-    lines = [machine_line(THREADS), f"tiny preset at 12 layers, LoRA r=8 on q_proj, k_proj, gate; 1 x {seq} tokens "
-             "(documents of 512), fp32, one step; activation memory = the step's tensor-byte peak above its start"]
+    lines = [
+        machine_line(THREADS),
+        f"tiny preset at 12 layers, LoRA r=8 on q_proj, k_proj, gate; 1 x {seq} tokens "
+        "(documents of 512), fp32, one step; activation memory = the step's tensor-byte peak above its start",
+    ]
     results = {mode: run_mode(mode, seq) for mode in ("off", "selective", "full")}
     off = results["off"]
     for mode, r in results.items():
@@ -89,8 +101,10 @@ def main(seq: int = SEQ) -> list:
         if mode in GOALS:
             m, t = GOALS[mode]
             goal = f" (goal <= {m} at <= {t}x: {'met' if memory <= m and slower <= t else 'NOT met'})"
-        lines.append(f"{mode:>9}: activations {r['activation_bytes'] / 2**20:7.1f} MiB ({memory:.2f} of off), step "
-                     f"{r['seconds']:.2f} s ({slower:.2f}x off), loss {r['loss']:.6f}{goal}")
+        lines.append(
+            f"{mode:>9}: activations {r['activation_bytes'] / 2**20:7.1f} MiB ({memory:.2f} of off), step "
+            f"{r['seconds']:.2f} s ({slower:.2f}x off), loss {r['loss']:.6f}{goal}"
+        )
         print(lines[-1], flush=True)
     write_results("activation checkpointing (benchmarks/checkpointing.py)", lines)
     return lines

@@ -28,13 +28,19 @@ if ROOT not in sys.path:
 from benchmarks.harness import _status_kib, machine_line  # noqa: E402
 
 EXPERTS, F, L = 64, 512, 256
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def overrides(moe_layers: int) -> dict:
     layers = moe_layers + 1  # first_k_dense_replace = 1: layer 0 is dense
-    return {"num_hidden_layers": layers, "layer_types": ["kda"] * (layers - 1) + ["mla"], "num_experts": EXPERTS,
-            "moe_intermediate_size": F, "routed_expert_hidden_size": L, "attn_res": False}
+    return {
+        "num_hidden_layers": layers,
+        "layer_types": ["kda"] * (layers - 1) + ["mla"],
+        "num_experts": EXPERTS,
+        "moe_intermediate_size": F,
+        "routed_expert_hidden_size": L,
+        "attn_res": False,
+    }
 
 
 def make_run(directory: str, moe_layers: int) -> None:
@@ -46,14 +52,22 @@ def make_run(directory: str, moe_layers: int) -> None:
     from moe_plugin.models import MoEPluginForCausalLM, preset_config
     from moe_plugin.training.run_dir import MARKER
 
-    recipe = {"output_dir": directory, "model": {"preset": "tiny", "overrides": overrides(moe_layers)},
-              "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"],
-                       "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]}}
+    recipe = {
+        "output_dir": directory,
+        "model": {"preset": "tiny", "overrides": overrides(moe_layers)},
+        "lora": {
+            "r": 4,
+            "alpha": 8,
+            "target_modules": ["q_proj", "k_proj", "gate"],
+            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
+        },
+    }
     torch.manual_seed(0)
     model = MoEPluginForCausalLM(preset_config("tiny", **overrides(moe_layers)))
     model.save_pretrained(os.path.join(directory, "base"))
-    peft_model = get_peft_model(model, lora_config(4, 8, recipe["lora"]["target_modules"],
-                                                   recipe["lora"]["target_parameters"]))
+    peft_model = get_peft_model(
+        model, lora_config(4, 8, recipe["lora"]["target_modules"], recipe["lora"]["target_parameters"])
+    )
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -82,8 +96,9 @@ def child(run_dir: str, what: str) -> None:
         if what == "merge":
             source = open_run(run_dir)
             base = _reset_peak()
-            written = write_merged(source.base_path, source.hf_config, source.targets, source.state, out, "hf",
-                                   5 * 10 ** 9)
+            written = write_merged(
+                source.base_path, source.hf_config, source.targets, source.state, out, "hf", 5 * 10**9
+            )
             layers = written["peak_expert_layers"]
         else:
             base = _reset_peak()
@@ -93,8 +108,9 @@ def child(run_dir: str, what: str) -> None:
 
 
 def measure(run_dir: str, what: str) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", run_dir, what], capture_output=True, text=True,
-                          cwd=ROOT, check=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", run_dir, what], capture_output=True, text=True, cwd=ROOT, check=True
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -102,17 +118,21 @@ def main() -> None:
     print(machine_line(2))
     layer_bytes = 3 * EXPERTS * F * L * 4  # w1, w3, w2 of one layer, fp32
     print(f"experts: {EXPERTS} x 3 matrices of {F} x {L} fp32 per MoE layer = {layer_bytes / MIB:.0f} MiB a layer")
-    print(f"{'MoE layers':>10} {'one layer':>10} {'all experts':>12} {'merge peak':>11} {'/ layer':>8} "
-          f"{'/ all':>6} {'held':>5} {'export peak':>12} {'/ all':>6}")
+    print(
+        f"{'MoE layers':>10} {'one layer':>10} {'all experts':>12} {'merge peak':>11} {'/ layer':>8} "
+        f"{'/ all':>6} {'held':>5} {'export peak':>12} {'/ all':>6}"
+    )
     for moe_layers in (2, 6):
         with tempfile.TemporaryDirectory(prefix="export-bench-run-") as run_dir:
             make_run(run_dir, moe_layers)
             merge, full = measure(run_dir, "merge"), measure(run_dir, "export")
         total = moe_layers * layer_bytes
         peak, whole = merge["peak_kib"] * 1024, full["peak_kib"] * 1024
-        print(f"{moe_layers:>10} {layer_bytes / MIB:>8.0f}Mi {total / MIB:>10.0f}Mi {peak / MIB:>9.0f}Mi "
-              f"{peak / layer_bytes:>8.2f} {peak / total:>6.2f} {merge['peak_expert_layers']:>5} "
-              f"{whole / MIB:>10.0f}Mi {whole / total:>6.2f}")
+        print(
+            f"{moe_layers:>10} {layer_bytes / MIB:>8.0f}Mi {total / MIB:>10.0f}Mi {peak / MIB:>9.0f}Mi "
+            f"{peak / layer_bytes:>8.2f} {peak / total:>6.2f} {merge['peak_expert_layers']:>5} "
+            f"{whole / MIB:>10.0f}Mi {whole / total:>6.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -65,9 +65,11 @@ def check_kda(lines: List[str]) -> None:
     t_torch = _time(step, 3)
     os.environ.pop("MOE_PLUGIN_DISABLE_KERNELS")
     t_kernel = _time(step, 3)
-    lines.append(f"kda fp32 B={B} T={T} H={H} K=V={K}: kernel {'fla' if fla else 'none'} vs torch path "
-                 f"rel diff {_rel(o_kernel, o_torch):.2e}; fwd+bwd {t_kernel * 1e3:.1f} ms vs "
-                 f"{t_torch * 1e3:.1f} ms ({t_torch / t_kernel:.1f}x)")
+    lines.append(
+        f"kda fp32 B={B} T={T} H={H} K=V={K}: kernel {'fla' if fla else 'none'} vs torch path "
+        f"rel diff {_rel(o_kernel, o_torch):.2e}; fwd+bwd {t_kernel * 1e3:.1f} ms vs "
+        f"{t_torch * 1e3:.1f} ms ({t_torch / t_kernel:.1f}x)"
+    )
 
 
 def check_sparse_attention(lines: List[str]) -> None:
@@ -77,20 +79,26 @@ def check_sparse_attention(lines: List[str]) -> None:
 
     B, T, H, D, Hi, Di, topk = 1, 8192, 16, 128, 8, 64, 2048
     q, k, v = (torch.randn(B, T, H, D, device="cuda", requires_grad=True) for _ in range(3))
-    qi, ki, w = torch.randn(B, T, Hi, Di, device="cuda"), torch.randn(B, T, Di, device="cuda"), \
-        torch.rand(B, T, Hi, device="cuda")
+    qi, ki, w = (
+        torch.randn(B, T, Hi, Di, device="cuda"),
+        torch.randn(B, T, Di, device="cuda"),
+        torch.rand(B, T, Hi, device="cuda"),
+    )
     idx = indexer_topk(qi, ki, w, topk)
 
     def sparse():
-        sparse_attention(q, k, v, idx, D ** -0.5).sum().backward()
+        sparse_attention(q, k, v, idx, D**-0.5).sum().backward()
 
     def dense():
-        F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       is_causal=True).sum().backward()
+        F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        ).sum().backward()
 
     t_sparse, t_dense = _time(sparse, 3), _time(dense, 3)
-    lines.append(f"dsa sparse attention fp32 T={T} H={H} D={D} top-k {topk}: fwd+bwd {t_sparse * 1e3:.1f} ms vs "
-                 f"dense causal SDPA {t_dense * 1e3:.1f} ms ({t_dense / t_sparse:.2f}x)")
+    lines.append(
+        f"dsa sparse attention fp32 T={T} H={H} D={D} top-k {topk}: fwd+bwd {t_sparse * 1e3:.1f} ms vs "
+        f"dense causal SDPA {t_dense * 1e3:.1f} ms ({t_dense / t_sparse:.2f}x)"
+    )
 
 
 def check_moe(lines: List[str]) -> None:
@@ -105,18 +113,31 @@ def check_moe(lines: List[str]) -> None:
     ref = grouped_glu_reference(x.float(), counts, w1.float(), w3.float(), w2.float(), "swiglu")
     seconds = _time(lambda: grouped_glu(x, counts, w1, w3, w2, "swiglu"), 10)
     tflops = 2 * N * 3 * Din * F_ / seconds / 1e12
-    lines.append(f"moe grouped GLU bf16 E={E} tokens={N} {Din}->{F_}: rel diff vs fp32 reference "
-                 f"{_rel(ours, ref):.2e}; forward {seconds * 1e3:.2f} ms, {tflops:.0f} TFLOP/s")
+    lines.append(
+        f"moe grouped GLU bf16 E={E} tokens={N} {Din}->{F_}: rel diff vs fp32 reference "
+        f"{_rel(ours, ref):.2e}; forward {seconds * 1e3:.2f} ms, {tflops:.0f} TFLOP/s"
+    )
 
 
 def check_training_step(lines: List[str]) -> None:
     from moe_plugin import MoEPluginForCausalLM, preset_config
     from moe_plugin.lora import add_lora, lora_config
 
-    cfg = preset_config("tiny", hidden_size=1024, linear_attn_config=dict(num_heads=8, head_dim=128),
-                        num_attention_heads=8, num_experts=64, num_experts_per_token=8,
-                        moe_intermediate_size=512, routed_expert_hidden_size=512, intermediate_size=4096,
-                        vocab_size=32768, index_topk=1024, vision_config=None, image_token_id=None)
+    cfg = preset_config(
+        "tiny",
+        hidden_size=1024,
+        linear_attn_config=dict(num_heads=8, head_dim=128),
+        num_attention_heads=8,
+        num_experts=64,
+        num_experts_per_token=8,
+        moe_intermediate_size=512,
+        routed_expert_hidden_size=512,
+        intermediate_size=4096,
+        vocab_size=32768,
+        index_topk=1024,
+        vision_config=None,
+        image_token_id=None,
+    )
     model = add_lora(MoEPluginForCausalLM(cfg), lora_config(), wrap=True).cuda()
     ids = torch.randint(0, 32768, (1, 8192), device="cuda")
     cu = torch.tensor([0, 2048, 4096, 8192], device="cuda")
@@ -125,8 +146,10 @@ def check_training_step(lines: List[str]) -> None:
         model(input_ids=ids, labels=ids, cu_seqlens=cu).loss.backward()
 
     seconds = _time(step, 3)
-    lines.append(f"training step (LoRA, fp32, hidden 1024, 64 experts top-8, 8192 tokens): {seconds * 1e3:.0f} ms, "
-                 f"{8192 / seconds:,.0f} tokens/s")
+    lines.append(
+        f"training step (LoRA, fp32, hidden 1024, 64 experts top-8, 8192 tokens): {seconds * 1e3:.0f} ms, "
+        f"{8192 / seconds:,.0f} tokens/s"
+    )
 
 
 def check_packed_experts(lines: List[str]) -> None:
@@ -143,9 +166,11 @@ def check_packed_experts(lines: List[str]) -> None:
     t_packed = _time(lambda: packed_grouped_linear(x, counts, packed, scale, "mxfp4", Din).sum().backward(), 10)
     t_dense = _time(lambda: torch._grouped_mm(x, dense.transpose(1, 2), offs=offs).sum().backward(), 10)
     ratio = (packed.numel() + scale.numel()) / (dense.numel() * 2)
-    lines.append(f"packed MXFP4 experts E={E} tokens={N} {Din}->{F_}: rel diff vs dense bf16 {_rel(ours, ref):.2e}; "
-                 f"fwd+bwd {t_packed * 1e3:.2f} ms vs {t_dense * 1e3:.2f} ms ({t_packed / t_dense:.2f}x), "
-                 f"expert memory {ratio:.3f} of bf16")
+    lines.append(
+        f"packed MXFP4 experts E={E} tokens={N} {Din}->{F_}: rel diff vs dense bf16 {_rel(ours, ref):.2e}; "
+        f"fwd+bwd {t_packed * 1e3:.2f} ms vs {t_dense * 1e3:.2f} ms ({t_packed / t_dense:.2f}x), "
+        f"expert memory {ratio:.3f} of bf16"
+    )
 
 
 def main() -> List[str]:

@@ -36,19 +36,27 @@ def machine_line(threads: int) -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads, "
-            f"python {platform.python_version()}")
+    return (
+        f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads, "
+        f"python {platform.python_version()}"
+    )
 
 
 def run_variant(target: str, threads: int = 2, iters: int = 3, timeout: float = 1800, **kwargs: Any) -> Dict:
     """Run ``target`` (``"module:function"``) in a fresh process; return {"seconds", "peak_mib"} or {"error"}."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
     payload = json.dumps({"target": target, "threads": threads, "iters": iters, "kwargs": kwargs})
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.harness", payload], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.harness", payload],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]}
 
 

@@ -19,12 +19,35 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-SHAPE = dict(hidden=256, layers=4, experts=16, top_k=4, expert_width=128, latent=128, kda_heads=4, head_dim=64,
-             vocab=4096, seq=256, global_batch=8)
-TINY = dict(hidden=64, layers=2, experts=4, top_k=2, expert_width=32, latent=32, kda_heads=2, head_dim=32,
-            vocab=256, seq=32, global_batch=4)
-LORA_TARGETS = dict(target_modules=("q_proj", "k_proj", "gate"),
-                    target_parameters=("experts.w1", "experts.w2", "experts.w3"))
+SHAPE = dict(
+    hidden=256,
+    layers=4,
+    experts=16,
+    top_k=4,
+    expert_width=128,
+    latent=128,
+    kda_heads=4,
+    head_dim=64,
+    vocab=4096,
+    seq=256,
+    global_batch=8,
+)
+TINY = dict(
+    hidden=64,
+    layers=2,
+    experts=4,
+    top_k=2,
+    expert_width=32,
+    latent=32,
+    kda_heads=2,
+    head_dim=32,
+    vocab=256,
+    seq=32,
+    global_batch=4,
+)
+LORA_TARGETS = dict(
+    target_modules=("q_proj", "k_proj", "gate"), target_parameters=("experts.w1", "experts.w2", "experts.w3")
+)
 
 
 def model_config(shape: Dict[str, int]):
@@ -34,12 +57,29 @@ def model_config(shape: Dict[str, int]):
     s = shape
     types = ["kda"] * (s["layers"] - 1) + ["mla"]
     return preset_config(
-        "tiny", attn_res=False, vision_config=None, image_token_id=None, vocab_size=s["vocab"],
-        hidden_size=s["hidden"], num_hidden_layers=s["layers"], layer_types=types,
-        linear_attn_config=dict(num_heads=s["kda_heads"], head_dim=s["head_dim"], short_conv_kernel_size=4,
-                                gate_lower_bound=-5.0, gate_form="k3", gate_rank=s["head_dim"] // 2, chunk_size=64),
-        num_experts=s["experts"], num_experts_per_token=s["top_k"], moe_intermediate_size=s["expert_width"],
-        routed_expert_hidden_size=s["latent"], intermediate_size=2 * s["hidden"], index_topk=s["seq"],
+        "tiny",
+        attn_res=False,
+        vision_config=None,
+        image_token_id=None,
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        num_hidden_layers=s["layers"],
+        layer_types=types,
+        linear_attn_config=dict(
+            num_heads=s["kda_heads"],
+            head_dim=s["head_dim"],
+            short_conv_kernel_size=4,
+            gate_lower_bound=-5.0,
+            gate_form="k3",
+            gate_rank=s["head_dim"] // 2,
+            chunk_size=64,
+        ),
+        num_experts=s["experts"],
+        num_experts_per_token=s["top_k"],
+        moe_intermediate_size=s["expert_width"],
+        routed_expert_hidden_size=s["latent"],
+        intermediate_size=2 * s["hidden"],
+        index_topk=s["seq"],
     ).to_model_config()
 
 
@@ -94,10 +134,13 @@ def run(shape: Dict[str, int] = SHAPE, iters: int = 3) -> List[str]:
     seconds_ep1 = ep1[0]["seconds"]
     tokens = shape["global_batch"] * shape["seq"]
     ratio = seconds_ep1 / seconds_ep2
-    lines = [machine_line(2), f"shape: {shape}",
-             f"EP=1, 1 process x 2 threads:  {seconds_ep1:.3f} s/step, {tokens / seconds_ep1:.0f} tokens/s",
-             f"EP=2, 2 processes x 1 thread: {seconds_ep2:.3f} s/step, {tokens / seconds_ep2:.0f} tokens/s",
-             f"ratio EP=2 / EP=1 throughput: {ratio:.2f} (goal >= 0.7)"]
+    lines = [
+        machine_line(2),
+        f"shape: {shape}",
+        f"EP=1, 1 process x 2 threads:  {seconds_ep1:.3f} s/step, {tokens / seconds_ep1:.0f} tokens/s",
+        f"EP=2, 2 processes x 1 thread: {seconds_ep2:.3f} s/step, {tokens / seconds_ep2:.0f} tokens/s",
+        f"ratio EP=2 / EP=1 throughput: {ratio:.2f} (goal >= 0.7)",
+    ]
     for line in lines:
         print(line)
     return lines

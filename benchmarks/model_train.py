@@ -39,31 +39,66 @@ def _ours(hidden, heads, head_dim, experts, top_k, width, vocab, **_):
     from moe_plugin.models import MoEPluginConfig, MoEPluginForCausalLM
 
     config = MoEPluginConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=4, layer_types=LAYER_TYPES, hidden_act="swiglu",
-        attn_res=False, linear_attn_config=dict(num_heads=heads, head_dim=head_dim, gate_rank=head_dim),
-        num_attention_heads=heads, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=head_dim,
-        qk_rope_head_dim=0, v_head_dim=head_dim, use_dsa_indexer=False, num_experts=experts,
-        num_experts_per_token=top_k, num_shared_experts=1, moe_intermediate_size=width,
-        routed_expert_hidden_size=None, first_k_dense_replace=0)
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=4,
+        layer_types=LAYER_TYPES,
+        hidden_act="swiglu",
+        attn_res=False,
+        linear_attn_config=dict(num_heads=heads, head_dim=head_dim, gate_rank=head_dim),
+        num_attention_heads=heads,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=head_dim,
+        qk_rope_head_dim=0,
+        v_head_dim=head_dim,
+        use_dsa_indexer=False,
+        num_experts=experts,
+        num_experts_per_token=top_k,
+        num_shared_experts=1,
+        moe_intermediate_size=width,
+        routed_expert_hidden_size=None,
+        first_k_dense_replace=0,
+    )
     return MoEPluginForCausalLM(config)
 
 
 def _peer_config(hidden, heads, head_dim, top_k, width, vocab):
     """The keys KimiLinear and Glm5Next spell alike, at the benchmark's shape (their expert-count key differs)."""
     return dict(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=4, layer_types=LAYER_TYPES,
-        mlp_layer_types=["sparse"] * 4, num_attention_heads=heads, num_key_value_heads=heads,
-        linear_num_heads=heads, linear_head_dim=head_dim, q_lora_rank=64, kv_lora_rank=64,
-        qk_nope_head_dim=head_dim, qk_rope_head_dim=0, v_head_dim=head_dim, num_experts_per_tok=top_k,
-        n_shared_experts=1, moe_intermediate_size=width, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-        pad_token_id=0)
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=4,
+        layer_types=LAYER_TYPES,
+        mlp_layer_types=["sparse"] * 4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        linear_num_heads=heads,
+        linear_head_dim=head_dim,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=head_dim,
+        qk_rope_head_dim=0,
+        v_head_dim=head_dim,
+        num_experts_per_tok=top_k,
+        n_shared_experts=1,
+        moe_intermediate_size=width,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        pad_token_id=0,
+    )
 
 
 def _kimi_linear(hidden, heads, head_dim, experts, top_k, width, vocab, **_):
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    config = KimiLinearConfig(**_peer_config(hidden, heads, head_dim, top_k, width, vocab),
-                              num_local_experts=experts, bos_token_id=1, eos_token_id=2)
+    config = KimiLinearConfig(
+        **_peer_config(hidden, heads, head_dim, top_k, width, vocab),
+        num_local_experts=experts,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return KimiLinearForCausalLM(config)
 
 
@@ -86,8 +121,13 @@ def _glm5_next(hidden, heads, head_dim, experts, top_k, width, vocab, **_):
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
 
-    config = Glm5NextTextConfig(**_peer_config(hidden, heads, head_dim, top_k, width, vocab),
-                                n_routed_experts=experts, index_n_heads=heads, index_head_dim=head_dim, hc_mult=1)
+    config = Glm5NextTextConfig(
+        **_peer_config(hidden, heads, head_dim, top_k, width, vocab),
+        n_routed_experts=experts,
+        index_n_heads=heads,
+        index_head_dim=head_dim,
+        hc_mult=1,
+    )
     return _Glm5NextWithHead(Glm5NextTextModel(config), hidden, vocab)
 
 
@@ -108,8 +148,10 @@ def train_step(model_name: str = "ours", mode: str = "full", seed: int = 0, **sh
     model = BUILDERS[model_name](**kw)
     if mode == "lora":
         modules, params = LORA_TARGETS[model_name]
-        model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules=modules,
-                                                 target_parameters=params or None))
+        model = get_peft_model(
+            model,
+            LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules=modules, target_parameters=params or None),
+        )
     elif mode != "full":
         raise ValueError(f"mode: expected 'full' or 'lora', got {mode!r}")
     model.train()
@@ -151,23 +193,28 @@ def main(threads: int = 2, iters: int = 3, **shape) -> List[str]:
     for mode in ("full", "lora"):
         results = {}
         for name in BUILDERS:
-            res = run_variant("benchmarks.model_train:train_step", threads=threads, iters=iters, model_name=name,
-                              mode=mode, **shape)
+            res = run_variant(
+                "benchmarks.model_train:train_step", threads=threads, iters=iters, model_name=name, mode=mode, **shape
+            )
             if "error" in res:
                 raise RuntimeError(f"{name} ({mode}): {res['error']}")
             results[name] = res
         ours = results["ours"]["seconds"]
-        parts = [f"{name} {tokens / r['seconds']:,.0f} tokens/s {r['peak_mib']:.0f} MiB"
-                 for name, r in results.items()]
+        parts = [f"{name} {tokens / r['seconds']:,.0f} tokens/s {r['peak_mib']:.0f} MiB" for name, r in results.items()]
         speedups = ", ".join(f"{results[n]['seconds'] / ours:.2f}x vs {n}" for n in BUILDERS if n != "ours")
-        lines.append(f"train step ({mode}{', LoRA r=%d' % LORA_RANK if mode == 'lora' else ', AdamW'}): "
-                     f"ours {speedups}; " + "; ".join(parts) +
-                     f" (hidden {kw['hidden']}, 3 KDA + 1 MLA, {kw['heads']}x{kw['head_dim']} heads, "
-                     f"{kw['experts']} experts top-{kw['top_k']} width {kw['width']} + 1 shared, vocab "
-                     f"{kw['vocab']}, batch {kw['batch']}x{kw['seq']}, fp32)")
+        lines.append(
+            f"train step ({mode}{', LoRA r=%d' % LORA_RANK if mode == 'lora' else ', AdamW'}): "
+            f"ours {speedups}; "
+            + "; ".join(parts)
+            + f" (hidden {kw['hidden']}, 3 KDA + 1 MLA, {kw['heads']}x{kw['head_dim']} heads, "
+            f"{kw['experts']} experts top-{kw['top_k']} width {kw['width']} + 1 shared, vocab "
+            f"{kw['vocab']}, batch {kw['batch']}x{kw['seq']}, fp32)"
+        )
     tiny = run_variant("benchmarks.model_train:tiny_lora_step", threads=threads, iters=max(iters, 5))
-    lines.append(f"tiny preset, LoRA step (q_proj, k_proj, gate) on 256 tokens: {tiny['seconds'] * 1e3:.0f} ms "
-                 f"(goal: well under 1 s)")
+    lines.append(
+        f"tiny preset, LoRA step (q_proj, k_proj, gate) on 256 tokens: {tiny['seconds'] * 1e3:.0f} ms "
+        f"(goal: well under 1 s)"
+    )
     for line in lines:
         print(line)
     return lines

@@ -14,21 +14,28 @@ from typing import Callable, List
 
 import torch
 
-SHAPE = dict(hidden=256, heads=4, q_rank=64, kv_rank=64, nope=32, rope=16, v=32, index_heads=4,
-             index_dim=32, topk=512)
+SHAPE = dict(hidden=256, heads=4, q_rank=64, kv_rank=64, nope=32, rope=16, v=32, index_heads=4, index_dim=32, topk=512)
 
 
 def _hf_layer(implementation: str = "eager", seed: int = 0):
     from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
-    from transformers.models.deepseek_v32.modeling_deepseek_v32 import (DeepseekV32Attention,
-                                                                        DeepseekV32RotaryEmbedding)
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention, DeepseekV32RotaryEmbedding
 
     s = SHAPE
-    cfg = DeepseekV32Config(hidden_size=s["hidden"], num_attention_heads=s["heads"],
-                            num_key_value_heads=s["heads"], q_lora_rank=s["q_rank"], kv_lora_rank=s["kv_rank"],
-                            qk_nope_head_dim=s["nope"], qk_rope_head_dim=s["rope"], v_head_dim=s["v"],
-                            index_n_heads=s["index_heads"], index_head_dim=s["index_dim"], index_topk=s["topk"],
-                            num_hidden_layers=1)
+    cfg = DeepseekV32Config(
+        hidden_size=s["hidden"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["heads"],
+        q_lora_rank=s["q_rank"],
+        kv_lora_rank=s["kv_rank"],
+        qk_nope_head_dim=s["nope"],
+        qk_rope_head_dim=s["rope"],
+        v_head_dim=s["v"],
+        index_n_heads=s["index_heads"],
+        index_head_dim=s["index_dim"],
+        index_topk=s["topk"],
+        num_hidden_layers=1,
+    )
     cfg._attn_implementation = implementation
     torch.manual_seed(seed)
     layer = DeepseekV32Attention(cfg, layer_idx=0)
@@ -52,8 +59,10 @@ def _causal_mask(T: int) -> torch.Tensor:
 
 def ours_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """DeepseekV32Attention's math with our indexer_topk + sparse_attention as its attention core."""
-    from transformers.models.deepseek_v32.modeling_deepseek_v32 import (apply_rotary_pos_emb,
-                                                                        apply_rotary_pos_emb_interleave)
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
+        apply_rotary_pos_emb,
+        apply_rotary_pos_emb_interleave,
+    )
 
     from moe_plugin.ops.dsa import indexer_topk, sparse_attention
 
@@ -63,8 +72,7 @@ def ours_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     q_pass, q_rot = layer.q_b_proj(q_resid).view(B, T, H, -1).split([nope, rope], dim=-1)
     kv_pass, k_rot = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, rope], dim=-1)
     q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.unsqueeze(2), cos, sin, unsqueeze_dim=2)
-    k_nope, v = layer.kv_b_proj(layer.kv_a_layernorm(kv_pass)).view(B, T, H, -1).split([nope, layer.v_head_dim],
-                                                                                       dim=-1)
+    k_nope, v = layer.kv_b_proj(layer.kv_a_layernorm(kv_pass)).view(B, T, H, -1).split([nope, layer.v_head_dim], dim=-1)
     q = torch.cat([q_pass, q_rot], dim=-1)
     k = torch.cat([k_nope, k_rot.expand(B, T, H, rope)], dim=-1)
 
@@ -75,7 +83,7 @@ def ours_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
         qi_rot, ki_rot = apply_rotary_pos_emb(qi[..., :rope], ki[..., :rope], cos, sin, unsqueeze_dim=2)
         qi = torch.cat([qi_rot, qi[..., rope:]], dim=-1)
         ki = torch.cat([ki_rot, ki[..., rope:]], dim=-1).squeeze(2)
-        w = ix.weights_proj(x) * (ix.n_heads ** -0.5 * ix.softmax_scale)
+        w = ix.weights_proj(x) * (ix.n_heads**-0.5 * ix.softmax_scale)
         indices = indexer_topk(qi, ki, w, ix.index_topk)
     o = sparse_attention(q, k, v, indices, layer.scaling)
     return layer.o_proj(o.reshape(B, T, -1))

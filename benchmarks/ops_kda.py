@@ -71,20 +71,25 @@ def _compare(label: str, ours: Dict, theirs: Dict) -> str:
         return f"{label}: ours {_describe(ours)}, theirs {_describe(theirs)}"
     speed = theirs["seconds"] / ours["seconds"]
     memory = ours["peak_mib"] / max(theirs["peak_mib"], 1e-9)
-    return (f"{label}: {speed:.1f}x faster, memory {memory:.2f}x "
-            f"(ours {_describe(ours)}, theirs {_describe(theirs)})")
+    return f"{label}: {speed:.1f}x faster, memory {memory:.2f}x (ours {_describe(ours)}, theirs {_describe(theirs)})"
 
 
 def main(T: int = 4096, threads: int = 2, iters: int = 3) -> List[str]:
-    results = {name: run_variant(f"benchmarks.ops_kda:{name}", threads=threads, iters=iters, T=T)
-               for name in ("ours_chunk", "ours_recurrent", "transformers_chunk")}
-    lines = [machine_line(threads) + f"; B={B} H={H} K=V={K} T={T}, fp32 forward+backward",
-             _compare("kda chunk vs transformers chunk", results["ours_chunk"], results["transformers_chunk"]),
-             _compare("kda chunk vs our recurrent", results["ours_chunk"], results["ours_recurrent"])]
+    results = {
+        name: run_variant(f"benchmarks.ops_kda:{name}", threads=threads, iters=iters, T=T)
+        for name in ("ours_chunk", "ours_recurrent", "transformers_chunk")
+    }
+    lines = [
+        machine_line(threads) + f"; B={B} H={H} K=V={K} T={T}, fp32 forward+backward",
+        _compare("kda chunk vs transformers chunk", results["ours_chunk"], results["transformers_chunk"]),
+        _compare("kda chunk vs our recurrent", results["ours_chunk"], results["ours_recurrent"]),
+    ]
     doubled = run_variant("benchmarks.ops_kda:ours_chunk", threads=threads, iters=iters, T=2 * T)
-    lines.append(f"kda chunk peak memory at T={T} -> {2 * T}: {results['ours_chunk']['peak_mib']:.0f} -> "
-                 f"{doubled['peak_mib']:.0f} MiB ({doubled['peak_mib'] / results['ours_chunk']['peak_mib']:.2f}x "
-                 f"for 2x T: linear), time {doubled['seconds'] / results['ours_chunk']['seconds']:.2f}x")
+    lines.append(
+        f"kda chunk peak memory at T={T} -> {2 * T}: {results['ours_chunk']['peak_mib']:.0f} -> "
+        f"{doubled['peak_mib']:.0f} MiB ({doubled['peak_mib'] / results['ours_chunk']['peak_mib']:.2f}x "
+        f"for 2x T: linear), time {doubled['seconds'] / results['ours_chunk']['seconds']:.2f}x"
+    )
     for line in lines:
         print(line)
     return lines

@@ -19,9 +19,18 @@ def _hf_moe(implementation: str, hidden: int, experts: int, top_k: int, width: i
     from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    cfg = DeepseekV3Config(hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=top_k,
-                           moe_intermediate_size=width, n_shared_experts=shared, n_group=1, topk_group=1,
-                           norm_topk_prob=True, routed_scaling_factor=1.0, hidden_act="silu")
+    cfg = DeepseekV3Config(
+        hidden_size=hidden,
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        n_shared_experts=shared,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        hidden_act="silu",
+    )
     # transformers 5.24 picks the experts' forward from config._experts_implementation at call time
     # (integrations/moe.py, use_experts_implementation): "eager" is the per-expert loop in the class.
     cfg._experts_implementation = implementation
@@ -39,8 +48,15 @@ def _ours_layer(hidden: int, experts: int, top_k: int, width: int, shared: int, 
     from moe_plugin.layers.moe import StableLatentMoE
 
     hf = _hf_moe("eager", hidden, experts, top_k, width, shared, seed)
-    cfg = MoEConfig(hidden_size=hidden, num_experts=experts, top_k=top_k, expert_intermediate_size=width,
-                    latent_size=None, num_shared_experts=shared, activation="swiglu")
+    cfg = MoEConfig(
+        hidden_size=hidden,
+        num_experts=experts,
+        top_k=top_k,
+        expert_intermediate_size=width,
+        latent_size=None,
+        num_shared_experts=shared,
+        activation="swiglu",
+    )
     ours = StableLatentMoE(cfg)
     with torch.no_grad():
         ours.gate.weight.copy_(hf.gate.weight)
@@ -68,22 +84,31 @@ def _step(module: torch.nn.Module, tokens: int, hidden: int, output: Callable) -
     return step
 
 
-def hf_moe_step(implementation: str = "grouped_mm", tokens: int = 2048, hidden: int = 256, experts: int = 64,
-                top_k: int = 8, width: int = 128, shared: int = 1):
+def hf_moe_step(
+    implementation: str = "grouped_mm",
+    tokens: int = 2048,
+    hidden: int = 256,
+    experts: int = 64,
+    top_k: int = 8,
+    width: int = 128,
+    shared: int = 1,
+):
     """transformers' DeepseekV3MoE with its "eager" or "grouped_mm" experts."""
     moe = _hf_moe(implementation, hidden, experts, top_k, width, shared)
     return _step(moe, tokens, hidden, lambda y: y)
 
 
-def ours_layer_step(tokens: int = 2048, hidden: int = 256, experts: int = 64, top_k: int = 8, width: int = 128,
-                    shared: int = 1):
+def ours_layer_step(
+    tokens: int = 2048, hidden: int = 256, experts: int = 64, top_k: int = 8, width: int = 128, shared: int = 1
+):
     """Our StableLatentMoE (no latent, SwiGLU), same weights as the DeepseekV3MoE variants."""
     moe = _ours_layer(hidden, experts, top_k, width, shared)
     return _step(moe, tokens, hidden, lambda out: out[0])
 
 
-def dense_step(tokens: int = 2048, hidden: int = 256, experts: int = 64, top_k: int = 8, width: int = 128,
-               shared: int = 1):
+def dense_step(
+    tokens: int = 2048, hidden: int = 256, experts: int = 64, top_k: int = 8, width: int = 128, shared: int = 1
+):
     """One matmul ``[tokens, hidden] @ [hidden, n]`` forward+backward with the MoE step's matmul FLOPs.
 
     n = router (E) + routed GLUs (3 k F) + shared GLU (3 * shared * F): the MoE's products, each
@@ -106,10 +131,12 @@ def main(threads: int = 2, iters: int = 3, **shape) -> List[str]:
     from benchmarks.harness import machine_line, run_variant
 
     kw = dict(SHAPE, **shape)
-    names = {"ours": ("benchmarks.ops_moe:ours_layer_step", {}),
-             "eager": ("benchmarks.ops_moe:hf_moe_step", {"implementation": "eager"}),
-             "grouped_mm": ("benchmarks.ops_moe:hf_moe_step", {"implementation": "grouped_mm"}),
-             "dense": ("benchmarks.ops_moe:dense_step", {})}
+    names = {
+        "ours": ("benchmarks.ops_moe:ours_layer_step", {}),
+        "eager": ("benchmarks.ops_moe:hf_moe_step", {"implementation": "eager"}),
+        "grouped_mm": ("benchmarks.ops_moe:hf_moe_step", {"implementation": "grouped_mm"}),
+        "dense": ("benchmarks.ops_moe:dense_step", {}),
+    }
     times: Dict[str, float] = {}
     for key, (target, extra) in names.items():
         res = run_variant(target, threads=threads, iters=iters, **kw, **extra)

@@ -38,11 +38,13 @@ def _build():
     dense = StackedExperts(E, DIM, FF, "swiglu")
     with torch.no_grad():
         for kind in ("w1", "w3", "w2"):
-            getattr(dense, kind).copy_(decode("mxfp4", getattr(packed, kind), getattr(packed, f"{kind}_scale"),
-                                              packed.logical_shapes[kind][2]))
+            getattr(dense, kind).copy_(
+                decode("mxfp4", getattr(packed, kind), getattr(packed, f"{kind}_scale"), packed.logical_shapes[kind][2])
+            )
 
     def cfg():
         return lora_config(8, 16, target_modules=[], target_parameters=["experts.w1", "experts.w2", "experts.w3"])
+
     return add_lora(_Host(packed), cfg()), add_lora(_Host(dense), cfg()), packed, dense
 
 
@@ -65,12 +67,14 @@ def main() -> list:
     packed_bytes = packed.packed_nbytes()
     fp32_bytes = sum(p.numel() * p.element_size() for p in (dense.w1, dense.w2, dense.w3))
     bf16_bytes = fp32_bytes // 2
-    lines = [f"packed experts (MXFP4, {E} experts {DIM}->{FF}, {TOKENS} tokens, LoRA r=8, {torch.get_num_threads()} "
-             f"threads): step {t_packed * 1e3:.1f} ms vs fp32 experts {t_dense * 1e3:.1f} ms, time ratio "
-             f"{t_packed / t_dense:.2f}x",
-             f"expert memory: packed {packed_bytes / 2**20:.2f} MiB vs BF16 {bf16_bytes / 2**20:.2f} MiB (ratio "
-             f"{packed_bytes / bf16_bytes:.3f}) vs fp32 {fp32_bytes / 2**20:.2f} MiB (ratio "
-             f"{packed_bytes / fp32_bytes:.3f})"]
+    lines = [
+        f"packed experts (MXFP4, {E} experts {DIM}->{FF}, {TOKENS} tokens, LoRA r=8, {torch.get_num_threads()} "
+        f"threads): step {t_packed * 1e3:.1f} ms vs fp32 experts {t_dense * 1e3:.1f} ms, time ratio "
+        f"{t_packed / t_dense:.2f}x",
+        f"expert memory: packed {packed_bytes / 2**20:.2f} MiB vs BF16 {bf16_bytes / 2**20:.2f} MiB (ratio "
+        f"{packed_bytes / bf16_bytes:.3f}) vs fp32 {fp32_bytes / 2**20:.2f} MiB (ratio "
+        f"{packed_bytes / fp32_bytes:.3f})",
+    ]
     for line in lines:
         print(line, flush=True)
     return lines

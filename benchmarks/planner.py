@@ -27,8 +27,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             recipes = layout_recipes(tmp, world)
             planned = [planned_peak(r, world, cache) for r in recipes]
-            measured = run_distributed("moe_plugin.testing.plan_measure:measure_worker", world_size=world,
-                                       timeout_s=3000, recipes=recipes, threads=max(1, 2 // world))
+            measured = run_distributed(
+                "moe_plugin.testing.plan_measure:measure_worker",
+                world_size=world,
+                timeout_s=3000,
+                recipes=recipes,
+                threads=max(1, 2 // world),
+            )
         for rank in range(world):
             peaks = [m["peak_bytes"] for m in measured[rank]]
             overhead = peaks[0] - planned[0]
@@ -36,11 +41,13 @@ def main() -> None:
                 error = (plan + overhead - peak) / peak
                 worst = max(worst, abs(error))
                 attn_res = ", AttnRes" if shape.get("attn_res") else ""
-                line = (f"{w} processes, EP {ep}, seq {seq}, {fmt} experts{attn_res}, checkpointing {mode}, "
-                        f"rank {rank}: planned "
-                        f"{(plan + overhead) / 2**20:.0f} MiB, measured {peak / 2**20:.0f} MiB, planned/measured "
-                        f"{(plan + overhead) / peak:.2f}, error {error:+.1%} (overhead constant "
-                        f"{overhead / 2**20:+.1f} MiB)")
+                line = (
+                    f"{w} processes, EP {ep}, seq {seq}, {fmt} experts{attn_res}, checkpointing {mode}, "
+                    f"rank {rank}: planned "
+                    f"{(plan + overhead) / 2**20:.0f} MiB, measured {peak / 2**20:.0f} MiB, planned/measured "
+                    f"{(plan + overhead) / peak:.2f}, error {error:+.1%} (overhead constant "
+                    f"{overhead / 2**20:+.1f} MiB)"
+                )
                 print(line, flush=True)
                 lines.append(line)
     lines.append(f"largest error over every layout and rank: {worst:.1%} (goal 15 %)")

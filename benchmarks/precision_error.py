@@ -49,8 +49,11 @@ def tiny_base() -> list:
     model = MoEPluginForCausalLM.from_pretrained(BASE).eval()
     ids = _arithmetic_ids(8, 128)
     inputs = []
-    hooks = [m.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0].reshape(-1, args[0].shape[-1]))))
-             for m in model.modules() if isinstance(m, StableLatentMoE)]
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0].reshape(-1, args[0].shape[-1]))))
+        for m in model.modules()
+        if isinstance(m, StableLatentMoE)
+    ]
     with torch.no_grad():
         exact = model(input_ids=ids).logits
     for h in hooks:
@@ -69,23 +72,27 @@ def tiny_base() -> list:
         router = _round(model, MoERouter, ("weight", "e_score_correction_bias"))(input_ids=ids).logits
         decay = _round(model, KDAAttention, ("A_log", "dt_bias"))(input_ids=ids).logits
     rel = lambda a: float((a - exact).norm() / exact.norm())  # noqa: E731
-    return [f"tiny base ({BASE}, {ids.numel()} tokens): routing choices changed by a bf16 router "
-            f"{flips}/{total} ({flips / total:.2%}) vs 0 in fp32",
-            f"tiny base: logits relative error, bf16-stored router {rel(router):.2e}, bf16-stored A_log/dt_bias "
-            f"{rel(decay):.2e}, vs 0 for both in fp32"]
+    return [
+        f"tiny base ({BASE}, {ids.numel()} tokens): routing choices changed by a bf16 router "
+        f"{flips}/{total} ({flips / total:.2%}) vs 0 in fp32",
+        f"tiny base: logits relative error, bf16-stored router {rel(router):.2e}, bf16-stored A_log/dt_bias "
+        f"{rel(decay):.2e}, vs 0 for both in fp32",
+    ]
 
 
 def k3_router(tokens: int = 2048) -> list:
     g = torch.Generator().manual_seed(1)
     hidden, experts, k = 7168, 896, 16
-    weight = torch.randn(experts, hidden, generator=g) * hidden ** -0.5
+    weight = torch.randn(experts, hidden, generator=g) * hidden**-0.5
     bias = torch.randn(experts, generator=g) * 0.05
     x = torch.randn(tokens, hidden, generator=g)
     _, exact, _ = route(x @ weight.T, k, bias=bias)
     _, rounded, _ = route(x @ weight.bfloat16().float().T, k, bias=bias.bfloat16().float())
     changed = int((exact.sort(-1).values != rounded.sort(-1).values).any(-1).sum())
-    return [f"K3-sized router (7168 -> 896, top 16, {tokens} random tokens): tokens whose expert set changes "
-            f"with a bf16-stored router {changed}/{tokens} ({changed / tokens:.2%}) vs 0 in fp32"]
+    return [
+        f"K3-sized router (7168 -> 896, top 16, {tokens} random tokens): tokens whose expert set changes "
+        f"with a bf16-stored router {changed}/{tokens} ({changed / tokens:.2%}) vs 0 in fp32"
+    ]
 
 
 def k3_memory() -> list:
@@ -93,9 +100,11 @@ def k3_memory() -> list:
     decay = 69 * (96 + 96 * 128)
     fp32_gb = (router + decay) * 4 / 1e9
     bf16_partition_gb = (router + decay) * 2 / 128 / 1e9
-    return [f"K3 memory per rank: fp32 buffers (router {router:,} + decay {decay:,} values) {fp32_gb:.2f} GB vs "
-            f"bf16 ZeRO-3 partitions over 128 ranks {bf16_partition_gb:.3f} GB "
-            f"(ratio {fp32_gb / bf16_partition_gb:.0f}x)"]
+    return [
+        f"K3 memory per rank: fp32 buffers (router {router:,} + decay {decay:,} values) {fp32_gb:.2f} GB vs "
+        f"bf16 ZeRO-3 partitions over 128 ranks {bf16_partition_gb:.3f} GB "
+        f"(ratio {fp32_gb / bf16_partition_gb:.0f}x)"
+    ]
 
 
 def main() -> None:

@@ -30,8 +30,12 @@ TASKS = ("color", "background", "shape")
 QUESTION_OF = dict(QUESTIONS, background="What color is the background?")
 _DATA_URL = "data:image/png;base64,"
 # (file name, task, count, seed): what the recipes read; the held-out seed differs from the training seeds
-MAIN_JOB_FILES = (("colors_train.jsonl", "color", 1200, 11), ("backgrounds_train.jsonl", "background", 600, 12),
-                  ("backgrounds_heldout.jsonl", "background", 60, 13), ("colors_heldout.jsonl", "color", 40, 14))
+MAIN_JOB_FILES = (
+    ("colors_train.jsonl", "color", 1200, 11),
+    ("backgrounds_train.jsonl", "background", 600, 12),
+    ("backgrounds_heldout.jsonl", "background", 60, 13),
+    ("colors_heldout.jsonl", "color", 40, 14),
+)
 
 
 def answer_of(task: str, shape: str, color: str, background: str) -> str:
@@ -40,8 +44,9 @@ def answer_of(task: str, shape: str, color: str, background: str) -> str:
     return {"color": color, "background": background, "shape": shape}[task]
 
 
-def task_records(task: str, count: int, seed: int, size: int = 56,
-                 exclude: Optional[Set[bytes]] = None) -> List[Tuple[dict, bytes]]:
+def task_records(
+    task: str, count: int, seed: int, size: int = 56, exclude: Optional[Set[bytes]] = None
+) -> List[Tuple[dict, bytes]]:
     """``count`` (chat record, PNG bytes) pairs asking ``task``'s question; a picture whose bytes are in
     ``exclude`` (or already drawn) is drawn again, so every image is new."""
     require(task in TASKS, "task", f"must be one of {list(TASKS)}, got {task!r}")
@@ -55,10 +60,23 @@ def task_records(task: str, count: int, seed: int, size: int = 56,
             continue
         seen.add(data)
         source = _DATA_URL + base64.b64encode(data).decode("ascii")
-        out.append(({"messages": [
-            {"role": "user", "content": [{"type": "image", "image": source},
-                                         {"type": "text", "text": QUESTION_OF[task]}]},
-            {"role": "assistant", "content": answer_of(task, shape, color, background)}]}, data))
+        out.append(
+            (
+                {
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "image", "image": source},
+                                {"type": "text", "text": QUESTION_OF[task]},
+                            ],
+                        },
+                        {"role": "assistant", "content": answer_of(task, shape, color, background)},
+                    ]
+                },
+                data,
+            )
+        )
     return out
 
 
@@ -72,12 +90,13 @@ def image_bytes(path: str) -> Set[bytes]:
             for message in json.loads(line)["messages"]:
                 for item in message["content"] if isinstance(message["content"], list) else ():
                     if item.get("type") == "image" and str(item.get("image", "")).startswith(_DATA_URL):
-                        found.add(base64.b64decode(item["image"][len(_DATA_URL):]))
+                        found.add(base64.b64decode(item["image"][len(_DATA_URL) :]))
     return found
 
 
-def write_task(path: str, task: str, count: int, seed: int, size: int = 56,
-               exclude: Optional[Set[bytes]] = None) -> str:
+def write_task(
+    path: str, task: str, count: int, seed: int, size: int = 56, exclude: Optional[Set[bytes]] = None
+) -> str:
     """Write ``task_records`` as JSONL to ``path`` (folders made); returns ``path``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
@@ -93,8 +112,9 @@ def write_main_job_data(directory: str, scale: float = 1.0) -> Dict[str, str]:
     seen: Set[bytes] = set()
     for name, task, count, seed in MAIN_JOB_FILES:
         held_out = "heldout" in name
-        path = write_task(os.path.join(directory, name), task, max(1, int(count * scale)), seed,
-                          exclude=seen if held_out else None)
+        path = write_task(
+            os.path.join(directory, name), task, max(1, int(count * scale)), seed, exclude=seen if held_out else None
+        )
         if not held_out:
             seen |= image_bytes(path)
         paths[name] = path

@@ -24,8 +24,7 @@ EMBEDS = ("path", "base64")
 LAYOUTS = ("inline", "list")
 
 
-def shape_image(shape: str, color: str, size: int = 56, rng: random.Random = None,
-                background: Optional[str] = None):
+def shape_image(shape: str, color: str, size: int = 56, rng: random.Random = None, background: Optional[str] = None):
     """A ``size x size`` RGB PIL image: one ``shape`` in ``color`` at a random place and scale on a light
     background with a little noise in its shade, or, with ``background`` (one of ``COLORS``, not ``color``), a
     smaller shape (its box at most half the side, so the background is always the larger area) on that
@@ -34,8 +33,11 @@ def shape_image(shape: str, color: str, size: int = 56, rng: random.Random = Non
 
     require(shape in SHAPES, "shape", f"must be one of {list(SHAPES)}, got {shape!r}")
     require(color in COLORS, "color", f"must be one of {sorted(COLORS)}, got {color!r}")
-    require(background is None or (background in COLORS and background != color), "background",
-            f"must be None or one of {sorted(COLORS)} other than the shape's {color!r}, got {background!r}")
+    require(
+        background is None or (background in COLORS and background != color),
+        "background",
+        f"must be None or one of {sorted(COLORS)} other than the shape's {color!r}, got {background!r}",
+    )
     require(isinstance(size, int) and size >= 28, "size", f"must be an integer >= 28 pixels, got {size!r}")
     rng = rng or random.Random(0)
     if background is None:
@@ -64,8 +66,9 @@ def _png_bytes(image) -> bytes:
     return buffer.getvalue()
 
 
-def shapes_records(directory: str, count: int, seed: int = 0, size: int = 56, embed: str = "path",
-                   layout: str = "inline") -> List[Tuple[dict, str, str]]:
+def shapes_records(
+    directory: str, count: int, seed: int = 0, size: int = 56, embed: str = "path", layout: str = "inline"
+) -> List[Tuple[dict, str, str]]:
     """``count`` (record, shape, color) triples; with ``embed="path"`` the images are written under
     ``directory/images`` and named relative to ``directory``, with ``"base64"`` they are data URLs. ``layout``:
     ``"inline"`` image items, or a top-level ``"images"`` list with a bare ``{"type": "image"}`` item."""
@@ -87,17 +90,27 @@ def shapes_records(directory: str, count: int, seed: int = 0, size: int = 56, em
         else:
             source = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
         item = {"type": "image", "image": source} if layout == "inline" else {"type": "image"}
-        record = {"messages": [
-            {"role": "user", "content": [item, {"type": "text", "text": QUESTIONS[asked]}]},
-            {"role": "assistant", "content": color if asked == "color" else shape}]}
+        record = {
+            "messages": [
+                {"role": "user", "content": [item, {"type": "text", "text": QUESTIONS[asked]}]},
+                {"role": "assistant", "content": color if asked == "color" else shape},
+            ]
+        }
         if layout == "list":
             record["images"] = [source]
         out.append((record, shape, color))
     return out
 
 
-def write_shapes_dataset(directory: str, count: int, seed: int = 0, size: int = 56, embed: str = "path",
-                         layout: str = "inline", name: str = "train.jsonl") -> str:
+def write_shapes_dataset(
+    directory: str,
+    count: int,
+    seed: int = 0,
+    size: int = 56,
+    embed: str = "path",
+    layout: str = "inline",
+    name: str = "train.jsonl",
+) -> str:
     """Write ``count`` shape questions (``shapes_records``) to ``directory/name``; returns that path."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, name)

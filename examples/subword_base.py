@@ -30,8 +30,14 @@ SHAPE_QUESTION = "What color is the shape?"
 BACKGROUND_QUESTION = "What color is the background?"
 # ids of the shipped tokenizer (subword_tokenizer.SPECIAL_TOKENS): [PAD] 0, [BOS] 1, [EOS] 2, <|im_end|> 8,
 # <|media_pad|> 12; a chat turn ends with <|im_end|>, so generation stops there or at [EOS]
-OVERRIDES = {"vocab_size": 240, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": [8, 2],
-             "image_token_id": 12, "vision_config": None}
+OVERRIDES = {
+    "vocab_size": 240,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": [8, 2],
+    "image_token_id": 12,
+    "vision_config": None,
+}
 WEIGHT_FILES = ("model.safetensors", "config.json")
 
 
@@ -50,17 +56,23 @@ def record(combo: Tuple[str, str, str], question: str) -> Dict:
     """One chat record: the sentence and the question from the user, the one-word answer from the assistant."""
     color, shape, background = combo
     answer = color if question == SHAPE_QUESTION else background
-    return {"messages": [{"role": "user", "content": f"A {color} {shape} on a {background} background. {question}"},
-                         {"role": "assistant", "content": answer}]}
+    return {
+        "messages": [
+            {"role": "user", "content": f"A {color} {shape} on a {background} background. {question}"},
+            {"role": "assistant", "content": answer},
+        ]
+    }
 
 
 def write_data(directory: str) -> List[str]:
     """Write the four JSONL files the two recipes read into ``directory``; returns their paths."""
     train, heldout = split()
-    files = {"subword_shape_train.jsonl": (train, SHAPE_QUESTION),
-             "subword_shape_heldout.jsonl": (heldout, SHAPE_QUESTION),
-             "subword_background_train.jsonl": (train, BACKGROUND_QUESTION),
-             "subword_background_heldout.jsonl": (heldout, BACKGROUND_QUESTION)}
+    files = {
+        "subword_shape_train.jsonl": (train, SHAPE_QUESTION),
+        "subword_shape_heldout.jsonl": (heldout, SHAPE_QUESTION),
+        "subword_background_train.jsonl": (train, BACKGROUND_QUESTION),
+        "subword_background_heldout.jsonl": (heldout, BACKGROUND_QUESTION),
+    }
     os.makedirs(directory, exist_ok=True)
     paths = []
     for name, (combos, question) in files.items():
@@ -84,8 +96,7 @@ def write_init(directory: str, tokenizer_dir: str = TOKENIZER_DIR, seed: int = 0
     from moe_plugin.models.presets import preset_config
 
     if os.path.exists(directory):
-        raise ValueError(f"init directory {directory}: already exists; give a new directory (it is never "
-                         f"overwritten)")
+        raise ValueError(f"init directory {directory}: already exists; give a new directory (it is never overwritten)")
     torch.manual_seed(seed)
     model = MoEPluginForCausalLM(preset_config("tiny", **OVERRIDES))
     model.save_pretrained(directory)
@@ -102,16 +113,21 @@ def finish(model_dir: str, base_dir: str = TOKENIZER_DIR) -> None:
     for name in WEIGHT_FILES:
         src = os.path.join(model_dir, name)
         if not os.path.isfile(src):
-            raise ValueError(f"model directory {model_dir}: has no {name}; give the run's model/ directory "
-                             f"(outputs/tiny-subword/model after the pretrain recipe)")
+            raise ValueError(
+                f"model directory {model_dir}: has no {name}; give the run's model/ directory "
+                f"(outputs/tiny-subword/model after the pretrain recipe)"
+            )
         shutil.copyfile(src, os.path.join(base_dir, name))
     config = PretrainedConfig.from_json_file(os.path.join(base_dir, "config.json"))
     GenerationConfig.from_model_config(config).save_pretrained(base_dir)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m examples.subword_base", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.subword_base",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("data").add_argument("directory")
     sub.add_parser("init").add_argument("directory")

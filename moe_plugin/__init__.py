@@ -15,8 +15,14 @@ import importlib.util
 import sys
 
 __version__ = "0.1.0"
-__all__ = ["MoEPluginConfig", "MoEPluginForCausalLM", "MoEPluginForConditionalGeneration", "MoEProcessor",
-           "preset_config", "__version__"]
+__all__ = [
+    "MoEPluginConfig",
+    "MoEPluginForCausalLM",
+    "MoEPluginForConditionalGeneration",
+    "MoEProcessor",
+    "preset_config",
+    "__version__",
+]
 
 _FROM_MODELS = frozenset(__all__) - {"__version__"}
 

@@ -32,8 +32,9 @@ class Subcommand:
 SUBCOMMANDS: Dict[str, Subcommand] = {}
 
 
-def subcommand(name: str, summary: str) -> Callable[[Callable[[List[str]], Optional[int]]],
-                                                    Callable[[List[str]], Optional[int]]]:
+def subcommand(
+    name: str, summary: str
+) -> Callable[[Callable[[List[str]], Optional[int]]], Callable[[List[str]], Optional[int]]]:
     """Register the decorated function as ``moe-plugin <name>``."""
     if name in SUBCOMMANDS or name.startswith("-"):
         raise ValueError(f"subcommand: {name!r} is already registered or looks like an option")
@@ -52,16 +53,21 @@ def train(argv: List[str]) -> Optional[int]:
     return train_main(argv)
 
 
-@subcommand("export", "export a run's adapters (peft, per-expert, merged-hf, merged-k3): moe-plugin export --run "
-                      "DIR --to FORMAT OUT")
+@subcommand(
+    "export",
+    "export a run's adapters (peft, per-expert, merged-hf, merged-k3): moe-plugin export --run DIR --to FORMAT OUT",
+)
 def export(argv: List[str]) -> Optional[int]:
     from .export.command import main as export_main  # peft, safetensors, the models: only when exporting
 
     return export_main(argv)
 
 
-@subcommand("plan", "plan memory, tokens, FLOPs and all-to-all bytes of a recipe's layout before launch: moe-plugin "
-                    "plan --recipe R [--devices N --device-memory 141GB --json]")
+@subcommand(
+    "plan",
+    "plan memory, tokens, FLOPs and all-to-all bytes of a recipe's layout before launch: moe-plugin "
+    "plan --recipe R [--devices N --device-memory 141GB --json]",
+)
 def plan(argv: List[str]) -> Optional[int]:
     from .plan.command import main as plan_main  # builds the model on the meta device: only when planning
 
@@ -70,9 +76,12 @@ def plan(argv: List[str]) -> Optional[int]:
 
 def parser() -> argparse.ArgumentParser:
     """The top-level parser: lists the subcommands; their own arguments are parsed by each subcommand."""
-    p = argparse.ArgumentParser(prog="moe-plugin", description="LoRA fine-tuning of mixture-of-experts models "
-                                "(megatron-core expert parallelism, DeepSpeed ZeRO-3).",
-                                epilog="Run 'moe-plugin <subcommand> --help' for a subcommand's arguments.")
+    p = argparse.ArgumentParser(
+        prog="moe-plugin",
+        description="LoRA fine-tuning of mixture-of-experts models "
+        "(megatron-core expert parallelism, DeepSpeed ZeRO-3).",
+        epilog="Run 'moe-plugin <subcommand> --help' for a subcommand's arguments.",
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     choices = p.add_subparsers(dest="subcommand", metavar="<subcommand>", required=True, title="subcommands")
     for entry in SUBCOMMANDS.values():

@@ -20,8 +20,15 @@ import sys
 import traceback
 from typing import Callable, List, Optional
 
-__all__ = ["ArgumentParser", "CommandLineError", "DEBUG_ENV", "EXIT_INPUT_ERROR", "describe", "one_line_errors",
-           "run_command"]
+__all__ = [
+    "ArgumentParser",
+    "CommandLineError",
+    "DEBUG_ENV",
+    "EXIT_INPUT_ERROR",
+    "describe",
+    "one_line_errors",
+    "run_command",
+]
 
 DEBUG_ENV = "MOE_PLUGIN_DEBUG"
 EXIT_INPUT_ERROR = 2  # what argparse exits with for a bad command line, so every input error reads the same
@@ -37,8 +44,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.add_argument("--debug", action="store_true", help=f"show the traceback of an input error (or set "
-                          f"{DEBUG_ENV}=1)")
+        self.add_argument(
+            "--debug", action="store_true", help=f"show the traceback of an input error (or set {DEBUG_ENV}=1)"
+        )
 
     def error(self, message: str):
         raise CommandLineError(f"{message}; see '{self.prog} --help'")
@@ -76,9 +84,11 @@ def _json_file(err: json.JSONDecodeError) -> Optional[str]:
     return None
 
 
-_OS_FIXES = {FileNotFoundError: "check the path (relative paths resolve against {cwd})",
-             PermissionError: "make it readable (or writable) by this user, or give another path",
-             IsADirectoryError: "give a file, not a directory"}
+_OS_FIXES = {
+    FileNotFoundError: "check the path (relative paths resolve against {cwd})",
+    PermissionError: "make it readable (or writable) by this user, or give another path",
+    IsADirectoryError: "give a file, not a directory",
+}
 
 
 def describe(err: BaseException) -> Optional[str]:
@@ -90,8 +100,10 @@ def describe(err: BaseException) -> Optional[str]:
             return f"{where}: {err.strerror or type(err).__name__}; {fix.format(cwd=os.getcwd())}"
     if isinstance(err, json.JSONDecodeError):
         where = _json_file(err) or "a JSON input"
-        return (f"{where}, line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); fix the syntax (JSON "
-                "allows no comments and no trailing commas)")
+        return (
+            f"{where}, line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); fix the syntax (JSON "
+            "allows no comments and no trailing commas)"
+        )
     if not isinstance(err, ValueError):
         return None
     if type(err).__name__ == "RecipeError":  # its lines are one problem each, each named by its field

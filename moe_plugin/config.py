@@ -33,8 +33,11 @@ def require(condition: bool, field_name: str, message: str) -> None:
 def _positive(obj, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        require(isinstance(value, int) and value > 0, f"{type(obj).__name__}.{name}",
-                f"must be a positive integer, got {value!r}")
+        require(
+            isinstance(value, int) and value > 0,
+            f"{type(obj).__name__}.{name}",
+            f"must be a positive integer, got {value!r}",
+        )
 
 
 @dataclass
@@ -54,16 +57,25 @@ class KDAConfig:
     def __post_init__(self):
         _positive(self, "hidden_size", "num_heads")
         if self.head_dim is None:
-            require(self.hidden_size % self.num_heads == 0, "KDAConfig.num_heads",
-                    f"must divide hidden_size ({self.hidden_size}) when head_dim is not given, got {self.num_heads}")
+            require(
+                self.hidden_size % self.num_heads == 0,
+                "KDAConfig.num_heads",
+                f"must divide hidden_size ({self.hidden_size}) when head_dim is not given, got {self.num_heads}",
+            )
             self.head_dim = self.hidden_size // self.num_heads
         if self.gate_rank is None:
             self.gate_rank = self.head_dim
         _positive(self, "head_dim", "conv_size", "gate_rank", "chunk_size")
-        require(self.gate_form in KDA_GATE_FORMS, "KDAConfig.gate_form",
-                f"must be one of {KDA_GATE_FORMS}, got {self.gate_form!r}")
-        require(self.gate_lower_bound < 0, "KDAConfig.gate_lower_bound",
-                f"must be negative (a log decay), got {self.gate_lower_bound}")
+        require(
+            self.gate_form in KDA_GATE_FORMS,
+            "KDAConfig.gate_form",
+            f"must be one of {KDA_GATE_FORMS}, got {self.gate_form!r}",
+        )
+        require(
+            self.gate_lower_bound < 0,
+            "KDAConfig.gate_lower_bound",
+            f"must be negative (a log decay), got {self.gate_lower_bound}",
+        )
 
     @property
     def proj_size(self) -> int:
@@ -89,10 +101,23 @@ class MLAConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self):
-        _positive(self, "hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                  "v_head_dim", "index_topk", "index_n_heads", "index_head_dim")
-        require(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0,
-                "MLAConfig.qk_rope_head_dim", f"must be a non-negative integer, got {self.qk_rope_head_dim!r}")
+        _positive(
+            self,
+            "hidden_size",
+            "num_heads",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "index_topk",
+            "index_n_heads",
+            "index_head_dim",
+        )
+        require(
+            isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0,
+            "MLAConfig.qk_rope_head_dim",
+            f"must be a non-negative integer, got {self.qk_rope_head_dim!r}",
+        )
 
     @property
     def qk_head_dim(self) -> int:
@@ -123,27 +148,45 @@ class MoEConfig:
     expert_format: str = "dense"  # "mxfp4" / "int4": routed experts kept packed, dequantised on the fly
 
     def __post_init__(self):
-        require(self.expert_format in EXPERT_FORMATS, "MoEConfig.expert_format",
-                f"must be one of {EXPERT_FORMATS}, got {self.expert_format!r}")
-        _positive(self, "hidden_size", "num_experts", "top_k", "expert_intermediate_size", "num_groups",
-                  "topk_groups")
+        require(
+            self.expert_format in EXPERT_FORMATS,
+            "MoEConfig.expert_format",
+            f"must be one of {EXPERT_FORMATS}, got {self.expert_format!r}",
+        )
+        _positive(self, "hidden_size", "num_experts", "top_k", "expert_intermediate_size", "num_groups", "topk_groups")
         if self.latent_size is not None:
             _positive(self, "latent_size")
-        require(self.num_shared_experts >= 0, "MoEConfig.num_shared_experts",
-                f"must be >= 0, got {self.num_shared_experts}")
+        require(
+            self.num_shared_experts >= 0, "MoEConfig.num_shared_experts", f"must be >= 0, got {self.num_shared_experts}"
+        )
         if self.shared_intermediate_size is None:
             self.shared_intermediate_size = self.num_shared_experts * self.expert_intermediate_size
-        require(self.top_k <= self.num_experts, "MoEConfig.top_k",
-                f"must be <= num_experts ({self.num_experts}), got {self.top_k}")
-        require(self.activation in ACTIVATIONS, "MoEConfig.activation",
-                f"must be one of {ACTIVATIONS}, got {self.activation!r}")
-        require(self.num_experts % self.num_groups == 0, "MoEConfig.num_groups",
-                f"must divide num_experts ({self.num_experts}), got {self.num_groups}")
-        require(self.topk_groups <= self.num_groups, "MoEConfig.topk_groups",
-                f"must be <= num_groups ({self.num_groups}), got {self.topk_groups}")
+        require(
+            self.top_k <= self.num_experts,
+            "MoEConfig.top_k",
+            f"must be <= num_experts ({self.num_experts}), got {self.top_k}",
+        )
+        require(
+            self.activation in ACTIVATIONS,
+            "MoEConfig.activation",
+            f"must be one of {ACTIVATIONS}, got {self.activation!r}",
+        )
+        require(
+            self.num_experts % self.num_groups == 0,
+            "MoEConfig.num_groups",
+            f"must divide num_experts ({self.num_experts}), got {self.num_groups}",
+        )
+        require(
+            self.topk_groups <= self.num_groups,
+            "MoEConfig.topk_groups",
+            f"must be <= num_groups ({self.num_groups}), got {self.topk_groups}",
+        )
         per_group = self.num_experts // self.num_groups
-        require(self.top_k <= self.topk_groups * per_group, "MoEConfig.top_k",
-                f"must be <= topk_groups * experts per group ({self.topk_groups * per_group}), got {self.top_k}")
+        require(
+            self.top_k <= self.topk_groups * per_group,
+            "MoEConfig.top_k",
+            f"must be <= topk_groups * experts per group ({self.topk_groups * per_group}), got {self.top_k}",
+        )
 
     @property
     def expert_dim(self) -> int:
@@ -168,23 +211,39 @@ class VisionConfig:
     rope_theta: float = 10000.0  # base of the 2-D rotary frequencies inside the ViT's attention
 
     def __post_init__(self):
-        _positive(self, "hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size",
-                  "merge_size", "num_channels", "max_grid", "out_hidden_size")
+        _positive(
+            self,
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "intermediate_size",
+            "patch_size",
+            "merge_size",
+            "num_channels",
+            "max_grid",
+            "out_hidden_size",
+        )
         require(self.rope_theta > 0, "VisionConfig.rope_theta", f"must be positive, got {self.rope_theta}")
-        require(self.hidden_size % self.num_heads == 0, "VisionConfig.num_heads",
-                f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}")
-        require((self.hidden_size // self.num_heads) % 4 == 0, "VisionConfig.num_heads",
-                "head dim (hidden_size / num_heads) must be a multiple of 4 for 2-D rotary positions")
+        require(
+            self.hidden_size % self.num_heads == 0,
+            "VisionConfig.num_heads",
+            f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}",
+        )
+        require(
+            (self.hidden_size // self.num_heads) % 4 == 0,
+            "VisionConfig.num_heads",
+            "head dim (hidden_size / num_heads) must be a multiple of 4 for 2-D rotary positions",
+        )
 
     @property
     def patch_dim(self) -> int:
         """Length of one flattened patch, ``num_channels * patch_size**2`` (flattened as (C, ph, pw))."""
-        return self.num_channels * self.patch_size ** 2
+        return self.num_channels * self.patch_size**2
 
     @property
     def merged_hidden_size(self) -> int:
         """Width of one merged token, ``merge_size**2 * hidden_size`` (the projector's input)."""
-        return self.merge_size ** 2 * self.hidden_size
+        return self.merge_size**2 * self.hidden_size
 
 
 @dataclass
@@ -212,24 +271,38 @@ class ModelConfig:
         if self.layer_types is None:
             self.layer_types = default_layer_types(self.num_layers)
         self.layer_types = list(self.layer_types)
-        require(len(self.layer_types) == self.num_layers, "ModelConfig.layer_types",
-                f"needs one entry per layer ({self.num_layers}), got {len(self.layer_types)}")
+        require(
+            len(self.layer_types) == self.num_layers,
+            "ModelConfig.layer_types",
+            f"needs one entry per layer ({self.num_layers}), got {len(self.layer_types)}",
+        )
         bad = sorted({t for t in self.layer_types if t not in LAYER_KINDS})
         require(not bad, "ModelConfig.layer_types", f"entries must be in {LAYER_KINDS}, got {bad}")
-        require(0 <= self.first_k_dense <= self.num_layers, "ModelConfig.first_k_dense",
-                f"must be in [0, num_layers={self.num_layers}], got {self.first_k_dense}")
+        require(
+            0 <= self.first_k_dense <= self.num_layers,
+            "ModelConfig.first_k_dense",
+            f"must be in [0, num_layers={self.num_layers}], got {self.first_k_dense}",
+        )
         if self.first_k_dense:
             _positive(self, "dense_intermediate_size")
         for part in ("kda", "mla", "moe"):
             sub = getattr(self, part)
-            require(sub.hidden_size == self.hidden_size, f"ModelConfig.{part}.hidden_size",
-                    f"must equal hidden_size ({self.hidden_size}), got {sub.hidden_size}")
+            require(
+                sub.hidden_size == self.hidden_size,
+                f"ModelConfig.{part}.hidden_size",
+                f"must equal hidden_size ({self.hidden_size}), got {sub.hidden_size}",
+            )
         if self.vision is not None:
-            require(self.vision.out_hidden_size == self.hidden_size, "ModelConfig.vision.out_hidden_size",
-                    f"must equal hidden_size ({self.hidden_size}), got {self.vision.out_hidden_size}")
-            require(self.image_token_id is not None and 0 <= self.image_token_id < self.vocab_size,
-                    "ModelConfig.image_token_id", f"must be a token id below vocab_size ({self.vocab_size})"
-                    " when vision is set")
+            require(
+                self.vision.out_hidden_size == self.hidden_size,
+                "ModelConfig.vision.out_hidden_size",
+                f"must equal hidden_size ({self.hidden_size}), got {self.vision.out_hidden_size}",
+            )
+            require(
+                self.image_token_id is not None and 0 <= self.image_token_id < self.vocab_size,
+                "ModelConfig.image_token_id",
+                f"must be a token id below vocab_size ({self.vocab_size}) when vision is set",
+            )
 
     def is_moe_layer(self, index: int) -> bool:
         return index >= self.first_k_dense

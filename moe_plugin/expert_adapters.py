@@ -26,9 +26,18 @@ import torch
 
 from .config import require
 
-__all__ = ["adapter_factor", "split_factors", "split_experts", "split_experts_reference", "stack_experts",
-           "stack_experts_reference", "slice_experts", "slice_experts_reference", "stitch_experts",
-           "stitch_experts_reference"]
+__all__ = [
+    "adapter_factor",
+    "split_factors",
+    "split_experts",
+    "split_experts_reference",
+    "stack_experts",
+    "stack_experts_reference",
+    "slice_experts",
+    "slice_experts_reference",
+    "stitch_experts",
+    "stitch_experts_reference",
+]
 
 # an expert adapter's parameter name, on both faces: "...experts.w1.lora_A.default.weight" (Hugging Face),
 # "...experts.base_layer.lora_B.default.weight" (nested wrappers)
@@ -43,10 +52,16 @@ def adapter_factor(name: str) -> Optional[str]:
 
 
 def _check_stacked(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int) -> int:
-    require(experts > 0 and lora_a.dim() == 2 and lora_b.dim() == 2 and lora_a.shape[0] % experts == 0
-            and lora_a.shape[0] == lora_b.shape[1], "lora",
-            f"a stacked expert adapter over {experts} experts needs lora_A [r*E, in] and lora_B [out, r*E], got "
-            f"{list(lora_a.shape)} and {list(lora_b.shape)}")
+    require(
+        experts > 0
+        and lora_a.dim() == 2
+        and lora_b.dim() == 2
+        and lora_a.shape[0] % experts == 0
+        and lora_a.shape[0] == lora_b.shape[1],
+        "lora",
+        f"a stacked expert adapter over {experts} experts needs lora_A [r*E, in] and lora_B [out, r*E], got "
+        f"{list(lora_a.shape)} and {list(lora_b.shape)}",
+    )
     return lora_a.shape[0] // experts
 
 
@@ -63,21 +78,21 @@ def split_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int) -> T
     return a, b
 
 
-def split_experts(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int
-                  ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def split_experts(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """lora_a ``[r*E, in]``, lora_b ``[out, r*E]`` -> ``[(A_e [r, in], B_e [out, r]) for e in range(E)]``, each a
     contiguous copy (``split_factors`` indexed per expert)."""
     a, b = split_factors(lora_a, lora_b, experts)
     return [(a[e].contiguous(), b[e].contiguous()) for e in range(experts)]
 
 
-def split_experts_reference(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int
-                            ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def split_experts_reference(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """``split_experts`` by indexing the rows and columns each expert owns (the layout in the module docstring)."""
     r = _check_stacked(lora_a, lora_b, experts)
     out = []
     for e in range(experts):
-        rows = lora_a[e * r:(e + 1) * r]
+        rows = lora_a[e * r : (e + 1) * r]
         cols = lora_b[:, [e + j * experts for j in range(r)]]
         out.append((rows.clone(), cols.clone()))
     return out
@@ -92,8 +107,9 @@ def stack_experts(per_expert: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> Tu
     return a, b.reshape(b.shape[0], -1)
 
 
-def stack_experts_reference(per_expert: Sequence[Tuple[torch.Tensor, torch.Tensor]]
-                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+def stack_experts_reference(
+    per_expert: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``stack_experts`` by writing each expert's rows and columns into zeros, one expert at a time."""
     require(bool(per_expert), "per_expert", "needs at least one expert's adapter")
     experts, (a0, b0) = len(per_expert), per_expert[0]
@@ -101,7 +117,7 @@ def stack_experts_reference(per_expert: Sequence[Tuple[torch.Tensor, torch.Tenso
     a = a0.new_zeros(r * experts, a0.shape[1])
     b = b0.new_zeros(b0.shape[0], r * experts)
     for e, (a_e, b_e) in enumerate(per_expert):
-        a[e * r:(e + 1) * r] = a_e
+        a[e * r : (e + 1) * r] = a_e
         for j in range(r):
             b[:, e + j * experts] = b_e[:, j]
     return a, b
@@ -112,12 +128,15 @@ def slice_experts(value: torch.Tensor, factor: str, first: int, last: int, exper
     ``lora_A [r*E, in]`` -> ``[r*(last-first), in]`` (factor "A"), ``lora_B [out, r*E]`` -> ``[out, r*(last-first)]``
     (factor "B"), in the same layout over ``last - first`` experts (what an EP rank holding them has)."""
     _check_factor(factor)
-    require(0 <= first < last <= experts and value.dim() == 2 and value.shape[0 if factor == "A" else 1] % experts
-            == 0, "value", f"experts [{first}, {last}) of a lora_{factor} {list(value.shape)} over {experts} experts "
-            "do not fit the stacked layout")
+    require(
+        0 <= first < last <= experts and value.dim() == 2 and value.shape[0 if factor == "A" else 1] % experts == 0,
+        "value",
+        f"experts [{first}, {last}) of a lora_{factor} {list(value.shape)} over {experts} experts "
+        "do not fit the stacked layout",
+    )
     if factor == "A":
         r = value.shape[0] // experts
-        return value[first * r:last * r]
+        return value[first * r : last * r]
     out = value.shape[0]
     return value.reshape(out, -1, experts)[:, :, first:last].reshape(out, -1)
 
@@ -128,7 +147,7 @@ def slice_experts_reference(value: torch.Tensor, factor: str, first: int, last: 
     r = value.shape[0 if factor == "A" else 1] // experts
     local = last - first
     if factor == "A":
-        return torch.cat([value[e * r:(e + 1) * r] for e in range(first, last)])
+        return torch.cat([value[e * r : (e + 1) * r] for e in range(first, last)])
     cols = [None] * (r * local)
     for j, e in enumerate(range(first, last)):
         for i in range(r):
@@ -153,7 +172,7 @@ def stitch_experts_reference(parts: Sequence[torch.Tensor], factor: str, r: int)
     rank order, written at their global places."""
     _check_factor(factor)
     if factor == "A":
-        return torch.cat([p[j * r:(j + 1) * r] for p in parts for j in range(p.shape[0] // r)])
+        return torch.cat([p[j * r : (j + 1) * r] for p in parts for j in range(p.shape[0] // r)])
     locals_ = [p.shape[1] // r for p in parts]
     experts = sum(locals_)
     out = parts[0].new_zeros(parts[0].shape[0], r * experts)

@@ -139,15 +139,20 @@ class MoEMetricsCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         _check_args(args)
         if model is None:
-            raise ValueError("MoEMetricsCallback: the Trainer passed no model to on_train_begin; add the callback "
-                             "through Trainer(callbacks=[...])")
+            raise ValueError(
+                "MoEMetricsCallback: the Trainer passed no model to on_train_begin; add the callback "
+                "through Trainer(callbacks=[...])"
+            )
         self.rank = args.process_index
         if self.logger is None:
             from .recipe.schema import LoggingSection
 
             section = LoggingSection(progress_bar=False, wandb=self.wandb)  # the Trainer draws its own bar
-            self.logger = make_logger(self.rank, section, os.path.abspath(args.output_dir),
-                                      config=args.to_dict()) if self.rank == 0 else NullLogger()
+            self.logger = (
+                make_logger(self.rank, section, os.path.abspath(args.output_dir), config=args.to_dict())
+                if self.rank == 0
+                else NullLogger()
+            )
         elif self.rank != 0:
             self.logger = NullLogger()
         self.metrics = MoEMetrics(model)
@@ -186,8 +191,11 @@ class MoEMetricsCallback(TrainerCallback):
             metrics.update(self.metrics.collect(loads))
             self.logger.log(step, metrics)
             self._loads, self._tokens, self._clock = None, 0.0, time.perf_counter()
-        evals = {f"eval/{k[len('eval_'):]}": float(v) for k, v in logs.items()
-                 if k.startswith("eval_") and isinstance(v, (int, float))}
+        evals = {
+            f"eval/{k[len('eval_') :]}": float(v)
+            for k, v in logs.items()
+            if k.startswith("eval_") and isinstance(v, (int, float))
+        }
         if evals:
             self.logger.log(step, evals)
 
@@ -218,18 +226,24 @@ def _check_args(args) -> None:
     """Settings that would make the run silently different from what was asked."""
     report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
     if "wandb" in report_to:
-        raise ValueError("TrainingArguments.report_to includes \"wandb\": transformers' own W&B callback would "
-                         "start a second run beside MoEMetricsCallback's; set report_to=\"none\" and pass "
-                         "MoEMetricsCallback(wandb=\"online\") (or \"offline\") instead")
+        raise ValueError(
+            'TrainingArguments.report_to includes "wandb": transformers\' own W&B callback would '
+            'start a second run beside MoEMetricsCallback\'s; set report_to="none" and pass '
+            'MoEMetricsCallback(wandb="online") (or "offline") instead'
+        )
     if args.deepspeed:
         from accelerate.state import AcceleratorState, DistributedType
 
         if AcceleratorState().distributed_type != DistributedType.DEEPSPEED:
-            raise ValueError(f"TrainingArguments.deepspeed is {args.deepspeed!r}, but accelerate runs without "
-                             "DeepSpeed (ACCELERATE_USE_CPU makes it ignore the DeepSpeed config); unset "
-                             "ACCELERATE_USE_CPU and pass use_cpu=True to TrainingArguments instead")
+            raise ValueError(
+                f"TrainingArguments.deepspeed is {args.deepspeed!r}, but accelerate runs without "
+                "DeepSpeed (ACCELERATE_USE_CPU makes it ignore the DeepSpeed config); unset "
+                "ACCELERATE_USE_CPU and pass use_cpu=True to TrainingArguments instead"
+            )
     if dist.is_available() and dist.is_initialized() and args.world_size != dist.get_world_size():
         # without use_cpu on a machine without GPUs, accelerate finds no backend and counts one process
-        raise ValueError(f"TrainingArguments: the Trainer counts {args.world_size} process(es) but "
-                         f"{dist.get_world_size()} are running, so every rank would read the same batches; on "
-                         "a CPU machine pass use_cpu=True")
+        raise ValueError(
+            f"TrainingArguments: the Trainer counts {args.world_size} process(es) but "
+            f"{dist.get_world_size()} are running, so every rank would read the same batches; on "
+            "a CPU machine pass use_cpu=True"
+        )

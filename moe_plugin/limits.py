@@ -29,29 +29,53 @@ def check_limit(value, name: str, field_name: str, least: float = 1) -> None:
     """Refuse ``value`` (for ``LIMITS[name]``, reported as ``field_name``) unless finite and in
     [``least``, the limit]."""
     largest = LIMITS[name]
-    shown = (f"{largest / 1e12:g}TB" if name == "device_memory" else
-             f"{largest:,}" if isinstance(largest, int) else f"{largest:g}")
-    ok = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and
-                                                                       math.isfinite(value))
-    require(ok and least <= value <= largest, field_name,
-            f"must be from {least:g} to {shown} (the largest the planner accepts), got {value!r}; give a value "
-            "in that range")
+    shown = (
+        f"{largest / 1e12:g}TB"
+        if name == "device_memory"
+        else f"{largest:,}"
+        if isinstance(largest, int)
+        else f"{largest:g}"
+    )
+    ok = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and math.isfinite(value))
+    require(
+        ok and least <= value <= largest,
+        field_name,
+        f"must be from {least:g} to {shown} (the largest the planner accepts), got {value!r}; give a value "
+        "in that range",
+    )
 
 
 def parse_bytes(text: str) -> float:
     """``"141GB"``, ``"80GiB"``, ``"512MiB"``, a plain number of bytes -> bytes; ValueError naming the value."""
-    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20,
-             "GIB": 2 ** 30, "TIB": 2 ** 40}
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 1e3,
+        "MB": 1e6,
+        "GB": 1e9,
+        "TB": 1e12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     t = text.strip().upper().replace(" ", "")
     number = t.rstrip("KMGTIB")
-    unit = t[len(number):]
+    unit = t[len(number) :]
     try:
         value = float(number)
     except ValueError:
         value = math.nan
-    require(not math.isnan(value) and unit in units, "--device-memory",
-            f"{text!r} is not a memory size; write e.g. 141GB, 80GiB or 512MiB")
+    require(
+        not math.isnan(value) and unit in units,
+        "--device-memory",
+        f"{text!r} is not a memory size; write e.g. 141GB, 80GiB or 512MiB",
+    )
     size, largest = value * units[unit], LIMITS["device_memory"]
-    require(0 < size <= largest, "--device-memory", f"{text!r} is outside the sizes the planner accepts (above 0, "
-            f"at most {largest / 1e12:g}TB); give a device's memory, e.g. 141GB")
+    require(
+        0 < size <= largest,
+        "--device-memory",
+        f"{text!r} is outside the sizes the planner accepts (above 0, "
+        f"at most {largest / 1e12:g}TB); give a device's memory, e.g. 141GB",
+    )
     return size

@@ -32,22 +32,34 @@ from .layers.packed_experts import PackedStackedExperts
 from .layers.stacked_experts import StackedExperts
 from .lora_packed import PackedParamWrapper
 
-__all__ = ["SEED_TARGET_MODULES", "lora_config", "add_lora", "mark_expert_adapters", "init_expert_adapters",
-           "count_parameters"]
+__all__ = [
+    "SEED_TARGET_MODULES",
+    "lora_config",
+    "add_lora",
+    "mark_expert_adapters",
+    "init_expert_adapters",
+    "count_parameters",
+]
 
 # The seed's LoRA targets: the attention query/key projections and the router.
 SEED_TARGET_MODULES = ("q_proj", "k_proj", "gate")
 
 
-def lora_config(r: int = 8, alpha: float = 16, target_modules: Iterable[str] = SEED_TARGET_MODULES,
-                target_parameters: Iterable[str] = (), dropout: float = 0.0) -> LoraConfig:
+def lora_config(
+    r: int = 8,
+    alpha: float = 16,
+    target_modules: Iterable[str] = SEED_TARGET_MODULES,
+    target_parameters: Iterable[str] = (),
+    dropout: float = 0.0,
+) -> LoraConfig:
     """peft's ``LoraConfig`` for these targets; ValueError naming the argument that cannot work."""
     require(isinstance(r, int) and not isinstance(r, bool) and r > 0, "r", f"must be a positive integer, got {r!r}")
     require(alpha > 0, "alpha", f"must be positive (0 makes the adapter a no-op), got {alpha!r}")
     modules, params = list(target_modules), list(target_parameters)
     require(bool(modules or params), "target_modules", "name at least one module or parameter to adapt")
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules or None,
-                        target_parameters=params or None)
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules or None, target_parameters=params or None
+    )
     # packed experts take their adapters through their own peft layer, in peft's layout (moe_plugin.lora_packed)
     register_custom_module(config, {PackedStackedExperts: PackedParamWrapper})
     return config

@@ -40,8 +40,9 @@ class PackedParamWrapper(param_wrapper_base()):
     def _get_in_out_features(self, module):
         base = self.get_base_layer()
         if not isinstance(base, PackedStackedExperts):
-            raise ValueError(f"{self.parameter_name}: PackedParamWrapper wraps PackedStackedExperts only, got "
-                             f"{type(base).__name__}")
+            raise ValueError(
+                f"{self.parameter_name}: PackedParamWrapper wraps PackedStackedExperts only, got {type(base).__name__}"
+            )
         e, out, inp = base.logical_shapes[self.parameter_name]
         self.num_experts, self._param_ndim = e, 3
         # ParamWrapper.update_layer swaps them for an untransposed 3-D stack, giving in = inp, out = out
@@ -62,19 +63,23 @@ class PackedParamWrapper(param_wrapper_base()):
             yield
             return
         base = self.get_base_layer()
-        entries = [(*split_factors(self.lora_A[a].weight, self.lora_B[a].weight, self.num_experts),
-                    self.scaling[a]) for a in adapters]
+        entries = [
+            (*split_factors(self.lora_A[a].weight, self.lora_B[a].weight, self.num_experts), self.scaling[a])
+            for a in adapters
+        ]
         base.active_lora.setdefault(self.parameter_name, []).extend(entries)
         try:
             yield
         finally:
-            kept = base.active_lora[self.parameter_name][:-len(entries)]
+            kept = base.active_lora[self.parameter_name][: -len(entries)]
             if kept:
                 base.active_lora[self.parameter_name] = kept
             else:
                 del base.active_lora[self.parameter_name]
 
     def merge(self, safe_merge: bool = False, adapter_names: Any = None) -> None:
-        raise ValueError(f"{self.parameter_name}: the packed experts cannot take a merged adapter in place (that "
-                         "would requantise them, a lossy change); export with "
-                         "moe_plugin.weights.quantize.merge_expert_adapter instead")
+        raise ValueError(
+            f"{self.parameter_name}: the packed experts cannot take a merged adapter in place (that "
+            "would requantise them, a lossy change); export with "
+            "moe_plugin.weights.quantize.merge_expert_adapter instead"
+        )

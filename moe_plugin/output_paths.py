@@ -37,10 +37,15 @@ def _shown(names: Iterable[str]) -> str:
     return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
-def check_output_dir(path: str, *, option: str, protected: Protected = (),
-                     accept_existing: Optional[Callable[[str], Optional[str]]] = None,
-                     kind: str = "an earlier output of this command",
-                     fix: str = "give a new or empty directory, e.g. \"exports/my_export\"") -> str:
+def check_output_dir(
+    path: str,
+    *,
+    option: str,
+    protected: Protected = (),
+    accept_existing: Optional[Callable[[str], Optional[str]]] = None,
+    kind: str = "an earlier output of this command",
+    fix: str = 'give a new or empty directory, e.g. "exports/my_export"',
+) -> str:
     """Check that writing ``path`` (replacing it as a whole) can lose nothing; return its real path.
 
     option: how the user named the path (``OUT``, ``--out``, ``output_dir``), the message's first word.
@@ -75,6 +80,7 @@ def check_output_dir(path: str, *, option: str, protected: Protected = (),
         if entries:
             reason = "nothing recognises it" if accept_existing is None else accept_existing(real)
             if reason is not None:
-                _refuse(option, path, f"a non-empty directory ({_shown(entries)}) that is not {kind}: {reason}",
-                        real, fix)
+                _refuse(
+                    option, path, f"a non-empty directory ({_shown(entries)}) that is not {kind}: {reason}", real, fix
+                )
     return real

@@ -34,8 +34,7 @@ from .compat import deepspeed as zero3
 from .layers.kda import KDAAttention
 from .layers.moe import MoERouter
 
-__all__ = ["FP32_TENSORS", "FP32_OWNERS", "LOW_PRECISION", "fp32_tensors", "apply_precision",
-           "keep_fp32_through"]
+__all__ = ["FP32_TENSORS", "FP32_OWNERS", "LOW_PRECISION", "fp32_tensors", "apply_precision", "keep_fp32_through"]
 
 # (owning layer, its tensors that stay fp32); subclasses (megatron's KDASelfAttention) are included
 FP32_OWNERS: Tuple[Tuple[type, Tuple[str, ...]], ...] = (
@@ -45,9 +44,12 @@ FP32_OWNERS: Tuple[Tuple[type, Tuple[str, ...]], ...] = (
 # The same tensors by Hugging Face name. transformers 5.24 matches these with re.search on the full tensor
 # name, so they are anchored on the module path: a bare "gate" would also catch gate_proj. "base_layer." is
 # where the router weight sits once peft wraps "gate".
-FP32_TENSORS = (r"self_attn\.A_log$", r"self_attn\.dt_bias$",
-                r"block_sparse_moe\.gate\.(base_layer\.)?weight$",
-                r"block_sparse_moe\.gate\.(base_layer\.)?e_score_correction_bias$")
+FP32_TENSORS = (
+    r"self_attn\.A_log$",
+    r"self_attn\.dt_bias$",
+    r"block_sparse_moe\.gate\.(base_layer\.)?weight$",
+    r"block_sparse_moe\.gate\.(base_layer\.)?e_score_correction_bias$",
+)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 Listed = Tuple[str, nn.Module, str]  # (full name, owning module, attribute name)
@@ -117,8 +119,12 @@ def apply_precision(model: nn.Module, dtype: Optional[torch.dtype] = None) -> nn
     if target is not None:
         tensors = list(model.parameters()) + (list(model.buffers()) if dtype is not None else [])
         for tensor in tensors:
-            if (id(tensor) not in ids and tensor.is_floating_point() and tensor.dtype != target
-                    and not zero3.is_zero3_param(tensor)):
+            if (
+                id(tensor) not in ids
+                and tensor.is_floating_point()
+                and tensor.dtype != target
+                and not zero3.is_zero3_param(tensor)
+            ):
                 tensor.data = tensor.data.to(target)
     for _, module, name in listed:
         tensor = _tensor(module, name)
@@ -144,8 +150,11 @@ def keep_fp32_through(model: nn.Module, convert: Callable[[], nn.Module]) -> nn.
     it exactly, and copying it again would be a second transfer at every nesting level); a model materialised
     from ``meta`` (``to_empty``) has no values to keep, only the fp32 dtype.
     """
-    kept = [(module, name, _tensor(module, name).data) for _, module, name in fp32_tensors(model)
-            if _tensor(module, name).dtype == torch.float32]
+    kept = [
+        (module, name, _tensor(module, name).data)
+        for _, module, name in fp32_tensors(model)
+        if _tensor(module, name).dtype == torch.float32
+    ]
     result = convert()
     for module, name, original in kept:
         now = _tensor(module, name)

@@ -26,12 +26,16 @@ __all__ = ["main", "parser"]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="moe-plugin train", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(
+        prog="moe-plugin train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--recipe", required=True, help="path to a recipe JSON (see recipes/)")
-    p.add_argument("--allow-changed-inputs", action="store_true",
-                   help="resume even though an input of the run (its data, base or DeepSpeed config) changed since "
-                        "the run started")
+    p.add_argument(
+        "--allow-changed-inputs",
+        action="store_true",
+        help="resume even though an input of the run (its data, base or DeepSpeed config) changed since "
+        "the run started",
+    )
     # the deepspeed launcher passes --local_rank=N (unless --no_local_rank); the rank also comes from the
     # environment (LOCAL_RANK), which is what the trainer reads
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -62,8 +66,9 @@ def _quiet_cpu_imports() -> None:
     if torch.cuda.is_available():
         return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed",
-                            category=UserWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed", category=UserWarning
+    )
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -34,8 +34,17 @@ def train_runs(runs: list) -> list:
     return [_train(**run) for run in runs]
 
 
-def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, wandb: str, ep: int = 1,
-           expert_adapters: bool = False, checkpointing: bool = False) -> dict:
+def _train(
+    base: str,
+    output_dir: str,
+    deepspeed,
+    per_device: int,
+    steps: int,
+    wandb: str,
+    ep: int = 1,
+    expert_adapters: bool = False,
+    checkpointing: bool = False,
+) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, TrainingArguments
 
@@ -44,10 +53,25 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
     from moe_plugin.training.data.pipeline import arithmetic_examples
 
     args = TrainingArguments(
-        output_dir=output_dir, use_cpu=True, deepspeed=deepspeed, per_device_train_batch_size=per_device,
-        max_steps=steps, learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
-        save_strategy="no", report_to="none", seed=0, data_seed=0, average_tokens_across_devices=True,
-        dataloader_drop_last=True, max_grad_norm=1.0, disable_tqdm=True, gradient_checkpointing=checkpointing)
+        output_dir=output_dir,
+        use_cpu=True,
+        deepspeed=deepspeed,
+        per_device_train_batch_size=per_device,
+        max_steps=steps,
+        learning_rate=LEARNING_RATE,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        data_seed=0,
+        average_tokens_across_devices=True,
+        dataloader_drop_last=True,
+        max_grad_norm=1.0,
+        disable_tqdm=True,
+        gradient_checkpointing=checkpointing,
+    )
     model = AutoModelForCausalLM.from_pretrained(base)  # under zero.Init when the config is ZeRO-3
     local_experts = bad_size = partitioned = None
     if ep > 1:
@@ -64,20 +88,28 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
     # seeded after the load, which draws differently under zero.Init: the same lora_A in every layout
     torch.manual_seed(0)
     params = ["experts.w1", "experts.w2", "experts.w3"] if expert_adapters else None
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate"],
-                                             target_parameters=params))
+    model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate"], target_parameters=params)
+    )
     if expert_adapters:
         from moe_plugin.parallel.hf_expert_parallel import prepare_expert_adapters
 
         prepare_expert_adapters(model, seed=0)
     callback = MoEMetricsCallback(wandb=wandb)
-    trainer = MoETrainer(model=model, args=args, train_dataset=CausalLMDataset(arithmetic_examples(400, 0, "-")),
-                         data_collator=collate_causal_lm, callbacks=[callback])
+    trainer = MoETrainer(
+        model=model,
+        args=args,
+        train_dataset=CausalLMDataset(arithmetic_examples(400, 0, "-")),
+        data_collator=collate_causal_lm,
+        callbacks=[callback],
+    )
     from moe_plugin.training.metrics.routing import moe_layers
 
     router_calls = [0]
-    hooks = [layer.router.register_forward_pre_hook(lambda *_: router_calls.__setitem__(0, router_calls[0] + 1))
-             for layer in moe_layers(model)]
+    hooks = [
+        layer.router.register_forward_pre_hook(lambda *_: router_calls.__setitem__(0, router_calls[0] + 1))
+        for layer in moe_layers(model)
+    ]
     trainer.train()
     for hook in hooks:
         hook.remove()
@@ -90,14 +122,21 @@ def _train(base: str, output_dir: str, deepspeed, per_device: int, steps: int, w
     history = trainer.state.log_history
     from accelerate.state import AcceleratorState
 
-    return {"losses": [h["loss"] for h in history if "loss" in h],
-            "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
-            "logits": logits, "adapter": adapter, "world": trainer.args.world_size,
-            "deepspeed": trainer.is_deepspeed_enabled,
-            "distributed_type": str(AcceleratorState().distributed_type),
-            "wandb_dirs": _wandb_dirs(output_dir), "local_experts": local_experts,
-            "bad_ep_size": bad_size, "experts_partitioned": partitioned,
-            "router_calls_per_layer": router_calls[0] / max(1, len(hooks)), "recompute_modes": modes}
+    return {
+        "losses": [h["loss"] for h in history if "loss" in h],
+        "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
+        "logits": logits,
+        "adapter": adapter,
+        "world": trainer.args.world_size,
+        "deepspeed": trainer.is_deepspeed_enabled,
+        "distributed_type": str(AcceleratorState().distributed_type),
+        "wandb_dirs": _wandb_dirs(output_dir),
+        "local_experts": local_experts,
+        "bad_ep_size": bad_size,
+        "experts_partitioned": partitioned,
+        "router_calls_per_layer": router_calls[0] / max(1, len(hooks)),
+        "recompute_modes": modes,
+    }
 
 
 def _wandb_dirs(output_dir: str) -> list:
@@ -152,5 +191,10 @@ def count_checkpoint_reads(base: str) -> dict:
         if ".experts.w" in name:
             with deepspeed.zero.GatheredParameters([p]):
                 match &= torch.equal(p.detach(), stored[name])
-    return {"index_reads": index_reads[0], "header_reads": dict(header_reads), "moe_layers": len(layers),
-            "partitioned": all(hasattr(m.experts.w1, "ds_id") for m in layers), "experts_match": bool(match)}
+    return {
+        "index_reads": index_reads[0],
+        "header_reads": dict(header_reads),
+        "moe_layers": len(layers),
+        "partitioned": all(hasattr(m.experts.w1, "ds_id") for m in layers),
+        "experts_match": bool(match),
+    }

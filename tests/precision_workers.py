@@ -20,8 +20,11 @@ def _snapshot(trainer) -> dict:
     state = trainer.backend.full_state(module)
     buffers = dict(module.named_buffers())
     listed = {name: (name in buffers, str(getattr(owner, attr).dtype)) for name, owner, attr in fp32_tensors(module)}
-    return {"state": {k: v.detach().clone() for k, v in state.items()},
-            "dtypes": {k: str(v.dtype) for k, v in state.items()}, "listed": listed}
+    return {
+        "state": {k: v.detach().clone() for k, v in state.items()},
+        "dtypes": {k: str(v.dtype) for k, v in state.items()},
+        "listed": listed,
+    }
 
 
 def run_scenarios(scenarios: list) -> dict:

@@ -46,8 +46,13 @@ def test_version(capsys):
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"moe-plugin {moe_plugin.__version__}"
 
 
-@pytest.mark.parametrize("argv, match", [(["bogus"], "invalid choice: 'bogus' \\(choose from 'train'"),
-                                         ([], "the following arguments are required: <subcommand>")])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["bogus"], "invalid choice: 'bogus' \\(choose from 'train'"),
+        ([], "the following arguments are required: <subcommand>"),
+    ],
+)
 def test_no_or_unknown_subcommand(capsys, argv, match):
     with pytest.raises(SystemExit) as info:
         cli.main(argv)

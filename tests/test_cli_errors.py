@@ -16,9 +16,14 @@ from moe_plugin import cli
 from moe_plugin.cli_errors import describe, run_command
 from tests.training.launchers import BIN, REPO, free_port
 
-GOOD = {"output_dir": "OUT", "model": {"preset": "tiny"}, "lora": {"r": 4},
-        "data": {"kind": "arithmetic", "num_documents": 40, "seq_len": 32, "eval_fraction": 0.0},
-        "schedule": {"steps": 1, "micro_batch_size": 1}, "logging": {"wandb": {"mode": "disabled"}}}
+GOOD = {
+    "output_dir": "OUT",
+    "model": {"preset": "tiny"},
+    "lora": {"r": 4},
+    "data": {"kind": "arithmetic", "num_documents": 40, "seq_len": 32, "eval_fraction": 0.0},
+    "schedule": {"steps": 1, "micro_batch_size": 1},
+    "logging": {"wandb": {"mode": "disabled"}},
+}
 
 
 def _recipe(tmp_path, name, **changes):
@@ -53,12 +58,16 @@ def _in_process(capsys, argv, cmd):
 def test_a_bad_recipe_is_refused_before_torch_loads(tmp_path):
     bad = _recipe(tmp_path, "bad", schedule__steps="10")
     # torch set to None in sys.modules: any import of it fails, so the refusal below never needed it
-    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['moe_plugin.train', '--recipe', "
-            f"{bad!r}]; runpy.run_module('moe_plugin.train', run_name='__main__')")
+    code = (
+        "import runpy, sys; sys.modules['torch'] = None; sys.argv = ['moe_plugin.train', '--recipe', "
+        f"{bad!r}]; runpy.run_module('moe_plugin.train', run_name='__main__')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.splitlines() == [f"moe-plugin train: error: recipe {bad}: schedule.steps: must be an integer, "
-                                        "got '10' (a str); write a whole number without quotes, e.g. 60"]
+    assert proc.stderr.splitlines() == [
+        f"moe-plugin train: error: recipe {bad}: schedule.steps: must be an integer, "
+        "got '10' (a str); write a whole number without quotes, e.g. 60"
+    ]
 
 
 def test_an_error_found_after_deepspeed_loads_is_the_only_stderr_line(tmp_path):
@@ -71,12 +80,20 @@ def test_an_error_found_after_deepspeed_loads_is_the_only_stderr_line(tmp_path):
     values["deepspeed"] = str(broken)
     open(recipe, "w").write(json.dumps(values))
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
-    proc = subprocess.run([sys.executable, "-m", "moe_plugin.train", "--recipe", recipe], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_plugin.train", "--recipe", recipe],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.splitlines() == [f"moe-plugin train: error: {broken}, line 1 column 2: not valid JSON "
-                                        "(Expecting property name enclosed in double quotes); fix the DeepSpeed "
-                                        "config's syntax"], proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"moe-plugin train: error: {broken}, line 1 column 2: not valid JSON "
+        "(Expecting property name enclosed in double quotes); fix the DeepSpeed "
+        "config's syntax"
+    ], proc.stderr
 
 
 def test_train_input_errors_are_one_line(capsys, tmp_path):
@@ -85,8 +102,9 @@ def test_train_input_errors_are_one_line(capsys, tmp_path):
     two = _recipe(tmp_path, "two", schedule__steps=0, lora__alpha=0)
     err = _in_process(capsys, ["--recipe", str(tmp_path / "none.json")], "train")
     assert f"recipe {tmp_path / 'none.json'}: cannot read it" in err
-    assert f"recipe {broken}, line 3 column 1: not valid JSON" in _in_process(capsys, ["--recipe", str(broken)],
-                                                                               "train")
+    assert f"recipe {broken}, line 3 column 1: not valid JSON" in _in_process(
+        capsys, ["--recipe", str(broken)], "train"
+    )
     assert "unrecognized arguments: --bogus" in _in_process(capsys, ["--recipe", two, "--bogus"], "train")
     assert "the following arguments are required: --recipe" in _in_process(capsys, [], "train")
     # a recipe's several problems: one error line, then one line per problem, each named by its field
@@ -114,8 +132,9 @@ def test_a_rank_other_than_0_says_which(capsys, monkeypatch):
     for rank, suffix in (("0", ""), ("1", " (rank 1)")):
         monkeypatch.setenv("RANK", rank)
         assert run_command("train", refuse, []) == 2
-        assert capsys.readouterr().err == ("moe-plugin train: error: data.path: 'x.jsonl' does not exist; give an "
-                                           f"existing data file{suffix}\n")
+        assert capsys.readouterr().err == (
+            f"moe-plugin train: error: data.path: 'x.jsonl' does not exist; give an existing data file{suffix}\n"
+        )
 
 
 def test_a_bug_keeps_its_traceback():
@@ -147,10 +166,12 @@ def test_files_and_json_are_named(tmp_path):
 def test_export_input_errors_are_one_line(capsys, tmp_path):
     err = _in_process(capsys, ["--run", str(tmp_path), "--to", "peft", str(tmp_path / "out")], "export")
     assert "moe_plugin_run.json" in err and not (tmp_path / "out").exists()
-    assert "argument --to: invalid choice: 'zip'" in _in_process(capsys, ["--run", str(tmp_path), "--to", "zip",
-                                                                          str(tmp_path / "out")], "export")
+    assert "argument --to: invalid choice: 'zip'" in _in_process(
+        capsys, ["--run", str(tmp_path), "--to", "zip", str(tmp_path / "out")], "export"
+    )
     assert "argument --step: invalid int value: 'last'" in _in_process(
-        capsys, ["--run", str(tmp_path), "--to", "peft", "--step", "last", str(tmp_path / "out")], "export")
+        capsys, ["--run", str(tmp_path), "--to", "peft", "--step", "last", str(tmp_path / "out")], "export"
+    )
     assert cli.main(["export", "--run", str(tmp_path), "--to", "peft", str(tmp_path / "out"), "--debug"]) == 2
     assert "Traceback (most recent call last)" in capsys.readouterr().err
 
@@ -178,11 +199,15 @@ def test_under_the_launcher_every_ranks_error_and_a_rank_1_only_error_reach_the_
     # rank 1 alone: its recipe names a data file its machine lacks (a multi-node job's node without the copy);
     # rank 0's recipe is valid. Rank 1 reports and exits; the launcher stops rank 0 (it would wait for rank 1 in
     # the process group's start) and exits with rank 1's status.
-    good, missing = _recipe(tmp_path, "good"), _recipe(tmp_path, "missing", data__kind="text",
-                                                       data__path=str(tmp_path / "absent.jsonl"))
+    good, missing = (
+        _recipe(tmp_path, "good"),
+        _recipe(tmp_path, "missing", data__kind="text", data__path=str(tmp_path / "absent.jsonl")),
+    )
     script = tmp_path / "by_rank.sh"
-    script.write_text(f'#!/bin/sh\nif [ "$RANK" = 1 ]; then R={missing}; else R={good}; fi\n'
-                      f'exec {sys.executable} -m moe_plugin.train --recipe "$R"\n')
+    script.write_text(
+        f'#!/bin/sh\nif [ "$RANK" = 1 ]; then R={missing}; else R={good}; fi\n'
+        f'exec {sys.executable} -m moe_plugin.train --recipe "$R"\n'
+    )
     script.chmod(0o755)
     proc = _launch(["--no_python", "--no_local_rank", str(script)])
     out = proc.stdout + proc.stderr

@@ -21,9 +21,12 @@ from moe_plugin.compat import megatron as mg_compat
 from moe_plugin.compat import peft as peft_compat
 from moe_plugin.compat import transformers as tf_compat
 
-PINS = {"deepspeed": ("deepspeed", ds_compat.TESTED_DEEPSPEED),
-        "megatron": ("megatron-core", mg_compat.TESTED_MEGATRON), "peft": ("peft", peft_compat.TESTED_PEFT),
-        "transformers": ("transformers", tf_compat.TESTED_TRANSFORMERS)}
+PINS = {
+    "deepspeed": ("deepspeed", ds_compat.TESTED_DEEPSPEED),
+    "megatron": ("megatron-core", mg_compat.TESTED_MEGATRON),
+    "peft": ("peft", peft_compat.TESTED_PEFT),
+    "transformers": ("transformers", tf_compat.TESTED_TRANSFORMERS),
+}
 
 
 def test_pins_are_the_versions_setup_cfg_pins():
@@ -58,33 +61,82 @@ def _owner(module: str, path: str):
 
 # (compat module, upstream module, owner inside it, attribute deleted, the name the message must give)
 MISSING = [
-    ("deepspeed", "deepspeed.utils.groups", "", "_create_expert_and_data_parallel",
-     "deepspeed.utils.groups._create_expert_and_data_parallel"),
-    ("deepspeed", "deepspeed.utils.groups", "", "_get_expert_data_parallel_group",
-     "deepspeed.utils.groups._get_expert_data_parallel_group"),
-    ("deepspeed", "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine", "load",
-     "TorchCheckpointEngine.load"),
-    ("deepspeed", "deepspeed.runtime.zero.partition_parameters", "Init", "_convert_to_deepspeed_param",
-     "deepspeed.runtime.zero.partition_parameters.Init._convert_to_deepspeed_param"),
-    ("megatron", "megatron.core.transformer.transformer_block", "", "TransformerBlock",
-     "megatron.core.transformer.transformer_block.TransformerBlock"),
-    ("megatron", "megatron.core.tensor_parallel.mappings", "", "dist_all_gather_func",
-     "megatron.core.tensor_parallel.mappings.dist_all_gather_func"),
-    ("peft", "peft.tuners.lora.layer", "ParamWrapper", "_activate_lora",
-     "peft.tuners.lora.layer.ParamWrapper._activate_lora"),
-    ("peft", "peft.tuners.lora.config", "LoraConfig", "_register_custom_module",
-     "peft.LoraConfig._register_custom_module"),
-    ("peft", "peft.tuners.tuners_utils", "BaseTuner", "_inject_parameters",
-     "peft.tuners.tuners_utils.BaseTuner._inject_parameters"),
+    (
+        "deepspeed",
+        "deepspeed.utils.groups",
+        "",
+        "_create_expert_and_data_parallel",
+        "deepspeed.utils.groups._create_expert_and_data_parallel",
+    ),
+    (
+        "deepspeed",
+        "deepspeed.utils.groups",
+        "",
+        "_get_expert_data_parallel_group",
+        "deepspeed.utils.groups._get_expert_data_parallel_group",
+    ),
+    (
+        "deepspeed",
+        "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine",
+        "TorchCheckpointEngine",
+        "load",
+        "TorchCheckpointEngine.load",
+    ),
+    (
+        "deepspeed",
+        "deepspeed.runtime.zero.partition_parameters",
+        "Init",
+        "_convert_to_deepspeed_param",
+        "deepspeed.runtime.zero.partition_parameters.Init._convert_to_deepspeed_param",
+    ),
+    (
+        "megatron",
+        "megatron.core.transformer.transformer_block",
+        "",
+        "TransformerBlock",
+        "megatron.core.transformer.transformer_block.TransformerBlock",
+    ),
+    (
+        "megatron",
+        "megatron.core.tensor_parallel.mappings",
+        "",
+        "dist_all_gather_func",
+        "megatron.core.tensor_parallel.mappings.dist_all_gather_func",
+    ),
+    (
+        "peft",
+        "peft.tuners.lora.layer",
+        "ParamWrapper",
+        "_activate_lora",
+        "peft.tuners.lora.layer.ParamWrapper._activate_lora",
+    ),
+    (
+        "peft",
+        "peft.tuners.lora.config",
+        "LoraConfig",
+        "_register_custom_module",
+        "peft.LoraConfig._register_custom_module",
+    ),
+    (
+        "peft",
+        "peft.tuners.tuners_utils",
+        "BaseTuner",
+        "_inject_parameters",
+        "peft.tuners.tuners_utils.BaseTuner._inject_parameters",
+    ),
     ("transformers", "transformers.trainer", "Trainer", "_save", "transformers.Trainer._save"),
-    ("transformers", "transformers.utils.hub", "", "convert_file_size_to_int",
-     "transformers.utils.hub.convert_file_size_to_int"),
+    (
+        "transformers",
+        "transformers.utils.hub",
+        "",
+        "convert_file_size_to_int",
+        "transformers.utils.hub.convert_file_size_to_int",
+    ),
 ]
 
 
 @pytest.mark.parametrize("name, module, owner, attr, shown", MISSING, ids=[m[-1] for m in MISSING])
-def test_a_missing_upstream_name_is_one_line_naming_it_and_the_versions(monkeypatch, name, module, owner, attr,
-                                                                        shown):
+def test_a_missing_upstream_name_is_one_line_naming_it_and_the_versions(monkeypatch, name, module, owner, attr, shown):
     monkeypatch.delattr(_owner(module, owner), attr)
     dist, pin = PINS[name]
     with pytest.raises(RuntimeError) as caught:
@@ -100,12 +152,18 @@ def test_an_upstream_that_stopped_setting_an_attribute_is_named(monkeypatch):
     from peft.tuners.tuners_utils import BaseTuner
 
     monkeypatch.setattr(MoELayer, "__init__", lambda self, *args, **kwargs: None)
-    with pytest.raises(RuntimeError, match=r"^moe_plugin.compat.megatron: the router submodule assignment "
-                                           r"'self.router = submodules.router\(' is no longer used by .*MoELayer"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^moe_plugin.compat.megatron: the router submodule assignment "
+        r"'self.router = submodules.router\(' is no longer used by .*MoELayer",
+    ):
         mg_compat.check()
     monkeypatch.setattr(BaseTuner, "_inject_parameters", lambda self, *args, **kwargs: None)
-    with pytest.raises(RuntimeError, match=r"^moe_plugin.compat.peft: the class-name test .*ParamWrapper.* is no "
-                                           r"longer used by peft.tuners.tuners_utils.BaseTuner._inject_parameters"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^moe_plugin.compat.peft: the class-name test .*ParamWrapper.* is no "
+        r"longer used by peft.tuners.tuners_utils.BaseTuner._inject_parameters",
+    ):
         peft_compat.check()
 
 
@@ -115,12 +173,16 @@ def test_fla_is_checked_only_where_installed_and_cuda_is_usable(monkeypatch):
     if importlib.util.find_spec("fla") is None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(fla_compat, "installed_version", lambda dist: "0.6.0")
-        with pytest.raises(RuntimeError, match=r"^moe_plugin.compat.fla: fla.ops.kda cannot be imported.*"
-                                               r"\(tested with 0.6.0\); install fla-core==0.6.0"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"^moe_plugin.compat.fla: fla.ops.kda cannot be imported.*"
+            r"\(tested with 0.6.0\); install fla-core==0.6.0",
+        ):
             fla_compat.check()
 
 
 # --- the wrappers ---------------------------------------------------------------------------------------
+
 
 def test_zero3_readers_fall_back_to_the_tensor_itself():
     p = torch.nn.Parameter(torch.zeros(2, 3))
@@ -132,8 +194,11 @@ def test_zero3_readers_fall_back_to_the_tensor_itself():
     assert ds_compat.full_shape(p) == (2, 3) and ds_compat.full_numel(p) == 6
     assert ds_compat.local_partition(p) is p.ds_tensor
     ds_compat.tag_partition(p, "group", "ep_size_2", "autoep_expert")
-    assert (p.ds_zero_partition_process_group, p.ds_zero_partition_group_name, p.ds_zero_placement_family) == \
-        ("group", "ep_size_2", "autoep_expert")
+    assert (p.ds_zero_partition_process_group, p.ds_zero_partition_group_name, p.ds_zero_placement_family) == (
+        "group",
+        "ep_size_2",
+        "autoep_expert",
+    )
 
 
 def test_megatron_wrappers_refuse_what_megatron_did_not_build():
@@ -151,12 +216,18 @@ def test_megatron_wrappers_refuse_what_megatron_did_not_build():
     layer.router = torch.nn.Linear(2, 2)
     router = layer.router
     assert mg_compat.pop_router(layer) is router and "router" not in layer._modules
-    with pytest.raises(RuntimeError, match=r"^moe_plugin.compat.megatron: .*MoELayer's submodule 'router' was not "
-                                           r"registered in megatron-core 0.16.1 \(tested with 0.16.1\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^moe_plugin.compat.megatron: .*MoELayer's submodule 'router' was not "
+        r"registered in megatron-core 0.16.1 \(tested with 0.16.1\)",
+    ):
         mg_compat.pop_router(layer)
     assert mg_compat.adopt_subclass(layer, Sub).hello() == "sub" and type(layer) is Sub
-    with pytest.raises(RuntimeError, match=r"^moe_plugin.compat.megatron: Sub extends \['Base'\], but megatron-core "
-                                           r"built a .*Other"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^moe_plugin.compat.megatron: Sub extends \['Base'\], but megatron-core "
+        r"built a .*Other",
+    ):
         mg_compat.adopt_subclass(Other(), Sub)
 
 
@@ -169,6 +240,7 @@ def test_packed_param_wrapper_is_peft_s_param_wrapper_by_name():
 
 
 # --- the start-up points run the checks -------------------------------------------------------------------
+
 
 def _refuse(*args, **kwargs):
     raise RuntimeError("moe_plugin.compat.test: refused")
@@ -202,6 +274,7 @@ def test_the_hf_trainer_wrapper_checks_at_construction(monkeypatch, tmp_path):
 
 
 # --- fla: the one kernel choice ---------------------------------------------------------------------------
+
 
 @pytest.fixture
 def no_kernel(monkeypatch):
@@ -241,8 +314,11 @@ def test_require_kernels_makes_it_an_error(no_kernel):
     from moe_plugin.ops.kda.chunk import chunk_kda
 
     no_kernel.setenv("MOE_PLUGIN_REQUIRE_KERNELS", "1")
-    with pytest.raises(RuntimeError, match=r"^moe_plugin.compat.fla: CUDA tensors reached fla.ops.kda.chunk_kda, "
-                                           r"which does not import.*35-90x slower; install fla-core==0.6.0"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^moe_plugin.compat.fla: CUDA tensors reached fla.ops.kda.chunk_kda, "
+        r"which does not import.*35-90x slower; install fla-core==0.6.0",
+    ):
         chunk_kda(*_kda_inputs())
 
 
@@ -268,8 +344,11 @@ def test_the_real_failed_import_is_the_reason_given(monkeypatch):
     monkeypatch.setattr(backend, "_WARNED", set())
     monkeypatch.delenv("MOE_PLUGIN_DISABLE_KERNELS", raising=False)
     monkeypatch.delenv("MOE_PLUGIN_REQUIRE_KERNELS", raising=False)
-    with pytest.warns(RuntimeWarning, match=r"fla.ops.kda.chunk_kda, which does not import with fla-core \(not "
-                                            r"installed\) \(ModuleNotFoundError: No module named 'fla'\)"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"fla.ops.kda.chunk_kda, which does not import with fla-core \(not "
+        r"installed\) \(ModuleNotFoundError: No module named 'fla'\)",
+    ):
         assert backend.gpu_kernel("fla.ops.kda", "chunk_kda", torch.zeros(2)) is None
 
 

@@ -33,11 +33,15 @@ def _citations():
 
 
 def test_the_package_cites_no_notes_outside_the_repository():
-    found = [f"{p.relative_to(REPO)}:{n}: {line.strip()}"
-             for p in _files("moe_plugin")
-             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if FOREIGN.search(line)]
-    assert found == [], "cite the docs/ page instead (docs/architecture.md, cpu.md, zero3-ep.md, k3-formats.md):\n" \
-        + "\n".join(found)
+    found = [
+        f"{p.relative_to(REPO)}:{n}: {line.strip()}"
+        for p in _files("moe_plugin")
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if FOREIGN.search(line)
+    ]
+    assert found == [], (
+        "cite the docs/ page instead (docs/architecture.md, cpu.md, zero3-ep.md, k3-formats.md):\n" + "\n".join(found)
+    )
 
 
 def test_every_cited_page_and_section_exists():

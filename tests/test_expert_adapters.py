@@ -4,9 +4,18 @@ and slice and stitch as inverses, and the layout against what peft's ParamWrappe
 import pytest
 import torch
 
-from moe_plugin.expert_adapters import (adapter_factor, slice_experts, slice_experts_reference, split_experts,
-                                        split_experts_reference, split_factors, stack_experts,
-                                        stack_experts_reference, stitch_experts, stitch_experts_reference)
+from moe_plugin.expert_adapters import (
+    adapter_factor,
+    slice_experts,
+    slice_experts_reference,
+    split_experts,
+    split_experts_reference,
+    split_factors,
+    stack_experts,
+    stack_experts_reference,
+    stitch_experts,
+    stitch_experts_reference,
+)
 
 # (E, r, in, out, EP): several expert counts, ranks, sizes and expert-parallel sizes (EP divides E)
 SHAPES = [(1, 1, 3, 2, 1), (4, 2, 5, 3, 2), (6, 3, 4, 7, 3), (8, 1, 2, 6, 4), (8, 4, 3, 5, 8), (5, 3, 4, 7, 5)]
@@ -52,8 +61,9 @@ def test_slices_match_their_reference_and_stitch_back_to_the_whole(experts, r, i
     # a rank's slice is that rank's experts in the same layout over E_local experts
     for k in range(ep):
         first, last = k * local, (k + 1) * local
-        got = split_experts(slice_experts(a, "A", first, last, experts), slice_experts(b, "B", first, last, experts),
-                            local)
+        got = split_experts(
+            slice_experts(a, "A", first, last, experts), slice_experts(b, "B", first, last, experts), local
+        )
         want = split_experts(a, b, experts)[first:last]
         assert all(torch.equal(x, y) for p, q in zip(got, want) for x, y in zip(p, q))
 
@@ -127,4 +137,3 @@ def test_init_draws_each_expert_as_the_whole_stack_does():
         return next(p for n, p in holder.named_parameters() if "lora_A" in n).detach()
 
     assert torch.equal(drawn(4, 2), slice_experts(drawn(8, 0), "A", 2, 6, 8))
-

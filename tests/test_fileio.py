@@ -52,8 +52,9 @@ def test_json_write_failure_keeps_old_file(tmp_path):
 
 
 def test_k3_resave_with_fewer_shards_loads_the_new_weights(tmp_path):
-    config = moe_plugin.preset_config("tiny", attn_res=False, use_dsa_indexer=False, vision_config=None,
-                                      image_token_id=None)
+    config = moe_plugin.preset_config(
+        "tiny", attn_res=False, use_dsa_indexer=False, vision_config=None, image_token_id=None
+    )
     torch.manual_seed(0)
     first = MoEPluginForCausalLM(config)
     torch.manual_seed(1)
@@ -117,8 +118,19 @@ while True:
 def _start_saver(target: Path, started: Path, mode: str, die_at_swap: bool, first_version: int):
     if started.exists():
         started.unlink()
-    proc = subprocess.Popen([sys.executable, "-c", SAVER, fileio.atomic.__file__, str(target), str(started), mode,
-                             "1" if die_at_swap else "0", str(first_version)])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            SAVER,
+            fileio.atomic.__file__,
+            str(target),
+            str(started),
+            mode,
+            "1" if die_at_swap else "0",
+            str(first_version),
+        ]
+    )
     deadline = time.monotonic() + 120  # generous: the machine may be busy
     while not started.exists():
         assert proc.poll() is None, f"the saver exited with {proc.returncode} before starting"
@@ -224,8 +236,7 @@ def test_cleanup_removes_only_dead_writers_leftovers_named_like_ours(tmp_path):
     for d in (dead, live, replaced):
         (d / "sub").mkdir(parents=True)
         (d / "sub" / "f").write_text("x")
-    foreign = [".ckpt.saving-mine", ".ckpt.saving-00000000000000dd.bak", ".other.saving-00000000000000ee",
-               "notes.txt"]
+    foreign = [".ckpt.saving-mine", ".ckpt.saving-00000000000000dd.bak", ".other.saving-00000000000000ee", "notes.txt"]
     for name in foreign:
         (tmp_path / name).write_text("keep")
     (tmp_path / ".ckpt.saving-00000000000000ff").write_text("a file, not a directory we make")

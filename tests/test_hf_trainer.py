@@ -41,18 +41,42 @@ def runs(tmp_path_factory):
     base8, base32 = _save_base(tmp / "base8", 8), _save_base(tmp / "base32", 32)
     run = dict(base=base8, steps=STEPS, wandb="offline")
     experts = dict(run, wandb="disabled", expert_adapters=True)  # LoRA on the routed experts too
-    two = run_distributed(WORKER, world_size=2, timeout_s=1200, runs=[
-        dict(run, output_dir=str(tmp / "two"), deepspeed=DS_CONFIG, per_device=4),
-        dict(experts, output_dir=str(tmp / "ep2"), deepspeed=DS_CONFIG, per_device=4, ep=2),
-        dict(run, output_dir=str(tmp / "two_checkpointed"), deepspeed=DS_CONFIG, per_device=4, wandb="disabled",
-             checkpointing=True)])
-    one = run_distributed(WORKER, world_size=1, timeout_s=1200, runs=[
-        dict(run, output_dir=str(tmp / "one"), deepspeed=None, per_device=8),
-        dict(run, base=base32, output_dir=str(tmp / "one32"), deepspeed=None, per_device=8, steps=2),
-        dict(experts, output_dir=str(tmp / "one_experts"), deepspeed=None, per_device=8)])
-    return {"two": [[r[0]] for r in two], "ep2": [r[1] for r in two], "checkpointed": [r[2] for r in two],
-            "one": one[0][0], "one32": one[0][1],
-            "one_experts": one[0][2], "base8": base8}
+    two = run_distributed(
+        WORKER,
+        world_size=2,
+        timeout_s=1200,
+        runs=[
+            dict(run, output_dir=str(tmp / "two"), deepspeed=DS_CONFIG, per_device=4),
+            dict(experts, output_dir=str(tmp / "ep2"), deepspeed=DS_CONFIG, per_device=4, ep=2),
+            dict(
+                run,
+                output_dir=str(tmp / "two_checkpointed"),
+                deepspeed=DS_CONFIG,
+                per_device=4,
+                wandb="disabled",
+                checkpointing=True,
+            ),
+        ],
+    )
+    one = run_distributed(
+        WORKER,
+        world_size=1,
+        timeout_s=1200,
+        runs=[
+            dict(run, output_dir=str(tmp / "one"), deepspeed=None, per_device=8),
+            dict(run, base=base32, output_dir=str(tmp / "one32"), deepspeed=None, per_device=8, steps=2),
+            dict(experts, output_dir=str(tmp / "one_experts"), deepspeed=None, per_device=8),
+        ],
+    )
+    return {
+        "two": [[r[0]] for r in two],
+        "ep2": [r[1] for r in two],
+        "checkpointed": [r[2] for r in two],
+        "one": one[0][0],
+        "one32": one[0][1],
+        "one_experts": one[0][2],
+        "base8": base8,
+    }
 
 
 def test_two_processes_train_with_deepspeed_zero3(runs):
@@ -110,11 +134,18 @@ def test_offline_wandb_run_holds_the_moe_keys_bounded_in_the_experts(runs):
     rows = offline_history(run_dir)
     keys = _keys(run_dir)
     for layer in ("layer1", "layer2", "layer3"):
-        for name in ("load", "load_max_over_mean", "load_cv", "dead_experts", "overloaded_experts",
-                     "routing_drift"):
+        for name in ("load", "load_max_over_mean", "load_cv", "dead_experts", "overloaded_experts", "routing_drift"):
             assert f"moe/{layer}/{name}" in keys
-    for name in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "moe/routing_drift",
-                 "moe/dead_experts", "moe/load_max_over_mean", "moe/expert_load_plot"):
+    for name in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "moe/routing_drift",
+        "moe/dead_experts",
+        "moe/load_max_over_mean",
+        "moe/expert_load_plot",
+    ):
         assert name in keys
     logged = [row for row in rows if "train/loss" in row]
     assert [row["train/loss"] for row in logged] == pytest.approx(runs["two"][0][0]["losses"], rel=1e-6)
@@ -212,13 +243,15 @@ def test_parallelize_experts_reads_the_index_and_each_shard_header_once(tmp_path
     from moe_plugin import MoEPluginForCausalLM, preset_config
 
     torch.manual_seed(0)
-    model = MoEPluginForCausalLM(preset_config("tiny", num_hidden_layers=2, layer_types=["kda", "mla"],
-                                               first_k_dense_replace=0))
+    model = MoEPluginForCausalLM(
+        preset_config("tiny", num_hidden_layers=2, layer_types=["kda", "mla"], first_k_dense_replace=0)
+    )
     model.save_pretrained(str(tmp_path), max_shard_size="200KB")
     shards = sorted(str(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
     assert len(shards) > 1  # the premise: an index over several shards
-    got = run_distributed("tests/hf_trainer_workers.py:count_checkpoint_reads", world_size=1, timeout_s=1200,
-                          base=str(tmp_path))[0]
+    got = run_distributed(
+        "tests/hf_trainer_workers.py:count_checkpoint_reads", world_size=1, timeout_s=1200, base=str(tmp_path)
+    )[0]
     assert got["moe_layers"] == 2 and got["partitioned"] and got["experts_match"]
     assert got["index_reads"] == 1
     assert got["header_reads"] == {shard: 1 for shard in shards}

@@ -112,8 +112,11 @@ def scan(root: Path = ROOT) -> Dict[str, Module]:
 
 
 def untiered(graph: Dict[str, Module]) -> List[str]:
-    return sorted(f"{m.path}: {part_of(name)!r} has no tier; add it to TIERS in tests/test_import_layers.py"
-                  for name, m in graph.items() if part_of(name) not in TIER_OF)
+    return sorted(
+        f"{m.path}: {part_of(name)!r} has no tier; add it to TIERS in tests/test_import_layers.py"
+        for name, m in graph.items()
+        if part_of(name) not in TIER_OF
+    )
 
 
 def upward_imports(graph: Dict[str, Module]) -> List[str]:
@@ -124,8 +127,10 @@ def upward_imports(graph: Dict[str, Module]) -> List[str]:
         for imp in m.imports:
             theirs = TIER_OF.get(part_of(imp.target))
             if own is not None and theirs is not None and theirs > own:
-                found.append(f"{m.path}:{imp.line} imports {imp.target}: {tier_name(own)} imports the higher "
-                             f"{tier_name(theirs)}; move what it needs down to {TIERS[own][0]} or lower")
+                found.append(
+                    f"{m.path}:{imp.line} imports {imp.target}: {tier_name(own)} imports the higher "
+                    f"{tier_name(theirs)}; move what it needs down to {TIERS[own][0]} or lower"
+                )
     return sorted(found)
 
 
@@ -171,10 +176,19 @@ def import_cycles(graph: Dict[str, Module]) -> List[str]:
     found = []
     for component in components:
         members = set(component)
-        steps = [f"{graph[a].path}:{i.line} imports {i.target}" for a in component for i in graph[a].imports
-                 if i.target in members]
-        found.append("import circle among " + ", ".join(component) + ": " + "; ".join(steps)
-                     + "; move the shared piece into a module that both import")
+        steps = [
+            f"{graph[a].path}:{i.line} imports {i.target}"
+            for a in component
+            for i in graph[a].imports
+            if i.target in members
+        ]
+        found.append(
+            "import circle among "
+            + ", ".join(component)
+            + ": "
+            + "; ".join(steps)
+            + "; move the shared piece into a module that both import"
+        )
     return sorted(found)
 
 
@@ -220,18 +234,21 @@ def test_a_planted_upward_import_fails_naming_the_file_line_and_tiers(tmp_path):
     planted = sorted(set(upward_imports(scan(copy))) - set(upward_imports(scan())))
     assert planted == [
         f"moe_plugin/layers/moe.py:{len(lines) - 1} imports moe_plugin.training.loop: tier 2 (layers) imports the "
-        f"higher {tier_name(TIER_OF['training'])}; move what it needs down to layers or lower"]
+        f"higher {tier_name(TIER_OF['training'])}; move what it needs down to layers or lower"
+    ]
 
 
 def test_synthetic_sources_resolve_relative_absolute_and_from_package_imports(tmp_path):
-    _write(tmp_path, {
-        "moe_plugin/__init__.py": "",
-        "moe_plugin/config.py": "from .ops import kernels\n",
-        "moe_plugin/ops/__init__.py": "",
-        "moe_plugin/ops/kernels.py": "import moe_plugin.config\n",
-        "moe_plugin/training/__init__.py": "",
-        "moe_plugin/training/a.py": "from . import b\n",
-        "moe_plugin/training/b.py": """\
+    _write(
+        tmp_path,
+        {
+            "moe_plugin/__init__.py": "",
+            "moe_plugin/config.py": "from .ops import kernels\n",
+            "moe_plugin/ops/__init__.py": "",
+            "moe_plugin/ops/kernels.py": "import moe_plugin.config\n",
+            "moe_plugin/training/__init__.py": "",
+            "moe_plugin/training/a.py": "from . import b\n",
+            "moe_plugin/training/b.py": """\
             import os
 
 
@@ -239,9 +256,10 @@ def test_synthetic_sources_resolve_relative_absolute_and_from_package_imports(tm
                 from .a import thing
                 from moe_plugin import cli
             """,
-        "moe_plugin/cli.py": "",
-        "moe_plugin/newpart.py": "",
-    })
+            "moe_plugin/cli.py": "",
+            "moe_plugin/newpart.py": "",
+        },
+    )
     graph = scan(tmp_path / "moe_plugin")
     assert graph["moe_plugin.training.b"].imports == [Import(5, "moe_plugin.training.a"), Import(6, "moe_plugin.cli")]
     assert upward_imports(graph) == [
@@ -249,14 +267,16 @@ def test_synthetic_sources_resolve_relative_absolute_and_from_package_imports(tm
         "(ops); move what it needs down to foundation or lower",
         f"moe_plugin/training/b.py:6 imports moe_plugin.cli: {tier_name(TIER_OF['training'])} imports the higher "
         f"{tier_name(TIER_OF['cli'])}; "
-        "move what it needs down to training or lower"]
+        "move what it needs down to training or lower",
+    ]
     circles = import_cycles(graph)
     assert len(circles) == 2
     assert "moe_plugin/training/a.py:1 imports moe_plugin.training.b" in circles[1]
     assert "moe_plugin/training/b.py:5 imports moe_plugin.training.a" in circles[1]
     assert "moe_plugin.config, moe_plugin.ops.kernels" in circles[0]
-    assert untiered(graph) == ["moe_plugin/newpart.py: 'newpart' has no tier; add it to TIERS in "
-                               "tests/test_import_layers.py"]
+    assert untiered(graph) == [
+        "moe_plugin/newpart.py: 'newpart' has no tier; add it to TIERS in tests/test_import_layers.py"
+    ]
 
 
 # the single-device tiers: what the README promises they never reach
@@ -272,8 +292,13 @@ def distributed_imports(root: Path = ROOT) -> List[str]:
         if part_of(module) not in SINGLE_DEVICE:
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             for name in names:
                 if any(name == d or name.startswith(d + ".") for d in DISTRIBUTED):
                     out.append(f"{path.relative_to(root.parent)}:{node.lineno} imports {name}")
@@ -287,11 +312,20 @@ def test_single_device_code_never_imports_distributed_code(tmp_path):
     import sys
 
     assert distributed_imports() == []
-    probe = ("import sys, moe_plugin.ops, moe_plugin.layers.decoder, moe_plugin.models, transformers; "
-             "print([m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'megatron')])")
-    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                            cwd=ROOT.parent).stdout.strip()
+    probe = (
+        "import sys, moe_plugin.ops, moe_plugin.layers.decoder, moe_plugin.models, transformers; "
+        "print([m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'megatron')])"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT.parent
+    ).stdout.strip()
     assert loaded == "[]", loaded
-    _write(tmp_path, {"moe_plugin/__init__.py": "", "moe_plugin/layers/__init__.py": "",
-                      "moe_plugin/layers/x.py": "def f():\n    import torch.distributed as dist\n"})
+    _write(
+        tmp_path,
+        {
+            "moe_plugin/__init__.py": "",
+            "moe_plugin/layers/__init__.py": "",
+            "moe_plugin/layers/x.py": "def f():\n    import torch.distributed as dist\n",
+        },
+    )
     assert distributed_imports(tmp_path / "moe_plugin") == ["moe_plugin/layers/x.py:2 imports torch.distributed"]

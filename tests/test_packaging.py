@@ -40,15 +40,29 @@ def installed(tmp_path_factory):
     for path in REPO.iterdir():  # setup.cfg, pyproject.toml, README.md (the long description), ...
         if path.is_file() and not path.name.startswith("."):
             shutil.copy2(path, source / path.name)
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-          "-w", tmp / "dist", source], cwd=tmp)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            tmp / "dist",
+            source,
+        ],
+        cwd=tmp,
+    )
     (wheel,) = (tmp / "dist").glob("moe_plugin-*.whl")
 
     env_dir = tmp / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
-    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                     cwd=tmp).stdout.strip())
+    site = Path(
+        _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp).stdout.strip()
+    )
     # a plain path line: this venv's .pth files (the editable install's finder among them) are not run
     (site / "moe_plugin_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", wheel], cwd=tmp)
@@ -65,8 +79,9 @@ def test_the_wheel_holds_every_module_and_no_data(installed):
     in_repo = {p.relative_to(REPO).as_posix() for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
     assert "moe_plugin/training/__init__.py" in shipped
     assert in_repo - shipped == set(), f"left out of the wheel: {sorted(in_repo - shipped)}"
-    assert not any(n.startswith(("recipes/", "ds_configs/", "moe_plugin/recipes")) for n in names), \
+    assert not any(n.startswith(("recipes/", "ds_configs/", "moe_plugin/recipes")) for n in names), (
         "recipes and DeepSpeed configs are user data, read from paths given at run time"
+    )
 
 
 def test_the_command_lists_subcommands_and_prints_the_version(installed):
@@ -82,7 +97,10 @@ def test_the_command_lists_subcommands_and_prints_the_version(installed):
 
 def test_modules_import_from_the_installed_location(installed):
     _, python, _, work, site = installed
-    out = _run([python, "-c", "import moe_plugin.train, moe_plugin.recipe.schema as r; print(r.__file__)"],
-               cwd=work).stdout.strip().splitlines()[-1]
+    out = (
+        _run([python, "-c", "import moe_plugin.train, moe_plugin.recipe.schema as r; print(r.__file__)"], cwd=work)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     assert Path(out).resolve() == (site / "moe_plugin" / "recipe" / "schema.py").resolve(), out
     assert REPO not in Path(out).resolve().parents

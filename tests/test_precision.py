@@ -21,8 +21,12 @@ from moe_plugin.testing.launch import run_distributed
 
 WORKER = "tests/precision_workers.py:run_scenarios"
 # what the policy keeps fp32, written out by Hugging Face name (independently of FP32_TENSORS/FP32_OWNERS)
-FP32_SUFFIXES = ("self_attn.A_log", "self_attn.dt_bias", "block_sparse_moe.gate.weight",
-                 "block_sparse_moe.gate.e_score_correction_bias")
+FP32_SUFFIXES = (
+    "self_attn.A_log",
+    "self_attn.dt_bias",
+    "block_sparse_moe.gate.weight",
+    "block_sparse_moe.gate.e_score_correction_bias",
+)
 NUM_FP32 = 3 * 2 + 3 * 2  # tiny: A_log and dt_bias on 3 KDA layers, router weight and bias on 3 MoE layers
 
 
@@ -75,7 +79,8 @@ def test_apply_precision_casts_the_rest_and_keeps_the_listed_tensors_exact(dtype
             assert tensor.dtype == dtype and torch.equal(tensor, before[name].to(dtype)), name
     # trainable ones stay parameters: the optimizer still sees them
     assert {n for n, p in model.named_parameters() if _is_fp32(n)} == {
-        n for n in listed if not n.endswith("e_score_correction_bias")}
+        n for n in listed if not n.endswith("e_score_correction_bias")
+    }
 
 
 def test_frozen_listed_parameters_become_fp32_buffers_under_their_names():
@@ -103,17 +108,24 @@ def test_apply_precision_names_a_bad_dtype():
 
 # ---- the product's Trainer in bf16 ----
 
+
 def _recipe(tmp, name, backend, world, ep, base, lora=True, precision="bf16") -> dict:
-    return {"name": name, "recipe": {
-        "output_dir": str(tmp / name), "seed": 3,
-        "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
-        "model": {"from_pretrained": str(base)} if base else {"preset": "tiny", "overrides": {"attn_res": False}},
-        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"]} if lora else None,
-        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 60, "seq_len": 32, "eval_fraction": 0.05},
-        "parallel": {"backend": backend, "expert_parallel_size": ep},
-        "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-2, "warmup_steps": 0, "precision": precision},
-        "eval": {"every": 0, "batches": 1}, "checkpoint": {"every": 0, "keep": 1},
-        "logging": {"every": 1, "progress_bar": False}}}
+    return {
+        "name": name,
+        "recipe": {
+            "output_dir": str(tmp / name),
+            "seed": 3,
+            "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
+            "model": {"from_pretrained": str(base)} if base else {"preset": "tiny", "overrides": {"attn_res": False}},
+            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"]} if lora else None,
+            "data": {"kind": "arithmetic", "operation": "-", "num_documents": 60, "seq_len": 32, "eval_fraction": 0.05},
+            "parallel": {"backend": backend, "expert_parallel_size": ep},
+            "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-2, "warmup_steps": 0, "precision": precision},
+            "eval": {"every": 0, "batches": 1},
+            "checkpoint": {"every": 0, "keep": 1},
+            "logging": {"every": 1, "progress_bar": False},
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +146,13 @@ def one_process(base):
 @pytest.fixture(scope="module")
 def two_processes(base):
     tmp = base.parent
-    scenarios = [_recipe(tmp, "megatron", "megatron", 2, 2, base), _recipe(tmp, "hf_zero3", "hf", 2, 1, base),
-                 _recipe(tmp, "megatron_full", "megatron", 2, 2, base, lora=False),
-                 _recipe(tmp, "preset", "megatron", 2, 2, None),
-                 _recipe(tmp, "preset_fp32", "megatron", 2, 2, None, precision="fp32")]
+    scenarios = [
+        _recipe(tmp, "megatron", "megatron", 2, 2, base),
+        _recipe(tmp, "hf_zero3", "hf", 2, 1, base),
+        _recipe(tmp, "megatron_full", "megatron", 2, 2, base, lora=False),
+        _recipe(tmp, "preset", "megatron", 2, 2, None),
+        _recipe(tmp, "preset_fp32", "megatron", 2, 2, None, precision="fp32"),
+    ]
     return run_distributed(WORKER, world_size=2, timeout_s=1500, scenarios=scenarios)
 
 

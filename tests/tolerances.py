@@ -49,7 +49,7 @@ from typing import Dict, List
 
 import torch
 
-U = 2.0 ** -24  # float32 unit roundoff (half of torch.finfo(torch.float32).eps)
+U = 2.0**-24  # float32 unit roundoff (half of torch.finfo(torch.float32).eps)
 SAFETY = 10.0  # multiple of the statistical rounding error allowed (2 above); also the gradient's sensitivity (5)
 FIRST_ORDER = 2.0  # room for the second-order remainder of a first-order propagation (5)
 BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, which the trainer uses
@@ -84,8 +84,8 @@ def chain_rel(n: int, safety: float = SAFETY) -> float:
 def adam_ratio_bound(step: int, betas=BETAS) -> float:
     """B_t: the largest |m_hat / sqrt(v_hat)| AdamW can reach at ``step`` (1-based), whatever the gradients."""
     b1, b2 = betas
-    a = [(1 - b1) * b1 ** (step - s) / (1 - b1 ** step) for s in range(1, step + 1)]
-    b = [(1 - b2) * b2 ** (step - s) / (1 - b2 ** step) for s in range(1, step + 1)]
+    a = [(1 - b1) * b1 ** (step - s) / (1 - b1**step) for s in range(1, step + 1)]
+    b = [(1 - b2) * b2 ** (step - s) / (1 - b2**step) for s in range(1, step + 1)]
     return math.sqrt(sum(x * x / y for x, y in zip(a, b)))
 
 
@@ -115,8 +115,9 @@ def gradient_bound(ref_grad: torch.Tensor, rel: float, drift: float, global_max:
     return rel * float(ref_grad.abs().max()) + SAFETY * drift * global_max
 
 
-def check_run(ref: dict, got: dict, *, tokens: int, chain: int, lr: float, max_norm=None,
-              min_tight: float = 0.8) -> List[str]:
+def check_run(
+    ref: dict, got: dict, *, tokens: int, chain: int, lr: float, max_norm=None, min_tight: float = 0.8
+) -> List[str]:
     """Every bound of the module doc, step by step: losses, gradient norms, every gradient element and every
     adapter element after each step. ``tokens``: label tokens of a step's global batch; ``chain``:
     ``chain_length(...)`` of the model; ``lr``: the largest learning rate of the steps; ``max_norm``: the
@@ -125,8 +126,14 @@ def check_run(ref: dict, got: dict, *, tokens: int, chain: int, lr: float, max_n
     (``lr``), so that the adapter check has teeth."""
     out: List[str] = []
     steps = len(ref["losses"])
-    if not (len(got["losses"]) == len(ref["step_grads"]) == len(got["step_grads"]) == steps
-            == len(ref["adapters"]) - 1 == len(got["adapters"]) - 1):
+    if not (
+        len(got["losses"])
+        == len(ref["step_grads"])
+        == len(got["step_grads"])
+        == steps
+        == len(ref["adapters"]) - 1
+        == len(got["adapters"]) - 1
+    ):
         return [f"steps: got {len(got['losses'])} losses and {len(got['step_grads'])} gradients, ref {steps}"]
     if sorted(got["step_grads"][0]) != sorted(ref["step_grads"][0]):
         return ["gradient names differ"]
@@ -167,8 +174,10 @@ def check_run(ref: dict, got: dict, *, tokens: int, chain: int, lr: float, max_n
             diff = (a_got - a_ref).abs()
             if bool((diff > bound).any()):
                 i = int((diff - bound).argmax())
-                out.append(f"step {s + 1} adapter {n}: element {i} differs by {float(diff.flatten()[i]):.3g} "
-                           f"> bound {float(bound.flatten()[i]):.3g}")
+                out.append(
+                    f"step {s + 1} adapter {n}: element {i} differs by {float(diff.flatten()[i]):.3g} "
+                    f"> bound {float(bound.flatten()[i]):.3g}"
+                )
             tight += int((bound < 0.1 * lr).sum())
             total += bound.numel()
             apart[n] = diff
@@ -177,8 +186,15 @@ def check_run(ref: dict, got: dict, *, tokens: int, chain: int, lr: float, max_n
     return out
 
 
-def check_final_adapters(ref: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor], *, steps: int, lr: float,
-                         loose_share: float = 0.01, tight_steps: float = 0.01) -> List[str]:
+def check_final_adapters(
+    ref: Dict[str, torch.Tensor],
+    got: Dict[str, torch.Tensor],
+    *,
+    steps: int,
+    lr: float,
+    loose_share: float = 0.01,
+    tight_steps: float = 0.01,
+) -> List[str]:
     """For runs that record only their final adapters (the Hugging Face Trainer's): without the step gradients
     ``check_run`` needs, each element is held to the worst case of ``steps`` AdamW steps apart (at most
     ``2 B_t lr`` a step whatever the gradients, module doc 4), and all but ``loose_share`` of each tensor's
@@ -195,8 +211,10 @@ def check_final_adapters(ref: Dict[str, torch.Tensor], got: Dict[str, torch.Tens
             out.append(f"{name}: max |diff| {float(diff.max()):.3g} > the worst case of {steps} steps {worst:.3g}")
         loose = int((diff > tight_steps * lr).sum())
         if loose > loose_share * diff.numel():
-            out.append(f"{name}: {loose} of {diff.numel()} elements differ by more than {tight_steps} of a step "
-                       f"({tight_steps * lr:.3g}); at most {loose_share:.0%} may")
+            out.append(
+                f"{name}: {loose} of {diff.numel()} elements differ by more than {tight_steps} of a step "
+                f"({tight_steps * lr:.3g}); at most {loose_share:.0%} may"
+            )
     return out
 
 

@@ -24,9 +24,11 @@ def installed_version(distribution: str) -> str:
 
 def missing(compat: str, distribution: str, pinned: str, name: str, detail: str = "is missing") -> RuntimeError:
     """The one-line error of a compat check: which upstream name, which installed version, which pin."""
-    return RuntimeError(f"moe_plugin.compat.{compat}: {name} {detail} in {distribution} "
-                        f"{installed_version(distribution)} (tested with {pinned}); install {distribution}=={pinned} "
-                        "(setup.cfg pins it; docs/compat.md lists what moe_plugin reaches into)")
+    return RuntimeError(
+        f"moe_plugin.compat.{compat}: {name} {detail} in {distribution} "
+        f"{installed_version(distribution)} (tested with {pinned}); install {distribution}=={pinned} "
+        "(setup.cfg pins it; docs/compat.md lists what moe_plugin reaches into)"
+    )
 
 
 def resolve(compat: str, distribution: str, pinned: str, module: str, attr_path: str = "") -> Any:
@@ -44,8 +46,9 @@ def resolve(compat: str, distribution: str, pinned: str, module: str, attr_path:
     return obj
 
 
-def require_in_source(compat: str, distribution: str, pinned: str, owner: Any, owner_name: str,
-                      names: Iterable[str], what: str) -> None:
+def require_in_source(
+    compat: str, distribution: str, pinned: str, owner: Any, owner_name: str, names: Iterable[str], what: str
+) -> None:
     """Check that ``owner``'s source still mentions each of ``names`` (attributes upstream sets or reads on
     objects at run time, which no ``hasattr`` on a module can see). Source that cannot be read (a compiled
     install) is not checked."""

@@ -40,10 +40,27 @@ import torch
 
 from ._upstream import missing, require_in_source, resolve
 
-__all__ = ["deepspeed_safe_globals", "load_engine_file", "check_engine_files", "safe_checkpoint_loading",
-           "use_current_collectives", "TESTED_DEEPSPEED", "check", "is_zero3_param", "is_zero3_partitioned",
-           "full_shape", "full_numel", "local_partition", "partition_group", "partition_like", "tag_partition",
-           "expert_groups", "inner_optimizer", "adam_states", "stepped_tensors"]
+__all__ = [
+    "deepspeed_safe_globals",
+    "load_engine_file",
+    "check_engine_files",
+    "safe_checkpoint_loading",
+    "use_current_collectives",
+    "TESTED_DEEPSPEED",
+    "check",
+    "is_zero3_param",
+    "is_zero3_partitioned",
+    "full_shape",
+    "full_numel",
+    "local_partition",
+    "partition_group",
+    "partition_like",
+    "tag_partition",
+    "expert_groups",
+    "inner_optimizer",
+    "adam_states",
+    "stepped_tensors",
+]
 
 TESTED_DEEPSPEED = "0.19.8"
 _DIST = "deepspeed"
@@ -66,7 +83,7 @@ def _reason(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     for line in lines:  # torch's weights-only refusal is a paragraph; this line names what was refused
         if "Unsupported global" in line or "Unsupported operand" in line:
-            return line[line.index("Unsupported"):].split(" was not an allowed")[0].rstrip(".")
+            return line[line.index("Unsupported") :].split(" was not an allowed")[0].rstrip(".")
     return f"{type(err).__name__}: {lines[0] if lines else 'no detail'}"[:300]
 
 
@@ -77,20 +94,34 @@ def load_engine_file(path, map_location=None):
     try:
         with torch.serialization.safe_globals(deepspeed_safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
-    except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile, ValueError, TypeError,
-            AttributeError, KeyError) as err:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        RuntimeError,
+        zipfile.BadZipFile,
+        ValueError,
+        TypeError,
+        AttributeError,
+        KeyError,
+    ) as err:
         checkpoint = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-        raise ValueError(f"{path}: not a DeepSpeed checkpoint file that loads without running code "
-                         f"({_reason(err)}): it is damaged or was not written by this run; remove "
-                         f"{checkpoint} to resume from an earlier checkpoint") from None
+        raise ValueError(
+            f"{path}: not a DeepSpeed checkpoint file that loads without running code "
+            f"({_reason(err)}): it is damaged or was not written by this run; remove "
+            f"{checkpoint} to resume from an earlier checkpoint"
+        ) from None
 
 
 def check_engine_files(directory, rank: int = 0, world_size: int = 1) -> None:
     """Load this rank's share (every ``world_size``-th, sorted) of the engine files under ``directory`` with
     ``load_engine_file`` and drop them: a damaged file is found before ``engine.load_checkpoint``, whose
     collectives would leave the other ranks waiting on one that failed."""
-    found = sorted(os.path.join(parent, name) for parent, _, names in os.walk(os.fspath(directory))
-                   for name in names if name.endswith(".pt"))
+    found = sorted(
+        os.path.join(parent, name)
+        for parent, _, names in os.walk(os.fspath(directory))
+        for name in names
+        if name.endswith(".pt")
+    )
     for path in found[rank::world_size]:
         load_engine_file(path, map_location="cpu")
 
@@ -99,8 +130,13 @@ def _target():
     module_name, class_name, method = _TARGET
     owner = resolve("deepspeed", _DIST, TESTED_DEEPSPEED, module_name, class_name)
     if not callable(vars(owner).get(method)):  # inherited or gone: patching would miss DeepSpeed's own
-        raise missing("deepspeed", _DIST, TESTED_DEEPSPEED, f"{module_name}.{class_name}.{method}",
-                      "is missing (so engine checkpoints cannot load with weights_only=True)")
+        raise missing(
+            "deepspeed",
+            _DIST,
+            TESTED_DEEPSPEED,
+            f"{module_name}.{class_name}.{method}",
+            "is missing (so engine checkpoints cannot load with weights_only=True)",
+        )
     return owner, method
 
 
@@ -122,8 +158,10 @@ def safe_checkpoint_loading() -> Iterator[None]:
 
 
 # DeepSpeed's communication backend attribute -> (torch's deprecated function it holds, torch's replacement)
-_DEPRECATED_COLLECTIVES = {"reduce_scatter_function": ("reduce_scatter_tensor", "reduce_scatter_single"),
-                           "all_gather_function": ("all_gather_into_tensor", "all_gather_single")}
+_DEPRECATED_COLLECTIVES = {
+    "reduce_scatter_function": ("reduce_scatter_tensor", "reduce_scatter_single"),
+    "all_gather_function": ("all_gather_into_tensor", "all_gather_single"),
+}
 
 
 def use_current_collectives() -> None:
@@ -215,8 +253,7 @@ def tag_partition(p: torch.Tensor, group, group_name: str, placement_family: str
 # deepspeed.utils.groups: private in 0.19.8; what DeepSpeed's own MoE layers call to create "ep_size_{EP}"
 
 _GROUPS = "deepspeed.utils.groups"
-_GROUP_FUNCTIONS = ("_create_expert_and_data_parallel", "_get_expert_parallel_group",
-                    "_get_expert_data_parallel_group")
+_GROUP_FUNCTIONS = ("_create_expert_and_data_parallel", "_get_expert_parallel_group", "_get_expert_data_parallel_group")
 
 
 def expert_groups(ep_size: int, name: str) -> Tuple[Any, Any]:
@@ -233,10 +270,12 @@ _ZERO3_INIT = ("deepspeed.runtime.zero.partition_parameters", "Init._convert_to_
 _ZERO3_SET = ("ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_process_group", "ds_zero_partition_process_group")
 _ZERO3_OPTIMIZER = ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3")
 _ZERO3_OPTIMIZER_READS = ("ds_zero_placement_family", "ds_zero_partition_group_name")
-_SAFE_GLOBALS = (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-                 ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-                 ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-                 ("deepspeed.utils.tensor_fragment", "fragment_address"))
+_SAFE_GLOBALS = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+)
 
 
 def check() -> None:
@@ -248,15 +287,42 @@ def check() -> None:
     for module, name in _SAFE_GLOBALS:
         resolve("deepspeed", _DIST, TESTED_DEEPSPEED, module, name)
     convert = resolve("deepspeed", _DIST, TESTED_DEEPSPEED, *_ZERO3_INIT)
-    require_in_source("deepspeed", _DIST, TESTED_DEEPSPEED, convert, ".".join(_ZERO3_INIT), _ZERO3_SET,
-                      "the ZeRO-3 parameter attribute")
+    require_in_source(
+        "deepspeed",
+        _DIST,
+        TESTED_DEEPSPEED,
+        convert,
+        ".".join(_ZERO3_INIT),
+        _ZERO3_SET,
+        "the ZeRO-3 parameter attribute",
+    )
     init = resolve("deepspeed", _DIST, TESTED_DEEPSPEED, _ZERO3_INIT[0], "Init")
-    require_in_source("deepspeed", _DIST, TESTED_DEEPSPEED, init, f"{_ZERO3_INIT[0]}.Init",
-                      ("convert_to_zero_parameters",), "the ZeRO-3 parameter method")
+    require_in_source(
+        "deepspeed",
+        _DIST,
+        TESTED_DEEPSPEED,
+        init,
+        f"{_ZERO3_INIT[0]}.Init",
+        ("convert_to_zero_parameters",),
+        "the ZeRO-3 parameter method",
+    )
     optimizer = resolve("deepspeed", _DIST, TESTED_DEEPSPEED, *_ZERO3_OPTIMIZER)
-    require_in_source("deepspeed", _DIST, TESTED_DEEPSPEED, optimizer, ".".join(_ZERO3_OPTIMIZER),
-                      _ZERO3_OPTIMIZER_READS, "the ZeRO-3 parameter attribute")
-    require_in_source("deepspeed", _DIST, TESTED_DEEPSPEED, optimizer, ".".join(_ZERO3_OPTIMIZER),
-                      ("self.optimizer = ", "fp32_partitioned_groups_flat"),
-                      "the wrapped torch optimizer and its flat partitions (adam_states, stepped_tensors)")
+    require_in_source(
+        "deepspeed",
+        _DIST,
+        TESTED_DEEPSPEED,
+        optimizer,
+        ".".join(_ZERO3_OPTIMIZER),
+        _ZERO3_OPTIMIZER_READS,
+        "the ZeRO-3 parameter attribute",
+    )
+    require_in_source(
+        "deepspeed",
+        _DIST,
+        TESTED_DEEPSPEED,
+        optimizer,
+        ".".join(_ZERO3_OPTIMIZER),
+        ("self.optimizer = ", "fp32_partitioned_groups_flat"),
+        "the wrapped torch optimizer and its flat partitions (adam_states, stepped_tensors)",
+    )
     resolve("deepspeed", _DIST, TESTED_DEEPSPEED, "deepspeed.comm.comm")

@@ -24,10 +24,12 @@ REQUIRE_ENV = "MOE_PLUGIN_REQUIRE_KERNELS"
 def missing_kernel_message(module: str, attr: str, reason: str = "") -> str:
     """One line: CUDA tensors reached ``module.attr``, which did not import, so the torch path runs."""
     because = f" ({reason})" if reason else ""
-    return (f"moe_plugin.compat.fla: CUDA tensors reached {module}.{attr}, which does not import with "
-            f"{DISTRIBUTION} {installed_version(DISTRIBUTION)}{because}: the torch path runs instead, 35-90x slower; "
-            f"install {DISTRIBUTION}=={TESTED_FLA} (pip install 'moe_plugin[gpu]'), or set {REQUIRE_ENV}=1 to make "
-            "this an error")
+    return (
+        f"moe_plugin.compat.fla: CUDA tensors reached {module}.{attr}, which does not import with "
+        f"{DISTRIBUTION} {installed_version(DISTRIBUTION)}{because}: the torch path runs instead, 35-90x slower; "
+        f"install {DISTRIBUTION}=={TESTED_FLA} (pip install 'moe_plugin[gpu]'), or set {REQUIRE_ENV}=1 to make "
+        "this an error"
+    )
 
 
 def check() -> None:

@@ -30,8 +30,10 @@ TESTED_MEGATRON = "0.16.1"
 _DIST = "megatron-core"
 
 # module -> {alias: (torch's deprecated function it holds, torch's replacement)}
-_BOTH = {"dist_all_gather_func": ("all_gather_into_tensor", "all_gather_single"),
-         "dist_reduce_scatter_func": ("reduce_scatter_tensor", "reduce_scatter_single")}
+_BOTH = {
+    "dist_all_gather_func": ("all_gather_into_tensor", "all_gather_single"),
+    "dist_reduce_scatter_func": ("reduce_scatter_tensor", "reduce_scatter_single"),
+}
 _ALIASES = {
     "megatron.core.tensor_parallel.mappings": _BOTH,
     "megatron.core.tensor_parallel.layers": _BOTH,
@@ -62,8 +64,9 @@ def pop_router(layer):
     (RuntimeError naming megatron-core's version when it registered none)."""
     router = layer._modules.pop("router", None)
     if router is None:
-        raise missing("megatron", _DIST, TESTED_MEGATRON, f"{'.'.join(_MOE_LAYER)}'s submodule 'router'",
-                      "was not registered")
+        raise missing(
+            "megatron", _DIST, TESTED_MEGATRON, f"{'.'.join(_MOE_LAYER)}'s submodule 'router'", "was not registered"
+        )
     return router
 
 
@@ -73,9 +76,11 @@ def adopt_subclass(obj, subclass: type):
     else would leave the object half-built, so that is a RuntimeError naming both classes."""
     if type(obj) not in subclass.__bases__:
         bases = [b.__name__ for b in subclass.__bases__]
-        raise RuntimeError(f"moe_plugin.compat.megatron: {subclass.__name__} extends {bases}, but megatron-core built "
-                           f"a {type(obj).__module__}.{type(obj).__name__}; the in-place class change needs "
-                           f"megatron-core {TESTED_MEGATRON}'s class (docs/compat.md)")
+        raise RuntimeError(
+            f"moe_plugin.compat.megatron: {subclass.__name__} extends {bases}, but megatron-core built "
+            f"a {type(obj).__module__}.{type(obj).__name__}; the in-place class change needs "
+            f"megatron-core {TESTED_MEGATRON}'s class (docs/compat.md)"
+        )
     obj.__class__ = subclass
     return obj
 
@@ -84,12 +89,26 @@ def check() -> None:
     """Every megatron-core name this module uses exists in the installed megatron-core (RuntimeError naming the
     first that does not, the installed version and ``TESTED_MEGATRON``)."""
     moe_layer = _resolve(*_MOE_LAYER)
-    require_in_source("megatron", _DIST, TESTED_MEGATRON, moe_layer.__init__, f"{'.'.join(_MOE_LAYER)}.__init__",
-                      ("self.router = submodules.router(",), "the router submodule assignment")
+    require_in_source(
+        "megatron",
+        _DIST,
+        TESTED_MEGATRON,
+        moe_layer.__init__,
+        f"{'.'.join(_MOE_LAYER)}.__init__",
+        ("self.router = submodules.router(",),
+        "the router submodule assignment",
+    )
     _resolve(*_BLOCK)
     gpt = _resolve(*_GPT)
-    require_in_source("megatron", _DIST, TESTED_MEGATRON, gpt.__init__, f"{'.'.join(_GPT)}.__init__",
-                      ("self.decoder = TransformerBlock(",), "the decoder construction")
+    require_in_source(
+        "megatron",
+        _DIST,
+        TESTED_MEGATRON,
+        gpt.__init__,
+        f"{'.'.join(_GPT)}.__init__",
+        ("self.decoder = TransformerBlock(",),
+        "the decoder construction",
+    )
     for module_name, aliases in _ALIASES.items():
         for alias in aliases:
             _resolve(module_name, alias)

@@ -23,8 +23,14 @@ from typing import Iterator
 
 from ._upstream import missing, require_in_source, resolve
 
-__all__ = ["TESTED_PEFT", "check", "param_wrapper_base", "named_as_param_wrapper", "quiet_wrapping",
-           "register_custom_module"]
+__all__ = [
+    "TESTED_PEFT",
+    "check",
+    "param_wrapper_base",
+    "named_as_param_wrapper",
+    "quiet_wrapping",
+    "register_custom_module",
+]
 
 TESTED_PEFT = "0.21.2"
 _DIST = "peft"
@@ -79,14 +85,36 @@ def check() -> None:
             raise missing("peft", _DIST, TESTED_PEFT, f"{_LAYER}.{_WRAPPER}.{name}")
     for name in _USED:
         _resolve(_LAYER, f"{_WRAPPER}.{name}")
-    require_in_source("peft", _DIST, TESTED_PEFT, wrapper.update_layer, f"{_LAYER}.{_WRAPPER}.update_layer",
-                      ("_param_ndim", "_move_adapter_to_device_of_base_layer"), "the ParamWrapper hook")
+    require_in_source(
+        "peft",
+        _DIST,
+        TESTED_PEFT,
+        wrapper.update_layer,
+        f"{_LAYER}.{_WRAPPER}.update_layer",
+        ("_param_ndim", "_move_adapter_to_device_of_base_layer"),
+        "the ParamWrapper hook",
+    )
     lora_layer = _resolve(_LAYER, "LoraLayer")
-    require_in_source("peft", _DIST, TESTED_PEFT, lora_layer.__init__, f"{_LAYER}.LoraLayer.__init__",
-                      ("self._get_in_out_features(",), "the ParamWrapper hook")
-    require_in_source("peft", _DIST, TESTED_PEFT, wrapper.forward, f"{_LAYER}.{_WRAPPER}.forward",
-                      ("_activate_lora",), "the ParamWrapper hook")
+    require_in_source(
+        "peft",
+        _DIST,
+        TESTED_PEFT,
+        lora_layer.__init__,
+        f"{_LAYER}.LoraLayer.__init__",
+        ("self._get_in_out_features(",),
+        "the ParamWrapper hook",
+    )
+    require_in_source(
+        "peft",
+        _DIST,
+        TESTED_PEFT,
+        wrapper.forward,
+        f"{_LAYER}.{_WRAPPER}.forward",
+        ("_activate_lora",),
+        "the ParamWrapper hook",
+    )
     _resolve("peft", "LoraConfig._register_custom_module")
     inject = _resolve(*_INJECT)
-    require_in_source("peft", _DIST, TESTED_PEFT, inject, ".".join(_INJECT), ('__name__ == "ParamWrapper"',),
-                      "the class-name test")
+    require_in_source(
+        "peft", _DIST, TESTED_PEFT, inject, ".".join(_INJECT), ('__name__ == "ParamWrapper"',), "the class-name test"
+    )

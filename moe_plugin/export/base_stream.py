@@ -36,11 +36,23 @@ def base_tensors(base_path: str, hf_config) -> Iterator[Tuple[str, torch.Tensor]
     for n, t in meta.items():
         packed = is_packed_expert_stack(n, str(t.dtype).removeprefix("torch."))  # read as stored, never converted
         expert = (is_stacked_expert(n) or packed) and t.dim() == 3
-        targets[n] = ReadTarget(tuple(t.shape), (0, t.shape[0]) if expert else None,
-                                dtype=str(t.dtype).removeprefix("torch.") if packed else None)
+        targets[n] = ReadTarget(
+            tuple(t.shape),
+            (0, t.shape[0]) if expert else None,
+            dtype=str(t.dtype).removeprefix("torch.") if packed else None,
+        )
     stored = stored_tensors(safetensors_weight_map(base_path))
-    plan = plan_reads(targets, safetensors_weight_map(base_path), names="hf", config=config, strict=True,
-                      layout=detect_layout(base_path, stored), stored=stored, source=base_path, ignore_vision=True)
+    plan = plan_reads(
+        targets,
+        safetensors_weight_map(base_path),
+        names="hf",
+        config=config,
+        strict=True,
+        layout=detect_layout(base_path, stored),
+        stored=stored,
+        source=base_path,
+        ignore_vision=True,
+    )
     for name, reads in plan.reads.items():
         if not reads:
             continue

@@ -18,9 +18,11 @@ __all__ = ["dense_delta", "expert_deltas", "expert_deltas_reference"]
 
 def dense_delta(lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
     """lora_a ``[r, in]``, lora_b ``[out, r]`` -> ``scaling * B @ A`` ``[out, in]`` in fp32."""
-    require(lora_a.dim() == 2 and lora_b.dim() == 2 and lora_a.shape[0] == lora_b.shape[1], "lora",
-            f"a dense adapter needs lora_A [r, in] and lora_B [out, r], got {list(lora_a.shape)} and "
-            f"{list(lora_b.shape)}")
+    require(
+        lora_a.dim() == 2 and lora_b.dim() == 2 and lora_a.shape[0] == lora_b.shape[1],
+        "lora",
+        f"a dense adapter needs lora_A [r, in] and lora_B [out, r], got {list(lora_a.shape)} and {list(lora_b.shape)}",
+    )
     return (lora_b.float() @ lora_a.float()) * scaling
 
 
@@ -30,7 +32,6 @@ def expert_deltas(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int, scal
     return torch.einsum("eor,eri->eoi", b, a) * scaling
 
 
-def expert_deltas_reference(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int, scaling: float
-                            ) -> torch.Tensor:
+def expert_deltas_reference(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int, scaling: float) -> torch.Tensor:
     """``expert_deltas`` one expert at a time through ``split_experts_reference`` (the plain reference)."""
     return torch.stack([dense_delta(a, b, scaling) for a, b in split_experts_reference(lora_a, lora_b, experts)])

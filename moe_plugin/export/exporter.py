@@ -37,8 +37,17 @@ from .merge import check_packed_base, has_vision, write_merged
 from .packed import dense_base_model, dense_config, dense_stream, packed_stacks
 from .source import RunLocation, RunSource, locate_run, open_run
 from .targets import Target, on_image_model, per_expert_key, select_targets
-from .verify import (LOGITS_RTOL, LOW_PRECISION_RTOL, CheckResult, base_model, compare_deltas,
-                     logits_of, merged_differences, reference, relative_diff)
+from .verify import (
+    LOGITS_RTOL,
+    LOW_PRECISION_RTOL,
+    CheckResult,
+    base_model,
+    compare_deltas,
+    logits_of,
+    merged_differences,
+    reference,
+    relative_diff,
+)
 
 __all__ = ["FORMATS", "ExportReport", "export_run", "MANIFEST"]
 
@@ -66,13 +75,17 @@ class ExportReport:
     requantised_values: Optional[int] = None
 
     def summary(self) -> str:
-        text = (f"{self.format} export written to {self.out}: {len(self.targets)} targets ({self.expert_deltas} "
-                f"expert deltas); check passed: {self.check.deltas_checked} deltas compared, logits within "
-                f"{self.check.logits_rel_diff:.2e} of the adapted model (allowed {self.check.tolerance:g})")
+        text = (
+            f"{self.format} export written to {self.out}: {len(self.targets)} targets ({self.expert_deltas} "
+            f"expert deltas); check passed: {self.check.deltas_checked} deltas compared, logits within "
+            f"{self.check.logits_rel_diff:.2e} of the adapted model (allowed {self.check.tolerance:g})"
+        )
         if self.requantised_values is not None:
-            text += (f"; packed base: experts requantised to {self.expert_format}, {self.requantised_changed_values}"
-                     f" of {self.requantised_values} expert values changed from the base (lossy: the merged weights "
-                     f"are rounded to the format's grid again; {self.check.requantised_ties} rounding ties)")
+            text += (
+                f"; packed base: experts requantised to {self.expert_format}, {self.requantised_changed_values}"
+                f" of {self.requantised_values} expert values changed from the base (lossy: the merged weights "
+                f"are rounded to the format's grid again; {self.check.requantised_ties} rounding ties)"
+            )
         elif self.expert_format is not None:
             text += f"; packed base: experts dequantised and written in {self.expert_format}"
         return text
@@ -175,8 +188,11 @@ def _check_per_expert(source: RunSource, targets: Dict[str, Target], tmp: str, e
                 per = []
                 for e in range(target.experts):
                     a, b = state.get(per_expert_key(target, e, "A")), state.get(per_expert_key(target, e, "B"))
-                    per.append(scaling * (b.float() @ a.float()) if a is not None and b is not None
-                               else torch.zeros_like(expected[name][e]))
+                    per.append(
+                        scaling * (b.float() @ a.float())
+                        if a is not None and b is not None
+                        else torch.zeros_like(expected[name][e])
+                    )
                 got = torch.stack(per)
             compare_deltas(result, target, got, expected[name])
             if got is not None and tuple(got.shape) == tuple(params[name].shape):
@@ -188,8 +204,9 @@ def _check_per_expert(source: RunSource, targets: Dict[str, Target], tmp: str, e
 def _write_merged_dir(source: RunSource, targets, tmp: str, layout: str, max_bytes: int, requantise: bool):
     from ..models.k3_config import config_to_k3
 
-    written = write_merged(source.base_path, source.hf_config, targets, source.state, tmp, layout, max_bytes,
-                           requantise=requantise)
+    written = write_merged(
+        source.base_path, source.hf_config, targets, source.state, tmp, layout, max_bytes, requantise=requantise
+    )
     # dense experts carry a dense config; requantised ones the base's (its quantization_config)
     config = source.hf_config if requantise else dense_config(source.hf_config)
     if layout == "hf":
@@ -203,8 +220,9 @@ def _write_merged_dir(source: RunSource, targets, tmp: str, layout: str, max_byt
     return written
 
 
-def _check_merged(source: RunSource, targets, tmp: str, layout: str, expected, ref_logits,
-                  requantised: bool) -> CheckResult:
+def _check_merged(
+    source: RunSource, targets, tmp: str, layout: str, expected, ref_logits, requantised: bool
+) -> CheckResult:
     from ..fileio import safetensors_weight_map
     from ..models import MoEPluginForCausalLM, MoEPluginForConditionalGeneration
     from ..models.k3_format import load_k3_checkpoint
@@ -220,8 +238,13 @@ def _check_merged(source: RunSource, targets, tmp: str, layout: str, expected, r
         ref_logits = requantised_check(source, targets, tmp, expected, result)
     else:  # both streamed side by side: one base tensor and one written tensor held at a time
         written_config = dense_config(source.hf_config)
-        merged_differences(dense_stream(source.base_path, source.hf_config), dense_stream(tmp, written_config),
-                           targets, expected, result)
+        merged_differences(
+            dense_stream(source.base_path, source.hf_config),
+            dense_stream(tmp, written_config),
+            targets,
+            expected,
+            result,
+        )
     # an image+text export reloads as the image+text model; the adapters are its language model's
     cls = MoEPluginForConditionalGeneration if has_vision(tmp) else MoEPluginForCausalLM
     model = (cls.from_pretrained(tmp) if layout == "hf" else load_k3_checkpoint(tmp, model_cls=cls)).float().eval()
@@ -234,6 +257,7 @@ def _check_merged(source: RunSource, targets, tmp: str, layout: str, expected, r
 def _earlier_export(run_real: str, to: str):
     """``accept_existing`` for ``check_output_dir``: a directory is an earlier export of this run in format
     ``to`` when its manifest names both and it holds nothing the export did not write (None), else why not."""
+
     def reason(real: str) -> Optional[str]:
         manifest = os.path.join(real, MANIFEST)
         if not os.path.isfile(manifest):
@@ -262,16 +286,31 @@ def _earlier_export(run_real: str, to: str):
 
 def _check_out(out: str, to: str, location: RunLocation) -> str:
     run = location.run_dir
-    protected = [("the run's adapter", os.path.join(run, "adapter")),
-                 ("the run's checkpoints", os.path.join(run, "checkpoints")),
-                 ("the base checkpoint", location.base_path), ("the run directory", run)]
-    return check_output_dir(out, option="OUT", protected=protected, accept_existing=_earlier_export(run, to),
-                            kind=f"an earlier {to} export of this run")
+    protected = [
+        ("the run's adapter", os.path.join(run, "adapter")),
+        ("the run's checkpoints", os.path.join(run, "checkpoints")),
+        ("the base checkpoint", location.base_path),
+        ("the run directory", run),
+    ]
+    return check_output_dir(
+        out,
+        option="OUT",
+        protected=protected,
+        accept_existing=_earlier_export(run, to),
+        kind=f"an earlier {to} export of this run",
+    )
 
 
-def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targets: Optional[Sequence[str]] = None,
-               max_shard_size: str = "5GB", requantise: bool = False,
-               allow_changed_inputs: bool = False) -> ExportReport:
+def export_run(
+    run_dir: str,
+    to: str,
+    out: str,
+    step: Optional[int] = None,
+    targets: Optional[Sequence[str]] = None,
+    max_shard_size: str = "5GB",
+    requantise: bool = False,
+    allow_changed_inputs: bool = False,
+) -> ExportReport:
     """Export the run at ``run_dir`` (final adapter, or checkpoint ``step``) as ``to`` into ``out``.
 
     targets: module/parameter names to export (default: every trained target); a list that leaves a trained
@@ -285,8 +324,11 @@ def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targ
     from ..compat.transformers import convert_file_size_to_int
 
     require(to in FORMATS, "to", f"must be one of {list(FORMATS)}, got {to!r}")
-    require(not requantise or to.startswith("merged"), "requantise", "only merged exports hold base weights to "
-            "requantise; leave --requantise out for adapter exports")
+    require(
+        not requantise or to.startswith("merged"),
+        "requantise",
+        "only merged exports hold base weights to requantise; leave --requantise out for adapter exports",
+    )
     location = locate_run(run_dir, allow_changed_inputs)
     out_real = _check_out(out, to, location)  # before anything expensive loads
     source = open_run(run_dir, step, location=location)
@@ -294,8 +336,7 @@ def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targ
         check_packed_base(source.base_path, requantise)
     chosen = select_targets(source.targets, targets, active=source.targets)
     _, ref_logits, expected = reference(source)
-    report = ExportReport(to, out_real, sorted(chosen),
-                          sum(t.experts for t in chosen.values()), CheckResult())
+    report = ExportReport(to, out_real, sorted(chosen), sum(t.experts for t in chosen.values()), CheckResult())
     with atomic_directory(out_real) as tmp:
         if to == "peft":
             report.files = _write_peft(source, chosen, tmp)
@@ -305,8 +346,9 @@ def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targ
             check = _check_per_expert(source, chosen, tmp, expected, ref_logits)
         else:
             layout = to.split("-")[1]
-            written = _write_merged_dir(source, chosen, tmp, layout, convert_file_size_to_int(max_shard_size),
-                                        requantise)
+            written = _write_merged_dir(
+                source, chosen, tmp, layout, convert_file_size_to_int(max_shard_size), requantise
+            )
             report.files, report.peak_expert_layers = written["files"], written["peak_expert_layers"]
             report.expert_format = written["expert_format"]
             report.requantised_changed_values = written["requantised_changed_values"]
@@ -320,14 +362,25 @@ def export_run(run_dir: str, to: str, out: str, step: Optional[int] = None, targ
 
 
 def _write_manifest(tmp: str, report: ExportReport, source: RunSource) -> None:
-    values = {"format": report.format, "run": source.run_dir, "step": source.step, "base": source.base_path,
-              "targets": report.targets, "expert_deltas": report.expert_deltas, "files": report.files,
-              "check": {"logits_max_rel_diff": report.check.logits_rel_diff, "allowed": report.check.tolerance,
-                        "deltas_compared": report.check.deltas_checked},
-              "peak_expert_layers": report.peak_expert_layers, "expert_format": report.expert_format,
-              "requantised_changed_values": report.requantised_changed_values,
-              "requantised_values": report.requantised_values,
-              "contents": sorted(os.listdir(tmp)) + [MANIFEST]}
+    values = {
+        "format": report.format,
+        "run": source.run_dir,
+        "step": source.step,
+        "base": source.base_path,
+        "targets": report.targets,
+        "expert_deltas": report.expert_deltas,
+        "files": report.files,
+        "check": {
+            "logits_max_rel_diff": report.check.logits_rel_diff,
+            "allowed": report.check.tolerance,
+            "deltas_compared": report.check.deltas_checked,
+        },
+        "peak_expert_layers": report.peak_expert_layers,
+        "expert_format": report.expert_format,
+        "requantised_changed_values": report.requantised_changed_values,
+        "requantised_values": report.requantised_values,
+        "contents": sorted(os.listdir(tmp)) + [MANIFEST],
+    }
     if report.check.requantised_ties is not None:
         values["check"]["requantised_ties"] = report.check.requantised_ties
     with open(os.path.join(tmp, MANIFEST), "w") as f:

@@ -25,8 +25,16 @@ from safetensors.torch import save_file
 
 from ..config import require
 from ..fileio import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, safetensors_weight_map
-from ..weights.names import (TEXT_PREFIX, VISION_PREFIXES, has_vision, is_stacked_expert, k3_expert_name,
-                             quantised_tensors, strip_text_prefix, tensor_to_k3)
+from ..weights.names import (
+    TEXT_PREFIX,
+    VISION_PREFIXES,
+    has_vision,
+    is_stacked_expert,
+    k3_expert_name,
+    quantised_tensors,
+    strip_text_prefix,
+    tensor_to_k3,
+)
 from ..weights.packed import stack_of
 from .base_stream import base_tensors
 from .deltas import dense_delta, expert_deltas
@@ -59,8 +67,10 @@ class ShardWriter:
 
     def add(self, name: str, tensor: torch.Tensor, expert_layer: Optional[int] = None) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and (self.pending_bytes + nbytes > self.max_bytes
-                             or (expert_layer is not None and self.pending_layers - {expert_layer})):
+        if self.pending and (
+            self.pending_bytes + nbytes > self.max_bytes
+            or (expert_layer is not None and self.pending_layers - {expert_layer})
+        ):
             self.flush()
         self.pending.append((name, tensor))
         self.pending_bytes += nbytes
@@ -73,8 +83,11 @@ class ShardWriter:
         if not self.pending:
             return
         number = len(self.files) + 1
-        save_file({n: t.contiguous() for n, t in self.pending}, os.path.join(self.directory, f".shard-{number:05d}"),
-                  metadata={"format": "pt"})
+        save_file(
+            {n: t.contiguous() for n, t in self.pending},
+            os.path.join(self.directory, f".shard-{number:05d}"),
+            metadata={"format": "pt"},
+        )
         self.files.append([n for n, _ in self.pending])
         self.pending, self.pending_bytes, self.pending_layers = [], 0, set()
 
@@ -83,16 +96,20 @@ class ShardWriter:
         index; returns the file names."""
         self.flush()
         count = len(self.files)
-        names = [SAFETENSORS_SINGLE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors"
-                                                         for i in range(1, count + 1)]
+        names = (
+            [SAFETENSORS_SINGLE]
+            if count == 1
+            else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        )
         weight_map = {}
         for i, (file, tensors) in enumerate(zip(names, self.files), start=1):
             os.rename(os.path.join(self.directory, f".shard-{i:05d}"), os.path.join(self.directory, file))
             weight_map.update((n, file) for n in tensors)
         if count > 1:
             with open(os.path.join(self.directory, SAFETENSORS_INDEX), "w") as f:
-                json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, f, indent=2,
-                          sort_keys=True)
+                json.dump(
+                    {"metadata": {"total_size": self.total}, "weight_map": weight_map}, f, indent=2, sort_keys=True
+                )
             names.append(SAFETENSORS_INDEX)
         return names
 
@@ -104,8 +121,11 @@ def check_packed_base(base_path: str, requantise: bool) -> bool:
 
     stored = stored_tensors(safetensors_weight_map(base_path))
     packed = quantised_tensors({n: s.dtype for n, s in stored.items()})
-    require(bool(packed) or not requantise, "requantise", "the base's experts are not packed: there is nothing "
-            "to requantise to; leave --requantise out")
+    require(
+        bool(packed) or not requantise,
+        "requantise",
+        "the base's experts are not packed: there is nothing to requantise to; leave --requantise out",
+    )
     return bool(packed)
 
 
@@ -118,8 +138,11 @@ def delta_for(target: Target, state: Mapping[str, torch.Tensor]) -> torch.Tensor
 
 
 def _merged(tensor: torch.Tensor, delta: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-    require(tuple(delta.shape) == tuple(tensor.shape), "adapter", f"a delta of shape {list(delta.shape)} does not "
-            f"fit its base tensor {list(tensor.shape)}")
+    require(
+        tuple(delta.shape) == tuple(tensor.shape),
+        "adapter",
+        f"a delta of shape {list(delta.shape)} does not fit its base tensor {list(tensor.shape)}",
+    )
     if in_place and tensor.dtype == torch.float32:  # no second copy of an expert stack
         return tensor.add_(delta)
     return (tensor.float() + delta).to(tensor.dtype)
@@ -138,9 +161,17 @@ def _write(writer: ShardWriter, name: str, tensor: torch.Tensor, layout: str, pr
         writer.add(prefix + name, tensor_to_k3(name, tensor).contiguous().clone(), None)
 
 
-def write_merged(base_path: str, hf_config, targets: Mapping[str, Target], state: Mapping[str, torch.Tensor],
-                 directory: str, layout: str, max_bytes: int, requantise: bool = False,
-                 on_tensor: Optional[Callable[[str, torch.Tensor], None]] = None) -> Dict[str, object]:
+def write_merged(
+    base_path: str,
+    hf_config,
+    targets: Mapping[str, Target],
+    state: Mapping[str, torch.Tensor],
+    directory: str,
+    layout: str,
+    max_bytes: int,
+    requantise: bool = False,
+    on_tensor: Optional[Callable[[str, torch.Tensor], None]] = None,
+) -> Dict[str, object]:
     """Write base + deltas into ``directory`` in ``layout`` ("hf" or "k3"), streaming; returns what was written
     (files, merged target names, peak expert layers held; over a packed base the experts' dtype, or with
     ``requantise`` their format, the values that changed from the base and the values requantised).
@@ -178,9 +209,14 @@ def write_merged(base_path: str, hf_config, targets: Mapping[str, Target], state
         _write(writer, name, tensor, layout, prefix)
         del tensor, base, codes
     files = writer.close()
-    return {"files": files, "merged": merged, "peak_expert_layers": writer.peak_expert_layers,
-            "expert_format": (next(iter(stacks.values())).format if requantise else str(dtype).replace("torch.", ""))
-            if packed else None,
-            "requantised_changed_values": changed if packed and requantise else None,
-            "requantised_values": requantised if packed and requantise else None,
-            "float_dtype": str(dtype).replace("torch.", "")}
+    return {
+        "files": files,
+        "merged": merged,
+        "peak_expert_layers": writer.peak_expert_layers,
+        "expert_format": (next(iter(stacks.values())).format if requantise else str(dtype).replace("torch.", ""))
+        if packed
+        else None,
+        "requantised_changed_values": changed if packed and requantise else None,
+        "requantised_values": requantised if packed and requantise else None,
+        "float_dtype": str(dtype).replace("torch.", ""),
+    }

@@ -27,8 +27,17 @@ from ..weights.packed import stack_of
 from ..weights.packed_tensors import per_expert_tensors
 from .base_stream import base_tensors
 
-__all__ = ["PackedStack", "packed_stacks", "dense_config", "decoded", "requantise", "packed_output_tensors",
-           "float_dtype", "dense_stream", "dense_base_model"]
+__all__ = [
+    "PackedStack",
+    "packed_stacks",
+    "dense_config",
+    "decoded",
+    "requantise",
+    "packed_output_tensors",
+    "float_dtype",
+    "dense_stream",
+    "dense_base_model",
+]
 
 
 @dataclass(frozen=True)
@@ -78,8 +87,9 @@ def float_dtype(stored: Mapping[str, object]) -> torch.dtype:
     return getattr(torch, max(counts, key=counts.get)) if counts else torch.bfloat16
 
 
-def decoded(stream: Iterable[Tuple[str, torch.Tensor]], stacks: Dict[str, PackedStack], keep_packed: bool = False
-            ) -> Iterator[Tuple[str, torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]]:
+def decoded(
+    stream: Iterable[Tuple[str, torch.Tensor]], stacks: Dict[str, PackedStack], keep_packed: bool = False
+) -> Iterator[Tuple[str, torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]]:
     """``(name, tensor, packed)`` of a packed base's stream: each packed stack once, under its dense name, as
     ``[E, out, in]`` fp32 (decoded exactly) with ``packed = (codes, scales)`` when ``keep_packed``; every other
     tensor as it comes (``packed`` None). A stack's codes wait for its scales (one stack held at a time)."""
@@ -109,8 +119,9 @@ def requantise(stack: PackedStack, merged: torch.Tensor, base: torch.Tensor) -> 
     return codes, scales, changed
 
 
-def packed_output_tensors(stack: PackedStack, codes: torch.Tensor, scales: torch.Tensor, layout: str
-                          ) -> List[Tuple[str, torch.Tensor]]:
+def packed_output_tensors(
+    stack: PackedStack, codes: torch.Tensor, scales: torch.Tensor, layout: str
+) -> List[Tuple[str, torch.Tensor]]:
     """The tensors a requantised stack is written as: "hf" the layer's own ``...experts.w1`` / ``w1_scale``;
     "k3" per expert ``...experts.{e}.w1.weight_packed`` / ``.weight_scale`` (INT4: the bf16 scale as published,
     and ``.weight_shape`` ``[out, in]`` int32): the release layout, by the writer the tests'
@@ -138,7 +149,10 @@ def dense_base_model(source):
     image = on_image_model(source.targets)
     model = (MoEPluginForConditionalGeneration if image else MoEPluginForCausalLM)(dense_config(source.hf_config))
     model = model.float()
-    state = {(n if n.startswith(VISION_PREFIXES) else TEXT_PREFIX + n) if image else n: t.float()
-             for n, t in dense_stream(source.base_path, source.hf_config) if image or not n.startswith(VISION_PREFIXES)}
+    state = {
+        (n if n.startswith(VISION_PREFIXES) else TEXT_PREFIX + n) if image else n: t.float()
+        for n, t in dense_stream(source.base_path, source.hf_config)
+        if image or not n.startswith(VISION_PREFIXES)
+    }
     model.load_state_dict(state, strict=not source.hf_config.tie_word_embeddings)
     return model.eval()

@@ -36,8 +36,15 @@ __all__ = ["check_requantised_stack", "requantised_differences", "requantised_ch
 
 
 @torch.no_grad()
-def check_requantised_stack(stack: PackedStack, target: Target, base: torch.Tensor, delta: torch.Tensor,
-                            codes: torch.Tensor, scales: torch.Tensor, result: CheckResult) -> int:
+def check_requantised_stack(
+    stack: PackedStack,
+    target: Target,
+    base: torch.Tensor,
+    delta: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    result: CheckResult,
+) -> int:
     """Record in ``result`` every expert whose written ``codes``/``scales`` are not a requantisation of
     ``base + delta`` (``[E, out, in]`` fp32) within the tolerance above; returns the number of tie values."""
     fmt = stack.format
@@ -66,10 +73,14 @@ def check_requantised_stack(stack: PackedStack, target: Target, base: torch.Tens
     return int((got != own).sum())
 
 
-def requantised_differences(base: Iterable[Tuple[str, torch.Tensor, Optional[tuple]]],
-                            written: Iterable[Tuple[str, torch.Tensor, Optional[tuple]]],
-                            targets: Mapping[str, Target], expected: Mapping[str, torch.Tensor],
-                            stacks: Dict[str, PackedStack], result: CheckResult) -> int:
+def requantised_differences(
+    base: Iterable[Tuple[str, torch.Tensor, Optional[tuple]]],
+    written: Iterable[Tuple[str, torch.Tensor, Optional[tuple]]],
+    targets: Mapping[str, Target],
+    expected: Mapping[str, torch.Tensor],
+    stacks: Dict[str, PackedStack],
+    result: CheckResult,
+) -> int:
     """Stream a packed base and a requantised export side by side (``packed.decoded`` with ``keep_packed``):
     targeted stacks through ``check_requantised_stack``, other stacks bit for bit, dense targets' written minus
     base against their deltas, every other tensor unchanged. Returns the tie count."""
@@ -84,8 +95,9 @@ def requantised_differences(base: Iterable[Tuple[str, torch.Tensor, Optional[tup
             return ties
         target = streamed.get(name)
         if name in stacks and target is not None:
-            ties += check_requantised_stack(stacks[name], target, base_tensor, expected[target.weight], *got_packed,
-                                            result)
+            ties += check_requantised_stack(
+                stacks[name], target, base_tensor, expected[target.weight], *got_packed, result
+            )
         elif name in stacks:
             if not all(torch.equal(a, b) for a, b in zip(got_packed, base_packed)):
                 result.problems.append(f"{name}: not a target, yet its packed values differ from the base's")
@@ -98,8 +110,9 @@ def requantised_differences(base: Iterable[Tuple[str, torch.Tensor, Optional[tup
     return ties
 
 
-def requantised_check(source, targets: Mapping[str, Target], directory: str, expected: Mapping[str, torch.Tensor],
-                      result: CheckResult) -> torch.Tensor:
+def requantised_check(
+    source, targets: Mapping[str, Target], directory: str, expected: Mapping[str, torch.Tensor], result: CheckResult
+) -> torch.Tensor:
     """Check the requantised export in ``directory`` against ``source``'s base (streamed, into ``result``) and
     return the logits it is to reproduce: the reference model (packed base, the run's adapters) with its
     targeted expert stacks holding the checked written codes and its expert adapters switched off, so

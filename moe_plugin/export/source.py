@@ -69,11 +69,19 @@ def _read_json_object(path: str, fix: str) -> Dict[str, Any]:
 
 def _read_recipe(run_dir: str) -> dict:
     marker = os.path.join(run_dir, MARKER)
-    require(os.path.isfile(marker), "run", f"{run_dir} has no {MARKER}: it is not a run directory of this project "
-            "(give the output_dir a training run wrote)")
+    require(
+        os.path.isfile(marker),
+        "run",
+        f"{run_dir} has no {MARKER}: it is not a run directory of this project "
+        "(give the output_dir a training run wrote)",
+    )
     recipe = _read_json_object(marker, "it is the run's recipe: restore it from the recipe the run was started with")
-    require(isinstance(recipe.get("model"), dict), marker, "has no \"model\" object: it is not a recipe this "
-            "project wrote; restore it from the recipe the run was started with")
+    require(
+        isinstance(recipe.get("model"), dict),
+        marker,
+        'has no "model" object: it is not a recipe this '
+        "project wrote; restore it from the recipe the run was started with",
+    )
     return recipe
 
 
@@ -105,10 +113,14 @@ def _recorded_base(run_dir: str, given: str, recorded: Optional[dict], allow_cha
     from_adapter = _adapter_base(run_dir)
     if from_adapter is not None:
         return from_adapter
-    require(allow_changed_inputs, "run", f"model.from_pretrained is the relative path {given!r} and the run recorded "
-            f"no absolute base (no moe_plugin_inputs.json, no final adapter naming it), so it cannot tell which "
-            f"base it trained on; run the export from the directory the training ran in and pass {OVERRIDE_FLAG} "
-            f"to resolve it against the current directory ({os.getcwd()})")
+    require(
+        allow_changed_inputs,
+        "run",
+        f"model.from_pretrained is the relative path {given!r} and the run recorded "
+        f"no absolute base (no moe_plugin_inputs.json, no final adapter naming it), so it cannot tell which "
+        f"base it trained on; run the export from the directory the training ran in and pass {OVERRIDE_FLAG} "
+        f"to resolve it against the current directory ({os.getcwd()})",
+    )
     return os.path.abspath(given)
 
 
@@ -119,31 +131,49 @@ def _check_base_unchanged(recipe: dict, base_path: Optional[str], recorded: Opti
     from ..training.inputs import check_inputs, fingerprint_inputs
 
     current = fingerprint_inputs({"model": recipe["model"]}, base_path)
-    check_inputs({"base": recorded["base"], "data": {}}, {"base": current["base"], "data": {}},
-                 override_flag=OVERRIDE_FLAG)
+    check_inputs(
+        {"base": recorded["base"], "data": {}}, {"base": current["base"], "data": {}}, override_flag=OVERRIDE_FLAG
+    )
 
 
 def locate_run(run_dir: str, allow_changed_inputs: bool = False) -> RunLocation:
     """Read the run's recipe and find its base (cheap: no tensor is loaded). Refuses, naming the file, a corrupt
     marker or input record, and a base that changed since the run recorded it unless ``allow_changed_inputs``."""
-    require(isinstance(run_dir, str) and run_dir.strip() != "", "run", f"is empty ({run_dir!r}); give the "
-            "output_dir of a training run")
+    require(
+        isinstance(run_dir, str) and run_dir.strip() != "",
+        "run",
+        f"is empty ({run_dir!r}); give the output_dir of a training run",
+    )
     run_dir = os.path.realpath(os.path.expanduser(run_dir))
     recipe = _read_recipe(run_dir)
-    require(recipe.get("lora") is not None, "run", f"{run_dir} trained every parameter (\"lora\": null): its "
-            "output_dir/model is already the full model, there is no adapter to export")
+    require(
+        recipe.get("lora") is not None,
+        "run",
+        f'{run_dir} trained every parameter ("lora": null): its '
+        "output_dir/model is already the full model, there is no adapter to export",
+    )
     recorded = _recorded_inputs(run_dir)
     given = recipe["model"].get("from_pretrained")
     if given is None:  # a preset: the run wrote the base it drew beside its adapter
         base_path = os.path.join(run_dir, "base")
-        require(os.path.isdir(base_path), "run", f"the base checkpoint {base_path} is missing (a preset run writes it "
-                "at the end of training: did the run finish?)")
+        require(
+            os.path.isdir(base_path),
+            "run",
+            f"the base checkpoint {base_path} is missing (a preset run writes it "
+            "at the end of training: did the run finish?)",
+        )
     else:
-        require(isinstance(given, str) and given.strip() != "", os.path.join(run_dir, MARKER),
-                f"model.from_pretrained is {given!r}, not a path; restore the recipe the run was started with")
+        require(
+            isinstance(given, str) and given.strip() != "",
+            os.path.join(run_dir, MARKER),
+            f"model.from_pretrained is {given!r}, not a path; restore the recipe the run was started with",
+        )
         base_path = os.path.realpath(_recorded_base(run_dir, given, recorded, allow_changed_inputs))
-        require(os.path.isdir(base_path), "run", f"the base checkpoint {base_path} the run trained on is missing; "
-                "restore it there")
+        require(
+            os.path.isdir(base_path),
+            "run",
+            f"the base checkpoint {base_path} the run trained on is missing; restore it there",
+        )
     if not allow_changed_inputs:
         _check_base_unchanged(recipe, base_path if given is not None else None, recorded)
     return RunLocation(run_dir, recipe, base_path)
@@ -153,15 +183,20 @@ def _lora_config(adapter: str):
     from peft import LoraConfig
 
     path = os.path.join(adapter, ADAPTER_CONFIG)
-    require(os.path.isfile(path), "run", f"{adapter} has no {ADAPTER_CONFIG} (did the run finish? pass --step N "
-            "to export a checkpoint)")
+    require(
+        os.path.isfile(path),
+        "run",
+        f"{adapter} has no {ADAPTER_CONFIG} (did the run finish? pass --step N to export a checkpoint)",
+    )
     values = _read_json_object(path, "it is written at the end of training: restore it, or pass --step N")
     try:
         return LoraConfig.from_pretrained(adapter)
     except (TypeError, ValueError, KeyError) as err:
         why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise ValueError(f"{path}: not a PEFT LoRA config ({type(err).__name__}: {why}; peft_type "
-                         f"{values.get('peft_type')!r}); restore it, or pass --step N") from None
+        raise ValueError(
+            f"{path}: not a PEFT LoRA config ({type(err).__name__}: {why}; peft_type "
+            f"{values.get('peft_type')!r}); restore it, or pass --step N"
+        ) from None
 
 
 def _adapter_state(adapter: str) -> Dict[str, torch.Tensor]:
@@ -171,21 +206,29 @@ def _adapter_state(adapter: str) -> Dict[str, torch.Tensor]:
     from ..fileio import read_safetensors_header
 
     path = os.path.join(adapter, ADAPTER_WEIGHTS)
-    require(os.path.isfile(path), "run", f"{adapter} has no {ADAPTER_WEIGHTS} (did the run finish? pass --step N "
-            "to export a checkpoint)")
+    require(
+        os.path.isfile(path),
+        "run",
+        f"{adapter} has no {ADAPTER_WEIGHTS} (did the run finish? pass --step N to export a checkpoint)",
+    )
     try:
         read_safetensors_header(path)  # names a truncated file or a bad header before safetensors reads it
         return load_file(path)
     except ValueError as err:
-        raise ValueError(str(err).removeprefix("path: ").replace("re-download or re-save it", "restore it, or "
-                         "pass --step N to export a checkpoint")) from None
+        raise ValueError(
+            str(err)
+            .removeprefix("path: ")
+            .replace("re-download or re-save it", "restore it, or pass --step N to export a checkpoint")
+        ) from None
     except (SafetensorError, OSError) as err:
-        raise ValueError(f"{path}: damaged safetensors file ({err}); restore it, or pass --step N to export a "
-                         "checkpoint") from None
+        raise ValueError(
+            f"{path}: damaged safetensors file ({err}); restore it, or pass --step N to export a checkpoint"
+        ) from None
 
 
-def open_run(run_dir: str, step: Optional[int] = None, allow_changed_inputs: bool = False,
-             location: Optional[RunLocation] = None) -> RunSource:
+def open_run(
+    run_dir: str, step: Optional[int] = None, allow_changed_inputs: bool = False, location: Optional[RunLocation] = None
+) -> RunSource:
     """Read the run at ``run_dir`` (its final adapter, or checkpoint ``step``); ValueError naming what is wrong.
     location: what ``locate_run`` found already (it is not looked up again)."""
     from ..recipe.schema import LoraSection, ModelSection, ParallelSection
@@ -208,17 +251,22 @@ def open_run(run_dir: str, step: Optional[int] = None, allow_changed_inputs: boo
         written = _lora_config(adapter)
         listed = adapter_targets(config, written)
         uncovered = sorted(n for n, t in targets.items() if listed.get(n) != t)
-        require(not uncovered, f"{adapter}/{ADAPTER_CONFIG}", f"its target list does not cover what was "
-                f"trained: {len(uncovered)} trained target(s) are not adapted (or not scaled) as in the run's recipe, "
-                f"e.g. {uncovered[:10]}; a loader following this config would drop their deltas (rewrite it from "
-                "the recipe's lora section)")
+        require(
+            not uncovered,
+            f"{adapter}/{ADAPTER_CONFIG}",
+            f"its target list does not cover what was "
+            f"trained: {len(uncovered)} trained target(s) are not adapted (or not scaled) as in the run's recipe, "
+            f"e.g. {uncovered[:10]}; a loader following this config would drop their deltas (rewrite it from "
+            "the recipe's lora section)",
+        )
         state = _adapter_state(adapter)
         where = f"{adapter}/{ADAPTER_WEIGHTS}"
     else:
         from .zero_checkpoint import adapter_from_checkpoint
 
-        state = adapter_from_checkpoint(where_run.run_dir, step, config.to_model_config(), backend, lora.r,
-                                        vision=has_vision(base_path))
+        state = adapter_from_checkpoint(
+            where_run.run_dir, step, config.to_model_config(), backend, lora.r, vision=has_vision(base_path)
+        )
         where = f"checkpoint step {step}"
     if is_image_adapter(state):  # an image run's adapter: its targets are the image model's (language_model.)
         targets = adapter_targets(config, trained, image=True)

@@ -24,8 +24,17 @@ from ..compat.peft import quiet_wrapping
 from ..config import require
 from ..weights.names import TEXT_PREFIX, VISION_PREFIXES, base_name, k3_expert_name, strip_text_prefix
 
-__all__ = ["Target", "adapter_targets", "check_state_covers", "select_targets", "per_expert_key", "PEFT_PREFIX",
-           "is_image_adapter", "on_image_model", "onto_image_model"]
+__all__ = [
+    "Target",
+    "adapter_targets",
+    "check_state_covers",
+    "select_targets",
+    "per_expert_key",
+    "PEFT_PREFIX",
+    "is_image_adapter",
+    "on_image_model",
+    "onto_image_model",
+]
 
 PEFT_PREFIX = "base_model.model."  # what peft's wrapper puts in front of the model's own names
 # peft's exclude_modules as a pattern (matched in full against each module name): the vision tower and projector
@@ -70,8 +79,9 @@ def _innermost(module):
 
 def is_image_adapter(keys: Iterable[str]) -> bool:
     """Whether PEFT keys are the image+text model's (its text model nested under ``language_model.``)."""
-    return any(k.startswith((PEFT_PREFIX + TEXT_PREFIX,) + tuple(PEFT_PREFIX + p for p in VISION_PREFIXES))
-               for k in keys)
+    return any(
+        k.startswith((PEFT_PREFIX + TEXT_PREFIX,) + tuple(PEFT_PREFIX + p for p in VISION_PREFIXES)) for k in keys
+    )
 
 
 def on_image_model(targets: Mapping[str, Target]) -> bool:
@@ -79,16 +89,19 @@ def on_image_model(targets: Mapping[str, Target]) -> bool:
     return any(t.weight.startswith((TEXT_PREFIX,) + VISION_PREFIXES) for t in targets.values())
 
 
-def onto_image_model(state: Mapping[str, torch.Tensor], hf_config, lora_config
-                     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Target], object]:
+def onto_image_model(
+    state: Mapping[str, torch.Tensor], hf_config, lora_config
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, Target], object]:
     """A text model's adapter (PEFT keys ``base_model.model.model.layers...``) put on the image+text model:
     (the state under that model's names, ``base_model.model.language_model.model.layers...``, the same tensors;
     its targets, those of the LoRA config in the language model; the LoRA config, which when its target list
     also names modules of the vision tower or projector now excludes them, as the text run never had them)."""
     import copy
 
-    moved = {PEFT_PREFIX + TEXT_PREFIX + k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v
-             for k, v in state.items()}
+    moved = {
+        PEFT_PREFIX + TEXT_PREFIX + k[len(PEFT_PREFIX) :] if k.startswith(PEFT_PREFIX) else k: v
+        for k, v in state.items()
+    }
     image_targets = adapter_targets(hf_config, lora_config, image=True)
     targets = {n: t for n, t in image_targets.items() if n.startswith(TEXT_PREFIX)}
     if len(targets) < len(image_targets):  # peft would otherwise put fresh adapters on the tower's modules
@@ -116,7 +129,7 @@ def adapter_targets(hf_config, lora_config, image: bool = False) -> Dict[str, Ta
     for name, module in model.named_modules():
         if not hasattr(module, "lora_A") or "default" not in module.lora_A:
             continue
-        plain = base_name(name)[len(PEFT_PREFIX):]  # the module's name before LoRA was added
+        plain = base_name(name)[len(PEFT_PREFIX) :]  # the module's name before LoRA was added
         parameter = getattr(module, "parameter_name", None)
         if parameter is not None:
             stem = plain.rsplit(".", 1)[0] if plain.endswith(".base_layer") else plain
@@ -147,8 +160,12 @@ def check_state_covers(targets: Mapping[str, Target], state: Mapping[str, torch.
         problems.append(f"the deltas of {len(missing)} trained target(s) are missing: {missing[:20]}")
     if unknown:
         problems.append(f"{len(unknown)} tensor(s) belong to no target of the run's LoRA config: {unknown[:20]}")
-    require(not problems, what, "; ".join(problems) + " (was this adapter written by this run? export from its "
-            "output_dir, or pass --step N to read a checkpoint)")
+    require(
+        not problems,
+        what,
+        "; ".join(problems) + " (was this adapter written by this run? export from its "
+        "output_dir, or pass --step N to read a checkpoint)",
+    )
 
 
 def _matches(weight: str, entry: str) -> bool:
@@ -156,8 +173,9 @@ def _matches(weight: str, entry: str) -> bool:
     return entry in (weight, stem) or stem.endswith("." + entry)
 
 
-def select_targets(targets: Mapping[str, Target], wanted: Optional[Sequence[str]], active: Iterable[str]
-                   ) -> Dict[str, Target]:
+def select_targets(
+    targets: Mapping[str, Target], wanted: Optional[Sequence[str]], active: Iterable[str]
+) -> Dict[str, Target]:
     """The targets an export writes. wanted: module or parameter names (``q_proj``, ``experts.w1``, a full
     name) or None for all; ``active``: the targets that were trained. Refuses (ValueError naming them) a list
     that leaves a trained target out, or an entry that matches nothing."""
@@ -165,10 +183,18 @@ def select_targets(targets: Mapping[str, Target], wanted: Optional[Sequence[str]
         return dict(targets)
     entries: List[str] = [w.strip() for w in wanted if w.strip()]
     unmatched = [e for e in entries if not any(_matches(name, e) for name in targets)]
-    require(not unmatched, "targets", f"{unmatched} match no adapted tensor of this run; its targets are "
-            f"{sorted({n.rsplit('.', 2)[-2] if n.endswith('.weight') else n.rsplit('.', 1)[-1] for n in targets})}")
+    require(
+        not unmatched,
+        "targets",
+        f"{unmatched} match no adapted tensor of this run; its targets are "
+        f"{sorted({n.rsplit('.', 2)[-2] if n.endswith('.weight') else n.rsplit('.', 1)[-1] for n in targets})}",
+    )
     left_out = sorted(n for n in active if not any(_matches(n, e) for e in entries))
-    require(not left_out, "targets", f"the list {entries} does not cover what was trained: {len(left_out)} trained "
-            f"target(s) would lose their delta, e.g. {left_out[:10]}; add them to --targets (e.g. "
-            "experts.w1,experts.w2,experts.w3 for the expert adapters) or leave --targets out")
+    require(
+        not left_out,
+        "targets",
+        f"the list {entries} does not cover what was trained: {len(left_out)} trained "
+        f"target(s) would lose their delta, e.g. {left_out[:10]}; add them to --targets (e.g. "
+        "experts.w1,experts.w2,experts.w3 for the expert adapters) or leave --targets out",
+    )
     return {n: t for n, t in targets.items() if any(_matches(n, e) for e in entries)}

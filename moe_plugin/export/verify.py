@@ -27,8 +27,17 @@ import torch
 from ..compat.peft import quiet_wrapping
 from .targets import Target, on_image_model
 
-__all__ = ["ExportCheckError", "CheckResult", "reference", "base_model", "logits_of", "compare_deltas",
-           "LOGITS_RTOL", "LOW_PRECISION_RTOL", "FIXED_BATCH"]
+__all__ = [
+    "ExportCheckError",
+    "CheckResult",
+    "reference",
+    "base_model",
+    "logits_of",
+    "compare_deltas",
+    "LOGITS_RTOL",
+    "LOW_PRECISION_RTOL",
+    "FIXED_BATCH",
+]
 
 LOGITS_RTOL = 1e-5
 LOW_PRECISION_RTOL = 2e-2
@@ -52,8 +61,10 @@ class CheckResult:
 
     def raise_if_failed(self, what: str) -> None:
         if self.logits_rel_diff > self.tolerance:
-            self.problems.append(f"logits on the fixed batch differ from the adapted model's by "
-                                 f"{self.logits_rel_diff:.3g} (relative; allowed {self.tolerance:g})")
+            self.problems.append(
+                f"logits on the fixed batch differ from the adapted model's by "
+                f"{self.logits_rel_diff:.3g} (relative; allowed {self.tolerance:g})"
+            )
         if self.problems:
             raise ExportCheckError(f"export {what}: the check failed, nothing was written: " + "; ".join(self.problems))
 
@@ -67,8 +78,7 @@ def base_model(source):
     image = on_image_model(source.targets)
     model = (MoEPluginForConditionalGeneration if image else MoEPluginForCausalLM)(source.hf_config).float()
     # a text adapter's model has no vision tower: the base's is no part of it
-    load_state(model, source.base_path, names="hf", config=source.model_config, strict=True,
-               ignore_vision=not image)
+    load_state(model, source.base_path, names="hf", config=source.model_config, strict=True, ignore_vision=not image)
     return model.eval()
 
 
@@ -113,8 +123,8 @@ def logits_of(model, vocab_size: int) -> torch.Tensor:
     vision = config.to_model_config().vision
     ids[ids == config.image_token_id] = 0  # the picture's placeholders are the only ones
     rows, cols = FIXED_IMAGE_GRID
-    tokens = rows * cols // vision.merge_size ** 2
-    ids[0, 2:2 + tokens] = config.image_token_id
+    tokens = rows * cols // vision.merge_size**2
+    ids[0, 2 : 2 + tokens] = config.image_token_id
     patches = torch.randn(rows * cols, vision.patch_dim, generator=g)
     return model(input_ids=ids, pixel_patches=patches, grid_hw=torch.tensor([[rows, cols]])).logits.float()
 
@@ -129,8 +139,9 @@ def _pieces(target: Target, delta: torch.Tensor) -> Iterable[Tuple[Optional[int]
     return ((None, delta),)
 
 
-def compare_deltas(result: CheckResult, target: Target, got: Optional[torch.Tensor], expected: torch.Tensor,
-                   atol: float = 0.0) -> None:
+def compare_deltas(
+    result: CheckResult, target: Target, got: Optional[torch.Tensor], expected: torch.Tensor, atol: float = 0.0
+) -> None:
     """Record in ``result`` every expert (or the dense target) whose delta ``got`` lacks or gets wrong.
     got: ``[out, in]`` / ``[E, out, in]``, None when the export holds nothing for the target at all."""
     if got is None:
@@ -153,9 +164,13 @@ def compare_deltas(result: CheckResult, target: Target, got: Optional[torch.Tens
         result.problems.append(f"delta wrong for {bad_wrong}")
 
 
-def merged_differences(base: Iterable[Tuple[str, torch.Tensor]], written: Iterable[Tuple[str, torch.Tensor]],
-                       targets: Mapping[str, Target], expected: Mapping[str, torch.Tensor],
-                       result: CheckResult) -> None:
+def merged_differences(
+    base: Iterable[Tuple[str, torch.Tensor]],
+    written: Iterable[Tuple[str, torch.Tensor]],
+    targets: Mapping[str, Target],
+    expected: Mapping[str, torch.Tensor],
+    result: CheckResult,
+) -> None:
     """Stream the base and the merged export side by side (the same names in the same order): a target's
     written-minus-base is its delta; every other tensor must be the base's, unchanged."""
     written = iter(written)

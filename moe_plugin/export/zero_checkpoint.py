@@ -39,8 +39,7 @@ import torch
 
 from ..config import ModelConfig, require
 
-__all__ = ["adapter_from_checkpoint", "zero3_parameters", "deepspeed_safe_globals",
-           "load_engine_file"]
+__all__ = ["adapter_from_checkpoint", "zero3_parameters", "deepspeed_safe_globals", "load_engine_file"]
 
 _ZERO_MODEL = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
 _PLAIN_MODEL = "mp_rank_00_model_states.pt"
@@ -71,18 +70,37 @@ def load_engine_file(path: str) -> dict:
     try:
         with torch.serialization.safe_globals(deepspeed_safe_globals()):
             value = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, EOFError, RuntimeError, zipfile.BadZipFile, OSError, ValueError, TypeError,
-            AttributeError, KeyError) as err:
-        raise ValueError(f"{path}: damaged or not a DeepSpeed checkpoint of this run ({_reason(err)}); restore the "
-                         "checkpoint, or export another --step (or the final adapter)") from None
-    require(isinstance(value, dict), path, f"holds a {type(value).__name__}, not a DeepSpeed checkpoint's "
-            "dictionary; restore the checkpoint, or export another --step (or the final adapter)")
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        RuntimeError,
+        zipfile.BadZipFile,
+        OSError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        KeyError,
+    ) as err:
+        raise ValueError(
+            f"{path}: damaged or not a DeepSpeed checkpoint of this run ({_reason(err)}); restore the "
+            "checkpoint, or export another --step (or the final adapter)"
+        ) from None
+    require(
+        isinstance(value, dict),
+        path,
+        f"holds a {type(value).__name__}, not a DeepSpeed checkpoint's "
+        "dictionary; restore the checkpoint, or export another --step (or the final adapter)",
+    )
     return value
 
 
 def _entry(values: dict, key: str, path: str):
-    require(key in values, path, f"has no {key!r}: damaged or not a DeepSpeed ZeRO checkpoint of this run; restore "
-            "the checkpoint, or export another --step (or the final adapter)")
+    require(
+        key in values,
+        path,
+        f"has no {key!r}: damaged or not a DeepSpeed ZeRO checkpoint of this run; restore "
+        "the checkpoint, or export another --step (or the final adapter)",
+    )
     return values[key]
 
 
@@ -94,10 +112,22 @@ def _partition_groups(optim: dict, world: int, rank: int, path: str) -> list:
     flats = _entry(optim, "fp32_flat_groups", path)
     counts = _entry(optim, "partition_count", path)
     counts = list(counts) if isinstance(counts, (list, tuple)) else [counts] * len(flats)
-    require(all(int(c) == world for c in counts), path, f"its sub-groups are partitioned over {counts} ranks, but "
-            f"the checkpoint holds {world} ranks' files; restore the missing files or export another --step")
-    return [{"sub_group": i, "partition_count": world, "partition_rank": rank, "partition_ranks": list(range(world)),
-             "families": []} for i in range(len(flats))]
+    require(
+        all(int(c) == world for c in counts),
+        path,
+        f"its sub-groups are partitioned over {counts} ranks, but "
+        f"the checkpoint holds {world} ranks' files; restore the missing files or export another --step",
+    )
+    return [
+        {
+            "sub_group": i,
+            "partition_count": world,
+            "partition_rank": rank,
+            "partition_ranks": list(range(world)),
+            "families": [],
+        }
+        for i in range(len(flats))
+    ]
 
 
 def zero3_parameters(engine_dir: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, List[torch.Tensor]]]:
@@ -108,40 +138,61 @@ def zero3_parameters(engine_dir: str) -> Tuple[Dict[str, torch.Tensor], Dict[str
         if m := re.fullmatch(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", os.path.basename(f)):
             optim_files.setdefault(int(m.group(1)), []).append(f)
     ranks = sorted(optim_files)
-    require(ranks == list(range(len(ranks))) and ranks, "checkpoint", f"{engine_dir} does not hold the optimizer "
-            f"states of ranks 0..N-1 (found ranks {ranks})")
+    require(
+        ranks == list(range(len(ranks))) and ranks,
+        "checkpoint",
+        f"{engine_dir} does not hold the optimizer states of ranks 0..N-1 (found ranks {ranks})",
+    )
     twice = sorted(r for r, files in optim_files.items() if len(files) > 1)
-    require(not twice, "checkpoint", f"{engine_dir} holds two optimizer files (fp32 and bf16) for ranks {twice}; "
-            "restore the checkpoint as the run saved it")
+    require(
+        not twice,
+        "checkpoint",
+        f"{engine_dir} holds two optimizer files (fp32 and bf16) for ranks {twice}; "
+        "restore the checkpoint as the run saved it",
+    )
     slices: Dict[Tuple[str, Tuple[int, ...]], Dict[int, torch.Tensor]] = {}  # (name, partition ranks) -> pieces
     shapes: Dict[str, torch.Size] = {}
     expert_groups: Dict[str, set] = {}
     for rank in ranks:
         model_file, optim_file = os.path.join(engine_dir, _ZERO_MODEL.format(rank)), optim_files[rank][0]
-        require(os.path.isfile(model_file), "checkpoint", f"{model_file} is missing; restore it or export another "
-                "--step")
+        require(
+            os.path.isfile(model_file), "checkpoint", f"{model_file} is missing; restore it or export another --step"
+        )
         shapes_of = _entry(load_engine_file(model_file), "param_shapes", model_file)
         optim = _entry(load_engine_file(optim_file), "optimizer_state_dict", optim_file)
-        flats, groups = _entry(optim, "fp32_flat_groups", optim_file), _partition_groups(optim, len(ranks), rank,
-                                                                                       optim_file)
-        require(len(flats) == len(groups) == len(shapes_of), "checkpoint", f"rank {rank}: {len(flats)} flat groups, "
-                f"{len(groups)} partition groups and {len(shapes_of)} shape groups do not line up")
+        flats, groups = (
+            _entry(optim, "fp32_flat_groups", optim_file),
+            _partition_groups(optim, len(ranks), rank, optim_file),
+        )
+        require(
+            len(flats) == len(groups) == len(shapes_of),
+            "checkpoint",
+            f"rank {rank}: {len(flats)} flat groups, "
+            f"{len(groups)} partition groups and {len(shapes_of)} shape groups do not line up",
+        )
         for flat, group, names in zip(flats, groups, shapes_of):
             count, members = int(group["partition_count"]), tuple(group["partition_ranks"])
             sizes = [math.ceil(math.prod(s) / count) for s in names.values()]
-            require(sum(sizes) == flat.numel(), "checkpoint", f"rank {rank} sub-group {group['sub_group']}: "
-                    f"partitions of {sum(sizes)} elements expected, the flat group holds {flat.numel()}")
+            require(
+                sum(sizes) == flat.numel(),
+                "checkpoint",
+                f"rank {rank} sub-group {group['sub_group']}: "
+                f"partitions of {sum(sizes)} elements expected, the flat group holds {flat.numel()}",
+            )
             offset = 0
             for (name, shape), size in zip(names.items(), sizes):
-                slices.setdefault((name, members), {})[int(group["partition_rank"])] = flat[offset:offset + size]
+                slices.setdefault((name, members), {})[int(group["partition_rank"])] = flat[offset : offset + size]
                 offset += size
                 shapes[name] = shape
                 if _EXPERT_FAMILY in group.get("families", ()):
                     expert_groups.setdefault(name, set()).add(members)
     dense, experts = {}, {}
     for (name, members), pieces in slices.items():
-        require(sorted(pieces) == list(range(len(members))), "checkpoint", f"{name}: partitions {sorted(pieces)} "
-                f"of {len(members)} found")
+        require(
+            sorted(pieces) == list(range(len(members))),
+            "checkpoint",
+            f"{name}: partitions {sorted(pieces)} of {len(members)} found",
+        )
         full = torch.cat([pieces[i] for i in range(len(members))])[: math.prod(shapes[name])].view(shapes[name])
         if name in expert_groups:
             experts.setdefault(name, []).append((min(members), full))
@@ -151,8 +202,11 @@ def zero3_parameters(engine_dir: str) -> Tuple[Dict[str, torch.Tensor], Dict[str
     out_experts = {}
     for name, parts in experts.items():
         parts.sort(key=lambda p: p[0])  # EP rank k's group starts at global rank k (megatron's order)
-        require([p[0] for p in parts] == list(range(ep_size)), "checkpoint", f"{name}: expert-data-parallel groups "
-                f"starting at ranks {[p[0] for p in parts]}, expected 0..{ep_size - 1}")
+        require(
+            [p[0] for p in parts] == list(range(ep_size)),
+            "checkpoint",
+            f"{name}: expert-data-parallel groups starting at ranks {[p[0] for p in parts]}, expected 0..{ep_size - 1}",
+        )
         out_experts[name] = [t.clone() for _, t in parts]
     return dense, out_experts
 
@@ -183,8 +237,9 @@ def _peft_key(name: str, config: ModelConfig, backend: str, image: bool = False)
     return "base_model.model." + (TEXT_PREFIX if image else "") + megatron_to_hf_name(name, config)
 
 
-def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backend: str, r: int,
-                            vision: bool = False) -> Dict[str, torch.Tensor]:
+def adapter_from_checkpoint(
+    run_dir: str, step: int, config: ModelConfig, backend: str, r: int, vision: bool = False
+) -> Dict[str, torch.Tensor]:
     """The adapter tensors of checkpoint ``step`` of the run under PEFT keys, experts stacked over all E (fp32
     master weights under ZeRO-3): from the layout-free ``trainable.safetensors`` (``training.trainable_state``),
     or, for a checkpoint of an earlier version, from DeepSpeed's per-rank files; vision: whether the base
@@ -196,28 +251,43 @@ def adapter_from_checkpoint(run_dir: str, step: int, config: ModelConfig, backen
     root = os.path.join(run_dir, "checkpoints")
     path = os.path.join(root, step_name(step))
     if not os.path.isfile(os.path.join(path, "COMPLETE")):
-        found = sorted(int(d.split("-")[1]) for d in (os.listdir(root) if os.path.isdir(root) else [])
-                       if re.fullmatch(r"step-\d+", d) and os.path.isfile(os.path.join(root, d, "COMPLETE")))
-        require(False, "step", f"the run has no complete checkpoint at step {step}; complete checkpoints: {found} "
-                "(leave --step out to export the final adapter)")
+        found = sorted(
+            int(d.split("-")[1])
+            for d in (os.listdir(root) if os.path.isdir(root) else [])
+            if re.fullmatch(r"step-\d+", d) and os.path.isfile(os.path.join(root, d, "COMPLETE"))
+        )
+        require(
+            False,
+            "step",
+            f"the run has no complete checkpoint at step {step}; complete checkpoints: {found} "
+            "(leave --step out to export the final adapter)",
+        )
     engine = os.path.join(path, "engine")
     image = backend == "megatron" and _image_names(run_dir, vision)
     from ..training.trainable_state import TENSORS, read_trainable
 
     if os.path.isfile(os.path.join(path, TENSORS)):  # the layout-free state: whole tensors, whoever wrote them
-        return {_peft_key(n, config, backend, image): t.float().clone() for n, t in read_trainable(path).items()
-                if ":" not in n and ".lora_" in n}
+        return {
+            _peft_key(n, config, backend, image): t.float().clone()
+            for n, t in read_trainable(path).items()
+            if ":" not in n and ".lora_" in n
+        }
     # a checkpoint of an earlier version: DeepSpeed's per-rank files
     if os.path.isfile(os.path.join(engine, _PLAIN_MODEL)):
         plain = os.path.join(engine, _PLAIN_MODEL)
         module = _entry(load_engine_file(plain), "module", plain)
-        return {_peft_key(n, config, backend, image): t.detach().float().clone()
-                for n, t in module.items() if ".lora_" in n}
+        return {
+            _peft_key(n, config, backend, image): t.detach().float().clone() for n, t in module.items() if ".lora_" in n
+        }
     dense, experts = zero3_parameters(engine)
     out = {_peft_key(n, config, backend, image): t for n, t in dense.items() if ".lora_" in n}
     for name, parts in experts.items():
         factor = adapter_factor(name)
-        require(factor is not None, "checkpoint", f"{name} sits in the expert sub-group but is not an expert "
-                "adapter; restore the checkpoint as the run saved it")
+        require(
+            factor is not None,
+            "checkpoint",
+            f"{name} sits in the expert sub-group but is not an expert "
+            "adapter; restore the checkpoint as the run saved it",
+        )
         out[_peft_key(name, config, backend, image)] = stitch_experts(parts, factor, r)
     return out

@@ -40,8 +40,9 @@ def _combine(values: torch.Tensor, logits: torch.Tensor, dtype: torch.dtype) -> 
     return (weights.unsqueeze(-1) * values).sum(0).to(dtype)
 
 
-def attn_res_mix(candidates: Sequence[torch.Tensor], proj_weight: torch.Tensor, norm_weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+def attn_res_mix(
+    candidates: Sequence[torch.Tensor], proj_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     """Softmax-weighted mix of the candidates, weights from ``(RMSNorm(v_c) * norm_weight) . proj_weight``.
 
     The functional form (plain tensors); modules use ``attn_res_read``, which calls them instead.
@@ -49,8 +50,7 @@ def attn_res_mix(candidates: Sequence[torch.Tensor], proj_weight: torch.Tensor, 
     norm_weight: ``[D]``. Returns ``[..., D]`` in the candidates' dtype, computed in fp32.
     """
     values = _stack(candidates)
-    return _combine(values, rms_norm(values, norm_weight, eps) @ proj_weight.float().reshape(-1),
-                    candidates[0].dtype)
+    return _combine(values, rms_norm(values, norm_weight, eps) @ proj_weight.float().reshape(-1), candidates[0].dtype)
 
 
 def attn_res_read(candidates: Sequence[torch.Tensor], proj: "AttnResProjection", norm: RMSNorm) -> torch.Tensor:
@@ -140,8 +140,10 @@ class AttnResStream:
     def from_state(cls, state: Sequence[torch.Tensor], has_partial: bool) -> "AttnResStream":
         """The stream whose ``state()`` is ``state``; ``has_partial``: its last tensor is the partial sum."""
         if len(state) < (2 if has_partial else 1):
-            raise ValueError(f"state: {len(state)} tensors cannot hold the embedding"
-                             f"{' and a partial sum' if has_partial else ''}; pass the tuple state() returned")
+            raise ValueError(
+                f"state: {len(state)} tensors cannot hold the embedding"
+                f"{' and a partial sum' if has_partial else ''}; pass the tuple state() returned"
+            )
         stream = cls(state[0])
         stream.blocks = list(state[:-1] if has_partial else state)
         stream.partial = state[-1] if has_partial else None
@@ -159,16 +161,18 @@ def ends_block(layer_idx: int, block_size: int) -> bool:
     return not has_partial(layer_idx + 1, block_size)
 
 
-def stream_from_state(state: Sequence[torch.Tensor], attn_res: bool, layers_done: int,
-                      block_size: int) -> Union[PlainStream, AttnResStream]:
+def stream_from_state(
+    state: Sequence[torch.Tensor], attn_res: bool, layers_done: int, block_size: int
+) -> Union[PlainStream, AttnResStream]:
     """The stream whose ``state()`` is ``state`` after ``layers_done`` layers (blocks of ``block_size``)."""
     if not attn_res:
         return PlainStream.from_state(state)
     return AttnResStream.from_state(state, has_partial(layers_done, block_size))
 
 
-def layer_stream(state: Sequence[torch.Tensor], after_attention: bool, *, attn_res: bool, layer_idx: int,
-                 block_size: int) -> Union[PlainStream, AttnResStream]:
+def layer_stream(
+    state: Sequence[torch.Tensor], after_attention: bool, *, attn_res: bool, layer_idx: int, block_size: int
+) -> Union[PlainStream, AttnResStream]:
     """The stream of the 0-based layer ``layer_idx`` over ``state``: its input (the state after ``layer_idx``
     layers) or, ``after_attention``, the state after its attention's add, when an AttnRes stream always ends
     with the block's partial sum. A ``layers.composition.LayerParts.stream`` for both faces."""

@@ -59,8 +59,9 @@ def _norm_then(norm: Callable, mlp: Callable, x: torch.Tensor):
     return mlp(norm(x))
 
 
-def run_layer(state: State, parts: LayerParts, mode: str = "off",
-              checkpoint_fn: Optional[Callable] = None) -> Tuple[State, Optional[torch.Tensor], Any]:
+def run_layer(
+    state: State, parts: LayerParts, mode: str = "off", checkpoint_fn: Optional[Callable] = None
+) -> Tuple[State, Optional[torch.Tensor], Any]:
     """Advance the stream's ``state`` (what ``parts.stream`` takes and ``stream.state()`` gives: a tuple of
     tensors, or one tensor, ``[B, T, D]`` or ``[S, B, H]`` each) through one layer, recomputing the regions
     ``mode`` names (``layers.recompute.recomputed``, with ``checkpoint_fn``).
@@ -90,6 +91,7 @@ def run_layer(state: State, parts: LayerParts, mode: str = "off",
         return stream.state()
 
     if parts.moe is None:
+
         def dense_layer(before: State):
             stream, x, aux = through_attention(before)
             stream.add(region("dense_mlp", _norm_then, parts.mlp_norm, parts.mlp, x))

@@ -54,8 +54,13 @@ class DecoderLayer(nn.Module):
             self.block_sparse_moe = StableLatentMoE(config.moe)
         else:
             moe = config.moe
-            self.mlp = GLUMLP(d, config.dense_intermediate_size, activation=moe.activation,
-                              situ_beta=moe.situ_beta, situ_linear_beta=moe.situ_linear_beta)
+            self.mlp = GLUMLP(
+                d,
+                config.dense_intermediate_size,
+                activation=moe.activation,
+                situ_beta=moe.situ_beta,
+                situ_linear_beta=moe.situ_linear_beta,
+            )
         self.attn_res = config.attn_res
         self.block_size = config.attn_res_block_size
         if config.attn_res:
@@ -70,9 +75,14 @@ class DecoderLayer(nn.Module):
     def new_cache(self) -> LayerCache:
         return new_layer_cache(self.attention_type)
 
-    def forward(self, residual: Tuple[torch.Tensor, ...], cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[LayerCache] = None, return_indexer_loss: bool = False,
-                token_mask: Optional[torch.Tensor] = None) -> LayerOutput:
+    def forward(
+        self,
+        residual: Tuple[torch.Tensor, ...],
+        cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional[LayerCache] = None,
+        return_indexer_loss: bool = False,
+        token_mask: Optional[torch.Tensor] = None,
+    ) -> LayerOutput:
         """Advance the residual stream through attention and MLP.
 
         residual: the stream's ``state()`` before this layer (``PlainStream``: ``(h,)``; ``AttnResStream``:
@@ -88,14 +98,15 @@ class DecoderLayer(nn.Module):
         want_index = return_indexer_loss and self.attention_type == "mla"  # only MLA layers have an indexer
         padding = None if token_mask is None else ~token_mask.bool()
         parts = LayerParts(
-            stream=partial(layer_stream, attn_res=self.attn_res, layer_idx=self.layer_idx,
-                           block_size=self.block_size),
+            stream=partial(layer_stream, attn_res=self.attn_res, layer_idx=self.layer_idx, block_size=self.block_size),
             attention=partial(self._attention, attn_kwargs=attn_kwargs, want_index=want_index),
             mlp_norm=self.post_attention_layernorm,
             mlp=None if self.is_moe else self.mlp,
             moe=partial(self.block_sparse_moe, padding_mask=padding) if self.is_moe else None,
-            attention_point=self._res_point("self_attention"), mlp_point=self._res_point("mlp"),
-            ends_block=self.attn_res and self.ends_block)
+            attention_point=self._res_point("self_attention"),
+            mlp_point=self._res_point("mlp"),
+            ends_block=self.attn_res and self.ends_block,
+        )
         return run_layer(residual, parts, mode, self.recompute_checkpoint_fn)
 
     def _attention(self, x: torch.Tensor, attn_kwargs: dict, want_index: bool):

@@ -16,8 +16,14 @@ from torch import nn
 
 from ..config import MLAConfig
 from ..ops.checks import check_tensor
-from ..ops.dsa import (attention_target, dense_causal_attention, indexer_kl_loss, indexer_scores, indexer_topk,
-                       sparse_attention)
+from ..ops.dsa import (
+    attention_target,
+    dense_causal_attention,
+    indexer_kl_loss,
+    indexer_scores,
+    indexer_topk,
+    sparse_attention,
+)
 from .norm import RMSNorm
 
 INIT_STD = 0.02
@@ -52,8 +58,9 @@ def _append(old: Optional[torch.Tensor], new: torch.Tensor, name: str) -> torch.
     return torch.cat([old, new], dim=1)
 
 
-def _key_mask(cache: Optional[MLACache], token_mask: Optional[torch.Tensor], offset: int, B: int, T: int,
-              device) -> Optional[torch.Tensor]:
+def _key_mask(
+    cache: Optional[MLACache], token_mask: Optional[torch.Tensor], offset: int, B: int, T: int, device
+) -> Optional[torch.Tensor]:
     """The ``[B, offset + T]`` mask of all keys (cached ones first), or None when every key is real; kept in
     ``cache.key_mask`` so that padded prompt keys stay hidden in every later decoding step."""
     old = cache.key_mask if cache is not None else None
@@ -82,10 +89,11 @@ class LightningIndexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         # V3.2 folds the dot-product scale D_I^-0.5 and the head-average H_I^-0.5 into the head weights
         # (ReLU commutes with a positive scale).
-        self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
+        self.weight_scale = self.n_heads**-0.5 * self.head_dim**-0.5
 
-    def forward(self, hidden_states: torch.Tensor, q_latent: torch.Tensor
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden_states: torch.Tensor, q_latent: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states ``[B, T, D]``, q_latent ``[B, T, q_lora_rank]`` (normed) -> q_index ``[B, T, H_I, D_I]``,
         k_index ``[B, T, D_I]``, weights ``[B, T, H_I]``."""
         B, T, _ = hidden_states.shape
@@ -108,7 +116,7 @@ class GatedMLAAttention(nn.Module):
         self.config = config
         c = config
         self.num_heads = c.num_heads
-        self.scale = c.qk_head_dim ** -0.5
+        self.scale = c.qk_head_dim**-0.5
         self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=c.norm_eps)
         self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.qk_head_dim, bias=False)
@@ -126,10 +134,14 @@ class GatedMLAAttention(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=INIT_STD)
 
-    def forward(self, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[MLACache] = None, return_indexer_loss: bool = False,
-                token_mask: Optional[torch.Tensor] = None
-                ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional[MLACache] = None,
+        return_indexer_loss: bool = False,
+        token_mask: Optional[torch.Tensor] = None,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """hidden_states ``[B, T, D]`` -> ``[B, T, D]``, or ``(out, indexer_loss)`` if ``return_indexer_loss``.
 
         cu_seqlens: ``[N+1]`` packed-sequence boundaries (batch 1, no cache). cache: appended to in place;
@@ -174,8 +186,7 @@ class GatedMLAAttention(nn.Module):
                 cache.index_keys = k_index = _append(cache.index_keys, k_index, "index_keys")
             index_inputs = (q_index, k_index, weights)
             if not self.indexer_warmup:
-                indices = indexer_topk(q_index, k_index, weights, c.index_topk, cu_seqlens, offset,
-                                       key_mask=key_mask)
+                indices = indexer_topk(q_index, k_index, weights, c.index_topk, cu_seqlens, offset, key_mask=key_mask)
 
         if indices is not None:
             o = sparse_attention(q, k, v, indices, self.scale)

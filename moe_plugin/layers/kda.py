@@ -51,11 +51,22 @@ class ShortConvolution(nn.Module):
         bound = 1.0 / math.sqrt(self.weight.shape[-1])
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None, output_final_state: bool = False,
-                cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: Optional[torch.Tensor] = None,
+        output_final_state: bool = False,
+        cu_seqlens: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x ``[B, T, C]``, state ``[B, C, W-1]`` -> (``[B, T, C]``, new state ``[B, C, W-1]`` or None)."""
-        return causal_conv1d(x, self.weight.squeeze(1), activation="silu", initial_state=state,
-                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        return causal_conv1d(
+            x,
+            self.weight.squeeze(1),
+            activation="silu",
+            initial_state=state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+        )
 
 
 class KDAAttention(nn.Module):
@@ -94,8 +105,13 @@ class KDAAttention(nn.Module):
         dt = self.dt_bias.uniform_(math.log(1e-3), math.log(1e-1)).exp_()
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def forward(self, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[KDACache] = None, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional[KDACache] = None,
+        token_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """hidden_states ``[B, T, D]`` -> ``[B, T, D]``.
 
         cu_seqlens ``[N + 1]`` (batch 1): packed sequences, state and conv windows restart at each boundary.
@@ -143,8 +159,17 @@ class KDAAttention(nn.Module):
         if keep and T == 1:
             o, state = naive_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
         else:
-            o, state = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=keep,
-                                 cu_seqlens=cu_seqlens, chunk_size=cfg.chunk_size)
+            o, state = chunk_kda(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=state,
+                output_final_state=keep,
+                cu_seqlens=cu_seqlens,
+                chunk_size=cfg.chunk_size,
+            )
         if keep:
             cache.state, cache.q_conv, cache.k_conv, cache.v_conv = state, q_conv, k_conv, v_conv
 

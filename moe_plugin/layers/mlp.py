@@ -14,8 +14,14 @@ class GLUMLP(nn.Module):
     activation: "situ" (K3's SiTU-GLU with ``situ_beta``, ``situ_linear_beta``) or "swiglu".
     """
 
-    def __init__(self, hidden: int, intermediate: int, activation: str = "situ", situ_beta: float = 4.0,
-                 situ_linear_beta: float = 25.0):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        activation: str = "situ",
+        situ_beta: float = 4.0,
+        situ_linear_beta: float = 25.0,
+    ):
         super().__init__()
         # Fail at build time with the argument's name, not at the first forward.
         glu(activation, torch.zeros(1), torch.zeros(1))
@@ -28,8 +34,9 @@ class GLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[..., hidden]`` -> ``[..., hidden]``."""
-        h = glu(self.activation, self.gate_proj(x), self.up_proj(x), beta=self.situ_beta,
-                linear_beta=self.situ_linear_beta)
+        h = glu(
+            self.activation, self.gate_proj(x), self.up_proj(x), beta=self.situ_beta, linear_beta=self.situ_linear_beta
+        )
         return self.down_proj(h)
 
     def extra_repr(self) -> str:

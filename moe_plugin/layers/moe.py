@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import MoEConfig
-from ..ops.moe import (document_balance, permute, quantile_balance_bias, route, unpermute,
-                       update_bias_sign)
+from ..ops.moe import document_balance, permute, quantile_balance_bias, route, unpermute, update_bias_sign
 from .mlp import GLUMLP
 from .norm import RMSNorm
 from .packed_experts import PackedStackedExperts
@@ -26,23 +25,31 @@ from .stacked_experts import StackedExperts
 BIAS_METHODS = ("sign", "quantile")
 
 
-def route_logits(config: MoEConfig, logits: torch.Tensor, bias: Optional[torch.Tensor]
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route_logits(
+    config: MoEConfig, logits: torch.Tensor, bias: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ops.moe.route`` with ``config``'s routing options: logits ``[N, E]``, bias ``[E]`` -> weights ``[N, k]``
     fp32, indices ``[N, k]`` int64, unbiased scores ``[N, E]`` fp32."""
-    return route(logits.float(), config.top_k, bias=bias, renormalize=config.renormalize,
-                 scaling=config.routed_scaling_factor, num_groups=config.num_groups, topk_groups=config.topk_groups)
+    return route(
+        logits.float(),
+        config.top_k,
+        bias=bias,
+        renormalize=config.renormalize,
+        scaling=config.routed_scaling_factor,
+        num_groups=config.num_groups,
+        topk_groups=config.topk_groups,
+    )
 
 
-def expert_load(indices: torch.Tensor, num_experts: int, padding_mask: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+def expert_load(indices: torch.Tensor, num_experts: int, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """indices: ``[N, k]`` chosen experts; padding_mask: ``[N]`` bool, True = padding (megatron's GPTModel
     convention) -> ``[E]`` float count of the non-padded token copies each expert received (detached)."""
     indices = indices.detach()
     if padding_mask is not None:
         if padding_mask.numel() != indices.shape[0]:
-            raise ValueError(f"padding_mask: expected {indices.shape[0]} entries (one per token), got "
-                             f"{tuple(padding_mask.shape)}")
+            raise ValueError(
+                f"padding_mask: expected {indices.shape[0]} entries (one per token), got {tuple(padding_mask.shape)}"
+            )
         indices = indices[~padding_mask.reshape(-1).bool().to(indices.device)]
     return torch.bincount(indices.reshape(-1), minlength=num_experts).float()
 
@@ -114,8 +121,7 @@ class LatentMoEMixin:
     _balance_documents: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
     last_balance: Optional[torch.Tensor] = None
 
-    def _build_latent_modules(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
-                              ) -> None:
+    def _build_latent_modules(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         c = self.moe_config
         if c.latent_size is None:
             return
@@ -149,8 +155,9 @@ class LatentMoEMixin:
         if torch.is_grad_enabled():
             self.last_load = load if self.last_load is None else self.last_load + load
 
-    def _record_balance(self, scores: torch.Tensor, indices: torch.Tensor,
-                        padding_mask: Optional[torch.Tensor] = None) -> None:
+    def _record_balance(
+        self, scores: torch.Tensor, indices: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+    ) -> None:
         """Inside ``balancing``, with gradients enabled: add this forward's ``sum_d w_d * balance_d`` (a scalar
         with gradients through the router's scores, ``ops.moe.document_balance``) to ``last_balance``.
 
@@ -160,8 +167,10 @@ class LatentMoEMixin:
             return
         doc_ids, weights = self._balance_documents
         if doc_ids.numel() != scores.shape[0]:
-            raise ValueError(f"balancing: expected one document id per routed token ({scores.shape[0]}), got "
-                             f"{doc_ids.numel()}; give the document ids of the tokens in the layer's order")
+            raise ValueError(
+                f"balancing: expected one document id per routed token ({scores.shape[0]}), got "
+                f"{doc_ids.numel()}; give the document ids of the tokens in the layer's order"
+            )
         doc_ids = doc_ids.to(scores.device)
         if padding_mask is not None:
             doc_ids = doc_ids.masked_fill(padding_mask.reshape(-1).bool().to(scores.device), -1)
@@ -214,12 +223,20 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         c = config
         self.num_experts, self.top_k = c.num_experts, c.top_k
         self.gate = MoERouter(c.hidden_size, c.num_experts)
-        self.experts = experts_class(c)(c.num_experts, c.expert_dim, c.expert_intermediate_size, c.activation,
-                                        c.situ_beta, c.situ_linear_beta, **experts_kwargs(c))
+        self.experts = experts_class(c)(
+            c.num_experts,
+            c.expert_dim,
+            c.expert_intermediate_size,
+            c.activation,
+            c.situ_beta,
+            c.situ_linear_beta,
+            **experts_kwargs(c),
+        )
         self._build_latent_modules()
         if c.num_shared_experts > 0:
-            self.shared_experts = GLUMLP(c.hidden_size, c.shared_intermediate_size, c.activation,
-                                         c.situ_beta, c.situ_linear_beta)
+            self.shared_experts = GLUMLP(
+                c.hidden_size, c.shared_intermediate_size, c.activation, c.situ_beta, c.situ_linear_beta
+            )
 
     @property
     def router(self) -> MoERouter:
@@ -234,8 +251,9 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         """x_flat: ``[N, hidden]`` -> ``[N, hidden]``, or None without shared experts."""
         return self.shared_experts(x_flat) if self.config.num_shared_experts > 0 else None
 
-    def _experts_combined(self, z_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, order: torch.Tensor,
-                          weights: torch.Tensor) -> torch.Tensor:
+    def _experts_combined(
+        self, z_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """The dispatched tokens ``[N * k, L]`` through their experts, combined per token with the router's
         weights ``[N, k]``: ``[N, L]``."""
         return unpermute(self.experts(z_sorted, tokens_per_expert), order, weights)
@@ -246,8 +264,9 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         shared = self.shared_path(x_flat)
         return y if shared is None else y + shared
 
-    def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """hidden_states: ``[B, T, hidden]`` -> ``(y [B, T, hidden], load [E])``.
 
         load is the detached float count of token copies each expert received in this call, to be summed
@@ -261,8 +280,9 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         z_sorted, tokens_per_expert, order = permute(self.to_latent(x), indices, self.num_experts)
         # routing and dispatch above are kept; the experts and what follows the combine may be recomputed
         mode, ckpt = self.recompute_mode, self.recompute_checkpoint_fn
-        u = recomputed(mode, "experts", self._experts_combined, z_sorted, tokens_per_expert, order, weights,
-                       checkpoint_fn=ckpt)
+        u = recomputed(
+            mode, "experts", self._experts_combined, z_sorted, tokens_per_expert, order, weights, checkpoint_fn=ckpt
+        )
         y = recomputed(mode, "moe_out", self._after_combine, u, x, checkpoint_fn=ckpt)
         if padding_mask is None:
             load = tokens_per_expert.detach().float()
@@ -273,8 +293,9 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
 
 
 @contextlib.contextmanager
-def balancing(layers: Iterable[LatentMoEMixin], doc_ids: torch.Tensor, weights: torch.Tensor
-              ) -> Iterator[List[LatentMoEMixin]]:
+def balancing(
+    layers: Iterable[LatentMoEMixin], doc_ids: torch.Tensor, weights: torch.Tensor
+) -> Iterator[List[LatentMoEMixin]]:
     """Within the block, every MoE layer of ``layers`` records the sequence-wise balance term of its training
     forwards (``LatentMoEMixin._record_balance``; read it with ``pop_balance``).
 

@@ -44,10 +44,21 @@ class PackedStackedExperts(StackedExperts):
 
     is_packed = True
 
-    def __init__(self, num_experts: int, dim: int, intermediate: int, activation: str = "situ",
-                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0, dtype: Optional[torch.dtype] = None,
-                 device: Optional[torch.device] = None, seed: Optional[int] = None, first_expert: int = 0,
-                 expert_format: Optional[str] = None, group_size: int = DEFAULT_GROUP_SIZE):
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        intermediate: int,
+        activation: str = "situ",
+        situ_beta: float = 4.0,
+        situ_linear_beta: float = 25.0,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+        seed: Optional[int] = None,
+        first_expert: int = 0,
+        expert_format: Optional[str] = None,
+        group_size: int = DEFAULT_GROUP_SIZE,
+    ):
         nn.Module.__init__(self)
         fmt = expert_format
         if fmt not in FORMATS:
@@ -60,14 +71,24 @@ class PackedStackedExperts(StackedExperts):
         self.init_dtype = dtype if dtype is not None and dtype.is_floating_point else torch.float32
         # logical [E, out, in] of each kind, what peft's adapters and the exports see
         self.logical_shapes: Dict[str, Tuple[int, int, int]] = {
-            "w1": (num_experts, intermediate, dim), "w3": (num_experts, intermediate, dim),
-            "w2": (num_experts, dim, intermediate)}
+            "w1": (num_experts, intermediate, dim),
+            "w3": (num_experts, intermediate, dim),
+            "w2": (num_experts, dim, intermediate),
+        }
         for kind, (e, out, inp) in self.logical_shapes.items():
             spec = packed_spec(fmt, inp, f"experts.{kind}")
-            self.register_parameter(kind, nn.Parameter(
-                torch.zeros(e, out, spec.packed_cols, dtype=spec.packed_dtype, device=device), requires_grad=False))
-            self.register_parameter(f"{kind}_scale", nn.Parameter(
-                torch.zeros(e, out, spec.scale_cols, dtype=spec.scale_dtype, device=device), requires_grad=False))
+            self.register_parameter(
+                kind,
+                nn.Parameter(
+                    torch.zeros(e, out, spec.packed_cols, dtype=spec.packed_dtype, device=device), requires_grad=False
+                ),
+            )
+            self.register_parameter(
+                f"{kind}_scale",
+                nn.Parameter(
+                    torch.zeros(e, out, spec.scale_cols, dtype=spec.scale_dtype, device=device), requires_grad=False
+                ),
+            )
         self.active_lora: Dict[str, List[tuple]] = {}
         self.reset_parameters()
 
@@ -92,7 +113,7 @@ class PackedStackedExperts(StackedExperts):
             return
         for j in range(self.w1.shape[0]):
             g = torch.Generator(device=self.w1.device)
-            g.manual_seed((self.seed + (self.first_expert + j) * _SEED_MIX) % 2 ** 63)
+            g.manual_seed((self.seed + (self.first_expert + j) * _SEED_MIX) % 2**63)
             for kind in KINDS:
                 self._store(kind, j, self._draw(self.logical_shapes[kind][1:], g))
 
@@ -107,8 +128,15 @@ class PackedStackedExperts(StackedExperts):
         getattr(self, f"{kind}_scale")[index].copy_(scale)
 
     def _project(self, kind: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        y = packed_grouped_linear(x, counts, getattr(self, kind), getattr(self, f"{kind}_scale"),
-                                  self.expert_format, self.logical_shapes[kind][2], self.group_size)
+        y = packed_grouped_linear(
+            x,
+            counts,
+            getattr(self, kind),
+            getattr(self, f"{kind}_scale"),
+            self.expert_format,
+            self.logical_shapes[kind][2],
+            self.group_size,
+        )
         for lora_a, lora_b, scaling in self.active_lora.get(kind, ()):
             y = y + grouped_lora(x, counts, lora_a, lora_b, scaling)
         return y
@@ -123,5 +151,7 @@ class PackedStackedExperts(StackedExperts):
 
     def extra_repr(self) -> str:
         e, f, dim = self.logical_shapes["w1"]
-        return (f"num_experts={e}, dim={dim}, intermediate={f}, activation={self.activation!r}, "
-                f"expert_format={self.expert_format!r}, group_size={self.group_size}")
+        return (
+            f"num_experts={e}, dim={dim}, intermediate={f}, activation={self.activation!r}, "
+            f"expert_format={self.expert_format!r}, group_size={self.group_size}"
+        )

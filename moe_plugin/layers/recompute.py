@@ -34,15 +34,24 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["MODES", "REGIONS", "RECOMPUTED", "KEPT", "check_mode", "recomputed", "read_stream", "set_recompute",
-           "is_recomputing"]
+__all__ = [
+    "MODES",
+    "REGIONS",
+    "RECOMPUTED",
+    "KEPT",
+    "check_mode",
+    "recomputed",
+    "read_stream",
+    "set_recompute",
+    "is_recomputing",
+]
 
 MODES = ("off", "selective", "full")
 
 # every region a layer may recompute, and what is in it
 REGIONS: Dict[str, str] = {
     "attention": "the input norm and the attention (KDA chunk intermediates, MLA up-projections and softmax, "
-                 "DSA indexer scores)",
+    "DSA indexer scores)",
     "attn_res_mix": "an Attention-Residual mixing point (its candidates' fp32 stack, RMSNorm, softmax)",
     "mlp_norm": "the post-attention norm (the MoE's input)",
     "dense_mlp": "a dense layer's post-attention norm and GLU MLP",
@@ -61,9 +70,8 @@ RECOMPUTED: Dict[str, FrozenSet[str]] = {
 KEPT: Dict[str, str] = {
     "off": "every saved tensor",
     "selective": "each layer's input, its attention's and MLP's inputs, the MoE input and the routing (scores, "
-                 "top-k ids and weights), the dispatched tokens",
-    "full": "each layer's input, the MoE input and the routing (scores, top-k ids and weights), the dispatched "
-            "tokens",
+    "top-k ids and weights), the dispatched tokens",
+    "full": "each layer's input, the MoE input and the routing (scores, top-k ids and weights), the dispatched tokens",
 }
 
 _STATE = threading.local()
@@ -111,8 +119,10 @@ def recomputed(mode: str, region: str, fn: Callable, *args, checkpoint_fn: Optio
     fixed = getattr(ckpt, "keywords", None) or {}
     if "use_reentrant" in fixed:
         if fixed["use_reentrant"]:
-            raise ValueError("gradient_checkpointing_kwargs.use_reentrant: must be False (reentrant checkpointing "
-                             "would recompute the router and breaks ZeRO-3's frozen parameters); drop it")
+            raise ValueError(
+                "gradient_checkpointing_kwargs.use_reentrant: must be False (reentrant checkpointing "
+                "would recompute the router and breaks ZeRO-3's frozen parameters); drop it"
+            )
         return ckpt(run, *args, **kwargs)
     return ckpt(run, *args, use_reentrant=False, **kwargs)
 

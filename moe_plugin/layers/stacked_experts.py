@@ -25,9 +25,19 @@ class StackedExperts(nn.Module):
     index), so an expert starts the same whichever expert-parallel rank holds it (EP=n equals EP=1).
     """
 
-    def __init__(self, num_experts: int, dim: int, intermediate: int, activation: str = "situ",
-                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0, dtype: Optional[torch.dtype] = None,
-                 device: Optional[torch.device] = None, seed: Optional[int] = None, first_expert: int = 0):
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        intermediate: int,
+        activation: str = "situ",
+        situ_beta: float = 4.0,
+        situ_linear_beta: float = 25.0,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+        seed: Optional[int] = None,
+        first_expert: int = 0,
+    ):
         super().__init__()
         self.activation = activation
         self.situ_beta = situ_beta
@@ -51,15 +61,23 @@ class StackedExperts(nn.Module):
             return
         for j in range(self.w1.shape[0]):
             g = torch.Generator(device=self.w1.device)
-            g.manual_seed((self.seed + (self.first_expert + j) * _SEED_MIX) % 2 ** 63)
+            g.manual_seed((self.seed + (self.first_expert + j) * _SEED_MIX) % 2**63)
             for w in (self.w1, self.w3, self.w2):
                 bound = 1.0 / math.sqrt(w.shape[2])
                 w[j].uniform_(-bound, bound, generator=g)
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x_sorted: ``[M, L]`` rows grouped by expert; tokens_per_expert: ``[E]`` -> ``[M, L]``."""
-        return grouped_glu(x_sorted, tokens_per_expert, self.w1, self.w3, self.w2, self.activation,
-                           beta=self.situ_beta, linear_beta=self.situ_linear_beta)
+        return grouped_glu(
+            x_sorted,
+            tokens_per_expert,
+            self.w1,
+            self.w3,
+            self.w2,
+            self.activation,
+            beta=self.situ_beta,
+            linear_beta=self.situ_linear_beta,
+        )
 
     def extra_repr(self) -> str:
         # a ZeRO-3 partitioned parameter's own shape is (0,): its full shape is ZeRO-3's ds_shape

@@ -47,8 +47,10 @@ def check_grid_hw(grid_hw: torch.Tensor, merge_size: int, total_patches: int) ->
     sides = grid_hw.tolist()
     for i, (h, w) in enumerate(sides):
         if h <= 0 or w <= 0 or h % merge_size or w % merge_size:
-            raise ValueError(f"grid_hw: image {i} has grid {h}x{w}; each side must be a positive multiple "
-                             f"of merge_size ({merge_size})")
+            raise ValueError(
+                f"grid_hw: image {i} has grid {h}x{w}; each side must be a positive multiple "
+                f"of merge_size ({merge_size})"
+            )
     total = sum(h * w for h, w in sides)
     if total != total_patches:
         raise ValueError(f"grid_hw: its grids hold {total} patches but pixel_patches has {total_patches} rows")
@@ -210,7 +212,7 @@ class VisionTower(nn.Module):
         for h, w in grid_hw.tolist():
             if (h, w) not in cache:
                 cache[h, w] = interpolate_pos_embed(self.pos_embed, h, w)
-            pos = positions[offset:offset + h * w]
+            pos = positions[offset : offset + h * w]
             parts.append(cache[h, w][pos[:, 0], pos[:, 1]])
             offset += h * w
         return torch.cat(parts)
@@ -240,7 +242,7 @@ class PatchMerger(nn.Module):
 
     def __init__(self, config: VisionConfig):
         super().__init__()
-        self.group = config.merge_size ** 2
+        self.group = config.merge_size**2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N / m^2, m^2 * hidden], the inner (row, col) order kept inside each token."""

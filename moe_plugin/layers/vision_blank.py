@@ -22,8 +22,10 @@ Encoder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def blank_image(config: VisionConfig, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """(pixel_patches ``[m * m, C * P * P]`` zeros, grid_hw ``[[m, m]]``): one merged token's worth of patches."""
     m = config.merge_size
-    return (torch.zeros(m * m, config.patch_dim, device=device),
-            torch.tensor([[m, m]], device=device, dtype=torch.int64))
+    return (
+        torch.zeros(m * m, config.patch_dim, device=device),
+        torch.tensor([[m, m]], device=device, dtype=torch.int64),
+    )
 
 
 def blank_image_tokens(encode: Encoder, config: VisionConfig, device: torch.device) -> torch.Tensor:

@@ -29,8 +29,14 @@ from ..layers.mlp import GLUMLP
 from ..layers.norm import RMSNorm
 from ..layers.recompute import is_recomputing
 
-__all__ = ["MegatronRMSNorm", "KDASelfAttention", "GatedDSASelfAttention", "DenseMLP", "packed_cu_seqlens",
-           "indexer_loss_of"]
+__all__ = [
+    "MegatronRMSNorm",
+    "KDASelfAttention",
+    "GatedDSASelfAttention",
+    "DenseMLP",
+    "packed_cu_seqlens",
+    "indexer_loss_of",
+]
 
 
 def packed_cu_seqlens(packed_seq_params: Optional[PackedSeqParams], batch: int) -> Optional[torch.Tensor]:
@@ -43,22 +49,34 @@ def packed_cu_seqlens(packed_seq_params: Optional[PackedSeqParams], batch: int) 
     if packed_seq_params is None:
         return None
     p = packed_seq_params
-    require(p.qkv_format in (None, "thd"), "packed_seq_params.qkv_format",
-            f"must be 'thd' (packed tokens), got {p.qkv_format!r}")
+    require(
+        p.qkv_format in (None, "thd"),
+        "packed_seq_params.qkv_format",
+        f"must be 'thd' (packed tokens), got {p.qkv_format!r}",
+    )
     require(p.cu_seqlens_q is not None, "packed_seq_params.cu_seqlens_q", "must be set for packed sequences")
     require(batch == 1, "packed_seq_params", f"packed sequences need batch size 1, got {batch}")
     padded = p.cu_seqlens_q_padded
-    require(padded is None or torch.equal(padded.to(p.cu_seqlens_q), p.cu_seqlens_q),
-            "packed_seq_params.cu_seqlens_q_padded", "padded packing is not supported (must equal cu_seqlens_q)")
+    require(
+        padded is None or torch.equal(padded.to(p.cu_seqlens_q), p.cu_seqlens_q),
+        "packed_seq_params.cu_seqlens_q_padded",
+        "padded packing is not supported (must equal cu_seqlens_q)",
+    )
     if p.cu_seqlens_kv is not None:
-        require(torch.equal(p.cu_seqlens_kv.to(p.cu_seqlens_q), p.cu_seqlens_q), "packed_seq_params.cu_seqlens_kv",
-                "must equal cu_seqlens_q (self-attention)")
+        require(
+            torch.equal(p.cu_seqlens_kv.to(p.cu_seqlens_q), p.cu_seqlens_q),
+            "packed_seq_params.cu_seqlens_kv",
+            "must equal cu_seqlens_q (self-attention)",
+        )
     return p.cu_seqlens_q.long()
 
 
 def _check_hidden(config: TransformerConfig, hidden_size: int, what: str) -> None:
-    require(config.hidden_size == hidden_size, "TransformerConfig.hidden_size",
-            f"must equal {what}.hidden_size ({hidden_size}), got {config.hidden_size}")
+    require(
+        config.hidden_size == hidden_size,
+        "TransformerConfig.hidden_size",
+        f"must equal {what}.hidden_size ({hidden_size}), got {config.hidden_size}",
+    )
 
 
 class MegatronRMSNorm(RMSNorm):
@@ -71,16 +89,24 @@ class MegatronRMSNorm(RMSNorm):
 class _SequenceFirstAttention:
     """Mixin: megatron's self-attention call on top of a ``[B, T, D] -> [B, T, D]`` layer's forward."""
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                inference_context: Any = None, packed_seq_params: Optional[PackedSeqParams] = None,
-                **unused: Any):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        inference_context: Any = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+        **unused: Any,
+    ):
         """hidden_states ``[S, B, H]`` -> ``(out [S, B, H], None)``.
 
         ``attention_mask`` is ignored: the layers are causal by construction (and per document with
         ``packed_seq_params``). Rotary arguments are ignored: the model has no position embedding.
         """
-        require(inference_context is None, "inference_context",
-                "megatron inference contexts are not supported; decode with the Hugging Face model's cache")
+        require(
+            inference_context is None,
+            "inference_context",
+            "megatron inference contexts are not supported; decode with the Hugging Face model's cache",
+        )
         x = hidden_states.transpose(0, 1)
         cu_seqlens = packed_cu_seqlens(packed_seq_params, x.shape[0])
         out = self._attend(x, cu_seqlens)
@@ -94,8 +120,14 @@ class _SequenceFirstAttention:
 class KDASelfAttention(_SequenceFirstAttention, KDAAttention):
     """``self_attention`` of a KDA layer: ``KDAAttention`` with megatron's calling convention."""
 
-    def __init__(self, config: TransformerConfig, kda: KDAConfig, layer_number: Optional[int] = None,
-                 pg_collection: Any = None, **unused: Any):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        kda: KDAConfig,
+        layer_number: Optional[int] = None,
+        pg_collection: Any = None,
+        **unused: Any,
+    ):
         _check_hidden(config, kda.hidden_size, "KDAConfig")
         super().__init__(kda)
         self.layer_number = layer_number
@@ -111,8 +143,15 @@ class GatedDSASelfAttention(_SequenceFirstAttention, GatedMLAAttention):
     Hugging Face model does. The indexer's inputs are detached, so the term reaches the indexer only.
     """
 
-    def __init__(self, config: TransformerConfig, mla: MLAConfig, layer_number: Optional[int] = None,
-                 pg_collection: Any = None, indexer_loss: bool = False, **unused: Any):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        mla: MLAConfig,
+        layer_number: Optional[int] = None,
+        pg_collection: Any = None,
+        indexer_loss: bool = False,
+        **unused: Any,
+    ):
         _check_hidden(config, mla.hidden_size, "MLAConfig")
         super().__init__(mla)
         self.layer_number = layer_number
@@ -120,8 +159,12 @@ class GatedDSASelfAttention(_SequenceFirstAttention, GatedMLAAttention):
         self.indexer_loss: Optional[torch.Tensor] = None
 
     def wants_indexer_loss(self) -> bool:
-        return (self.compute_indexer_loss and self.training and self.indexer is not None
-                and any(p.requires_grad for p in self.indexer.parameters()))
+        return (
+            self.compute_indexer_loss
+            and self.training
+            and self.indexer is not None
+            and any(p.requires_grad for p in self.indexer.parameters())
+        )
 
     def _attend(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
         if not self.wants_indexer_loss():
@@ -149,8 +192,15 @@ def indexer_loss_of(model) -> Optional[torch.Tensor]:
 class DenseMLP(GLUMLP):
     """``mlp`` of the first ``first_k_dense`` layers: ``GLUMLP`` returning megatron's ``(out, None)``."""
 
-    def __init__(self, config: TransformerConfig, intermediate_size: int, activation: str = "situ",
-                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0, **unused: Any):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        intermediate_size: int,
+        activation: str = "situ",
+        situ_beta: float = 4.0,
+        situ_linear_beta: float = 25.0,
+        **unused: Any,
+    ):
         super().__init__(config.hidden_size, intermediate_size, activation, situ_beta, situ_linear_beta)
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, **unused: Any):

@@ -47,9 +47,12 @@ UNREAD_ROUTER_FIELDS = {
     # megatron's seq_aux_loss takes a row of the batch as its sequence (a packed row of documents would be one)
     # and lives in its TopKRouter, which this layer replaces: the per-document term is LatentMoEMixin's, the
     # Hugging Face layer's own (moe_plugin.layers.moe.balancing), added to the loss by the training backend
-    "moe_aux_loss_coeff": (0.0, "the balance loss is the recipe's router_balance.aux_loss_coeff (per document, "
-                                "moe_plugin.layers.moe.balancing); the selection bias balances full training "
-                                "(MoEConfig.bias_update_rate)"),
+    "moe_aux_loss_coeff": (
+        0.0,
+        "the balance loss is the recipe's router_balance.aux_loss_coeff (per document, "
+        "moe_plugin.layers.moe.balancing); the selection bias balances full training "
+        "(MoEConfig.bias_update_rate)",
+    ),
     "moe_z_loss_coeff": (None, "no z-loss on this router"),
     "moe_router_padding_for_quantization": (False, "no routing-map padding (the experts are not quantized)"),
     "moe_router_padding_for_fp8": (False, "no routing-map padding (the experts are not quantized)"),
@@ -57,8 +60,10 @@ UNREAD_ROUTER_FIELDS = {
     "moe_router_num_groups": (None, "set MoEConfig.num_groups"),
     "moe_router_group_topk": (None, "set MoEConfig.topk_groups"),
     "moe_router_topk_scaling_factor": (None, "set MoEConfig.routed_scaling_factor"),
-    "moe_router_enable_expert_bias": (False, "the selection bias is always on (gate.e_score_correction_bias, "
-                                             "MoEConfig.bias_update_rate)"),
+    "moe_router_enable_expert_bias": (
+        False,
+        "the selection bias is always on (gate.e_score_correction_bias, MoEConfig.bias_update_rate)",
+    ),
     "moe_input_jitter_eps": (None, "no input jitter on this router"),
 }
 
@@ -89,18 +94,33 @@ def check_megatron_config(config: TransformerConfig, moe: MoEConfig) -> None:
             continue  # unused by LatentMoELayer: its experts and router take their sizes and dtype from moe
         got = getattr(config, name)
         require(got == want, f"TransformerConfig.{name}", f"must be {want!r} for this MoEConfig, got {got!r}")
-    require(config.hidden_size == moe.hidden_size, "TransformerConfig.hidden_size",
-            f"must equal MoEConfig.hidden_size ({moe.hidden_size}), got {config.hidden_size}")
-    require(config.moe_latent_size is None, "TransformerConfig.moe_latent_size",
-            "must be None: LatentMoELayer does the latent projection (set MoEConfig.latent_size instead)")
-    require(not config.moe_shared_expert_overlap, "TransformerConfig.moe_shared_expert_overlap",
-            "is not supported: the shared experts run on the full hidden, outside the dispatcher")
-    require(config.moe_expert_capacity_factor is None, "TransformerConfig.moe_expert_capacity_factor",
-            "must be None: LatentMoELayer is dropless")
+    require(
+        config.hidden_size == moe.hidden_size,
+        "TransformerConfig.hidden_size",
+        f"must equal MoEConfig.hidden_size ({moe.hidden_size}), got {config.hidden_size}",
+    )
+    require(
+        config.moe_latent_size is None,
+        "TransformerConfig.moe_latent_size",
+        "must be None: LatentMoELayer does the latent projection (set MoEConfig.latent_size instead)",
+    )
+    require(
+        not config.moe_shared_expert_overlap,
+        "TransformerConfig.moe_shared_expert_overlap",
+        "is not supported: the shared experts run on the full hidden, outside the dispatcher",
+    )
+    require(
+        config.moe_expert_capacity_factor is None,
+        "TransformerConfig.moe_expert_capacity_factor",
+        "must be None: LatentMoELayer is dropless",
+    )
     for name, (default, instead) in UNREAD_ROUTER_FIELDS.items():
         got = getattr(config, name)
-        require(got == default, f"TransformerConfig.{name}",
-                f"must be {default!r} (LatentMoELayer's router does not read it; {instead}), got {got!r}")
+        require(
+            got == default,
+            f"TransformerConfig.{name}",
+            f"must be {default!r} (LatentMoELayer's router does not read it; {instead}), got {got!r}",
+        )
 
 
 def _param_device(config: TransformerConfig) -> torch.device:
@@ -125,19 +145,33 @@ class MegatronStackedExperts(StackedExperts):
     by every rank from the same state).
     """
 
-    def __init__(self, num_local_experts: int, config: TransformerConfig, moe: MoEConfig,
-                 pg_collection: Optional[ProcessGroupCollection] = None):
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: TransformerConfig,
+        moe: MoEConfig,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
         if pg_collection is not None:
             ep_group, expert_dp_group = pg_collection.ep, pg_collection.expt_dp
         else:
             ep_group = parallel_state.get_expert_model_parallel_group()
             expert_dp_group = parallel_state.get_expert_data_parallel_group()
-        seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
         # experts_kwargs: the packed format when the next class in the MRO is PackedStackedExperts
-        super().__init__(num_local_experts, moe.expert_dim, moe.expert_intermediate_size, moe.activation,
-                         moe.situ_beta, moe.situ_linear_beta, dtype=config.params_dtype,
-                         device=_param_device(config), seed=seed,
-                         first_expert=get_pg_rank(ep_group) * num_local_experts, **experts_kwargs(moe))
+        super().__init__(
+            num_local_experts,
+            moe.expert_dim,
+            moe.expert_intermediate_size,
+            moe.activation,
+            moe.situ_beta,
+            moe.situ_linear_beta,
+            dtype=config.params_dtype,
+            device=_param_device(config),
+            seed=seed,
+            first_expert=get_pg_rank(ep_group) * num_local_experts,
+            **experts_kwargs(moe),
+        )
         for p in self.parameters():
             # megatron's mark for expert parameters (its DDP reduces their gradients over the
             # expert-data-parallel group), and ZeRO-3's placement within that group: set here, inside
@@ -163,11 +197,17 @@ class MegatronPackedExperts(MegatronStackedExperts, PackedStackedExperts):
 class MegatronSharedExperts(GLUMLP):
     """``shared_experts``: the fused shared-expert GLU on the full hidden, built the way ``MoELayer`` builds it."""
 
-    def __init__(self, moe: MoEConfig, config: Optional[TransformerConfig] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None, gate: bool = False):
+    def __init__(
+        self,
+        moe: MoEConfig,
+        config: Optional[TransformerConfig] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        gate: bool = False,
+    ):
         require(not gate, "TransformerConfig.moe_shared_expert_gate", "is not supported by LatentMoELayer")
-        super().__init__(moe.hidden_size, moe.shared_intermediate_size, moe.activation, moe.situ_beta,
-                         moe.situ_linear_beta)
+        super().__init__(
+            moe.hidden_size, moe.shared_intermediate_size, moe.activation, moe.situ_beta, moe.situ_linear_beta
+        )
         if config is not None:
             self.to(device=_param_device(config), dtype=config.params_dtype)
 
@@ -175,8 +215,10 @@ class MegatronSharedExperts(GLUMLP):
 def latent_moe_submodules(moe: MoEConfig) -> MoESubmodules:
     """megatron ``MoESubmodules`` building this project's router, stacked experts and shared experts."""
     return MoESubmodules(
-        experts=ModuleSpec(module=MegatronStackedExperts if moe.expert_format == "dense" else MegatronPackedExperts,
-                           params={"moe": moe}),
+        experts=ModuleSpec(
+            module=MegatronStackedExperts if moe.expert_format == "dense" else MegatronPackedExperts,
+            params={"moe": moe},
+        ),
         shared_experts=ModuleSpec(module=MegatronSharedExperts, params={"moe": moe}),
         router=lambda *, config, pg_collection: MoERouter(moe.hidden_size, moe.num_experts),
     )
@@ -201,8 +243,14 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
     ranks, and then calls ``update_routing_bias`` on every rank (``training.step_math.balance_loads``).
     """
 
-    def __init__(self, config: TransformerConfig, moe: MoEConfig, submodules: Optional[MoESubmodules] = None,
-                 layer_number: Optional[int] = None, pg_collection: Optional[ProcessGroupCollection] = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        moe: MoEConfig,
+        submodules: Optional[MoESubmodules] = None,
+        layer_number: Optional[int] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
         check_megatron_config(config, moe)
         self.moe = moe
         super().__init__(config, submodules or latent_moe_submodules(moe), layer_number, pg_collection)
@@ -253,8 +301,9 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
             output = output + shared_expert_output
         return output
 
-    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
-                padding_mask: Optional[torch.Tensor] = None):
+    def forward(
+        self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask: Optional[torch.Tensor] = None
+    ):
         """``MoELayer.forward`` (``"off"``), or with ``recompute_mode``'s regions (``layers.recompute``): the
         route, the local permutation, both all-to-alls and the dispatcher's bookkeeping run once and are kept;
         the experts (with the local un-sort) and what follows the combine are recomputed in the backward."""
@@ -271,10 +320,12 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
         tokens, probs = self.dispatch(tokens, probs)
         # dispatch_postprocess clears the dispatcher's token counts: it runs once, outside the recompute
         tokens, tokens_per_expert, probs = dispatcher.dispatch_postprocess(tokens, probs)
-        output = recomputed(mode, "experts", self._experts_unsorted, tokens, tokens_per_expert, probs,
-                            checkpoint_fn=ckpt)
-        output = recomputed(mode, "moe_out", self.from_latent, dispatcher.combine_postprocess(self.combine(output)),
-                            checkpoint_fn=ckpt)
+        output = recomputed(
+            mode, "experts", self._experts_unsorted, tokens, tokens_per_expert, probs, checkpoint_fn=ckpt
+        )
+        output = recomputed(
+            mode, "moe_out", self.from_latent, dispatcher.combine_postprocess(self.combine(output)), checkpoint_fn=ckpt
+        )
         return (output if shared is None else output + shared), None
 
     def _experts_unsorted(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):

@@ -29,8 +29,9 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 @torch.no_grad()
-def adapter_state_to_hf(model: nn.Module, config: ModelConfig, grads: bool = False,
-                        gather_experts: bool = True) -> Dict[str, torch.Tensor]:
+def adapter_state_to_hf(
+    model: nn.Module, config: ModelConfig, grads: bool = False, gather_experts: bool = True
+) -> Dict[str, torch.Tensor]:
     """Adapter tensors (or, with ``grads``, their gradients; zeros where none) of megatron ``model`` under
     Hugging Face names, as clones. gather_experts: all-gather expert adapters over the expert-parallel group
     into the full ``E`` stacking (collective: every EP rank must call it); False keeps this rank's slice."""

@@ -48,8 +48,11 @@ class MultimodalGPTModel(GPTModel):
     def attach_encoder(self, vision: VisionConfig, image_token_id: int) -> None:
         """Build ``vision_tower``, ``patch_merger`` and ``mm_projector`` (under ``deepspeed.zero.Init`` when the
         caller builds in it, so they are partitioned like the rest)."""
-        require(self.pre_process, "pre_process", "the image encoder lives on the first pipeline stage; build the "
-                "other stages as plain GPTModel")
+        require(
+            self.pre_process,
+            "pre_process",
+            "the image encoder lives on the first pipeline stage; build the other stages as plain GPTModel",
+        )
         self.vision, self.image_token_id = vision, image_token_id
         self.vision_tower = VisionTower(vision)
         self.patch_merger = PatchMerger(vision)
@@ -59,35 +62,49 @@ class MultimodalGPTModel(GPTModel):
         """pixel_patches ``[N, C * P * P]``, grid_hw ``[num_images, 2]`` -> image tokens ``[N / m^2, hidden]``."""
         return self.mm_projector(self.patch_merger(self.vision_tower(pixel_patches, grid_hw)))
 
-    def embed_with_images(self, input_ids: torch.LongTensor, pixel_patches: Optional[torch.Tensor],
-                          grid_hw: Optional[torch.Tensor]) -> torch.Tensor:
+    def embed_with_images(
+        self, input_ids: torch.LongTensor, pixel_patches: Optional[torch.Tensor], grid_hw: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         """megatron's token embeddings ``[T, B, D]`` with every placeholder replaced by an image token."""
         embeds = self.embedding(input_ids=input_ids, position_ids=None)
         # the Hugging Face model's placement, on [B, T] (the order the processor expanded the placeholders in)
-        merged = scatter_image_tokens(embeds.transpose(0, 1), input_ids, self.image_token_id, self.encode_images,
-                                      pixel_patches, grid_hw).transpose(0, 1)
+        merged = scatter_image_tokens(
+            embeds.transpose(0, 1), input_ids, self.image_token_id, self.encode_images, pixel_patches, grid_hw
+        ).transpose(0, 1)
         if pixel_patches is None:
             merged = merged + blank_image_tokens(self.encode_images, self.vision, embeds.device).to(embeds.dtype)
         return merged.contiguous()
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
-                attention_mask: Optional[torch.Tensor], decoder_input: Optional[torch.Tensor] = None,
-                *args: Any, pixel_patches: Optional[torch.Tensor] = None, grid_hw: Optional[torch.Tensor] = None,
-                **kwargs: Any):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor],
+        decoder_input: Optional[torch.Tensor] = None,
+        *args: Any,
+        pixel_patches: Optional[torch.Tensor] = None,
+        grid_hw: Optional[torch.Tensor] = None,
+        **kwargs: Any,
+    ):
         if decoder_input is None:
             decoder_input = self.embed_with_images(input_ids, pixel_patches, grid_hw)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
 
-def build_multimodal_gpt_model(config: ModelConfig, tc: TransformerConfig = None, **build_kwargs: Any
-                               ) -> MultimodalGPTModel:
+def build_multimodal_gpt_model(
+    config: ModelConfig, tc: TransformerConfig = None, **build_kwargs: Any
+) -> MultimodalGPTModel:
     """``MultimodalGPTModel`` for ``config`` (which needs ``vision`` and ``image_token_id``): the text model of
     ``moe_plugin.megatron.specs.build_gpt_model(config, tc, **build_kwargs)``, turned into the subclass (it adds
     methods and the encoder, no state of ``GPTModel``'s own) and given the encoder. Start megatron's parallel
     state first."""
     require(isinstance(config, ModelConfig), "config", f"must be a ModelConfig, got {type(config).__name__}")
-    require(config.vision is not None, "ModelConfig.vision", "is required for the image+text model; give the "
-            "config a vision_config, or build the text model with build_gpt_model")
+    require(
+        config.vision is not None,
+        "ModelConfig.vision",
+        "is required for the image+text model; give the "
+        "config a vision_config, or build the text model with build_gpt_model",
+    )
     model = build_gpt_model(config, tc, **build_kwargs)
     adopt_subclass(model, MultimodalGPTModel)
     model.attach_encoder(config.vision, config.image_token_id)

@@ -66,22 +66,36 @@ class CheckpointedTransformerLayer(TransformerLayer):
             return super().forward(*args, **kwargs)
         return self._forward_regions(*args, **kwargs), None
 
-    def _forward_regions(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                         packed_seq_params: Any = None, padding_mask: Optional[torch.Tensor] = None,
-                         **unused: Any) -> torch.Tensor:
+    def _forward_regions(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        packed_seq_params: Any = None,
+        padding_mask: Optional[torch.Tensor] = None,
+        **unused: Any,
+    ) -> torch.Tensor:
         attn_kwargs = dict(attention_mask=attention_mask, packed_seq_params=packed_seq_params)
         # the bare tensor, not (hidden_states,): torch's non-reentrant checkpoint saves a top-level tensor argument
         # of the "layer" region through the saved-tensor hooks (a tuple's tensors it holds by reference), as before
-        hidden, _, _ = run_layer(hidden_states, self._layer_parts(attn_kwargs, padding_mask), self.recompute_mode,
-                                 self.recompute_checkpoint_fn)
+        hidden, _, _ = run_layer(
+            hidden_states,
+            self._layer_parts(attn_kwargs, padding_mask),
+            self.recompute_mode,
+            self.recompute_checkpoint_fn,
+        )
         return hidden
 
     def _layer_parts(self, attn_kwargs: dict, padding_mask: Optional[torch.Tensor]) -> LayerParts:
         """This layer's sublayers in megatron's convention, for ``run_layer``."""
         mlp = partial(self._mlp, padding_mask=padding_mask)
-        return LayerParts(stream=self._stream, attention=partial(self._attention, attn_kwargs=attn_kwargs),
-                          mlp_norm=self.pre_mlp_layernorm, mlp=None if self.is_moe_layer else mlp,
-                          moe=partial(self._moe, mlp) if self.is_moe_layer else None, **self._mixing_points())
+        return LayerParts(
+            stream=self._stream,
+            attention=partial(self._attention, attn_kwargs=attn_kwargs),
+            mlp_norm=self.pre_mlp_layernorm,
+            mlp=None if self.is_moe_layer else mlp,
+            moe=partial(self._moe, mlp) if self.is_moe_layer else None,
+            **self._mixing_points(),
+        )
 
     def _stream(self, hidden: torch.Tensor, after_attention: bool):
         return _ResidualStream(self, hidden, after_attention)

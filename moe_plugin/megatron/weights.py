@@ -20,13 +20,22 @@ from ..weights.loader import LoadStats, expert_ranges, model_tensors
 from ..weights.names import NAME_TABLE, base_name, hf_to_megatron_name, is_expert_tensor, megatron_to_hf_name
 from .expert_gather import all_gather_expert_stack
 
-__all__ = ["NAME_TABLE", "hf_to_megatron_name", "megatron_to_hf_name", "base_name", "is_expert_tensor",
-           "expert_ranges", "LoadStats", "megatron_to_hf_state_dict"]
+__all__ = [
+    "NAME_TABLE",
+    "hf_to_megatron_name",
+    "megatron_to_hf_name",
+    "base_name",
+    "is_expert_tensor",
+    "expert_ranges",
+    "LoadStats",
+    "megatron_to_hf_state_dict",
+]
 
 
 @torch.no_grad()
-def megatron_to_hf_state_dict(model: nn.Module, config: ModelConfig, gather_experts: bool = True
-                              ) -> Dict[str, torch.Tensor]:
+def megatron_to_hf_state_dict(
+    model: nn.Module, config: ModelConfig, gather_experts: bool = True
+) -> Dict[str, torch.Tensor]:
     """The Hugging Face state dict of megatron ``model`` (clones).
 
     gather_experts: all-gather the expert stacks over the expert-parallel group (every rank returns all

@@ -8,9 +8,16 @@ from .modeling_vl import MoEPluginForConditionalGeneration
 from .presets import PRESETS, preset_config
 from .processing import MoEProcessor
 from .tokenizer import ByteTokenizer
-from .k3_format import (A_LOG_PAD_MULTIPLE, a_log_padded_length, config_from_k3, config_to_k3, load_k3_checkpoint,
-                        save_k3_checkpoint, state_dict_from_k3, state_dict_to_k3)
-
+from .k3_format import (
+    A_LOG_PAD_MULTIPLE,
+    a_log_padded_length,
+    config_from_k3,
+    config_to_k3,
+    load_k3_checkpoint,
+    save_k3_checkpoint,
+    state_dict_from_k3,
+    state_dict_to_k3,
+)
 
 
 class _CausalLMByArchitectures:
@@ -25,8 +32,11 @@ class _CausalLMByArchitectures:
     @staticmethod
     def pick(config) -> type:
         names = getattr(config, "architectures", None) or ()
-        return (MoEPluginForConditionalGeneration if MoEPluginForConditionalGeneration.__name__ in names
-                else MoEPluginForCausalLM)
+        return (
+            MoEPluginForConditionalGeneration
+            if MoEPluginForConditionalGeneration.__name__ in names
+            else MoEPluginForCausalLM
+        )
 
     @classmethod
     def _from_config(cls, config, **kwargs):
@@ -44,7 +54,22 @@ AutoModelForCausalLM.register(MoEPluginConfig, _CausalLMByArchitectures, exist_o
 AutoModelForImageTextToText.register(MoEPluginConfig, MoEPluginForConditionalGeneration, exist_ok=True)
 AutoTokenizer.register(MoEPluginConfig, slow_tokenizer_class=ByteTokenizer, exist_ok=True)
 
-__all__ = ["A_LOG_PAD_MULTIPLE", "ByteTokenizer", "MoEPluginConfig", "MoEPluginForCausalLM",
-           "MoEPluginForConditionalGeneration", "MoEPluginModel", "MoEPluginPreTrainedModel", "MoEProcessor",
-           "PRESETS", "a_log_padded_length", "config_from_k3", "config_to_k3", "load_k3_checkpoint",
-           "preset_config", "save_k3_checkpoint", "state_dict_from_k3", "state_dict_to_k3"]
+__all__ = [
+    "A_LOG_PAD_MULTIPLE",
+    "ByteTokenizer",
+    "MoEPluginConfig",
+    "MoEPluginForCausalLM",
+    "MoEPluginForConditionalGeneration",
+    "MoEPluginModel",
+    "MoEPluginPreTrainedModel",
+    "MoEProcessor",
+    "PRESETS",
+    "a_log_padded_length",
+    "config_from_k3",
+    "config_to_k3",
+    "load_k3_checkpoint",
+    "preset_config",
+    "save_k3_checkpoint",
+    "state_dict_from_k3",
+    "state_dict_to_k3",
+]

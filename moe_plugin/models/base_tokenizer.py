@@ -15,8 +15,16 @@ from typing import Optional, Tuple
 
 # Any one of these makes a directory a tokenizer's (transformers' own names, K2's tiktoken.model included);
 # a directory with none would get a tokenizer built from nothing (the byte tokenizer, for this model type).
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json",
-                   "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 # The files whose `auto_map` AutoTokenizer (and AutoConfig, which it calls) or AutoProcessor follow into code
 REMOTE_CODE_FILES = ("tokenizer_config.json", "config.json", "processor_config.json", "preprocessor_config.json")
 IMAGE_TOKEN_KEYS = ("image_token_id", "media_placeholder_token_id", "image_token_index")
@@ -33,11 +41,15 @@ def read_json(path: str, field: str = _FIELD) -> Optional[dict]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{field}: {path} is not readable JSON ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                         f"restore the file from the base's original copy") from None
+        raise ValueError(
+            f"{field}: {path} is not readable JSON ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            f"restore the file from the base's original copy"
+        ) from None
     if not isinstance(data, dict):
-        raise ValueError(f"{field}: {path} must hold a JSON object, got {type(data).__name__}; restore the file "
-                         f"from the base's original copy")
+        raise ValueError(
+            f"{field}: {path} must hold a JSON object, got {type(data).__name__}; restore the file "
+            f"from the base's original copy"
+        )
     return data
 
 
@@ -50,11 +62,19 @@ def check_remote_code(path: str, trust_remote_code: bool, files=REMOTE_CODE_FILE
         config = read_json(os.path.join(path, name))
         if config and config.get("auto_map"):
             auto_map = config["auto_map"]
-            refs = sorted({str(r) for r in (auto_map.values() if isinstance(auto_map, dict) else auto_map)
-                           for r in (r if isinstance(r, (list, tuple)) else [r]) if r})
-            raise ValueError(f"model.trust_remote_code: {os.path.join(path, name)} maps to code shipped in the "
-                             f"directory ({', '.join(refs)}), which runs only if you trust it; set "
-                             f"model.trust_remote_code to true to run it as transformers does")
+            refs = sorted(
+                {
+                    str(r)
+                    for r in (auto_map.values() if isinstance(auto_map, dict) else auto_map)
+                    for r in (r if isinstance(r, (list, tuple)) else [r])
+                    if r
+                }
+            )
+            raise ValueError(
+                f"model.trust_remote_code: {os.path.join(path, name)} maps to code shipped in the "
+                f"directory ({', '.join(refs)}), which runs only if you trust it; set "
+                f"model.trust_remote_code to true to run it as transformers does"
+            )
 
 
 def load_base_tokenizer(path: str, *, trust_remote_code: bool = False, field: str = _FIELD):
@@ -65,11 +85,15 @@ def load_base_tokenizer(path: str, *, trust_remote_code: bool = False, field: st
     transformers cannot load is a ValueError naming ``field`` and ``path``.
     """
     if not isinstance(path, str) or not os.path.isdir(path):
-        raise ValueError(f"{field}: {path!r} is not a directory; give a local directory holding the base's "
-                         f"config.json and tokenizer (hub names are not downloaded)")
+        raise ValueError(
+            f"{field}: {path!r} is not a directory; give a local directory holding the base's "
+            f"config.json and tokenizer (hub names are not downloaded)"
+        )
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise ValueError(f"{field}: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
-                         f"base's tokenizer files into it, or use model.preset for the built-in byte tokenizer")
+        raise ValueError(
+            f"{field}: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+            f"base's tokenizer files into it, or use model.preset for the built-in byte tokenizer"
+        )
     check_remote_code(path, trust_remote_code)
     from transformers import AutoTokenizer  # imported late: slow to import; the package registers its tokenizer
 
@@ -84,8 +108,10 @@ def load_base_tokenizer(path: str, *, trust_remote_code: bool = False, field: st
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     except Exception as e:  # transformers raises many types for a broken tokenizer; all are bad input here
         first = (str(e).strip().splitlines() or [""])[0]
-        raise ValueError(f"{field}: the tokenizer in {path} does not load ({type(e).__name__}: {first}); "
-                         f"restore its tokenizer files from the base's original copy") from e
+        raise ValueError(
+            f"{field}: the tokenizer in {path} does not load ({type(e).__name__}: {first}); "
+            f"restore its tokenizer files from the base's original copy"
+        ) from e
 
 
 @dataclass(frozen=True)
@@ -123,30 +149,37 @@ def find_end_of_turn(tokenizer, field: str = _FIELD) -> Tuple[int, ...]:
     """The ids the chat template writes after an assistant's content, through the last special token,
     read from a one-turn conversation rendered with the template."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{field}: the base's tokenizer has no chat template; add chat_template.jinja (or "
-                         f"chat_template in tokenizer_config.json) to the base directory")
+        raise ValueError(
+            f"{field}: the base's tokenizer has no chat template; add chat_template.jinja (or "
+            f"chat_template in tokenizer_config.json) to the base directory"
+        )
     user = {"role": "user", "content": _PROBE_QUESTION}
     try:
         prompt = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
-        whole = tokenizer.apply_chat_template([user, {"role": "assistant", "content": _PROBE_ANSWER}],
-                                              tokenize=False)
+        whole = tokenizer.apply_chat_template([user, {"role": "assistant", "content": _PROBE_ANSWER}], tokenize=False)
     except Exception as e:  # a template's raise_exception or a Jinja error: the template is the bad input
-        raise ValueError(f"{field}: the chat template fails on a user and an assistant turn "
-                         f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); fix the base's chat "
-                         f"template") from e
+        raise ValueError(
+            f"{field}: the chat template fails on a user and an assistant turn "
+            f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); fix the base's chat "
+            f"template"
+        ) from e
     answer_at = whole.find(_PROBE_ANSWER, len(prompt)) if whole.startswith(prompt) else -1
     if answer_at < 0:
-        raise ValueError(f"{field}: the chat template does not render the prompt with the generation prompt as "
-                         f"a prefix of the conversation with the answer, so turns cannot be located; use a "
-                         f"template whose prompts render as prefixes")
-    after = list(tokenizer.encode(whole[answer_at + len(_PROBE_ANSWER):], add_special_tokens=False))
+        raise ValueError(
+            f"{field}: the chat template does not render the prompt with the generation prompt as "
+            f"a prefix of the conversation with the answer, so turns cannot be located; use a "
+            f"template whose prompts render as prefixes"
+        )
+    after = list(tokenizer.encode(whole[answer_at + len(_PROBE_ANSWER) :], add_special_tokens=False))
     special = special_ids(tokenizer)
     last = max((i for i, t in enumerate(after) if t in special), default=-1)
     if last < 0:
-        raise ValueError(f"{field}: the chat template writes no special token after an assistant's answer "
-                         f"({tokenizer.decode(after)!r}), so the model could not learn where a turn ends; "
-                         f"use a template that closes each turn with a special token such as the eos token")
-    return tuple(after[:last + 1])
+        raise ValueError(
+            f"{field}: the chat template writes no special token after an assistant's answer "
+            f"({tokenizer.decode(after)!r}), so the model could not learn where a turn ends; "
+            f"use a template that closes each turn with a special token such as the eos token"
+        )
+    return tuple(after[: last + 1])
 
 
 def _config_image_token(tokenizer, config_dict: dict) -> Optional[int]:
@@ -155,8 +188,10 @@ def _config_image_token(tokenizer, config_dict: dict) -> Optional[int]:
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < len(tokenizer):
-            raise ValueError(f"config.json: {key} must be a token id below the tokenizer's {len(tokenizer)} "
-                             f"tokens, got {value!r}; set it to the id of the image placeholder token")
+            raise ValueError(
+                f"config.json: {key} must be a token id below the tokenizer's {len(tokenizer)} "
+                f"tokens, got {value!r}; set it to the id of the image placeholder token"
+            )
         return value
     return None
 
@@ -170,11 +205,15 @@ def chat_tokens(tokenizer, config_dict: Optional[dict] = None, processor=None, *
     config_eos = config_dict.get("eos_token_id")
     eos += list(config_eos) if isinstance(config_eos, (list, tuple)) else [config_eos]
     eos_ids = tuple(dict.fromkeys(int(i) for i in eos if i is not None))
-    pad_id = next((int(i) for i in (tokenizer.pad_token_id, config_dict.get("pad_token_id")) if i is not None),
-                  eos_ids[0] if eos_ids else None)
+    pad_id = next(
+        (int(i) for i in (tokenizer.pad_token_id, config_dict.get("pad_token_id")) if i is not None),
+        eos_ids[0] if eos_ids else None,
+    )
     if pad_id is None:
-        raise ValueError(f"{field}: the base's tokenizer has neither a pad nor an eos token; set pad_token in "
-                         f"its tokenizer_config.json")
+        raise ValueError(
+            f"{field}: the base's tokenizer has neither a pad nor an eos token; set pad_token in "
+            f"its tokenizer_config.json"
+        )
     image_id = _config_image_token(tokenizer, config_dict)
     if image_id is None:
         # the processor's token first (it is what expands the placeholder), then a multimodal tokenizer's own

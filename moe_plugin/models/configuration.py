@@ -12,32 +12,51 @@ from typing import Any, Dict, List, Optional
 
 from transformers import PretrainedConfig
 
-from ..config import (HF_MODEL_TYPE, KDAConfig, MLAConfig, ModelConfig, MoEConfig, VisionConfig,
-                      default_layer_types)
+from ..config import HF_MODEL_TYPE, KDAConfig, MLAConfig, ModelConfig, MoEConfig, VisionConfig, default_layer_types
 
 # dataclass field -> Hugging Face key, so that errors name what the user actually wrote
 _HF_KEY = {
-    "ModelConfig.num_layers": "num_hidden_layers", "ModelConfig.first_k_dense": "first_k_dense_replace",
-    "ModelConfig.dense_intermediate_size": "intermediate_size", "ModelConfig.vision.out_hidden_size": "hidden_size",
-    "KDAConfig.num_heads": "linear_attn_config.num_heads", "KDAConfig.head_dim": "linear_attn_config.head_dim",
+    "ModelConfig.num_layers": "num_hidden_layers",
+    "ModelConfig.first_k_dense": "first_k_dense_replace",
+    "ModelConfig.dense_intermediate_size": "intermediate_size",
+    "ModelConfig.vision.out_hidden_size": "hidden_size",
+    "KDAConfig.num_heads": "linear_attn_config.num_heads",
+    "KDAConfig.head_dim": "linear_attn_config.head_dim",
     "KDAConfig.conv_size": "linear_attn_config.short_conv_kernel_size",
     "KDAConfig.gate_lower_bound": "linear_attn_config.gate_lower_bound",
-    "KDAConfig.gate_form": "linear_attn_config.gate_form", "KDAConfig.gate_rank": "linear_attn_config.gate_rank",
+    "KDAConfig.gate_form": "linear_attn_config.gate_form",
+    "KDAConfig.gate_rank": "linear_attn_config.gate_rank",
     "KDAConfig.chunk_size": "linear_attn_config.chunk_size",
-    "MLAConfig.num_heads": "num_attention_heads", "MLAConfig.output_gate": "mla_use_output_gate",
+    "MLAConfig.num_heads": "num_attention_heads",
+    "MLAConfig.output_gate": "mla_use_output_gate",
     "MLAConfig.use_indexer": "use_dsa_indexer",
-    "MoEConfig.num_experts": "num_experts", "MoEConfig.top_k": "num_experts_per_token",
+    "MoEConfig.num_experts": "num_experts",
+    "MoEConfig.top_k": "num_experts_per_token",
     "MoEConfig.expert_intermediate_size": "moe_intermediate_size",
-    "MoEConfig.latent_size": "routed_expert_hidden_size", "MoEConfig.latent_norm": "latent_moe_use_norm",
-    "MoEConfig.activation": "hidden_act", "MoEConfig.situ_beta": "activation_situ_beta",
-    "MoEConfig.situ_linear_beta": "activation_situ_linear_beta", "MoEConfig.renormalize": "moe_renormalize",
-    "MoEConfig.num_groups": "num_expert_group", "MoEConfig.topk_groups": "topk_group",
+    "MoEConfig.latent_size": "routed_expert_hidden_size",
+    "MoEConfig.latent_norm": "latent_moe_use_norm",
+    "MoEConfig.activation": "hidden_act",
+    "MoEConfig.situ_beta": "activation_situ_beta",
+    "MoEConfig.situ_linear_beta": "activation_situ_linear_beta",
+    "MoEConfig.renormalize": "moe_renormalize",
+    "MoEConfig.num_groups": "num_expert_group",
+    "MoEConfig.topk_groups": "topk_group",
 }
 # fields whose Hugging Face key has the same name (MLA's ranks and dims, the model's own sizes)
-_SAME_NAME = {"MLAConfig": ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                            "index_topk", "index_n_heads", "index_head_dim"),
-              "MoEConfig": ("num_shared_experts", "routed_scaling_factor", "expert_format"),
-              "ModelConfig": ("vocab_size", "layer_types", "attn_res", "attn_res_block_size", "image_token_id")}
+_SAME_NAME = {
+    "MLAConfig": (
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "index_topk",
+        "index_n_heads",
+        "index_head_dim",
+    ),
+    "MoEConfig": ("num_shared_experts", "routed_scaling_factor", "expert_format"),
+    "ModelConfig": ("vocab_size", "layer_types", "attn_res", "attn_res_block_size", "image_token_id"),
+}
 
 
 def hf_key(field: str) -> str:
@@ -118,8 +137,15 @@ class MoEPluginConfig(PretrainedConfig):
         self.activation_situ_linear_beta = activation_situ_linear_beta
         self.attn_res = attn_res
         self.attn_res_block_size = attn_res_block_size
-        self.linear_attn_config = dict(num_heads=2, head_dim=32, short_conv_kernel_size=4, gate_lower_bound=-5.0,
-                                       gate_form="k3", gate_rank=None, chunk_size=64)
+        self.linear_attn_config = dict(
+            num_heads=2,
+            head_dim=32,
+            short_conv_kernel_size=4,
+            gate_lower_bound=-5.0,
+            gate_form="k3",
+            gate_rank=None,
+            chunk_size=64,
+        )
         self.linear_attn_config.update(linear_attn_config or {})
         self.num_attention_heads = num_attention_heads
         self.q_lora_rank = q_lora_rank
@@ -167,32 +193,67 @@ class MoEPluginConfig(PretrainedConfig):
     def _build_model_config(self) -> ModelConfig:
         d = self.hidden_size
         lin = self.linear_attn_config
-        kda = KDAConfig(hidden_size=d, num_heads=lin["num_heads"], head_dim=lin.get("head_dim"),
-                        conv_size=lin["short_conv_kernel_size"], gate_form=lin.get("gate_form", "k3"),
-                        gate_lower_bound=lin["gate_lower_bound"], gate_rank=lin.get("gate_rank"),
-                        chunk_size=lin.get("chunk_size", 64), norm_eps=self.rms_norm_eps)
-        mla = MLAConfig(hidden_size=d, num_heads=self.num_attention_heads, q_lora_rank=self.q_lora_rank,
-                        kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
-                        qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
-                        output_gate=self.mla_use_output_gate, use_indexer=self.use_dsa_indexer,
-                        index_topk=self.index_topk, index_n_heads=self.index_n_heads,
-                        index_head_dim=self.index_head_dim, norm_eps=self.rms_norm_eps)
-        moe = MoEConfig(hidden_size=d, num_experts=self.num_experts, top_k=self.num_experts_per_token,
-                        expert_intermediate_size=self.moe_intermediate_size,
-                        latent_size=self.routed_expert_hidden_size, latent_norm=self.latent_moe_use_norm,
-                        num_shared_experts=self.num_shared_experts, activation=self.hidden_act,
-                        situ_beta=self.activation_situ_beta, situ_linear_beta=self.activation_situ_linear_beta,
-                        routed_scaling_factor=self.routed_scaling_factor, renormalize=self.moe_renormalize,
-                        num_groups=self.num_expert_group, topk_groups=self.topk_group, norm_eps=self.rms_norm_eps,
-                        expert_format=self.expert_format)
+        kda = KDAConfig(
+            hidden_size=d,
+            num_heads=lin["num_heads"],
+            head_dim=lin.get("head_dim"),
+            conv_size=lin["short_conv_kernel_size"],
+            gate_form=lin.get("gate_form", "k3"),
+            gate_lower_bound=lin["gate_lower_bound"],
+            gate_rank=lin.get("gate_rank"),
+            chunk_size=lin.get("chunk_size", 64),
+            norm_eps=self.rms_norm_eps,
+        )
+        mla = MLAConfig(
+            hidden_size=d,
+            num_heads=self.num_attention_heads,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+            output_gate=self.mla_use_output_gate,
+            use_indexer=self.use_dsa_indexer,
+            index_topk=self.index_topk,
+            index_n_heads=self.index_n_heads,
+            index_head_dim=self.index_head_dim,
+            norm_eps=self.rms_norm_eps,
+        )
+        moe = MoEConfig(
+            hidden_size=d,
+            num_experts=self.num_experts,
+            top_k=self.num_experts_per_token,
+            expert_intermediate_size=self.moe_intermediate_size,
+            latent_size=self.routed_expert_hidden_size,
+            latent_norm=self.latent_moe_use_norm,
+            num_shared_experts=self.num_shared_experts,
+            activation=self.hidden_act,
+            situ_beta=self.activation_situ_beta,
+            situ_linear_beta=self.activation_situ_linear_beta,
+            routed_scaling_factor=self.routed_scaling_factor,
+            renormalize=self.moe_renormalize,
+            num_groups=self.num_expert_group,
+            topk_groups=self.topk_group,
+            norm_eps=self.rms_norm_eps,
+            expert_format=self.expert_format,
+        )
         vision = None
         if self.vision_config is not None:
             vision = VisionConfig(**{"out_hidden_size": d, "norm_eps": self.rms_norm_eps, **self.vision_config})
-        return ModelConfig(vocab_size=self.vocab_size, hidden_size=d, num_layers=self.num_hidden_layers,
-                           kda=kda, mla=mla, moe=moe,
-                           layer_types=[_LAYER_KIND.get(t, t) for t in self.layer_types]
-                           if self.layer_types is not None else None,
-                           first_k_dense=self.first_k_dense_replace, dense_intermediate_size=self.intermediate_size,
-                           attn_res=self.attn_res, attn_res_block_size=self.attn_res_block_size,
-                           rms_norm_eps=self.rms_norm_eps, tie_word_embeddings=self.tie_word_embeddings,
-                           vision=vision, image_token_id=self.image_token_id)
+        return ModelConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=d,
+            num_layers=self.num_hidden_layers,
+            kda=kda,
+            mla=mla,
+            moe=moe,
+            layer_types=[_LAYER_KIND.get(t, t) for t in self.layer_types] if self.layer_types is not None else None,
+            first_k_dense=self.first_k_dense_replace,
+            dense_intermediate_size=self.intermediate_size,
+            attn_res=self.attn_res,
+            attn_res_block_size=self.attn_res_block_size,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            vision=vision,
+            image_token_id=self.image_token_id,
+        )

@@ -29,21 +29,40 @@ ImageInput = Union[Image.Image, np.ndarray]
 class ImageProcessor:
     """images -> ``pixel_patches`` [total_patches, C * P * P] float32 and ``grid_hw`` [num_images, 2] int64."""
 
-    def __init__(self, patch_size: int = 14, merge_size: int = 2, min_pixels: int = 56 * 56,
-                 max_pixels: int = 28 * 28 * 4096, image_mean: Sequence[float] = (0.5, 0.5, 0.5),
-                 image_std: Sequence[float] = (0.5, 0.5, 0.5), max_aspect_ratio: float = 200.0):
+    def __init__(
+        self,
+        patch_size: int = 14,
+        merge_size: int = 2,
+        min_pixels: int = 56 * 56,
+        max_pixels: int = 28 * 28 * 4096,
+        image_mean: Sequence[float] = (0.5, 0.5, 0.5),
+        image_std: Sequence[float] = (0.5, 0.5, 0.5),
+        max_aspect_ratio: float = 200.0,
+    ):
         for name in ("patch_size", "merge_size", "min_pixels", "max_pixels"):
             value = locals()[name]
-            require(isinstance(value, int) and value > 0, f"ImageProcessor.{name}",
-                    f"must be a positive integer, got {value!r}")
+            require(
+                isinstance(value, int) and value > 0,
+                f"ImageProcessor.{name}",
+                f"must be a positive integer, got {value!r}",
+            )
         factor = patch_size * merge_size
-        require(max_pixels >= factor * factor, "ImageProcessor.max_pixels",
-                f"must hold at least one merged patch ({factor}x{factor} = {factor * factor}), got {max_pixels}")
-        require(min_pixels <= max_pixels, "ImageProcessor.min_pixels",
-                f"must be <= max_pixels ({max_pixels}), got {min_pixels}")
+        require(
+            max_pixels >= factor * factor,
+            "ImageProcessor.max_pixels",
+            f"must hold at least one merged patch ({factor}x{factor} = {factor * factor}), got {max_pixels}",
+        )
+        require(
+            min_pixels <= max_pixels,
+            "ImageProcessor.min_pixels",
+            f"must be <= max_pixels ({max_pixels}), got {min_pixels}",
+        )
         require(len(image_mean) == 3, "ImageProcessor.image_mean", f"needs 3 (RGB) values, got {image_mean}")
-        require(len(image_std) == 3 and all(s > 0 for s in image_std), "ImageProcessor.image_std",
-                f"needs 3 positive (RGB) values, got {image_std}")
+        require(
+            len(image_std) == 3 and all(s > 0 for s in image_std),
+            "ImageProcessor.image_std",
+            f"needs 3 positive (RGB) values, got {image_std}",
+        )
         require(max_aspect_ratio >= 1, "ImageProcessor.max_aspect_ratio", f"must be >= 1, got {max_aspect_ratio}")
         self.patch_size = patch_size
         self.merge_size = merge_size
@@ -61,11 +80,15 @@ class ImageProcessor:
     def target_size(self, height: int, width: int) -> Tuple[int, int]:
         """Resized (height, width) for an image of the given size (see the module docstring)."""
         if min(height, width) < self.patch_size:
-            raise ValueError(f"images: an image of {height}x{width} pixels is too small; each side must be "
-                             f"at least patch_size ({self.patch_size})")
+            raise ValueError(
+                f"images: an image of {height}x{width} pixels is too small; each side must be "
+                f"at least patch_size ({self.patch_size})"
+            )
         if max(height, width) / min(height, width) > self.max_aspect_ratio:
-            raise ValueError(f"images: an image of {height}x{width} pixels exceeds the aspect ratio limit "
-                             f"max_aspect_ratio ({self.max_aspect_ratio})")
+            raise ValueError(
+                f"images: an image of {height}x{width} pixels exceeds the aspect ratio limit "
+                f"max_aspect_ratio ({self.max_aspect_ratio})"
+            )
         f = self.factor
         h, w = max(f, round(height / f) * f), max(f, round(width / f) * f)
         if h * w > self.max_pixels:
@@ -95,8 +118,7 @@ class ImageProcessor:
         """One image -> (patches [gh * gw, C * P * P] float32, (gh, gw))."""
         if isinstance(image, np.ndarray):
             if image.ndim != 3 or image.shape[2] not in (3, 4) or image.dtype != np.uint8:
-                raise ValueError(f"images: a numpy image must be uint8 [H, W, 3 or 4], got {image.dtype} "
-                                 f"{image.shape}")
+                raise ValueError(f"images: a numpy image must be uint8 [H, W, 3 or 4], got {image.dtype} {image.shape}")
             image = Image.fromarray(image)
         if not isinstance(image, Image.Image):
             raise ValueError(f"images: expected PIL images or uint8 numpy arrays, got {type(image).__name__}")
@@ -127,10 +149,16 @@ class ImageProcessor:
         raise ValueError(f"return_tensors: expected 'pt' or 'np', got {return_tensors!r}")
 
     def to_dict(self) -> dict:
-        return {"image_processor_type": type(self).__name__, "patch_size": self.patch_size,
-                "merge_size": self.merge_size, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels,
-                "image_mean": self.image_mean, "image_std": self.image_std,
-                "max_aspect_ratio": self.max_aspect_ratio}
+        return {
+            "image_processor_type": type(self).__name__,
+            "patch_size": self.patch_size,
+            "merge_size": self.merge_size,
+            "min_pixels": self.min_pixels,
+            "max_pixels": self.max_pixels,
+            "image_mean": self.image_mean,
+            "image_std": self.image_std,
+            "max_aspect_ratio": self.max_aspect_ratio,
+        }
 
     def save_pretrained(self, save_directory: str) -> List[str]:
         os.makedirs(save_directory, exist_ok=True)

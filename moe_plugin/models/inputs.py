@@ -45,17 +45,26 @@ def left_padding_mask(attention_mask: torch.Tensor, length: int, past_length: in
     if bool(new.all()):
         return None
     if past_length:
-        raise ValueError("attention_mask: with a cache, padding may only be in the prompt (left padding); "
-                         "tokens fed after it must all be real (1)")
+        raise ValueError(
+            "attention_mask: with a cache, padding may only be in the prompt (left padding); "
+            "tokens fed after it must all be real (1)"
+        )
     if bool((new[:, 1:] < new[:, :-1]).any()):
-        raise ValueError("attention_mask: with a cache only left padding is supported (pad before the real "
-                         "tokens, e.g. tokenizer(..., padding_side='left')); right padding needs use_cache=False")
+        raise ValueError(
+            "attention_mask: with a cache only left padding is supported (pad before the real "
+            "tokens, e.g. tokenizer(..., padding_side='left')); right padding needs use_cache=False"
+        )
     return new
 
 
-def check_inputs(input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor],
-                 attention_mask: Optional[torch.Tensor], vocab_size: int, hidden_size: int,
-                 past_length: int = 0) -> Tuple[int, int]:
+def check_inputs(
+    input_ids: Optional[torch.Tensor],
+    inputs_embeds: Optional[torch.Tensor],
+    attention_mask: Optional[torch.Tensor],
+    vocab_size: int,
+    hidden_size: int,
+    past_length: int = 0,
+) -> Tuple[int, int]:
     """Check the model inputs before any work, each failure a ValueError naming the argument; returns (B, T).
 
     Exactly one of input_ids ``[B, T]`` int32/int64 in ``[0, vocab_size)`` or inputs_embeds ``[B, T, D]``
@@ -74,17 +83,21 @@ def check_inputs(input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torc
     if attention_mask is not None:
         check_tensor("attention_mask", attention_mask, ndim=2)
         if attention_mask.shape[0] != batch or attention_mask.shape[1] not in (length, past_length + length):
-            raise ValueError(f"attention_mask: expected shape [{batch}, {length}] like the input ids"
-                             + (f" (or [{batch}, {past_length + length}] with the cached tokens)"
-                                if past_length else "") + f", got {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask: expected shape [{batch}, {length}] like the input ids"
+                + (f" (or [{batch}, {past_length + length}] with the cached tokens)" if past_length else "")
+                + f", got {tuple(attention_mask.shape)}"
+            )
     return batch, length
 
 
 def check_labels(labels: torch.Tensor, batch: int, length: int, vocab_size: int, logits_to_keep: int) -> None:
     """labels ``[B, T]`` int with entries in ``[0, vocab_size)`` or -100; ValueError naming what is wrong."""
     if logits_to_keep:
-        raise ValueError(f"logits_to_keep: the loss needs the logits of every position, got logits_to_keep="
-                         f"{logits_to_keep} with labels; pass one or the other")
+        raise ValueError(
+            f"logits_to_keep: the loss needs the logits of every position, got logits_to_keep="
+            f"{logits_to_keep} with labels; pass one or the other"
+        )
     check_tensor("labels", labels, shape=(batch, length))
     ignored = labels == -100
     check_ids("labels", labels.masked_fill(ignored, 0), 0, vocab_size, "token ids (or -100 to ignore)")

@@ -32,22 +32,48 @@ _REQUIRED = object()
 _TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # K3 keys copied unchanged (same name, same meaning in MoEPluginConfig), with the default used when absent
 _SAME_KEYS: Dict[str, Any] = {
-    "vocab_size": _REQUIRED, "hidden_size": _REQUIRED, "num_hidden_layers": _REQUIRED,
-    "num_attention_heads": _REQUIRED, "rms_norm_eps": 1e-5, "activation_situ_beta": 4.0,
-    "activation_situ_linear_beta": 25.0, "q_lora_rank": _REQUIRED, "kv_lora_rank": _REQUIRED,
-    "qk_nope_head_dim": _REQUIRED, "qk_rope_head_dim": _REQUIRED, "v_head_dim": _REQUIRED,
-    "mla_use_output_gate": False, "num_experts": _REQUIRED, "num_experts_per_token": _REQUIRED,
-    "num_shared_experts": 0, "moe_intermediate_size": _REQUIRED, "routed_expert_hidden_size": None,
-    "latent_moe_use_norm": True, "moe_renormalize": True, "routed_scaling_factor": 1.0,
-    "first_k_dense_replace": 0, "intermediate_size": 0, "tie_word_embeddings": False,
+    "vocab_size": _REQUIRED,
+    "hidden_size": _REQUIRED,
+    "num_hidden_layers": _REQUIRED,
+    "num_attention_heads": _REQUIRED,
+    "rms_norm_eps": 1e-5,
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
+    "q_lora_rank": _REQUIRED,
+    "kv_lora_rank": _REQUIRED,
+    "qk_nope_head_dim": _REQUIRED,
+    "qk_rope_head_dim": _REQUIRED,
+    "v_head_dim": _REQUIRED,
+    "mla_use_output_gate": False,
+    "num_experts": _REQUIRED,
+    "num_experts_per_token": _REQUIRED,
+    "num_shared_experts": 0,
+    "moe_intermediate_size": _REQUIRED,
+    "routed_expert_hidden_size": None,
+    "latent_moe_use_norm": True,
+    "moe_renormalize": True,
+    "routed_scaling_factor": 1.0,
+    "first_k_dense_replace": 0,
+    "intermediate_size": 0,
+    "tie_word_embeddings": False,
 }
 # this project's keys that K3 lacks; written by config_to_k3 and read back, so a round trip keeps them
 _EXTENSION_KEYS = ("use_dsa_indexer", "index_topk", "index_n_heads", "index_head_dim")
 _HIDDEN_ACT = {"situ": "situ", "silu": "swiglu", "swiglu": "swiglu"}
 # K3 vision key -> VisionConfig field
 _VISION_KEYS = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads"}
-_VISION_FIELDS = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size", "merge_size",
-                  "num_channels", "max_grid", "norm_eps", "rope_theta")
+_VISION_FIELDS = (
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "intermediate_size",
+    "patch_size",
+    "merge_size",
+    "num_channels",
+    "max_grid",
+    "norm_eps",
+    "rope_theta",
+)
 
 
 def _get(cfg: Mapping[str, Any], key: str, where: str, default: Any = _REQUIRED) -> Any:
@@ -73,12 +99,15 @@ def _layer_types(lin: Mapping[str, Any], num_layers: int, where: str) -> List[st
     for key, layers in (("full_attn_layers", full_set), ("kda_layers", kda_set)):
         outside = sorted(i for i in layers if i not in every)
         if outside:
-            raise ValueError(f"{where}linear_attn_config.{key}: entries are 1-indexed layers in "
-                             f"[1, {num_layers}], got {outside}")
+            raise ValueError(
+                f"{where}linear_attn_config.{key}: entries are 1-indexed layers in [1, {num_layers}], got {outside}"
+            )
     if kda_set & full_set or kda_set | full_set != every:
-        raise ValueError(f"{where}linear_attn_config.kda_layers: with full_attn_layers it must list every layer "
-                         f"1..{num_layers} exactly once; both: {sorted(kda_set & full_set)}, neither: "
-                         f"{sorted(every - kda_set - full_set)}")
+        raise ValueError(
+            f"{where}linear_attn_config.kda_layers: with full_attn_layers it must list every layer "
+            f"1..{num_layers} exactly once; both: {sorted(kda_set & full_set)}, neither: "
+            f"{sorted(every - kda_set - full_set)}"
+        )
     return ["mla" if i in full_set else "kda" for i in range(1, num_layers + 1)]
 
 
@@ -113,12 +142,15 @@ def _text_kwargs(text: Mapping[str, Any], where: str) -> Dict[str, Any]:
     lower = lin.get("gate_lower_bound")
     kwargs["layer_types"] = _layer_types(lin, kwargs["num_hidden_layers"], where)
     kwargs["linear_attn_config"] = dict(
-        num_heads=_get(lin, "num_heads", lin_where), head_dim=_get(lin, "head_dim", lin_where),
+        num_heads=_get(lin, "num_heads", lin_where),
+        head_dim=_get(lin, "head_dim", lin_where),
         short_conv_kernel_size=lin.get("short_conv_kernel_size", 4),
         # no lower bound is Kimi-Linear's softplus gate; the bound value is then unused
         gate_form=lin.get("gate_form", "k3" if lower is not None else "kimi_linear"),
         gate_lower_bound=lower if lower is not None else -5.0,
-        gate_rank=lin.get("gate_rank"), chunk_size=lin.get("chunk_size", 64))
+        gate_rank=lin.get("gate_rank"),
+        chunk_size=lin.get("chunk_size", 64),
+    )
     return kwargs
 
 
@@ -178,13 +210,24 @@ def config_to_k3(config: MoEPluginConfig, multimodal: bool = False) -> Dict[str,
     text["linear_attn_config"] = dict(
         kda_layers=[i + 1 for i, t in enumerate(mc.layer_types) if t == "kda"],
         full_attn_layers=[i + 1 for i, t in enumerate(mc.layer_types) if t == "mla"],
-        num_heads=lin["num_heads"], head_dim=lin["head_dim"], short_conv_kernel_size=lin["short_conv_kernel_size"],
+        num_heads=lin["num_heads"],
+        head_dim=lin["head_dim"],
+        short_conv_kernel_size=lin["short_conv_kernel_size"],
         gate_lower_bound=lin["gate_lower_bound"] if mc.kda.gate_form == "k3" else None,
-        use_full_rank_gate=True, gate_form=mc.kda.gate_form, gate_rank=mc.kda.gate_rank,
-        chunk_size=mc.kda.chunk_size)
-    text.update(mla_use_nope=True, moe_router_activation_func="sigmoid", moe_layer_freq=1,
-                use_grouped_topk=c.num_expert_group > 1, num_expert_group=c.num_expert_group,
-                topk_group=c.topk_group, num_nextn_predict_layers=0)
+        use_full_rank_gate=True,
+        gate_form=mc.kda.gate_form,
+        gate_rank=mc.kda.gate_rank,
+        chunk_size=mc.kda.chunk_size,
+    )
+    text.update(
+        mla_use_nope=True,
+        moe_router_activation_func="sigmoid",
+        moe_layer_freq=1,
+        use_grouped_topk=c.num_expert_group > 1,
+        num_expert_group=c.num_expert_group,
+        topk_group=c.topk_group,
+        num_nextn_predict_layers=0,
+    )
     text.update({key: getattr(c, key) for key in _EXTENSION_KEYS})
     if quantization_config_for(c.expert_format) is not None:
         text["quantization_config"] = quantization_config_for(c.expert_format)
@@ -194,5 +237,10 @@ def config_to_k3(config: MoEPluginConfig, multimodal: bool = False) -> Dict[str,
     if mc.vision is None:
         raise ValueError("vision_config: a multimodal K3 config needs the model's vision_config")
     vision = {field: getattr(mc.vision, field) for field in _VISION_FIELDS}
-    return {"model_type": K3_VL_MODEL_TYPE, "text_config": text, "vision_config": vision,
-            "image_token_id": c.image_token_id, "tie_word_embeddings": c.tie_word_embeddings}
+    return {
+        "model_type": K3_VL_MODEL_TYPE,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": c.image_token_id,
+        "tie_word_embeddings": c.tie_word_embeddings,
+    }

@@ -36,18 +36,41 @@ from torch import nn
 from ..compat.transformers import convert_file_size_to_int
 from ..fileio import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, atomic_directory
 from ..weights.loader import load_state, state_from_tensors
-from ..weights.names import (A_LOG_PAD_MULTIPLE, TEXT_PREFIX, VISION_PREFIXES, a_log_padded_length,
-                             is_indexer_tensor, is_stacked_expert, k3_expert_name, k3_tensor_names,
-                             strip_text_prefix, tensor_from_k3, tensor_to_k3)
+from ..weights.names import (
+    A_LOG_PAD_MULTIPLE,
+    TEXT_PREFIX,
+    VISION_PREFIXES,
+    a_log_padded_length,
+    is_indexer_tensor,
+    is_stacked_expert,
+    k3_expert_name,
+    k3_tensor_names,
+    strip_text_prefix,
+    tensor_from_k3,
+    tensor_to_k3,
+)
 from .configuration import MoEPluginConfig
 from .k3_config import config_from_k3, config_to_k3
 from .modeling import MoEPluginForCausalLM
 from .modeling_vl import MoEPluginForConditionalGeneration
 
-__all__ = ["A_LOG_PAD_MULTIPLE", "TEXT_PREFIX", "VISION_PREFIXES", "config_from_k3", "config_to_k3",
-           "state_dict_from_k3", "state_dict_to_k3", "load_k3_checkpoint", "save_k3_checkpoint",
-           "a_log_padded_length", "k3_tensor_names", "tensor_from_k3", "strip_text_prefix", "is_indexer_tensor",
-           "expected_shapes"]
+__all__ = [
+    "A_LOG_PAD_MULTIPLE",
+    "TEXT_PREFIX",
+    "VISION_PREFIXES",
+    "config_from_k3",
+    "config_to_k3",
+    "state_dict_from_k3",
+    "state_dict_to_k3",
+    "load_k3_checkpoint",
+    "save_k3_checkpoint",
+    "a_log_padded_length",
+    "k3_tensor_names",
+    "tensor_from_k3",
+    "strip_text_prefix",
+    "is_indexer_tensor",
+    "expected_shapes",
+]
 
 CONFIG_NAME = "config.json"
 
@@ -61,9 +84,14 @@ def expected_shapes(config: MoEPluginConfig, model_cls: Type[nn.Module] = MoEPlu
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def state_dict_from_k3(tensors: Mapping[str, torch.Tensor], config: MoEPluginConfig,
-                       model_cls: Type[nn.Module] = MoEPluginForCausalLM, ignore_mtp: bool = False,
-                       ignore_vision: bool = False, strict: bool = True) -> Dict[str, torch.Tensor]:
+def state_dict_from_k3(
+    tensors: Mapping[str, torch.Tensor],
+    config: MoEPluginConfig,
+    model_cls: Type[nn.Module] = MoEPluginForCausalLM,
+    ignore_mtp: bool = False,
+    ignore_vision: bool = False,
+    strict: bool = True,
+) -> Dict[str, torch.Tensor]:
     """K3-named tensors -> a state dict for ``model_cls(config)`` (text model, or image+text model).
 
     tensors: name -> tensor as stored in a K3 checkpoint (per-expert ``[F, L]``/``[L, F]``, padded ``A_log``,
@@ -72,12 +100,18 @@ def state_dict_from_k3(tensors: Mapping[str, torch.Tensor], config: MoEPluginCon
     ``use_dsa_indexer`` may be absent (it is then left out: keep the model's fresh one). strict=False skips
     tensors the model lacks. Raises one ValueError listing unknown, missing and misshapen tensors.
     """
-    return state_from_tensors(tensors, expected_shapes(config, model_cls), config=config.to_model_config(),
-                              layout="k3", strict=strict, ignore_vision=ignore_vision, ignore_mtp=ignore_mtp)
+    return state_from_tensors(
+        tensors,
+        expected_shapes(config, model_cls),
+        config=config.to_model_config(),
+        layout="k3",
+        strict=strict,
+        ignore_vision=ignore_vision,
+        ignore_mtp=ignore_mtp,
+    )
 
 
-def _k3_items(state_dict: Mapping[str, torch.Tensor], config: MoEPluginConfig
-              ) -> Iterator[Tuple[str, torch.Tensor]]:
+def _k3_items(state_dict: Mapping[str, torch.Tensor], config: MoEPluginConfig) -> Iterator[Tuple[str, torch.Tensor]]:
     """(K3 name, tensor) pairs; experts are views into the stacked tensors, A_log a new padded vector."""
     embeddings = {t.data_ptr() for n, t in state_dict.items() if n.endswith("model.embed_tokens.weight")}
     for name, tensor in state_dict.items():
@@ -100,9 +134,15 @@ def state_dict_to_k3(state_dict: Mapping[str, torch.Tensor], config: MoEPluginCo
     return dict(_k3_items(state_dict, config))
 
 
-def load_k3_checkpoint(path: Union[str, os.PathLike], model_cls: Type[nn.Module] = MoEPluginForCausalLM,
-                       ignore_mtp: bool = False, ignore_vision: bool = False,
-                       dtype: Optional[torch.dtype] = None, strict: bool = True, **config_overrides) -> nn.Module:
+def load_k3_checkpoint(
+    path: Union[str, os.PathLike],
+    model_cls: Type[nn.Module] = MoEPluginForCausalLM,
+    ignore_mtp: bool = False,
+    ignore_vision: bool = False,
+    dtype: Optional[torch.dtype] = None,
+    strict: bool = True,
+    **config_overrides,
+) -> nn.Module:
     """The model of a K3-format directory (``config.json`` + ``model.safetensors`` or index + shards).
 
     model_cls: ``MoEPluginForCausalLM`` or ``MoEPluginForConditionalGeneration``. config_overrides are
@@ -119,8 +159,16 @@ def load_k3_checkpoint(path: Union[str, os.PathLike], model_cls: Type[nn.Module]
     model = model_cls(config)
     if dtype is not None:
         model.to(dtype)
-    load_state(model, path, names="hf", config=config.to_model_config(), strict=strict, layout="k3",
-               ignore_vision=ignore_vision, ignore_mtp=ignore_mtp)
+    load_state(
+        model,
+        path,
+        names="hf",
+        config=config.to_model_config(),
+        strict=strict,
+        layout="k3",
+        ignore_vision=ignore_vision,
+        ignore_mtp=ignore_mtp,
+    )
     return model.eval()
 
 
@@ -137,8 +185,9 @@ def _shard_plan(items: List[Tuple[str, torch.Tensor]], max_bytes: int) -> List[L
     return shards
 
 
-def save_k3_checkpoint(model: nn.Module, path: Union[str, os.PathLike],
-                       max_shard_size: Union[int, str] = "5GB") -> List[str]:
+def save_k3_checkpoint(
+    model: nn.Module, path: Union[str, os.PathLike], max_shard_size: Union[int, str] = "5GB"
+) -> List[str]:
     """Write ``model`` in K3's layout: ``config.json`` and safetensors shards of at most ``max_shard_size``
     (bytes, or a string such as "5GB"; a tensor larger than that gets a shard of its own), with
     ``model.safetensors.index.json`` when there is more than one shard. Returns the files written.
@@ -163,8 +212,11 @@ def _write_k3_checkpoint(model: nn.Module, path: str, max_shard_size: Union[int,
     for number, shard in enumerate(shards, start=1):
         file_name = SAFETENSORS_SINGLE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         # clone: safetensors refuses tensors that share storage, as the per-expert views do
-        save_file({name: t.contiguous().clone() for name, t in shard}, os.path.join(path, file_name),
-                  metadata={"format": "pt"})
+        save_file(
+            {name: t.contiguous().clone() for name, t in shard},
+            os.path.join(path, file_name),
+            metadata={"format": "pt"},
+        )
         weight_map.update((name, file_name) for name, _ in shard)
         written.append(file_name)
     if len(shards) > 1:

@@ -34,8 +34,10 @@ def expert_format_from_k3(text: Mapping[str, Any], where: str = "") -> str:
     at = f"{base}.config_groups.{name}"
     fmt = group.get("format", qc.get("format"))
     if fmt not in FORMAT_NAMES:
-        raise ValueError(f"{at}.format: unknown expert format {fmt!r}; supported: {sorted(FORMAT_NAMES)} "
-                         "(or remove quantization_config for BF16 experts)")
+        raise ValueError(
+            f"{at}.format: unknown expert format {fmt!r}; supported: {sorted(FORMAT_NAMES)} "
+            "(or remove quantization_config for BF16 experts)"
+        )
     expert_format, kind = FORMAT_NAMES[fmt]
     weights = group.get("weights") or {}
     for key, want in (("num_bits", 4), ("group_size", _GROUP), ("symmetric", True), ("type", kind)):
@@ -51,12 +53,28 @@ def quantization_config_for(expert_format: str) -> Optional[Dict[str, Any]]:
         return None
     name = next(n for n, (f, _) in FORMAT_NAMES.items() if f == expert_format)
     kind = FORMAT_NAMES[name][1]
-    weights = {"num_bits": 4, "type": kind, "symmetric": True, "group_size": _GROUP, "strategy": "group",
-               "dynamic": False}
+    weights = {
+        "num_bits": 4,
+        "type": kind,
+        "symmetric": True,
+        "group_size": _GROUP,
+        "strategy": "group",
+        "dynamic": False,
+    }
     if expert_format == "mxfp4":
         weights["scale_dtype"] = "torch.uint8"
-    return {"quant_method": "compressed-tensors", "format": name,
-            "config_groups": {"group_0": {"format": name, "targets": ["Linear"], "weights": weights,
-                                          "input_activations": None}},
-            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
-                       "re:.*block_sparse_moe\\.gate$", "re:.*routed_expert_.*", "lm_head"]}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": name,
+        "config_groups": {
+            "group_0": {"format": name, "targets": ["Linear"], "weights": weights, "input_activations": None}
+        },
+        "ignore": [
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            "re:.*mlp\\.(gate|up|down)_proj.*",
+            "re:.*block_sparse_moe\\.gate$",
+            "re:.*routed_expert_.*",
+            "lm_head",
+        ],
+    }

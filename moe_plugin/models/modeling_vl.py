@@ -22,23 +22,34 @@ from .modeling import MoECausalLMOutput, MoEPluginForCausalLM, MoEPluginPreTrain
 __all__ = ["MoEPluginForConditionalGeneration", "scatter_image_tokens"]
 
 
-def scatter_image_tokens(embeds: torch.Tensor, input_ids: torch.LongTensor, image_token_id: int,
-                         encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                         pixel_patches: Optional[torch.Tensor], grid_hw: Optional[torch.Tensor]) -> torch.Tensor:
+def scatter_image_tokens(
+    embeds: torch.Tensor,
+    input_ids: torch.LongTensor,
+    image_token_id: int,
+    encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    pixel_patches: Optional[torch.Tensor],
+    grid_hw: Optional[torch.Tensor],
+) -> torch.Tensor:
     """``embeds`` ``[B, T, D]`` with the placeholders of ``input_ids`` ``[B, T]`` replaced, in row-major order over
     ``[B, T]`` (the order MoEProcessor expanded them in), by ``encode(pixel_patches, grid_hw)`` ``[count, D]``.
     Without ``pixel_patches`` the embeddings are returned as they are, and no placeholder may be there."""
     placeholders = input_ids == image_token_id
     count = int(placeholders.sum())
     if pixel_patches is None:
-        require(count == 0, "pixel_patches", f"input_ids hold {count} image placeholders but no image was "
-                "given; pass the batch's pixel_patches and grid_hw")
+        require(
+            count == 0,
+            "pixel_patches",
+            f"input_ids hold {count} image placeholders but no image was "
+            "given; pass the batch's pixel_patches and grid_hw",
+        )
         return embeds
-    require(grid_hw is not None, "grid_hw", "is required with pixel_patches ([num_images, 2] patch rows and "
-            "columns)")
+    require(grid_hw is not None, "grid_hw", "is required with pixel_patches ([num_images, 2] patch rows and columns)")
     tokens = encode(pixel_patches.to(embeds.device), grid_hw.to(embeds.device))
-    require(tokens.shape[0] == count, "input_ids", f"{count} image placeholders for {tokens.shape[0]} image "
-            "tokens; expand the placeholders with MoEProcessor")
+    require(
+        tokens.shape[0] == count,
+        "input_ids",
+        f"{count} image placeholders for {tokens.shape[0]} image tokens; expand the placeholders with MoEProcessor",
+    )
     return embeds.masked_scatter(placeholders.unsqueeze(-1), tokens.to(embeds.dtype))
 
 
@@ -66,39 +77,72 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
     def get_output_embeddings(self):
         return self.language_model.get_output_embeddings()
 
-    def embed(self, input_ids: torch.LongTensor, pixel_patches: Optional[torch.Tensor] = None,
-              grid_hw: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def embed(
+        self,
+        input_ids: torch.LongTensor,
+        pixel_patches: Optional[torch.Tensor] = None,
+        grid_hw: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Token embeddings ``[B, T, D]`` with every image placeholder replaced, in order, by an image token."""
-        return scatter_image_tokens(self.language_model.model.embed_tokens(input_ids), input_ids,
-                                    self.config.image_token_id, self.encode_images, pixel_patches, grid_hw)
+        return scatter_image_tokens(
+            self.language_model.model.embed_tokens(input_ids),
+            input_ids,
+            self.config.image_token_id,
+            self.encode_images,
+            pixel_patches,
+            grid_hw,
+        )
 
     def encode_images(self, pixel_patches: torch.Tensor, grid_hw: torch.Tensor) -> torch.Tensor:
         """pixel_patches ``[N, C * P * P]``, grid_hw ``[num_images, 2]`` -> image tokens ``[N / m^2, hidden]``."""
         return self.mm_projector(self.patch_merger(self.vision_tower(pixel_patches, grid_hw)))
 
-    def forward(self, input_ids: torch.LongTensor, pixel_patches: Optional[torch.Tensor] = None,
-                grid_hw: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.LongTensor] = None, cache: Optional[HybridCache] = None,
-                use_cache: Optional[bool] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                logits_to_keep: int = 0, num_items_in_batch: Optional[int] = None, **kwargs) -> MoECausalLMOutput:
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        pixel_patches: Optional[torch.Tensor] = None,
+        grid_hw: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        cache: Optional[HybridCache] = None,
+        use_cache: Optional[bool] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        logits_to_keep: int = 0,
+        num_items_in_batch: Optional[int] = None,
+        **kwargs,
+    ) -> MoECausalLMOutput:
         """input_ids ``[B, T]``; pixel_patches ``[N, 3*14*14]``; grid_hw ``[num_images, 2]``; the other arguments
         as ``MoEPluginForCausalLM.forward`` (labels ``[B, T]`` unshifted, image placeholders never scored)."""
         mc = self.language_model.model.model_config
-        batch, length = check_inputs(input_ids, None, attention_mask, mc.vocab_size, mc.hidden_size,
-                                     cache.seq_length if cache is not None else 0)
+        batch, length = check_inputs(
+            input_ids, None, attention_mask, mc.vocab_size, mc.hidden_size, cache.seq_length if cache is not None else 0
+        )
         if labels is not None:
             check_labels(labels, batch, length, mc.vocab_size, logits_to_keep)
             labels = labels.masked_fill(input_ids == self.config.image_token_id, -100)
         return self.language_model(
-            inputs_embeds=self.embed(input_ids, pixel_patches, grid_hw), attention_mask=attention_mask,
-            labels=labels, cache=cache, use_cache=use_cache, cu_seqlens=cu_seqlens, logits_to_keep=logits_to_keep,
-            num_items_in_batch=num_items_in_batch)
+            inputs_embeds=self.embed(input_ids, pixel_patches, grid_hw),
+            attention_mask=attention_mask,
+            labels=labels,
+            cache=cache,
+            use_cache=use_cache,
+            cu_seqlens=cu_seqlens,
+            logits_to_keep=logits_to_keep,
+            num_items_in_batch=num_items_in_batch,
+        )
 
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, cache: Optional[HybridCache] = None,
-                                      attention_mask: Optional[torch.Tensor] = None, pixel_patches=None,
-                                      grid_hw=None, **kwargs):
-        inputs = self.language_model.prepare_inputs_for_generation(input_ids, cache=cache,
-                                                                   attention_mask=attention_mask, **kwargs)
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        cache: Optional[HybridCache] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        pixel_patches=None,
+        grid_hw=None,
+        **kwargs,
+    ):
+        inputs = self.language_model.prepare_inputs_for_generation(
+            input_ids, cache=cache, attention_mask=attention_mask, **kwargs
+        )
         if cache is None or cache.seq_length == 0:  # images enter with the prompt only
             inputs.update(pixel_patches=pixel_patches, grid_hw=grid_hw)
         return inputs

@@ -27,8 +27,10 @@ def check_messages(messages: Sequence[Message]) -> None:
         if isinstance(content, str):
             continue
         if not isinstance(content, list) or not all(_valid_item(item) for item in content):
-            raise ValueError(f"messages: message {i} content must be a string or a list of "
-                             f"{{'type': 'text', 'text': str}} / {{'type': 'image'}} items, got {content!r}")
+            raise ValueError(
+                f"messages: message {i} content must be a string or a list of "
+                f"{{'type': 'text', 'text': str}} / {{'type': 'image'}} items, got {content!r}"
+            )
 
 
 def _valid_item(item: object) -> bool:
@@ -56,11 +58,18 @@ class MoEProcessor:
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
         """Messages [{"role", "content"}] (content: str or list of text/image items) -> prompt text."""
         check_messages(messages)
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
-    def __call__(self, text: Union[str, Sequence[str]], images: Optional[Sequence[ImageInput]] = None,
-                 padding: Union[bool, str] = True, return_tensors: str = "pt", **tokenizer_kwargs) -> BatchFeature:
+    def __call__(
+        self,
+        text: Union[str, Sequence[str]],
+        images: Optional[Sequence[ImageInput]] = None,
+        padding: Union[bool, str] = True,
+        return_tensors: str = "pt",
+        **tokenizer_kwargs,
+    ) -> BatchFeature:
         """Text(s) with placeholders and the images they refer to, in order ->
         ``input_ids`` / ``attention_mask`` [batch, seq] and, with images, ``pixel_patches`` [N, C * P * P]
         and ``grid_hw`` [num_images, 2]."""
@@ -72,14 +81,17 @@ class MoEProcessor:
         placeholders = sum(t.count(self.image_token) for t in texts)
         num_images = len(images) if images else 0
         if placeholders != num_images:
-            raise ValueError(f"images: the text holds {placeholders} {self.image_token} placeholders but "
-                             f"{num_images} images were given")
+            raise ValueError(
+                f"images: the text holds {placeholders} {self.image_token} placeholders but "
+                f"{num_images} images were given"
+            )
         data = {}
         if num_images:
             vision = self.image_processor(images, return_tensors=return_tensors)
             data.update(vision)
-            tokens_per_image = [int(h) * int(w) // self.image_processor.merge_size ** 2
-                                for h, w in vision["grid_hw"].tolist()]
+            tokens_per_image = [
+                int(h) * int(w) // self.image_processor.merge_size**2 for h, w in vision["grid_hw"].tolist()
+            ]
             texts = self._expand_placeholders(texts, tokens_per_image)
         data.update(self.tokenizer(texts, padding=padding, return_tensors=return_tensors, **tokenizer_kwargs))
         return BatchFeature(data)

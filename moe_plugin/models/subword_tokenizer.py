@@ -20,13 +20,35 @@ import os
 from typing import Iterator, List
 
 PAD, BOS, EOS, UNK = "[PAD]", "[BOS]", "[EOS]", "[UNK]"
-IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>",
-                                                       "<|im_middle|>", "<|im_end|>")
-MEDIA_START, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = ("<|media_start|>", "<|media_content|>", "<|media_end|>",
-                                                    "<|media_pad|>")
+IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END = (
+    "<|im_system|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_middle|>",
+    "<|im_end|>",
+)
+MEDIA_START, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = (
+    "<|media_start|>",
+    "<|media_content|>",
+    "<|media_end|>",
+    "<|media_pad|>",
+)
 # ids 0.. in this order; MEDIA_PAD is the image placeholder the processor expands to an image's tokens
-SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END,
-                  MEDIA_START, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD)
+SPECIAL_TOKENS = (
+    PAD,
+    BOS,
+    EOS,
+    UNK,
+    IM_SYSTEM,
+    IM_USER,
+    IM_ASSISTANT,
+    IM_MIDDLE,
+    IM_END,
+    MEDIA_START,
+    MEDIA_CONTENT,
+    MEDIA_END,
+    MEDIA_PAD,
+)
 IMAGE_TOKEN = MEDIA_PAD
 # printable ASCII and the newline: any such text encodes without [UNK]
 ALPHABET = tuple(chr(c) for c in range(32, 127)) + ("\n",)
@@ -56,10 +78,35 @@ CHAT_TEMPLATE = (
 
 _COLORS = ("red", "green", "blue", "yellow")
 _SHAPES = ("square", "circle", "triangle")
-_QUESTIONS = ("What color is the shape?", "What color is the background?", "Which shape is this?",
-              "What is the answer?", "How many sides does the shape have?", "Where is the shape?")
-_WORDS = ("system", "user", "assistant", "image", "You are a helpful assistant.", "Answer with one word.",
-          "The answer is", "It is", "yes", "no", "plus", "minus", "equals", "and", "of", "a", "an", "in", "on")
+_QUESTIONS = (
+    "What color is the shape?",
+    "What color is the background?",
+    "Which shape is this?",
+    "What is the answer?",
+    "How many sides does the shape have?",
+    "Where is the shape?",
+)
+_WORDS = (
+    "system",
+    "user",
+    "assistant",
+    "image",
+    "You are a helpful assistant.",
+    "Answer with one word.",
+    "The answer is",
+    "It is",
+    "yes",
+    "no",
+    "plus",
+    "minus",
+    "equals",
+    "and",
+    "of",
+    "a",
+    "an",
+    "in",
+    "on",
+)
 
 
 def corpus() -> Iterator[str]:
@@ -87,9 +134,14 @@ def _train():
     tokenizer = Tokenizer(models.BPE(unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(PRE_TOKENIZE), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()  # the pieces keep their spaces: joining them restores the text
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=list(ALPHABET), limit_alphabet=len(ALPHABET),
-                                  min_frequency=2, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=list(ALPHABET),
+        limit_alphabet=len(ALPHABET),
+        min_frequency=2,
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(corpus(), trainer=trainer)
     return tokenizer
 
@@ -99,11 +151,18 @@ def subword_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_train(), bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+        tokenizer_object=_train(),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
         # named, so that `tokenizer.image_token` / `image_token_id` give the placeholder as in transformers'
         # multimodal tokenizers
         extra_special_tokens={"image_token": IMAGE_TOKEN},
-        chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False, model_max_length=4096)
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+    )
     for token in SPECIAL_TOKENS:
         if tokenizer.convert_tokens_to_ids(token) != SPECIAL_TOKENS.index(token):
             raise RuntimeError(f"{token} did not get id {SPECIAL_TOKENS.index(token)}; the trainer changed")

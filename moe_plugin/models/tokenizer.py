@@ -18,11 +18,11 @@ from transformers import PreTrainedTokenizer
 from transformers.tokenization_python import AddedToken
 
 NUM_BYTES = 256
-PAD, BOS, EOS, IMAGE, IM_START, IM_END = ("<|pad|>", "<|bos|>", "<|eos|>", "<|image|>", "<|im_start|>",
-                                          "<|im_end|>")
+PAD, BOS, EOS, IMAGE, IM_START, IM_END = ("<|pad|>", "<|bos|>", "<|eos|>", "<|image|>", "<|im_start|>", "<|im_end|>")
 NUM_RESERVED = 10
 SPECIAL_TOKENS: Tuple[str, ...] = (PAD, BOS, EOS, IMAGE, IM_START, IM_END) + tuple(
-    f"<|reserved_{i}|>" for i in range(NUM_RESERVED))
+    f"<|reserved_{i}|>" for i in range(NUM_RESERVED)
+)
 VOCAB_SIZE = NUM_BYTES + len(SPECIAL_TOKENS)  # 272
 
 CHAT_TEMPLATE = (
@@ -51,7 +51,8 @@ class ByteTokenizer(PreTrainedTokenizer):
         # Fixed ids for the special tokens, set before the base class assigns ids in its own order.
         self._added_tokens_decoder = {
             NUM_BYTES + i: AddedToken(tok, lstrip=False, rstrip=False, normalized=False, special=True)
-            for i, tok in enumerate(SPECIAL_TOKENS)}
+            for i, tok in enumerate(SPECIAL_TOKENS)
+        }
         saved = kwargs.pop("added_tokens_decoder", None) or {}
         # A saved config repeats the fixed table; only tokens added later (ids above it) are taken from it.
         self._added_tokens_decoder.update({int(i): t for i, t in saved.items() if int(i) >= VOCAB_SIZE})
@@ -91,8 +92,9 @@ class ByteTokenizer(PreTrainedTokenizer):
 
     def _convert_id_to_token(self, index: int) -> str:
         if not 0 <= index < NUM_BYTES:
-            raise ValueError(f"token id: {index} is neither a byte (0..255) nor a special token id "
-                             f"({NUM_BYTES}..{VOCAB_SIZE - 1})")
+            raise ValueError(
+                f"token id: {index} is neither a byte (0..255) nor a special token id ({NUM_BYTES}..{VOCAB_SIZE - 1})"
+            )
         return chr(index)
 
     def convert_tokens_to_string(self, tokens: List[str]) -> str:

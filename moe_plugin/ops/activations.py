@@ -88,12 +88,12 @@ class _PackedGLU(torch.autograd.Function):
         else:
             s = torch.sigmoid(a)
             ta = torch.tanh(a / ctx.beta)
-            act = (ta * s).mul_(ctx.beta)                  # beta tanh(a/beta) sigmoid(a)
+            act = (ta * s).mul_(ctx.beta)  # beta tanh(a/beta) sigmoid(a)
             d_act = (1.0 - ta * ta).mul_(s).add_((1.0 - s).mul_(act))
             tb = torch.tanh(b / ctx.linear_beta)
-            d_act.mul_(tb).mul_(ctx.linear_beta)           # times the up factor linear_beta tanh(b/linear_beta)
+            d_act.mul_(tb).mul_(ctx.linear_beta)  # times the up factor linear_beta tanh(b/linear_beta)
             torch.mul(d_act, g, out=grad_gate)
-            d_up = tb.mul_(tb).neg_().add_(1.0)            # d/db of linear_beta tanh(b/linear_beta)
+            d_up = tb.mul_(tb).neg_().add_(1.0)  # d/db of linear_beta tanh(b/linear_beta)
             torch.mul(act.mul_(d_up), g, out=grad_up)
         return out.to(gate_up.dtype), None, None, None
 

@@ -7,8 +7,13 @@ from typing import Optional, Sequence
 import torch
 
 
-def check_tensor(name: str, x: torch.Tensor, ndim: Optional[int] = None,
-                 shape: Optional[Sequence[Optional[int]]] = None, floating: bool = False) -> None:
+def check_tensor(
+    name: str,
+    x: torch.Tensor,
+    ndim: Optional[int] = None,
+    shape: Optional[Sequence[Optional[int]]] = None,
+    floating: bool = False,
+) -> None:
     """Check ``x``'s rank, its sizes (``None`` entries are free) and, optionally, that it is floating point."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -53,8 +58,9 @@ def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], batch: int, total: int)
     if batch != 1:
         raise ValueError(f"cu_seqlens: packed sequences need batch size 1, got batch {batch}")
     if cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
-        raise ValueError(f"cu_seqlens: expected offsets from 0 to the sequence length {total}, "
-                         f"got {cu_seqlens.tolist()}")
+        raise ValueError(
+            f"cu_seqlens: expected offsets from 0 to the sequence length {total}, got {cu_seqlens.tolist()}"
+        )
     if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
         raise ValueError(f"cu_seqlens: offsets must be non-decreasing, got {cu_seqlens.tolist()}")
 

@@ -12,10 +12,15 @@ from moe_plugin.ops.checks import check_cu_seqlens, check_same_dtype, check_tens
 ACTIVATIONS = (None, "silu")
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  activation: Optional[str] = "silu", initial_state: Optional[torch.Tensor] = None,
-                  output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None
-                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    activation: Optional[str] = "silu",
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """y[t, c] = act(bias[c] + sum_w weight[c, w] x[t - (W-1) + w, c]), inputs before a sequence's start
     taken from ``initial_state`` (zeros when None).
 
@@ -46,7 +51,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     def tail(rows: int, seq: Optional[int] = None) -> torch.Tensor:  # [rows, W-1, C]
         if initial_state is None:
             return x.new_zeros(rows, W - 1, C)
-        state = initial_state if seq is None else initial_state[seq:seq + 1]
+        state = initial_state if seq is None else initial_state[seq : seq + 1]
         return state.transpose(1, 2)
 
     if cu_seqlens is None:
@@ -62,7 +67,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         ends = [end + (seq + 1) * (W - 1) for seq, end in enumerate(offsets[1:])]
 
     length = ext.shape[1] - (W - 1)
-    y = sum(ext[:, w:w + length] * weight[:, w] for w in range(W))
+    y = sum(ext[:, w : w + length] * weight[:, w] for w in range(W))
     if bias is not None:
         y = y + bias
     if activation == "silu":
@@ -70,11 +75,15 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     final = None
     if ends is not None:
         # Output j of the extended row belongs to token j - seq (W-1) of sequence seq.
-        keep = torch.cat([torch.arange(start, end, device=x.device) + seq * (W - 1)
-                          for seq, (start, end) in enumerate(zip(offsets[:-1], offsets[1:]))])
+        keep = torch.cat(
+            [
+                torch.arange(start, end, device=x.device) + seq * (W - 1)
+                for seq, (start, end) in enumerate(zip(offsets[:-1], offsets[1:]))
+            ]
+        )
         y = y.index_select(1, keep)
         if output_final_state:
-            final = torch.stack([ext[0, e - (W - 1):e] for e in ends]).transpose(1, 2)
+            final = torch.stack([ext[0, e - (W - 1) : e] for e in ends]).transpose(1, 2)
     elif output_final_state:
-        final = ext[:, ext.shape[1] - (W - 1):].transpose(1, 2)
+        final = ext[:, ext.shape[1] - (W - 1) :].transpose(1, 2)
     return y, (final.contiguous() if final is not None else None)

@@ -19,8 +19,12 @@ import torch.nn.functional as F
 __all__ = ["balance_terms", "causal_lm_loss", "training_loss"]
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                   num_items_in_batch: Optional[float] = None) -> torch.Tensor:
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    num_items_in_batch: Optional[float] = None,
+) -> torch.Tensor:
     """Next-token cross entropy (fp32), ignoring -100 and, for packed rows, predictions across documents.
 
     logits ``[B, T, V]``; labels ``[B, T]`` (the input ids, not shifted: position t is scored against label
@@ -46,10 +50,16 @@ def balance_terms(terms: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Ten
     return torch.stack(list(terms)) if terms and all(t is not None for t in terms) else None
 
 
-def training_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                  num_items_in_batch: Optional[float] = None, indexer_loss: Optional[torch.Tensor] = None,
-                  indexer_loss_coeff: float = 0.0, balance: Optional[torch.Tensor] = None,
-                  balance_coeff: float = 0.0) -> torch.Tensor:
+def training_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    num_items_in_batch: Optional[float] = None,
+    indexer_loss: Optional[torch.Tensor] = None,
+    indexer_loss_coeff: float = 0.0,
+    balance: Optional[torch.Tensor] = None,
+    balance_coeff: float = 0.0,
+) -> torch.Tensor:
     """``causal_lm_loss + indexer_loss_coeff * indexer_loss + balance_coeff * balance.sum()``, a scalar fp32.
 
     logits ``[B, T, V]``, labels ``[B, T]`` (unshifted, -100 = not scored; padding already set to -100 by the

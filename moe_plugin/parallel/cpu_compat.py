@@ -44,8 +44,7 @@ from ..compat.deepspeed import TESTED_DEEPSPEED
 from ..compat.megatron import TESTED_MEGATRON
 from .cpu_standins import TORCH_ON_CPU
 
-__all__ = ["apply_cpu_patches", "remove_cpu_patches", "cpu_patches_applied", "CPU_PATCH_NAMES",
-           "CPU_DEVICE_MODULES"]
+__all__ = ["apply_cpu_patches", "remove_cpu_patches", "cpu_patches_applied", "CPU_PATCH_NAMES", "CPU_DEVICE_MODULES"]
 
 # --------------------------------------------------------------------------------------------------
 # Bookkeeping: every replaced attribute is recorded so that remove_cpu_patches() can restore it.
@@ -69,8 +68,10 @@ def _target(patch: str, module_name: str, attr_path: str = "") -> Any:
     try:
         obj = importlib.import_module(module_name)
     except ImportError as e:
-        raise RuntimeError(f"CPU patch {patch!r}: cannot import {module_name} with the installed "
-                           f"{_installed(module_name)} ({e}); install the tested version (docs/cpu.md)") from e
+        raise RuntimeError(
+            f"CPU patch {patch!r}: cannot import {module_name} with the installed "
+            f"{_installed(module_name)} ({e}); install the tested version (docs/cpu.md)"
+        ) from e
     walked = module_name
     for part in attr_path.split(".") if attr_path else ():
         walked += f".{part}"
@@ -79,7 +80,8 @@ def _target(patch: str, module_name: str, attr_path: str = "") -> Any:
                 f"CPU patch {patch!r}: {walked} does not exist in the installed {_installed(module_name)}. The "
                 f"patch was written for megatron-core {TESTED_MEGATRON} / DeepSpeed {TESTED_DEEPSPEED}; check what "
                 "replaced that upstream call (docs/cpu.md) and update moe_plugin.parallel.cpu_compat, or install "
-                "those versions")
+                "those versions"
+            )
         obj = getattr(obj, part)
     return obj
 
@@ -99,29 +101,38 @@ def _record(owner: Any, attr: str) -> None:
 
 # module -> the upstream calls in it that the CPU torch.cuda stands in for
 CPU_DEVICE_MODULES: Dict[str, str] = {
-    "megatron.core.transformer.moe.token_dispatcher":
+    "megatron.core.transformer.moe.token_dispatcher": (
         "torch.cuda.Stream() in MoEAlltoAllTokenDispatcher.__init__; torch.cuda.current_stream / "
-        "torch.cuda.stream / Stream.record_event in MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
-    "megatron.core.transformer.moe.router":
+        "torch.cuda.stream / Stream.record_event in MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"
+    ),
+    "megatron.core.transformer.moe.router": (
         "torch.cuda.current_device() in Router.gating (moves the gate weight) and in TopKRouter.__init__ "
-        "(expert-bias and global-aux-loss buffers)",
-    "megatron.core.transformer.moe.shared_experts":
-        "torch.cuda.Stream / current_stream / stream in SharedExpertMLP (moe_shared_expert_overlap)",
-    "megatron.core.tensor_parallel.mappings":
+        "(expert-bias and global-aux-loss buffers)"
+    ),
+    "megatron.core.transformer.moe.shared_experts": (
+        "torch.cuda.Stream / current_stream / stream in SharedExpertMLP (moe_shared_expert_overlap)"
+    ),
+    "megatron.core.tensor_parallel.mappings": (
         "torch.cuda.current_device() as the output device of _gather_along_first_dim, "
-        "_reduce_scatter_along_first_dim and _AllToAll.forward (the dispatcher's all-to-all-v)",
-    "megatron.core.tensor_parallel.layers":
+        "_reduce_scatter_along_first_dim and _AllToAll.forward (the dispatcher's all-to-all-v)"
+    ),
+    "megatron.core.tensor_parallel.layers": (
         "torch.cuda.current_device() in Column/RowParallelLinear and VocabParallelEmbedding when "
-        "use_cpu_initialization=False, and in the sequence-parallel all-gather of the linear autograd function",
-    "megatron.core.tensor_parallel.utils":
-        "torch.cuda.current_device() in split_tensor_into_1d_equal_chunks / gather_split_1d_tensor",
-    "megatron.core.tensor_parallel.random":
-        "torch.cuda.manual_seed / get_rng_state in CudaRNGStatesTracker.add and model_parallel_cuda_manual_seed",
-    "megatron.core.utils":
+        "use_cpu_initialization=False, and in the sequence-parallel all-gather of the linear autograd function"
+    ),
+    "megatron.core.tensor_parallel.utils": (
+        "torch.cuda.current_device() in split_tensor_into_1d_equal_chunks / gather_split_1d_tensor"
+    ),
+    "megatron.core.tensor_parallel.random": (
+        "torch.cuda.manual_seed / get_rng_state in CudaRNGStatesTracker.add and model_parallel_cuda_manual_seed"
+    ),
+    "megatron.core.utils": (
         "torch.cuda.current_device() in GlobalMemoryBuffer.get_tensor (the local DotProductAttention's "
-        "score buffer, via parallel_state.get_global_memory_buffer)",
-    "megatron.core.models.common.embeddings.rotary_pos_embedding":
-        "torch.cuda.current_device() in RotaryEmbedding when use_cpu_initialization=False",
+        "score buffer, via parallel_state.get_global_memory_buffer)"
+    ),
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": (
+        "torch.cuda.current_device() in RotaryEmbedding when use_cpu_initialization=False"
+    ),
 }
 
 # Class attributes that upstream fills once per process with a torch.cuda object (while patched: a null
@@ -136,8 +147,10 @@ def _give_cpu_cuda(patch: str, module_name: str) -> None:
     """Replaces the module's ``torch`` global (the calls listed in CPU_DEVICE_MODULES[module_name])."""
     module = _target(patch, module_name)
     if _target(patch, module_name, "torch") is not torch:
-        raise RuntimeError(f"CPU patch {patch!r}: {module_name}.torch is not the torch module (something else "
-                           "replaced it); remove that other patch or run without it")
+        raise RuntimeError(
+            f"CPU patch {patch!r}: {module_name}.torch is not the torch module (something else "
+            "replaced it); remove that other patch or run without it"
+        )
     _replace(module, "torch", TORCH_ON_CPU)
     for class_name, attr in CUDA_OBJECT_CACHES.get(module_name, ()):
         _target(patch, module_name, f"{class_name}.{attr}")
@@ -278,8 +291,10 @@ _FUNCTION_PATCHES: Dict[str, Callable[[str], None]] = {
 }
 
 _PATCHES: Dict[str, Callable[[str], None]] = {
-    **{f"torch.cuda@{module_name}": (lambda patch, m=module_name: _give_cpu_cuda(patch, m))
-       for module_name in CPU_DEVICE_MODULES},
+    **{
+        f"torch.cuda@{module_name}": (lambda patch, m=module_name: _give_cpu_cuda(patch, m))
+        for module_name in CPU_DEVICE_MODULES
+    },
     **_FUNCTION_PATCHES,
 }
 
@@ -300,7 +315,8 @@ def apply_cpu_patches() -> List[str]:
             "apply_cpu_patches: CUDA is available in this process, and the CPU stand-ins would replace "
             "megatron-core's and DeepSpeed's GPU paths. For a CPU run hide the GPUs before Python starts "
             "(CUDA_VISIBLE_DEVICES=\"\", as run_distributed(backend='gloo') does for its ranks); for a GPU run "
-            "use prepare_device('cuda') instead")
+            "use prepare_device('cuda') instead"
+        )
     if _APPLIED:
         return list(_APPLIED)
     try:

@@ -43,8 +43,10 @@ def choose_device() -> torch.device:
         return torch.device("cuda", _local_rank())
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
     if not hidden and glob.glob("/dev/nvidia[0-9]*"):
-        raise RuntimeError("this machine has NVIDIA GPUs but CUDA is not usable (torch.cuda.is_available() is "
-                           "False): fix the CUDA set-up, or hide the GPUs with CUDA_VISIBLE_DEVICES= for a CPU run")
+        raise RuntimeError(
+            "this machine has NVIDIA GPUs but CUDA is not usable (torch.cuda.is_available() is "
+            "False): fix the CUDA set-up, or hide the GPUs with CUDA_VISIBLE_DEVICES= for a CPU run"
+        )
     return torch.device("cpu")
 
 
@@ -57,8 +59,7 @@ def _check_device(device: object) -> str:
 def _local_rank() -> int:
     value = os.environ.get("LOCAL_RANK", "0")
     if not value.isdigit():
-        raise ValueError(f"environment: LOCAL_RANK must be a non-negative integer (as torchrun sets it), "
-                         f"got {value!r}")
+        raise ValueError(f"environment: LOCAL_RANK must be a non-negative integer (as torchrun sets it), got {value!r}")
     return int(value)
 
 
@@ -71,8 +72,10 @@ def prepare_device(device: str) -> torch.device:
     """
     _check_device(device)
     if _PREPARED and _PREPARED[0] != device:
-        raise ValueError(f"device: this process was already prepared for {_PREPARED[0]!r}, got {device!r}; one "
-                         "process runs on one kind of device")
+        raise ValueError(
+            f"device: this process was already prepared for {_PREPARED[0]!r}, got {device!r}; one "
+            "process runs on one kind of device"
+        )
     if device == "cpu":
         apply_cpu_patches()
         prepared = torch.device("cpu")
@@ -82,11 +85,14 @@ def prepare_device(device: str) -> torch.device:
                 "prepare_device('cuda'): CUDA is not usable here (torch.cuda.is_available() is False; torch "
                 f"{torch.__version__} built for CUDA {torch.version.cuda}, CUDA_VISIBLE_DEVICES="
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). A GPU run does not fall back to the CPU "
-                "stand-ins: fix the driver / CUDA build of torch / visible devices, or run with device 'cpu'")
+                "stand-ins: fix the driver / CUDA build of torch / visible devices, or run with device 'cpu'"
+            )
         local_rank, count = _local_rank(), torch.cuda.device_count()
         if local_rank >= count:
-            raise ValueError(f"environment: LOCAL_RANK={local_rank} but only {count} GPU(s) are visible; start "
-                             "at most one process per visible GPU")
+            raise ValueError(
+                f"environment: LOCAL_RANK={local_rank} but only {count} GPU(s) are visible; start "
+                "at most one process per visible GPU"
+            )
         torch.cuda.set_device(local_rank)
         prepared = torch.device("cuda", local_rank)
     _PREPARED[:] = [device]
@@ -98,8 +104,9 @@ def prepared_device() -> Optional[str]:
     return _PREPARED[0] if _PREPARED else None
 
 
-def init_distributed(device: Optional[str] = None, backend: Optional[str] = None,
-                     timeout_s: Optional[float] = None) -> int:
+def init_distributed(
+    device: Optional[str] = None, backend: Optional[str] = None, timeout_s: Optional[float] = None
+) -> int:
     """Initialise the default process group from the environment (idempotent); return this rank.
 
     ``device``: ``"cpu"`` or ``"cuda"``, prepared with ``prepare_device`` if that was not done yet; ``None``
@@ -112,13 +119,13 @@ def init_distributed(device: Optional[str] = None, backend: Optional[str] = None
     rendezvous = (INIT_METHOD_ENV,) if os.environ.get(INIT_METHOD_ENV) else ("MASTER_ADDR", "MASTER_PORT")
     missing = [name for name in ("RANK", "WORLD_SIZE") + rendezvous if name not in os.environ]
     if missing:
-        raise ValueError(f"environment: {', '.join(missing)} must be set (as torchrun does) to start "
-                         "torch.distributed")
+        raise ValueError(f"environment: {', '.join(missing)} must be set (as torchrun does) to start torch.distributed")
     if device is None:
         device = prepared_device()
         if device is None:
-            raise ValueError("device: not given and prepare_device() was not called in this process; pass "
-                             "device='cpu' or 'cuda'")
+            raise ValueError(
+                "device: not given and prepare_device() was not called in this process; pass device='cpu' or 'cuda'"
+            )
     _check_device(device)
     if backend is None:
         backend = DEFAULT_BACKENDS[device]
@@ -131,15 +138,23 @@ def init_distributed(device: Optional[str] = None, backend: Optional[str] = None
     if not timeout_s > 0:
         raise ValueError(f"timeout_s: must be positive, got {timeout_s!r}")
     prepare_device(device)
-    dist.init_process_group(backend=backend, init_method=os.environ.get(INIT_METHOD_ENV) or "env://",
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend=backend,
+        init_method=os.environ.get(INIT_METHOD_ENV) or "env://",
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     return dist.get_rank()
 
 
-def initialize_megatron(expert_model_parallel_size: int = 1, tensor_model_parallel_size: int = 1,
-                        seed: Optional[int] = 1234, backend: Optional[str] = None,
-                        device: Optional[str] = None) -> None:
+def initialize_megatron(
+    expert_model_parallel_size: int = 1,
+    tensor_model_parallel_size: int = 1,
+    seed: Optional[int] = 1234,
+    backend: Optional[str] = None,
+    device: Optional[str] = None,
+) -> None:
     """Start torch.distributed (if needed) and megatron-core's parallel state with the given EP/TP sizes.
 
     The process must be prepared for its device (``prepare_device``, or ``device`` here, which prepares it);
@@ -151,28 +166,35 @@ def initialize_megatron(expert_model_parallel_size: int = 1, tensor_model_parall
     from the default generator afterwards (dense weights, plain torch modules) is the same on every rank,
     on GPU as on CPU, and expert initialisation differs per EP rank. ``None`` leaves both alone.
     """
-    for name, value in (("expert_model_parallel_size", expert_model_parallel_size),
-                        ("tensor_model_parallel_size", tensor_model_parallel_size)):
+    for name, value in (
+        ("expert_model_parallel_size", expert_model_parallel_size),
+        ("tensor_model_parallel_size", tensor_model_parallel_size),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")
     if device is not None:
         prepare_device(device)
     elif prepared_device() is None:
-        raise RuntimeError("initialize_megatron: the device of this process is not prepared; call "
-                           "prepare_device('cpu') or prepare_device('cuda') first (run_distributed's ranks are "
-                           "prepared), or pass device=")
+        raise RuntimeError(
+            "initialize_megatron: the device of this process is not prepared; call "
+            "prepare_device('cpu') or prepare_device('cuda') first (run_distributed's ranks are "
+            "prepared), or pass device="
+        )
     init_distributed(prepared_device(), backend)
     world = dist.get_world_size()
     if world % (expert_model_parallel_size * tensor_model_parallel_size) != 0:
-        raise ValueError(f"expert_model_parallel_size: expert x tensor parallel size "
-                         f"({expert_model_parallel_size} x {tensor_model_parallel_size}) must divide the "
-                         f"world size {world}")
+        raise ValueError(
+            f"expert_model_parallel_size: expert x tensor parallel size "
+            f"({expert_model_parallel_size} x {tensor_model_parallel_size}) must divide the "
+            f"world size {world}"
+        )
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
-                                             expert_model_parallel_size=expert_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size, expert_model_parallel_size=expert_model_parallel_size
+    )
     if seed is not None:
         # upstream seeds only the CUDA generator; on CPU the stand-in reseeds this same generator anyway
         torch.manual_seed(seed)

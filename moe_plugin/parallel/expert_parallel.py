@@ -52,17 +52,23 @@ def apply_expert_parallel(model: nn.Module, layout: ParallelLayout, checkpoint: 
     are added. ``checkpoint``: where a Hugging Face model's ZeRO-3 partitioned experts are read again from
     (default: ``model.config._name_or_path``). The torch RNG state is left as it was.
     """
-    require(layout.started or layout.expert == 1, "layout",
-            f"expert parallelism {layout.expert} needs the layout's groups: call layout.start() first")
+    require(
+        layout.started or layout.expert == 1,
+        "layout",
+        f"expert parallelism {layout.expert} needs the layout's groups: call layout.start() first",
+    )
     built = [(n, m) for n, m in model.named_modules() if isinstance(m, LatentMoELayer)]
     if any(isinstance(m, StableLatentMoE) for m in model.modules()):
         if layout.started:  # the face asked for the expert groups (the recipe's hf backend does at EP > 1)
             _parallelize_hf_layers(model, layout, checkpoint)
         return model
     for name, layer in built:  # megatron built them from its parallel state: check it was this layout's
-        require(layer.num_local_experts * layout.expert == layer.moe.num_experts, f"{name}.experts",
-                f"hold {layer.num_local_experts} of {layer.moe.num_experts} experts, but the layout's expert "
-                f"parallelism is {layout.expert}: build the model after layout.start()")
+        require(
+            layer.num_local_experts * layout.expert == layer.moe.num_experts,
+            f"{name}.experts",
+            f"hold {layer.num_local_experts} of {layer.moe.num_experts} experts, but the layout's expert "
+            f"parallelism is {layout.expert}: build the model after layout.start()",
+        )
     return model
 
 
@@ -97,9 +103,13 @@ def expert_parallel_size(model: nn.Module) -> int:
 def _checkpoint_of(model: nn.Module, checkpoint: Optional[str]) -> str:
     path = checkpoint or getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
     found = bool(path) and os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
-    require(found, "checkpoint", f"the experts are ZeRO-3 partitioned over all ranks, so this rank's experts are "
-            f"read again from the checkpoint, but {path!r} is not a directory of safetensors; pass "
-            "checkpoint=<the directory given to from_pretrained>")
+    require(
+        found,
+        "checkpoint",
+        f"the experts are ZeRO-3 partitioned over all ranks, so this rank's experts are "
+        f"read again from the checkpoint, but {path!r} is not a directory of safetensors; pass "
+        "checkpoint=<the directory given to from_pretrained>",
+    )
     return path
 
 
@@ -113,8 +123,9 @@ def _checkpoint_index(path: str) -> Tuple[dict, dict]:
 
 
 @torch.no_grad()
-def _load_local_experts(named: Dict[str, torch.Tensor], first: int, last: int, path: str, model_config,
-                        index: Tuple[dict, dict]) -> None:
+def _load_local_experts(
+    named: Dict[str, torch.Tensor], first: int, last: int, path: str, model_config, index: Tuple[dict, dict]
+) -> None:
     """Rows ``[first, last)`` of the stacked expert tensors ``named`` (Hugging Face names -> this rank's whole
     ``[E_local, ...]`` tensors) from checkpoint ``path``, through the recipe trainer's loader (any layout);
     ``index``: ``_checkpoint_index(path)``."""
@@ -126,16 +137,19 @@ def _load_local_experts(named: Dict[str, torch.Tensor], first: int, last: int, p
     weight_map, stored = index
     targets = {n: Target(tuple(t.shape), (first, last)) for n, t in named.items()}
     # strict=False: every other checkpoint tensor is the rest of the model, already loaded
-    plan = plan_reads(targets, weight_map, names="hf", config=model_config, strict=False, stored=stored,
-                      source=path)
+    plan = plan_reads(targets, weight_map, names="hf", config=model_config, strict=False, stored=stored, source=path)
     run_reads(plan, named, targets, lambda f: safe_open(f, framework="pt"), LoadStats())
 
 
 def _parallelize_hf_layers(model: nn.Module, layout: ParallelLayout, checkpoint: Optional[str]) -> None:
     """Every ``StableLatentMoE`` of a Hugging Face model becomes an ``ExpertParallelMoE`` holding this rank's
     experts (module docstring)."""
-    require(not hasattr(model, "peft_config"), "model", "already has peft adapters; apply expert parallelism "
-            "before get_peft_model, so that the expert adapters are made for this rank's experts")
+    require(
+        not hasattr(model, "peft_config"),
+        "model",
+        "already has peft adapters; apply expert parallelism "
+        "before get_peft_model, so that the expert adapters are made for this rank's experts",
+    )
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, StableLatentMoE)]
     require(bool(layers), "model", "has no StableLatentMoE layer to parallelize")
     from ..megatron.specs import transformer_config
@@ -145,16 +159,28 @@ def _parallelize_hf_layers(model: nn.Module, layout: ParallelLayout, checkpoint:
     index = None  # the checkpoint's index and shard headers, read at the first partitioned layer only
     for name, old in layers:
         moe = old.moe_config
-        require(moe.expert_format == "dense", f"{name}.experts", f"are {moe.expert_format!r}: expert parallelism "
-                "of the Hugging Face model takes dense experts (the megatron backend also takes packed ones)")
-        require(moe.num_experts % ep_size == 0, "ep_size",
-                f"must divide the number of experts ({moe.num_experts}) of {name}, got {ep_size}")
+        require(
+            moe.expert_format == "dense",
+            f"{name}.experts",
+            f"are {moe.expert_format!r}: expert parallelism "
+            "of the Hugging Face model takes dense experts (the megatron backend also takes packed ones)",
+        )
+        require(
+            moe.num_experts % ep_size == 0,
+            "ep_size",
+            f"must divide the number of experts ({moe.num_experts}) of {name}, got {ep_size}",
+        )
         experts = old.experts
         tc = transformer_config(model_config, use_cpu_initialization=True, params_dtype=experts.w1.dtype)
         with torch.random.fork_rng(devices=[]):  # the new layer's draws are overwritten below
             new = ExpertParallelMoE(tc, moe, layer_number=_layer_number(name))
-        for child in ("gate", "routed_expert_down_proj", "routed_expert_norm", "routed_expert_up_proj",
-                      "shared_experts"):
+        for child in (
+            "gate",
+            "routed_expert_down_proj",
+            "routed_expert_norm",
+            "routed_expert_up_proj",
+            "shared_experts",
+        ):
             if child in old._modules or child in new._modules:
                 setattr(new, child, old._modules.get(child))
         local = new.num_local_experts

@@ -23,12 +23,19 @@ from ..config import require
 from .expert_parallel import ExpertParallelMoE, apply_expert_parallel, expert_parallel_size
 from .layout import ParallelLayout, started_layout
 
-__all__ = ["parallelize_experts", "expert_parallel_size", "prepare_expert_adapters", "adapter_state",
-           "whole_experts", "ExpertParallelMoE"]
+__all__ = [
+    "parallelize_experts",
+    "expert_parallel_size",
+    "prepare_expert_adapters",
+    "adapter_state",
+    "whole_experts",
+    "ExpertParallelMoE",
+]
 
 
-def parallelize_experts(model: nn.Module, ep_size: int, device: Optional[str] = None,
-                        checkpoint: Optional[str] = None) -> nn.Module:
+def parallelize_experts(
+    model: nn.Module, ep_size: int, device: Optional[str] = None, checkpoint: Optional[str] = None
+) -> nn.Module:
     """Give ``model``'s MoE layers expert parallelism of size ``ep_size`` in place; returns it.
 
     Collective: every rank calls it with the same arguments, after torch.distributed is up (the Trainer's
@@ -40,18 +47,31 @@ def parallelize_experts(model: nn.Module, ep_size: int, device: Optional[str] = 
     """
     from .distributed import prepare_device, prepared_device
 
-    require(not hasattr(model, "peft_config"), "model", "already has peft adapters; call parallelize_experts "
-            "before get_peft_model, so that the expert adapters are made for this rank's experts")
-    require(dist.is_available() and dist.is_initialized(), "torch.distributed",
-            "must be started before parallelize_experts (create the TrainingArguments first, or call "
-            "moe_plugin.parallel.distributed.init_distributed)")
+    require(
+        not hasattr(model, "peft_config"),
+        "model",
+        "already has peft adapters; call parallelize_experts "
+        "before get_peft_model, so that the expert adapters are made for this rank's experts",
+    )
+    require(
+        dist.is_available() and dist.is_initialized(),
+        "torch.distributed",
+        "must be started before parallelize_experts (create the TrainingArguments first, or call "
+        "moe_plugin.parallel.distributed.init_distributed)",
+    )
     world = dist.get_world_size()
-    require(isinstance(ep_size, int) and not isinstance(ep_size, bool) and ep_size >= 1 and world % ep_size == 0,
-            "ep_size", f"must be a positive integer dividing the world size {world}, got {ep_size!r}")
+    require(
+        isinstance(ep_size, int) and not isinstance(ep_size, bool) and ep_size >= 1 and world % ep_size == 0,
+        "ep_size",
+        f"must be a positive integer dividing the world size {world}, got {ep_size!r}",
+    )
     if device is not None:
         prepare_device(device)
-    require(prepared_device() is not None, "device",
-            "is needed: pass device=\"cpu\" (gloo, applies the CPU stand-ins megatron-core needs) or \"cuda\"")
+    require(
+        prepared_device() is not None,
+        "device",
+        'is needed: pass device="cpu" (gloo, applies the CPU stand-ins megatron-core needs) or "cuda"',
+    )
     layout = started_layout()
     if layout is None or layout != ParallelLayout(world=world, expert=ep_size):
         layout = ParallelLayout(world=world, expert=ep_size).start(seed=None)  # seed=None: the RNG is the user's
@@ -99,8 +119,12 @@ def whole_experts(model: nn.Module, tensors: Dict[str, torch.Tensor]) -> Dict[st
     for n, value in tensors.items():
         if ep > 1 and getattr(params[n], "allreduce", True) is False:
             factor = adapter_factor(n)
-            require(factor is not None, "model", f"{n} carries the expert mark but is not an expert adapter "
-                    "(experts...lora_A/lora_B); only prepare_expert_adapters should mark parameters")
+            require(
+                factor is not None,
+                "model",
+                f"{n} carries the expert mark but is not an expert adapter "
+                "(experts...lora_A/lora_B); only prepare_expert_adapters should mark parameters",
+            )
             value = all_gather_expert_adapter(value, factor, _lora_rank(model, n))
         out[n] = value
     return out

@@ -47,8 +47,11 @@ _STARTED: List["ParallelLayout"] = []  # the layout whose groups this process st
 
 
 def _positive(name: str, value: object) -> int:
-    require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
-            f"must be a positive integer, got {value!r}")
+    require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+        name,
+        f"must be a positive integer, got {value!r}",
+    )
     return value
 
 
@@ -65,9 +68,12 @@ class ParallelLayout:
         _positive("world size (WORLD_SIZE)", self.world)
         _positive("parallel.expert_parallel_size", self.expert)
         _positive("tensor_model_parallel_size", self.tensor)
-        require(self.world % (self.expert * self.tensor) == 0, "parallel.expert_parallel_size",
-                f"expert x tensor parallel size ({self.expert} x {self.tensor}) must divide the world size "
-                f"{self.world}; launch a multiple of {self.expert * self.tensor} processes")
+        require(
+            self.world % (self.expert * self.tensor) == 0,
+            "parallel.expert_parallel_size",
+            f"expert x tensor parallel size ({self.expert} x {self.tensor}) must divide the world size "
+            f"{self.world}; launch a multiple of {self.expert * self.tensor} processes",
+        )
 
     @classmethod
     def from_recipe(cls, parallel, world: int) -> "ParallelLayout":
@@ -93,10 +99,14 @@ class ParallelLayout:
         """
         from .distributed import initialize_megatron
 
-        initialize_megatron(expert_model_parallel_size=self.expert, tensor_model_parallel_size=self.tensor,
-                            seed=seed, device=device)
-        require(dist.get_world_size() == self.world, "world size (WORLD_SIZE)",
-                f"the layout is for {self.world} processes but torch.distributed has {dist.get_world_size()}")
+        initialize_megatron(
+            expert_model_parallel_size=self.expert, tensor_model_parallel_size=self.tensor, seed=seed, device=device
+        )
+        require(
+            dist.get_world_size() == self.world,
+            "world size (WORLD_SIZE)",
+            f"the layout is for {self.world} processes but torch.distributed has {dist.get_world_size()}",
+        )
         self._check_megatron()
         import deepspeed
 
@@ -110,13 +120,18 @@ class ParallelLayout:
     def _check_megatron(self) -> None:
         from megatron.core import parallel_state as ps
 
-        theirs = {"data": ps.get_data_parallel_world_size(), "expert": ps.get_expert_model_parallel_world_size(),
-                  "expert_data": ps.get_expert_data_parallel_world_size(),
-                  "tensor": ps.get_tensor_model_parallel_world_size()}
+        theirs = {
+            "data": ps.get_data_parallel_world_size(),
+            "expert": ps.get_expert_model_parallel_world_size(),
+            "expert_data": ps.get_expert_data_parallel_world_size(),
+            "tensor": ps.get_tensor_model_parallel_world_size(),
+        }
         for name, size in theirs.items():
             if size != getattr(self, name):
-                raise RuntimeError(f"megatron's {name}-parallel size is {size}, the layout's {getattr(self, name)}: "
-                                   "megatron-core's parallel state was started for another layout")
+                raise RuntimeError(
+                    f"megatron's {name}-parallel size is {size}, the layout's {getattr(self, name)}: "
+                    "megatron-core's parallel state was started for another layout"
+                )
 
     def _check_deepspeed(self) -> None:
         """DeepSpeed's expert and expert-data-parallel groups are built for ``expert`` and must be megatron's:
@@ -125,13 +140,17 @@ class ParallelLayout:
         from megatron.core import parallel_state as ps
 
         ds_ep, ds_edp = expert_groups(self.expert, group_name(self.expert))  # moe_plugin.compat.deepspeed
-        pairs = (("expert-parallel", ds_ep, ps.get_expert_model_parallel_group()),
-                 ("expert-data-parallel", ds_edp, ps.get_expert_data_parallel_group()))
+        pairs = (
+            ("expert-parallel", ds_ep, ps.get_expert_model_parallel_group()),
+            ("expert-data-parallel", ds_edp, ps.get_expert_data_parallel_group()),
+        )
         for what, ds_group, mg_group in pairs:
             ours, theirs = _ranks(ds_group), _ranks(mg_group)
             if ours != theirs:
-                raise RuntimeError(f"DeepSpeed's {what} group of rank {dist.get_rank()} is {ours}, megatron's is "
-                                   f"{theirs}: ZeRO-3 would reduce expert gradients over other ranks than hold them")
+                raise RuntimeError(
+                    f"DeepSpeed's {what} group of rank {dist.get_rank()} is {ours}, megatron's is "
+                    f"{theirs}: ZeRO-3 would reduce expert gradients over other ranks than hold them"
+                )
 
     @property
     def dp_rank(self) -> int:
@@ -165,8 +184,11 @@ class ParallelLayout:
             for p in params:
                 tag_expert_parameter(p)
             return len(params)
-        require(self.expert == 1, "parallel.expert_parallel_size",
-                f"is {self.expert}, which needs ZeRO-3 (zero_optimization.stage 3) and the layout's groups started")
+        require(
+            self.expert == 1,
+            "parallel.expert_parallel_size",
+            f"is {self.expert}, which needs ZeRO-3 (zero_optimization.stage 3) and the layout's groups started",
+        )
         hide_expert_marks(model)
         return 0
 

@@ -17,8 +17,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .activations import (RUN_TOKENS, _built_from, _state_shape, layer_kinds, layer_saved_bytes,
-                          linear_run_tokens, packed_boundaries)
+from .activations import (
+    RUN_TOKENS,
+    _built_from,
+    _state_shape,
+    layer_kinds,
+    layer_saved_bytes,
+    linear_run_tokens,
+    packed_boundaries,
+)
 from .meta_ops import MetaDispatch, meta_forward
 
 __all__ = ["CheckpointedPlan", "plan_checkpointed"]
@@ -37,9 +44,19 @@ class CheckpointedPlan:
     peaks: List[float] = field(default_factory=list)
 
 
-def plan_checkpointed(mc, lora_section, batch: int, seq_len: int, local_experts: int, capacity: float,
-                      dtype: torch.dtype, cache: Optional[dict], documents: Optional[Sequence[int]], kernels: str,
-                      mode: str) -> CheckpointedPlan:
+def plan_checkpointed(
+    mc,
+    lora_section,
+    batch: int,
+    seq_len: int,
+    local_experts: int,
+    capacity: float,
+    dtype: torch.dtype,
+    cache: Optional[dict],
+    documents: Optional[Sequence[int]],
+    kernels: str,
+    mode: str,
+) -> CheckpointedPlan:
     """The ``CheckpointedPlan`` of ``mc`` in ``mode`` ("selective" or "full"); the other arguments as
     ``activations.plan_activations`` (long micro-batches extended linearly from two runs, as there)."""
     cache = {} if cache is None else cache
@@ -54,12 +71,14 @@ def plan_checkpointed(mc, lora_section, batch: int, seq_len: int, local_experts:
     def ext(xs, ys):
         return [x + (y - x) * f for x, y in zip(xs, ys)]
 
-    return CheckpointedPlan(mode, a.layer_inputs + (b.layer_inputs - a.layer_inputs) * f, ext(a.kept, b.kept),
-                            ext(a.peaks, b.peaks))
+    return CheckpointedPlan(
+        mode, a.layer_inputs + (b.layer_inputs - a.layer_inputs) * f, ext(a.kept, b.kept), ext(a.peaks, b.peaks)
+    )
 
 
-def _measure(mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode, batch, seq_len
-             ) -> CheckpointedPlan:
+def _measure(
+    mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode, batch, seq_len
+) -> CheckpointedPlan:
     cu = packed_boundaries(batch, seq_len, documents)
     shape = (1, batch * seq_len, mc.hidden_size)
     kinds = layer_kinds(mc)
@@ -76,8 +95,9 @@ def _measure(mc, lora_section, local_experts, capacity, dtype, cache, documents,
                 layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu, mode=mode, peak=peak)
                 cache[key] = float(sum(kept.values())), float(peak[0])
             per_kind[kind] = cache[key]
-    plan = CheckpointedPlan(mode, float(batch * seq_len * mc.hidden_size * torch.empty(0, dtype=dtype).element_size()
-                                        * mc.num_layers))
+    plan = CheckpointedPlan(
+        mode, float(batch * seq_len * mc.hidden_size * torch.empty(0, dtype=dtype).element_size() * mc.num_layers)
+    )
     # every mode recomputes the AttnRes mixes (layers.recompute): what a layer keeps does not depend on its
     # number of candidates, so one layer of each kind stands for all of its kind
     for kind in kinds:

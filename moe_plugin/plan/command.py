@@ -23,26 +23,33 @@ def _gb(x: float) -> str:
 def format_plan(plan) -> str:
     """The plain-text table of ``plan`` (a ``Plan``)."""
     m, L = plan.memory, plan.layout
-    rows = [f"plan: {plan.recipe or 'recipe'}",
-            f"layout: {L.devices} devices, EP {L.ep} (expert-data-parallel {L.devices // L.ep}), "
-            f"ZeRO-3 {'on' if L.zero3 else 'off'}, micro-batch {L.micro_batch} x {L.seq_len} tokens, "
-            f"accumulation {L.grad_accum}, activation checkpointing {L.checkpointing}, "
-            f"{'bf16' if L.precision_bytes == 2 else 'fp32'}, capacity factor {L.capacity}"
-            + (f", {L.images} pictures of {L.image_size} px per micro-batch" if L.images else "")
-            + f", {L.kernels.upper()} kernels",
-            "", "per-device memory                                 bytes"]
+    rows = [
+        f"plan: {plan.recipe or 'recipe'}",
+        f"layout: {L.devices} devices, EP {L.ep} (expert-data-parallel {L.devices // L.ep}), "
+        f"ZeRO-3 {'on' if L.zero3 else 'off'}, micro-batch {L.micro_batch} x {L.seq_len} tokens, "
+        f"accumulation {L.grad_accum}, activation checkpointing {L.checkpointing}, "
+        f"{'bf16' if L.precision_bytes == 2 else 'fp32'}, capacity factor {L.capacity}"
+        + (f", {L.images} pictures of {L.image_size} px per micro-batch" if L.images else "")
+        + f", {L.kernels.upper()} kernels",
+        "",
+        "per-device memory                                 bytes",
+    ]
     for kind, v in m.base.items():
         rows.append(f"  frozen base: {kind:<34}{_gb(v)}")
     for kind, v in m.adapters.items():
         rows.append(f"  adapters: {kind:<37}{_gb(v)}")
-    rows += [f"  ZeRO-3 gathered parameters (live + prefetch)    {_gb(m.gathered)}",
-             f"  gradient reduce bucket                          {_gb(m.buckets)}"]
+    rows += [
+        f"  ZeRO-3 gathered parameters (live + prefetch)    {_gb(m.gathered)}",
+        f"  gradient reduce bucket                          {_gb(m.buckets)}",
+    ]
     for seg, v in m.activations_by_segment.items():
         rows.append(f"  activations: {seg:<34}{_gb(v)}")
-    rows += [f"  working tensors at the peak (forward / logits)  {_gb(m.transient)}",
-             f"  expert all-to-all buffers                       {_gb(m.dispatch)}",
-             f"  framework overhead (constant)                   {_gb(m.overhead)}",
-             f"  step peak                                       {_gb(m.step_peak + m.overhead)}"]
+    rows += [
+        f"  working tensors at the peak (forward / logits)  {_gb(m.transient)}",
+        f"  expert all-to-all buffers                       {_gb(m.dispatch)}",
+        f"  framework overhead (constant)                   {_gb(m.overhead)}",
+        f"  step peak                                       {_gb(m.step_peak + m.overhead)}",
+    ]
     if m.build_peak:
         rows.append(f"  build peak (preset base built whole per rank)   {_gb(m.build_peak + m.overhead)}")
     rows.append(f"  PEAK                                            {_gb(m.peak)}")
@@ -50,8 +57,10 @@ def format_plan(plan) -> str:
         verdict = "fits" if plan.fits else "does NOT fit"
         rows.append(f"  device memory {plan.device_memory / 1e9:.0f} GB: {verdict}")
     if plan.modes:
-        rows.append("activation checkpointing (schedule.activation_checkpointing; what each keeps: "
-                    "moe_plugin/layers/recompute.py), PEAK per mode:")
+        rows.append(
+            "activation checkpointing (schedule.activation_checkpointing; what each keeps: "
+            "moe_plugin/layers/recompute.py), PEAK per mode:"
+        )
         for mode, peak in plan.modes.items():
             fits = "" if not plan.device_memory else ("  fits" if peak <= plan.device_memory else "  does NOT fit")
             rows.append(f"  {mode:<46}{_gb(peak)}{fits}")
@@ -59,9 +68,12 @@ def format_plan(plan) -> str:
             fitting = [mode for mode, peak in plan.modes.items() if peak <= plan.device_memory]
             rows.append(f"  modes that fit: {', '.join(fitting) if fitting else 'none'}")
     all_to_all_gb = plan.all_to_all_bytes_per_layer_step / 1e9
-    rows += ["", f"tokens per step {plan.tokens_per_step:,}; FLOPs per step {plan.flops_per_step:.3e}; "
-                 f"all-to-all bytes per MoE layer per step per rank {all_to_all_gb:.3f} GB",
-             "1M-token context (micro-batch 1):"]
+    rows += [
+        "",
+        f"tokens per step {plan.tokens_per_step:,}; FLOPs per step {plan.flops_per_step:.3e}; "
+        f"all-to-all bytes per MoE layer per step per rank {all_to_all_gb:.3f} GB",
+        "1M-token context (micro-batch 1):",
+    ]
     for k, v in plan.million_context.items():
         rows.append(f"  {k:<46}{_gb(v)}")
     if plan.knobs:
@@ -87,39 +99,74 @@ def _plan(argv: List[str]) -> int:
     p.add_argument("--device-memory")
     p.add_argument("--micro-batch", type=int)
     p.add_argument("--seq-len", type=int)
-    p.add_argument("--checkpointing", choices=["off", "selective", "full"],
-                   help="activation checkpointing to plan (default: the recipe's schedule.activation_checkpointing)")
+    p.add_argument(
+        "--checkpointing",
+        choices=["off", "selective", "full"],
+        help="activation checkpointing to plan (default: the recipe's schedule.activation_checkpointing)",
+    )
     p.add_argument("--expert-format", choices=["dense", "mxfp4", "int4"])
-    p.add_argument("--capacity", type=float, help="the dispatch's capacity factor (default: the recipe's "
-                   "parallel.capacity_factor, 1.25 unless it says otherwise)")
-    p.add_argument("--images", type=int, help="pictures per micro-batch (default: one per row when the recipe "
-                   "trains on images, else none)")
+    p.add_argument(
+        "--capacity",
+        type=float,
+        help="the dispatch's capacity factor (default: the recipe's "
+        "parallel.capacity_factor, 1.25 unless it says otherwise)",
+    )
+    p.add_argument(
+        "--images",
+        type=int,
+        help="pictures per micro-batch (default: one per row when the recipe trains on images, else none)",
+    )
     p.add_argument("--image-size", type=int, default=896, help="side of each square picture in pixels")
-    p.add_argument("--kernels", choices=["gpu", "cpu"], default="gpu",
-                   help="whose saved sets to plan: the GPU kernels CUDA picks (default) or the CPU's torch paths")
-    p.add_argument("--from-checkpoint", action="store_true",
-                   help="plan the base as loaded from a checkpoint (streamed per rank), not built from the preset")
+    p.add_argument(
+        "--kernels",
+        choices=["gpu", "cpu"],
+        default="gpu",
+        help="whose saved sets to plan: the GPU kernels CUDA picks (default) or the CPU's torch paths",
+    )
+    p.add_argument(
+        "--from-checkpoint",
+        action="store_true",
+        help="plan the base as loaded from a checkpoint (streamed per rank), not built from the preset",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    require(os.path.isfile(args.recipe), "--recipe", f"{args.recipe!r} is not a file; give a recipe JSON, e.g. "
-            "recipes/k3_seed_layout.json")
+    require(
+        os.path.isfile(args.recipe),
+        "--recipe",
+        f"{args.recipe!r} is not a file; give a recipe JSON, e.g. recipes/k3_seed_layout.json",
+    )
     # the sizes' ranges are checked before the recipe is read (plan_recipe checks them again, with the recipe's
     # own), so an absurd flag is refused at once
     memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
-    for name, flag, least in (("devices", "--devices", 1), ("micro_batch", "--micro-batch", 1),
-                              ("seq_len", "--seq-len", 2), ("images", "--images", 0),
-                              ("image_size", "--image-size", 1), ("capacity", "--capacity", 1)):
+    for name, flag, least in (
+        ("devices", "--devices", 1),
+        ("micro_batch", "--micro-batch", 1),
+        ("seq_len", "--seq-len", 2),
+        ("images", "--images", 0),
+        ("image_size", "--image-size", 1),
+        ("capacity", "--capacity", 1),
+    ):
         value = getattr(args, name)
         if value is not None:
             check_limit(value, name, flag, least)
     recipe = load_recipe(args.recipe)
     from .planner import plan_recipe  # torch: only for a valid recipe
 
-    plan = plan_recipe(recipe, devices=args.devices, device_memory=memory, micro_batch=args.micro_batch,
-                       seq_len=args.seq_len, checkpointing=args.checkpointing,
-                       expert_format=args.expert_format, capacity=args.capacity, knobs=True,
-                       images=args.images, image_size=args.image_size, kernels=args.kernels,
-                       from_checkpoint=args.from_checkpoint)
+    plan = plan_recipe(
+        recipe,
+        devices=args.devices,
+        device_memory=memory,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        checkpointing=args.checkpointing,
+        expert_format=args.expert_format,
+        capacity=args.capacity,
+        knobs=True,
+        images=args.images,
+        image_size=args.image_size,
+        kernels=args.kernels,
+        from_checkpoint=args.from_checkpoint,
+    )
     plan.recipe = args.recipe
     print(json.dumps(plan.to_dict(), indent=1, default=str) if args.json else format_plan(plan))
     return 0

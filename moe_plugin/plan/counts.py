@@ -80,8 +80,13 @@ def build_meta_model(model_config_hf, images: bool = False) -> nn.Module:
         return cls(model_config_hf)
 
 
-def count_model(model_config_hf, lora_section=None, precision_bytes: int = 2, images: bool = False,
-                model: Optional[nn.Module] = None) -> ModelCounts:
+def count_model(
+    model_config_hf,
+    lora_section=None,
+    precision_bytes: int = 2,
+    images: bool = False,
+    model: Optional[nn.Module] = None,
+) -> ModelCounts:
     """Counts of the model of ``model_config_hf`` (a ``MoEPluginConfig``) with the recipe's ``lora`` section
     (``None``: full training, every parameter trainable) applied on the meta device."""
     from ..lora import add_lora, lora_config
@@ -92,13 +97,24 @@ def count_model(model_config_hf, lora_section=None, precision_bytes: int = 2, im
         for p in model.parameters():
             p.requires_grad_(False)
         with torch.device(next(model.parameters()).device):  # on meta: no allocation, no random draws
-            add_lora(model, lora_config(lora_section.r, lora_section.alpha, lora_section.target_modules,
-                                        lora_section.target_parameters, lora_section.dropout))
+            add_lora(
+                model,
+                lora_config(
+                    lora_section.r,
+                    lora_section.alpha,
+                    lora_section.target_modules,
+                    lora_section.target_parameters,
+                    lora_section.dropout,
+                ),
+            )
     fp32_names = {re.sub(r"\.base_layer", "", n) for n, _, _ in fp32_tensors(model)}
-    counts = ModelCounts(kinds={k: TensorCount() for k in KINDS},
-                         expert_format=model_config_hf.to_model_config().moe.expert_format,
-                         lora_targets=list(lora_section.target_modules + lora_section.target_parameters)
-                         if lora_section is not None else [])
+    counts = ModelCounts(
+        kinds={k: TensorCount() for k in KINDS},
+        expert_format=model_config_hf.to_model_config().moe.expert_format,
+        lora_targets=list(lora_section.target_modules + lora_section.target_parameters)
+        if lora_section is not None
+        else [],
+    )
     layer_of = re.compile(r"\.layers\.(\d+)\.")
     layers: Dict[int, List[int]] = {}
     for module_name, module in model.named_modules():

@@ -16,9 +16,14 @@ from .counts import ModelCounts, rank_share
 __all__ = ["Layout", "MemoryPlan", "plan_memory", "zero3_at", "ZERO3_DEFAULTS"]
 
 # DeepSpeed 0.19.8's defaults for the keys the planner reads (runtime/zero/config.py)
-ZERO3_DEFAULTS = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000,
-                  "stage3_max_reuse_distance": 1_000_000_000, "reduce_bucket_size": 500_000_000,
-                  "stage3_param_persistence_threshold": 100_000, "contiguous_gradients": True}
+ZERO3_DEFAULTS = {
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "reduce_bucket_size": 500_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "contiguous_gradients": True,
+}
 
 
 @dataclass
@@ -72,12 +77,16 @@ def _local_full_numel(counts: ModelCounts, ep: int) -> float:
 
 def _local_full_bytes(counts: ModelCounts, ep: int, precision_bytes: int) -> float:
     rest = sum(c.nbytes for k, c in counts.kinds.items() if k not in ("experts", "adapters"))
-    return rest + counts.kinds["experts"].nbytes / ep + (counts.adapter_numel - counts.expert_adapter_numel
-                                                         + counts.expert_adapter_numel / ep) * precision_bytes
+    return (
+        rest
+        + counts.kinds["experts"].nbytes / ep
+        + (counts.adapter_numel - counts.expert_adapter_numel + counts.expert_adapter_numel / ep) * precision_bytes
+    )
 
 
-def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], ActivationPlan],
-                layout: Layout) -> MemoryPlan:
+def plan_memory(
+    counts: ModelCounts, mc, activations_of: Callable[["Layout"], ActivationPlan], layout: Layout
+) -> MemoryPlan:
     """The per-rank memory of ``layout`` (see ``MemoryPlan``'s fields); ``activations_of(layout)`` gives the
     meta-measured ``ActivationPlan`` of a layout (``activations.plan_activations``)."""
     L, pb = layout, layout.precision_bytes
@@ -87,8 +96,11 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
     share = rank_share(counts, world, ep, L.zero3)
     base = {kind: share[kind] for kind in ("experts", "dense", "embeddings", "vision")}
     dense_ad = counts.adapter_numel - counts.expert_adapter_numel
-    ad_local = (dense_ad / world + counts.expert_adapter_numel / ep / edp) if L.zero3 else \
-        (dense_ad + counts.expert_adapter_numel / ep)
+    ad_local = (
+        (dense_ad / world + counts.expert_adapter_numel / ep / edp)
+        if L.zero3
+        else (dense_ad + counts.expert_adapter_numel / ep)
+    )
     master = 4 if pb == 2 else 0  # an fp32 master copy beside bf16 weights
     adapters = {"weights": ad_local * pb, "gradients": ad_local * 4, "optimizer": ad_local * (8 + master)}
     full_local = _local_full_numel(counts, ep)
@@ -97,8 +109,12 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
         if full_local <= z["stage3_max_reuse_distance"]:
             live = full_local  # every parameter is reused within the distance: all stay gathered after step 1
         else:
-            live = min(full_local, layer_max + min(z["stage3_prefetch_bucket_size"], z["stage3_max_live_parameters"])
-                       + z["stage3_max_reuse_distance"])
+            live = min(
+                full_local,
+                layer_max
+                + min(z["stage3_prefetch_bucket_size"], z["stage3_max_live_parameters"])
+                + z["stage3_max_reuse_distance"],
+            )
         full_bytes = _local_full_bytes(counts, ep, pb)
         if edp == 1:  # experts partitioned over one rank: DeepSpeed's NoGatherHandle uses the partition itself
             full_bytes -= counts.kinds["experts"].nbytes / ep + counts.expert_adapter_numel / ep * pb
@@ -106,8 +122,9 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
         # contiguous_gradients: one torch.empty(reduce_bucket_size) per trainable dtype, allocated when the
         # engine starts and kept (stage3.py); without it the bucket holds at most the trainable gradients
         trainable_local = dense_ad + counts.expert_adapter_numel / ep
-        buckets = (z["reduce_bucket_size"] if z["contiguous_gradients"] else
-                   min(z["reduce_bucket_size"], trainable_local)) * pb
+        buckets = (
+            z["reduce_bucket_size"] if z["contiguous_gradients"] else min(z["reduce_bucket_size"], trainable_local)
+        ) * pb
     else:
         gathered, buckets = 0.0, 0.0
     act = activations_of(L)
@@ -136,9 +153,21 @@ def plan_memory(counts: ModelCounts, mc, activations_of: Callable[["Layout"], Ac
     overhead = L.overhead_bytes
     peak = max(step_peak, build_peak) + overhead
     context = {"tokens_per_rank_micro_batch": n, "local_experts": mc.moe.num_experts // ep, "edp": edp}
-    return MemoryPlan(base=base, adapters=adapters, gathered=gathered, buckets=buckets, activations=activations,
-                      activations_by_segment=by_segment, transient=transient, dispatch=dispatch,
-                      build_peak=build_peak, overhead=overhead, step_peak=step_peak, peak=peak, context=context)
+    return MemoryPlan(
+        base=base,
+        adapters=adapters,
+        gathered=gathered,
+        buckets=buckets,
+        activations=activations,
+        activations_by_segment=by_segment,
+        transient=transient,
+        dispatch=dispatch,
+        build_peak=build_peak,
+        overhead=overhead,
+        step_peak=step_peak,
+        peak=peak,
+        context=context,
+    )
 
 
 def _checkpointed(act: ActivationPlan, mode: str):
@@ -148,8 +177,10 @@ def _checkpointed(act: ActivationPlan, mode: str):
     own most at once, recomputes included, beside what the layers before it keep)."""
     ck = act.checkpointed
     if ck is None or ck.mode != mode:
-        raise ValueError(f"checkpointing: the activations were planned for {getattr(ck, 'mode', 'off')!r}, not "
-                         f"{mode!r}; plan them with the layout's mode")
+        raise ValueError(
+            f"checkpointing: the activations were planned for {getattr(ck, 'mode', 'off')!r}, not "
+            f"{mode!r}; plan them with the layout's mode"
+        )
     vision = act.by_segment.get("vision", 0.0)
     per_input = ck.layer_inputs / max(1, len(ck.kept))
     activations = vision + ck.layer_inputs + sum(ck.kept) + act.head

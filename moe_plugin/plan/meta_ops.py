@@ -122,8 +122,14 @@ class _MetaGpuChunkKDA(torch.autograd.Function):
         g_cumsum = g.new_empty(b, t, h, kd, dtype=torch.float32)
         a_qk, a_kk = q.new_empty(b, t, h, chunk), q.new_empty(b, t, h, chunk)
         # made and dropped inside the forward: states per chunk, the WY factors, the gated keys, new values
-        work = [q.new_empty(b, chunks, h, kd, v.shape[-1]), q.new_empty(b, t, h, kd), v.new_empty(v.shape),
-                q.new_empty(b, t, h, kd), v.new_empty(v.shape), g.new_empty(b, t, h, 16, dtype=torch.float32)]
+        work = [
+            q.new_empty(b, chunks, h, kd, v.shape[-1]),
+            q.new_empty(b, t, h, kd),
+            v.new_empty(v.shape),
+            q.new_empty(b, t, h, kd),
+            v.new_empty(v.shape),
+            g.new_empty(b, t, h, 16, dtype=torch.float32),
+        ]
         out = v.new_empty(v.shape)
         del work
         ctx.save_for_backward(q, k, v, g, beta, g_cumsum, a_qk, a_kk)
@@ -132,8 +138,15 @@ class _MetaGpuChunkKDA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, g, beta = ctx.saved_tensors[:5]
-        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
-                torch.zeros_like(beta), None, None)
+        return (
+            torch.zeros_like(q),
+            torch.zeros_like(k),
+            torch.zeros_like(v),
+            torch.zeros_like(g),
+            torch.zeros_like(beta),
+            None,
+            None,
+        )
 
 
 def _chunk_count(t: int, batch: int, chunk: int, cu_seqlens) -> int:
@@ -161,10 +174,14 @@ def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
     from ..ops.moe import experts as experts_op
 
     real_ids, real_intra, real_topk = checks.check_ids, intra.intra_chunk_scores, indexer._topk_latest_on_ties
-    real_sparse, real_supported, real_check = (gated_dsa.sparse_attention, experts_op._grouped_mm_supported,
-                                               experts_op._check_expert_args)
+    real_sparse, real_supported, real_check = (
+        gated_dsa.sparse_attention,
+        experts_op._grouped_mm_supported,
+        experts_op._check_expert_args,
+    )
     real_stacked = moe_layer.StackedExperts.forward
     from ..layers.packed_experts import PackedStackedExperts
+
     real_packed = PackedStackedExperts.forward
 
     def check_ids(name, ids, low, high, what="ids"):
@@ -175,12 +192,16 @@ def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
         return intra._factorised(rows, k, g) if rows.is_meta else real_intra(rows, k, g)
 
     def topk(scores, take):
-        return scores.topk(min(take, scores.shape[-1]), dim=-1, sorted=False).indices if scores.is_meta \
+        return (
+            scores.topk(min(take, scores.shape[-1]), dim=-1, sorted=False).indices
+            if scores.is_meta
             else real_topk(scores, take)
+        )
 
     def sparse_attention(q, k, v, indices, scale, *args, **kwargs):
-        return _MetaBlockedAttention.apply(q, k, v) if q.is_meta else real_sparse(q, k, v, indices, scale,
-                                                                                  *args, **kwargs)
+        return (
+            _MetaBlockedAttention.apply(q, k, v) if q.is_meta else real_sparse(q, k, v, indices, scale, *args, **kwargs)
+        )
 
     def permute(x, indices, num_experts):
         if not x.is_meta:
@@ -190,8 +211,11 @@ def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
         return _MetaReplicate.apply(x, rows), counts, torch.empty(rows, dtype=torch.long, device=x.device)
 
     def unpermute(y_sorted, order, weights):
-        return _MetaCombine.apply(y_sorted, order, weights) if y_sorted.is_meta else \
-            moe_layer_unpermute(y_sorted, order, weights)
+        return (
+            _MetaCombine.apply(y_sorted, order, weights)
+            if y_sorted.is_meta
+            else moe_layer_unpermute(y_sorted, order, weights)
+        )
 
     def stacked_forward(self, x_sorted, tokens_per_expert):
         if not x_sorted.is_meta:
@@ -209,17 +233,30 @@ def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
 
     real_chunk_kda = kda_layer.chunk_kda
 
-    def gpu_chunk_kda(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
-                      chunk_size=64, **kwargs):
+    def gpu_chunk_kda(
+        q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64, **kwargs
+    ):
         if not q.is_meta:
-            return real_chunk_kda(q, k, v, g, beta, initial_state=initial_state,
-                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                  chunk_size=chunk_size, **kwargs)
+            return real_chunk_kda(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens,
+                chunk_size=chunk_size,
+                **kwargs,
+            )
         chunks = _chunk_count(q.shape[1], q.shape[0], 64, cu_seqlens)  # fla's chunk is 64 tokens
         o = _MetaGpuChunkKDA.apply(q, k, v, g, beta, chunks, 64)
         sequences = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
-        final = (q.new_empty(sequences, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
-                 if output_final_state else None)
+        final = (
+            q.new_empty(sequences, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+            if output_final_state
+            else None
+        )
         return o, final
 
     moe_layer_permute, moe_layer_unpermute = moe_layer.permute, moe_layer.unpermute
@@ -231,8 +268,10 @@ def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
                 _patch(stack, mod, "check_ids", check_ids)
         _patch(stack, intra, "intra_chunk_scores", intra_chunk_scores)
         for mod in list(sys.modules.values()):
-            if getattr(mod, "__name__", "").startswith("moe_plugin.") and \
-                    getattr(mod, "intra_chunk_scores", None) is real_intra:
+            if (
+                getattr(mod, "__name__", "").startswith("moe_plugin.")
+                and getattr(mod, "intra_chunk_scores", None) is real_intra
+            ):
                 _patch(stack, mod, "intra_chunk_scores", intra_chunk_scores)
         _patch(stack, indexer, "_topk_latest_on_ties", topk)
         _patch(stack, gated_dsa, "sparse_attention", sparse_attention)

@@ -48,8 +48,12 @@ def _vision_on_meta(grid_cpu: torch.Tensor) -> Iterator[None]:
         # the tower moves grid_hw to the patches' device (meta) before these read its values
         def wrapped(grid_hw, *args):
             out = fn(grid_cpu, *args)
-            return (out.to(grid_hw.device) if isinstance(out, torch.Tensor)
-                    else [(index.to(grid_hw.device), b, n) for index, b, n in out])
+            return (
+                out.to(grid_hw.device)
+                if isinstance(out, torch.Tensor)
+                else [(index.to(grid_hw.device), b, n) for index, b, n in out]
+            )
+
         return wrapped
 
     def fused_attend(q, k, v):  # [B, L, H, D] each
@@ -62,8 +66,9 @@ def _vision_on_meta(grid_cpu: torch.Tensor) -> Iterator[None]:
         yield
 
 
-def vision_activation_bytes(vision_config, lora_section, images: int, image_size: int, dtype: torch.dtype
-                            ) -> Tuple[float, float, int]:
+def vision_activation_bytes(
+    vision_config, lora_section, images: int, image_size: int, dtype: torch.dtype
+) -> Tuple[float, float, int]:
     """(saved bytes, working bytes, image tokens) of the vision encoder of ``vision_config`` (a
     ``VisionConfig``) on ``images`` square pictures of ``image_size`` pixels in ``dtype``; image tokens is
     how many placeholders they fill in the text (patches / merge_size^2)."""
@@ -84,4 +89,4 @@ def vision_activation_bytes(vision_config, lora_section, images: int, image_size
     working: list = []
     with _vision_on_meta(grid):
         saved = _run(lambda: encoder(patches, grid), {encoder: "vision"}, "vision", working)
-    return float(sum(saved.values())), float(working[0]), images * h * w // vision_config.merge_size ** 2
+    return float(sum(saved.values())), float(working[0]), images * h * w // vision_config.merge_size**2

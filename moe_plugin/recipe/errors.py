@@ -43,10 +43,13 @@ def _show(value: Any) -> str:
     return f"{shown[:60]} ({kind})"
 
 
-_TYPE_ERRORS = {"int_type": ("an integer", "write a whole number without quotes"),
-                "float_type": ("a number", "write a number without quotes"),
-                "bool_type": ("true or false", "write true or false without quotes"),
-                "string_type": ("a string", "write it in double quotes"), "list_type": ("a list", "use a list")}
+_TYPE_ERRORS = {
+    "int_type": ("an integer", "write a whole number without quotes"),
+    "float_type": ("a number", "write a number without quotes"),
+    "bool_type": ("true or false", "write true or false without quotes"),
+    "string_type": ("a string", "write it in double quotes"),
+    "list_type": ("a list", "use a list"),
+}
 
 
 def _describe(root: type, error: Dict[str, Any]) -> str:
@@ -54,7 +57,7 @@ def _describe(root: type, error: Dict[str, Any]) -> str:
     kind, loc, value, ctx = error["type"], error["loc"], error.get("input"), error.get("ctx") or {}
     owner = _model_at(root, loc[:-1]) if loc else None
     info = owner.model_fields.get(loc[-1]) if owner is not None and loc[-1] in owner.model_fields else None
-    extra = (info.json_schema_extra if info is not None and isinstance(info.json_schema_extra, dict) else {})
+    extra = info.json_schema_extra if info is not None and isinstance(info.json_schema_extra, dict) else {}
     default = info.get_default(call_default_factory=True) if info is not None and not info.is_required() else None
     example = extra.get("example", default)
     example = "" if example is None else ", e.g. " + json.dumps(example, default=lambda _: "{...}")
@@ -68,16 +71,21 @@ def _describe(root: type, error: Dict[str, Any]) -> str:
         return ("is required; " if kind == "missing" else "is empty; ") + extra.get("fix", "add it")
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         if not loc:
-            return f"must be a JSON object of sections, got {_show(value)}; write it as {{\"output_dir\": ...}}"
+            return f'must be a JSON object of sections, got {_show(value)}; write it as {{"output_dir": ...}}'
         null = ", or null to train every parameter" if loc == ("lora",) else ""
-        return (f"must be a JSON object, got {_show(value)}; write it as {{\"key\": value, ...}} ({{}} for the "
-                f"defaults{null})")
+        return (
+            f'must be a JSON object, got {_show(value)}; write it as {{"key": value, ...}} ({{}} for the '
+            f"defaults{null})"
+        )
     if kind in _TYPE_ERRORS:
         wanted, fix = _TYPE_ERRORS[kind]
         return f"must be {wanted}, got {_show(value)}; {fix}{example if kind != 'bool_type' else ''}"
     if kind == "literal_error":
-        choices = [json.dumps(c) for c in get_args(info.annotation)] if info is not None and get_origin(
-            info.annotation) is Literal else [ctx.get("expected", "")]
+        choices = (
+            [json.dumps(c) for c in get_args(info.annotation)]
+            if info is not None and get_origin(info.annotation) is Literal
+            else [ctx.get("expected", "")]
+        )
         return f"must be one of {', '.join(choices)}, got {_show(value)}; choose one of them"
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
     if kind in bounds:

@@ -37,19 +37,25 @@ def _override_keys() -> frozenset:
 def _pretrained_problem(directory: str) -> Optional[str]:
     if not os.path.isdir(directory):
         what = "is a file" if os.path.exists(directory) else "does not exist"
-        return (f"{directory!r} {what} (relative paths resolve against {os.getcwd()}); "
-                "give the directory that save_pretrained wrote (or a K3 checkpoint directory)")
+        return (
+            f"{directory!r} {what} (relative paths resolve against {os.getcwd()}); "
+            "give the directory that save_pretrained wrote (or a K3 checkpoint directory)"
+        )
     adapter = os.path.join(directory, "adapter_config.json")
     if os.path.exists(adapter):
         try:
             base = _read_json(adapter).get("base_model_name_or_path")
         except ValueError:
             base = None
-        return (f"{directory!r} holds a LoRA adapter (adapter_config.json), not a base model; point "
-                f"model.from_pretrained at its base model ({base!r}, the adapter's base_model_name_or_path)")
+        return (
+            f"{directory!r} holds a LoRA adapter (adapter_config.json), not a base model; point "
+            f"model.from_pretrained at its base model ({base!r}, the adapter's base_model_name_or_path)"
+        )
     if not os.path.isfile(os.path.join(directory, "config.json")):
-        return (f"{directory!r} has no config.json, so it is not a saved model; give the directory that "
-                "save_pretrained wrote (or a K3 checkpoint directory)")
+        return (
+            f"{directory!r} has no config.json, so it is not a saved model; give the directory that "
+            "save_pretrained wrote (or a K3 checkpoint directory)"
+        )
     try:
         _read_json(os.path.join(directory, "config.json"))
     except ValueError as err:
@@ -85,7 +91,7 @@ class ModelSection(_Section):
     trust_remote_code: bool = False
 
     def source_format(self) -> Literal["preset", "hf", "k3"]:
-        """"preset", "hf" (a ``save_pretrained`` directory) or "k3" (a K3-layout checkpoint)."""
+        """ "preset", "hf" (a ``save_pretrained`` directory) or "k3" (a K3-layout checkpoint)."""
         if self.preset is not None:
             return "preset"
         model_type = _read_json(os.path.join(self.from_pretrained, "config.json")).get("model_type")
@@ -99,10 +105,18 @@ class ModelSection(_Section):
 
     def _problems(self) -> List[Problem]:
         if (self.preset is None) == (self.from_pretrained is None):
-            what = ("both model.preset and model.from_pretrained are given" if self.preset is not None
-                    else "neither model.preset nor model.from_pretrained is given")
-            return [("", f'{what}; give exactly one, e.g. {{"preset": "tiny"}} or '
-                         f'{{"from_pretrained": "recipes/bases/tiny-arith"}}')]
+            what = (
+                "both model.preset and model.from_pretrained are given"
+                if self.preset is not None
+                else "neither model.preset nor model.from_pretrained is given"
+            )
+            return [
+                (
+                    "",
+                    f'{what}; give exactly one, e.g. {{"preset": "tiny"}} or '
+                    f'{{"from_pretrained": "recipes/bases/tiny-arith"}}',
+                )
+            ]
         if self.from_pretrained is not None:
             problem = _pretrained_problem(self.from_pretrained)
             if problem:

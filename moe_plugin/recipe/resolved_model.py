@@ -17,17 +17,29 @@ from typing import Any, List, Literal, Optional
 
 from ..config import HF_MODEL_TYPE
 
-__all__ = ["ResolvedModel", "resolve_model", "base_hf_config", "tokenizer_files", "copy_tokenizer_files",
-           "Format"]
+__all__ = ["ResolvedModel", "resolve_model", "base_hf_config", "tokenizer_files", "copy_tokenizer_files", "Format"]
 
 Format = Literal["preset", "hf", "k3"]
 
 # What a tokenizer or processor is saved as (transformers' names, K2's tiktoken.model, the template files):
 # the files an adapter or export copies from its base, byte for byte
-_TOKENIZER_FILE_NAMES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "tiktoken.model",
-                         "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
-                         "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                         "chat_template.json", "preprocessor_config.json", "processor_config.json")
+_TOKENIZER_FILE_NAMES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
 
 
 @dataclass(frozen=True)
@@ -56,10 +68,11 @@ class ResolvedModel:
     def tokenizer_note(self) -> str:
         """The run's one line on where its tokenizer comes from."""
         if self.byte_tokenizer:
-            return (f"tokenizer: the built-in byte tokenizer (preset {self.preset!r} has no tokenizer of its own; "
-                    f"{len(self.tokenizer)} ids)")
-        return (f"tokenizer: the base's own {type(self.tokenizer).__name__} from {self.path} "
-                f"({len(self.tokenizer)} ids)")
+            return (
+                f"tokenizer: the built-in byte tokenizer (preset {self.preset!r} has no tokenizer of its own; "
+                f"{len(self.tokenizer)} ids)"
+            )
+        return f"tokenizer: the base's own {type(self.tokenizer).__name__} from {self.path} ({len(self.tokenizer)} ids)"
 
     def save_tokenizer(self, directory: str) -> List[str]:
         """Write the base's tokenizer into ``directory``: its files copied byte for byte, or for a preset the
@@ -76,8 +89,10 @@ def _read_config_json(path: str) -> dict:
 
     config = read_json(os.path.join(path, "config.json"))
     if config is None:
-        raise ValueError(f"model.from_pretrained: {path} has no config.json, so it is not a saved model; give "
-                         f"the directory that save_pretrained wrote (or a K3 checkpoint directory)")
+        raise ValueError(
+            f"model.from_pretrained: {path} has no config.json, so it is not a saved model; give "
+            f"the directory that save_pretrained wrote (or a K3 checkpoint directory)"
+        )
     return config
 
 
@@ -117,8 +132,9 @@ def resolve_model(model_section) -> ResolvedModel:
         tokenizer = ByteTokenizer()
         processor = _processor(None, tokenizer, model_config)
         tokens = chat_tokens(tokenizer, hf_config.to_dict(), processor)
-        return ResolvedModel(None, "preset", hf_config, model_config, tokenizer, processor, tokens,
-                             model_section.preset)
+        return ResolvedModel(
+            None, "preset", hf_config, model_config, tokenizer, processor, tokens, model_section.preset
+        )
     path = os.path.realpath(os.path.expanduser(model_section.from_pretrained))
     config_json = _read_config_json(path)
     check_remote_code(path, trust)  # config.json's auto_map too, before transformers reads the config
@@ -127,8 +143,11 @@ def resolve_model(model_section) -> ResolvedModel:
     tokenizer = load_base_tokenizer(path, trust_remote_code=trust)
     processor = _processor(path, tokenizer, model_config)
     # the ids the model embeds: the recipe's overrides win over the file (image_token_id, eos/pad ids)
-    ids = {k: v for k, v in hf_config.to_dict().items()
-           if k in ("image_token_id", "eos_token_id", "pad_token_id") and v is not None}
+    ids = {
+        k: v
+        for k, v in hf_config.to_dict().items()
+        if k in ("image_token_id", "eos_token_id", "pad_token_id") and v is not None
+    }
     tokens = chat_tokens(tokenizer, {**config_json, **ids}, processor)
     _check_vocabulary(path, tokenizer, model_config)
     return ResolvedModel(path, _format_of(config_json), hf_config, model_config, tokenizer, processor, tokens)
@@ -148,9 +167,11 @@ def _processor(path: Optional[str], tokenizer, model_config):
 
 def _check_vocabulary(path: str, tokenizer, model_config) -> None:
     if len(tokenizer) > model_config.vocab_size:
-        raise ValueError(f"model.from_pretrained: the tokenizer in {path} has {len(tokenizer)} ids but the model's "
-                         f"vocab_size is {model_config.vocab_size}, so some ids have no embedding; give the base's "
-                         f"own tokenizer files (or a config.json whose vocab_size covers them)")
+        raise ValueError(
+            f"model.from_pretrained: the tokenizer in {path} has {len(tokenizer)} ids but the model's "
+            f"vocab_size is {model_config.vocab_size}, so some ids have no embedding; give the base's "
+            f"own tokenizer files (or a config.json whose vocab_size covers them)"
+        )
 
 
 def tokenizer_files(path: str) -> List[str]:

@@ -27,7 +27,7 @@ from .section import DEFER_MODEL_CHECKS, Problem, _field, _Section
 
 # the sizes a run accepts are the planner's (limits.py), so whatever trains can be planned; steps: a
 # billion optimizer steps is centuries of any real run, and keeps every count exact in float64 metrics
-MAX_STEPS = 10 ** 9
+MAX_STEPS = 10**9
 
 
 class RecipeError(ValueError):
@@ -36,8 +36,11 @@ class RecipeError(ValueError):
     def __init__(self, source: str, problems: List[Tuple[str, str]]):
         self.source, self.problems = source, list(problems)
         lines = [f"{path}: {message}" for path, message in self.problems]
-        super().__init__(f"recipe {source}: {lines[0]}" if len(lines) == 1 else
-                         f"recipe {source}: {len(lines)} problems\n" + "\n".join(f"  {line}" for line in lines))
+        super().__init__(
+            f"recipe {source}: {lines[0]}"
+            if len(lines) == 1
+            else f"recipe {source}: {len(lines)} problems\n" + "\n".join(f"  {line}" for line in lines)
+        )
 
 
 # DeepSeek-V3's sequence-wise balance loss under LoRA when an adapter is on the router, measured on the main job
@@ -51,8 +54,9 @@ class RouterBalanceSection(_Section):
     """The sequence-wise auxiliary balance loss (``moe_plugin.layers.moe.balancing``, per document): its
     coefficient, 0 for none; null under ``lora`` is the default (on when a LoRA target is a router)."""
 
-    aux_loss_coeff: Optional[float] = _field(None, "use 0 (no balance loss) or a positive coefficient up to "
-                                                   "1, e.g. 0.1", ge=0, le=1)
+    aux_loss_coeff: Optional[float] = _field(
+        None, "use 0 (no balance loss) or a positive coefficient up to 1, e.g. 0.1", ge=0, le=1
+    )
 
 
 def targets_router(target_modules: List[str]) -> bool:
@@ -65,8 +69,12 @@ class LoraSection(_Section):
     ``router_balance`` the balance loss that keeps the experts balanced while an adapter moves the router."""
 
     r: int = _field(8, "use a positive rank, e.g. 8", gt=0)
-    alpha: float = _field(16.0, "alpha 0 scales the adapter by alpha / r = 0, so it trains an adapter that "
-                                "does nothing; use a positive alpha, e.g. 16", gt=0)
+    alpha: float = _field(
+        16.0,
+        "alpha 0 scales the adapter by alpha / r = 0, so it trains an adapter that "
+        "does nothing; use a positive alpha, e.g. 16",
+        gt=0,
+    )
     dropout: float = _field(0.0, "use a probability in [0, 1), e.g. 0.05", ge=0, lt=1)
     target_modules: List[str] = _field(default_factory=lambda: ["q_proj", "k_proj", "gate"], example=["q_proj"])
     target_parameters: List[str] = _field(default_factory=list, example=["experts.w1"])
@@ -89,9 +97,14 @@ class LoraSection(_Section):
     def _problems(self) -> List[Problem]:
         if self.target_modules or self.target_parameters:
             return []
-        return [("target_modules", 'lora.target_modules and lora.target_parameters are both empty, so nothing '
-                                   'would train; name at least one target, e.g. ["q_proj"], or set "lora": null '
-                                   "to train every parameter")]
+        return [
+            (
+                "target_modules",
+                "lora.target_modules and lora.target_parameters are both empty, so nothing "
+                'would train; name at least one target, e.g. ["q_proj"], or set "lora": null '
+                "to train every parameter",
+            )
+        ]
 
 
 class DataSection(_Section):
@@ -101,23 +114,42 @@ class DataSection(_Section):
     kind: Literal["arithmetic", "sft", "text"] = "arithmetic"
     path: Optional[str] = _field(None, example="data/train.jsonl")
     operation: Literal["+", "-", "*"] = "+"
-    num_documents: int = _field(2000, f"use a positive count up to {LIMITS['num_documents']:,}, e.g. 2000", gt=0,
-                                le=LIMITS["num_documents"])
-    seq_len: int = _field(256, "a window needs at least 2 tokens (an input and its next token), and at most "
-                               f"{LIMITS['seq_len']:,}; use e.g. 256", gt=1, le=LIMITS["seq_len"])
+    num_documents: int = _field(
+        2000, f"use a positive count up to {LIMITS['num_documents']:,}, e.g. 2000", gt=0, le=LIMITS["num_documents"]
+    )
+    seq_len: int = _field(
+        256,
+        "a window needs at least 2 tokens (an input and its next token), and at most "
+        f"{LIMITS['seq_len']:,}; use e.g. 256",
+        gt=1,
+        le=LIMITS["seq_len"],
+    )
     eval_fraction: float = _field(0.05, "use a fraction in [0, 0.5], e.g. 0.05 (0: no held-out set)", ge=0, le=0.5)
     pack: bool = True
 
     def _problems(self) -> List[Problem]:
         if self.kind == "arithmetic":
-            return [] if self.path is None else [("path", "is not read when data.kind is \"arithmetic\" (its data "
-                                                          "is generated); remove it, or set data.kind")]
+            return (
+                []
+                if self.path is None
+                else [
+                    (
+                        "path",
+                        'is not read when data.kind is "arithmetic" (its data '
+                        "is generated); remove it, or set data.kind",
+                    )
+                ]
+            )
         if self.path is None:
             return [("path", f"is required when data.kind is {self.kind!r}; give the data file")]
         if not os.path.isfile(self.path):
             what = "is a directory" if os.path.isdir(self.path) else "does not exist"
-            return [("path", f"{self.path!r} {what} (relative paths resolve against {os.getcwd()}); "
-                             "give an existing data file")]
+            return [
+                (
+                    "path",
+                    f"{self.path!r} {what} (relative paths resolve against {os.getcwd()}); give an existing data file",
+                )
+            ]
         return []
 
 
@@ -126,22 +158,27 @@ class ParallelSection(_Section):
     (``moe-plugin plan`` reads it); the trainer warns when a rank's measured load goes past it."""
 
     backend: Literal["megatron", "hf"] = "megatron"
-    expert_parallel_size: int = _field(1, "use 1 (no expert parallelism) or a divisor of the experts and the "
-                                          "world size", ge=1)
-    capacity_factor: float = _field(1.25, f"use a factor from 1 (exact balance) to {LIMITS['capacity']:g}, e.g. "
-                                          "1.25", ge=1, le=LIMITS["capacity"])
+    expert_parallel_size: int = _field(
+        1, "use 1 (no expert parallelism) or a divisor of the experts and the world size", ge=1
+    )
+    capacity_factor: float = _field(
+        1.25, f"use a factor from 1 (exact balance) to {LIMITS['capacity']:g}, e.g. 1.25", ge=1, le=LIMITS["capacity"]
+    )
 
 
 class ScheduleSection(_Section):
     """Optimizer steps; one step is ``gradient_accumulation_steps`` micro-batches of ``micro_batch_size``
     windows on every data-parallel rank."""
 
-    steps: int = _field(60, f"use a positive number of optimizer steps up to {MAX_STEPS:,}, e.g. 60", gt=0,
-                        le=MAX_STEPS)
-    micro_batch_size: int = _field(2, f"use a positive batch size up to {LIMITS['micro_batch']:,}, e.g. 2", gt=0,
-                                   le=LIMITS["micro_batch"])
-    gradient_accumulation_steps: int = _field(1, f"use 1 (no accumulation) or more, up to {LIMITS['grad_accum']:,}",
-                                              gt=0, le=LIMITS["grad_accum"])
+    steps: int = _field(
+        60, f"use a positive number of optimizer steps up to {MAX_STEPS:,}, e.g. 60", gt=0, le=MAX_STEPS
+    )
+    micro_batch_size: int = _field(
+        2, f"use a positive batch size up to {LIMITS['micro_batch']:,}, e.g. 2", gt=0, le=LIMITS["micro_batch"]
+    )
+    gradient_accumulation_steps: int = _field(
+        1, f"use 1 (no accumulation) or more, up to {LIMITS['grad_accum']:,}", gt=0, le=LIMITS["grad_accum"]
+    )
     lr: float = _field(3e-3, "use a positive learning rate, e.g. 0.003", gt=0)
     min_lr: float = _field(0.0, "use 0 or a positive floor for the decayed learning rate", ge=0)
     warmup_steps: int = _field(0, "use 0 (no warm-up) or a positive number of steps", ge=0)
@@ -157,8 +194,13 @@ class ScheduleSection(_Section):
         if self.min_lr > self.lr:
             problems.append(("min_lr", f"{self.min_lr} is above schedule.lr ({self.lr}); use a floor <= lr"))
         if self.warmup_steps >= self.steps:
-            problems.append(("warmup_steps", f"{self.warmup_steps} leaves no step after the warm-up "
-                                             f"(schedule.steps is {self.steps}); use fewer than {self.steps}"))
+            problems.append(
+                (
+                    "warmup_steps",
+                    f"{self.warmup_steps} leaves no step after the warm-up "
+                    f"(schedule.steps is {self.steps}); use fewer than {self.steps}",
+                )
+            )
         return problems
 
 
@@ -166,16 +208,24 @@ class AnswersSection(_Section):
     """Held-out answers by greedy generation at the end of a LoRA run (``moe_plugin/training/metrics/answer_eval.py``):
     ``path`` is a chat JSONL whose records end with the expected assistant answer."""
 
-    path: str = _field(fix='give the held-out chat JSONL, e.g. "recipes/data/shapes_heldout.jsonl"',
-                       example="recipes/data/shapes_heldout.jsonl", min_length=1)
+    path: str = _field(
+        fix='give the held-out chat JSONL, e.g. "recipes/data/shapes_heldout.jsonl"',
+        example="recipes/data/shapes_heldout.jsonl",
+        min_length=1,
+    )
     limit: Optional[int] = _field(None, "use a positive number of records, or null for all of them", gt=0)
     max_new_tokens: int = _field(16, "use a positive number of tokens, longer than any answer, e.g. 16", gt=0)
 
     def _problems(self) -> List[Problem]:
         if not os.path.isfile(self.path):
             what = "is a directory" if os.path.isdir(self.path) else "does not exist"
-            return [("path", f"{self.path!r} {what} (relative paths resolve against {os.getcwd()}); give an "
-                             "existing held-out chat JSONL")]
+            return [
+                (
+                    "path",
+                    f"{self.path!r} {what} (relative paths resolve against {os.getcwd()}); give an "
+                    "existing held-out chat JSONL",
+                )
+            ]
         return []
 
 
@@ -196,20 +246,37 @@ class WandbSection(_Section):
     none. ``dir`` defaults to the run's ``output_dir``, ``name`` to that directory's name."""
 
     mode: Literal["offline", "online", "disabled"] = "offline"
-    project: str = _field("moe_plugin", 'give the W&B project name, e.g. "moe_plugin"', example="moe_plugin",
-                          min_length=1)
-    name: Optional[str] = _field(None, 'give the run a name, e.g. "tiny_lora", or null for the output '
-                                       "directory's name", example="tiny_lora", min_length=1)
-    dir: Optional[str] = _field(None, "give a directory for the W&B run files, or null for the run's output_dir",
-                                example="outputs/wandb", min_length=1)
+    project: str = _field(
+        "moe_plugin", 'give the W&B project name, e.g. "moe_plugin"', example="moe_plugin", min_length=1
+    )
+    name: Optional[str] = _field(
+        None,
+        'give the run a name, e.g. "tiny_lora", or null for the output directory\'s name',
+        example="tiny_lora",
+        min_length=1,
+    )
+    dir: Optional[str] = _field(
+        None,
+        "give a directory for the W&B run files, or null for the run's output_dir",
+        example="outputs/wandb",
+        min_length=1,
+    )
 
     def _problems(self) -> List[Problem]:
         if self.project.strip() == "" or "/" in self.project:
-            return [("project", f"{self.project!r} is not a W&B project name; use a non-blank name without "
-                                '"/", e.g. "moe_plugin"')]
+            return [
+                (
+                    "project",
+                    f'{self.project!r} is not a W&B project name; use a non-blank name without "/", e.g. "moe_plugin"',
+                )
+            ]
         if self.dir is not None and os.path.exists(self.dir) and not os.path.isdir(self.dir):
-            return [("dir", f"{self.dir!r} is a file; give a directory for the W&B run files, or null for the "
-                            "run's output_dir")]
+            return [
+                (
+                    "dir",
+                    f"{self.dir!r} is a file; give a directory for the W&B run files, or null for the run's output_dir",
+                )
+            ]
         return []
 
 
@@ -220,8 +287,9 @@ class LoggingSection(_Section):
 
 
 class Recipe(_Section):
-    output_dir: str = _field(fix='give the directory this run writes to, e.g. "outputs/my_run"',
-                             example="outputs/my_run", min_length=1)
+    output_dir: str = _field(
+        fix='give the directory this run writes to, e.g. "outputs/my_run"', example="outputs/my_run", min_length=1
+    )
     seed: int = _field(0, "use 0 or a positive seed", ge=0)
     deepspeed: Optional[str] = _field(None, example="ds_configs/zero3_lora.json")
     model: ModelSection = _field(fix='add a model section, e.g. "model": {"preset": "tiny"}')
@@ -241,8 +309,12 @@ class Recipe(_Section):
         if not self.output_dir.strip():
             problems.append(("output_dir", 'is empty; give the directory this run writes to, e.g. "outputs/my_run"'))
         if self.router_balance is not None and self.lora is not None:
-            problems.append(("router_balance", 'is for full training ("lora": null); under LoRA set '
-                                               "lora.router_balance.aux_loss_coeff instead"))
+            problems.append(
+                (
+                    "router_balance",
+                    'is for full training ("lora": null); under LoRA set lora.router_balance.aux_loss_coeff instead',
+                )
+            )
         return problems
 
     def router_aux_loss_coeff(self) -> float:
@@ -277,11 +349,15 @@ def load_recipe(path: str) -> Recipe:
         with open(path) as f:
             text = f.read()
     except OSError as err:
-        raise ValueError(f"recipe {path}: cannot read it ({err.strerror}; relative paths resolve against "
-                         f"{os.getcwd()}); check the path") from None
+        raise ValueError(
+            f"recipe {path}: cannot read it ({err.strerror}; relative paths resolve against "
+            f"{os.getcwd()}); check the path"
+        ) from None
     try:
         values = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"recipe {path}, line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); "
-                         "fix the syntax (JSON allows no comments and no trailing commas)") from None
+        raise ValueError(
+            f"recipe {path}, line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); "
+            "fix the syntax (JSON allows no comments and no trailing commas)"
+        ) from None
     return recipe_from_dict(values, source=path)

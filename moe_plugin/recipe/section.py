@@ -39,8 +39,15 @@ class _Section(BaseModel):
             problems = self._model_config_problems()
         if problems:
             # a ValidationError raised here joins the other sections' errors, each at its own field
-            raise ValidationError.from_exception_data(type(self).__name__, [
-                InitErrorDetails(type=PydanticCustomError("recipe", "{message}", {"message": message}),
-                                 loc=tuple(path.split(".")) if path else (), input=None)
-                for path, message in problems])
+            raise ValidationError.from_exception_data(
+                type(self).__name__,
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError("recipe", "{message}", {"message": message}),
+                        loc=tuple(path.split(".")) if path else (),
+                        input=None,
+                    )
+                    for path, message in problems
+                ],
+            )
         return self

@@ -14,8 +14,10 @@ def env_world_size() -> int:
     """The launcher's ``WORLD_SIZE`` (1 when unset), read before any process group exists."""
     text = os.environ.get("WORLD_SIZE", "1")
     if not text.strip().isdigit() or int(text) < 1:
-        raise ValueError(f"WORLD_SIZE: must be a positive integer, got {text!r}; launch with torchrun or "
-                         "deepspeed, or unset it for one process")
+        raise ValueError(
+            f"WORLD_SIZE: must be a positive integer, got {text!r}; launch with torchrun or "
+            "deepspeed, or unset it for one process"
+        )
     return int(text)
 
 
@@ -28,16 +30,24 @@ def check_layout(recipe: Recipe, world_size: int, num_experts: int, expert_forma
     both = [d for d in range(1, min(num_experts, world_size) + 1) if num_experts % d == 0 and world_size % d == 0]
     problems = []
     if recipe.parallel.backend == "hf" and ep > 1 and expert_format != "dense":
-        problems.append(f"is {ep}, but the Hugging Face backend's expert parallelism takes dense experts and the "
-                        f"base's are {expert_format!r}; use parallel.backend \"megatron\" (or expert_parallel_size 1)")
+        problems.append(
+            f"is {ep}, but the Hugging Face backend's expert parallelism takes dense experts and the "
+            f'base\'s are {expert_format!r}; use parallel.backend "megatron" (or expert_parallel_size 1)'
+        )
     if recipe.parallel.backend == "hf" and ep > 1 and recipe.lora is None:
-        problems.append(f"is {ep}, but full training (\"lora\": null) on the Hugging Face backend runs without "
-                        "expert parallelism; use parallel.backend \"megatron\" (or expert_parallel_size 1)")
+        problems.append(
+            f'is {ep}, but full training ("lora": null) on the Hugging Face backend runs without '
+            'expert parallelism; use parallel.backend "megatron" (or expert_parallel_size 1)'
+        )
     if num_experts % ep:
-        problems.append(f"{ep} does not divide the model's {num_experts} experts; use one that divides both the "
-                        f"experts and the world size {world_size}: {both}")
+        problems.append(
+            f"{ep} does not divide the model's {num_experts} experts; use one that divides both the "
+            f"experts and the world size {world_size}: {both}"
+        )
     if world_size % ep:
-        problems.append(f"{ep} does not divide the world size {world_size} (WORLD_SIZE); launch a multiple of "
-                        f"{ep} processes, or use one of {both}")
+        problems.append(
+            f"{ep} does not divide the world size {world_size} (WORLD_SIZE); launch a multiple of "
+            f"{ep} processes, or use one of {both}"
+        )
     if problems:
         raise ValueError("\n".join(f"{field}: {problem}" for problem in problems))

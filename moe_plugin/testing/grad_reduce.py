@@ -55,13 +55,14 @@ def _all_reduce_sum(grads: List[torch.Tensor], group) -> None:
     dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
 @torch.no_grad()
-def reduce_gradients(params, data_parallel_group=None, expert_data_parallel_group=None,
-                     data_parallel_size: Optional[int] = None) -> ReduceCounts:
+def reduce_gradients(
+    params, data_parallel_group=None, expert_data_parallel_group=None, data_parallel_size: Optional[int] = None
+) -> ReduceCounts:
     """Make each trainable parameter's grad the gradient of the data-parallel mean loss (see module doc).
 
     params: a module or an iterable of parameters, in the same order on every rank (collective).

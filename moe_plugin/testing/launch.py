@@ -81,10 +81,16 @@ def default_process_group_timeout(timeout_s: float) -> float:
     return 0.75 * timeout_s
 
 
-def run_distributed(worker_fn_path: str, world_size: int, timeout_s: float = 300.0,
-                    init_process_group: bool = True, backend: str = "gloo",
-                    process_group_timeout_s: Optional[float] = None,
-                    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, **kwargs: Any) -> List[Any]:
+def run_distributed(
+    worker_fn_path: str,
+    world_size: int,
+    timeout_s: float = 300.0,
+    init_process_group: bool = True,
+    backend: str = "gloo",
+    process_group_timeout_s: Optional[float] = None,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    **kwargs: Any,
+) -> List[Any]:
     """Run ``worker_fn_path`` on ``world_size`` processes; return the list of per-rank return values.
 
     ``init_process_group``: initialise the default process group before calling the function (and
@@ -106,22 +112,31 @@ def run_distributed(worker_fn_path: str, world_size: int, timeout_s: float = 300
     if process_group_timeout_s is None:
         process_group_timeout_s = default_process_group_timeout(timeout_s)
     if not 0 < process_group_timeout_s < timeout_s:
-        raise ValueError(f"process_group_timeout_s: must be positive and below timeout_s={timeout_s}, got "
-                         f"{process_group_timeout_s!r}")
+        raise ValueError(
+            f"process_group_timeout_s: must be positive and below timeout_s={timeout_s}, got "
+            f"{process_group_timeout_s!r}"
+        )
     resolve_function(worker_fn_path)  # fail here, not N times in the children
     with tempfile.TemporaryDirectory(prefix="moe_plugin_dist_") as tmp:
         work = Path(tmp)
-        torch.save({"worker": worker_fn_path, "kwargs": kwargs, "init": init_process_group, "backend": backend},
-                   work / "call.pt")
+        torch.save(
+            {"worker": worker_fn_path, "kwargs": kwargs, "init": init_process_group, "backend": backend},
+            work / "call.pt",
+        )
         env = _child_env(world_size, work, backend, process_group_timeout_s)
         procs: List[subprocess.Popen] = []
         try:
             for rank in range(world_size):
                 with open(work / f"rank{rank}.log", "wb") as log:
-                    procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "moe_plugin.testing.launch", str(work), str(rank)],
-                        env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=os.getcwd(),
-                        stdout=log, stderr=subprocess.STDOUT))
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", "moe_plugin.testing.launch", str(work), str(rank)],
+                            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                            cwd=os.getcwd(),
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                        )
+                    )
             _wait(procs, work, timeout_s, startup_timeout_s)
         finally:
             _stop(procs)  # also when the parent is interrupted: no rank outlives the call
@@ -134,9 +149,16 @@ def _child_env(world_size: int, work: Path, backend: str, process_group_timeout_
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     paths = [str(_PACKAGE_ROOT), os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env.update({"WORLD_SIZE": str(world_size), INIT_METHOD_ENV: f"file://{work / 'rendezvous'}",
-                TIMEOUT_ENV: repr(float(process_group_timeout_s)), "OMP_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)})
+    env.update(
+        {
+            "WORLD_SIZE": str(world_size),
+            INIT_METHOD_ENV: f"file://{work / 'rendezvous'}",
+            TIMEOUT_ENV: repr(float(process_group_timeout_s)),
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(paths),
+        }
+    )
     if backend == "gloo":
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -162,11 +184,15 @@ def _wait(procs: List[subprocess.Popen], work: Path, timeout_s: float, startup_t
             if not waiting:
                 deadline = now + timeout_s
             elif now - started > startup_timeout_s:
-                raise TimeoutError(f"distributed run: rank(s) {waiting} did not start up within "
-                                   f"{startup_timeout_s:.0f} s (imports, device preparation)\n{_report(work, codes)}")
+                raise TimeoutError(
+                    f"distributed run: rank(s) {waiting} did not start up within "
+                    f"{startup_timeout_s:.0f} s (imports, device preparation)\n{_report(work, codes)}"
+                )
         elif now > deadline:
-            raise TimeoutError(f"distributed run did not finish within {timeout_s:.0f} s after every rank was "
-                               f"ready\n{_report(work, codes)}")
+            raise TimeoutError(
+                f"distributed run did not finish within {timeout_s:.0f} s after every rank was "
+                f"ready\n{_report(work, codes)}"
+            )
         time.sleep(0.05)
 
 

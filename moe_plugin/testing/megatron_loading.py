@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import ModelConfig, require
+
 # megatron.lora's own patterns of adapter names, so that both sides read the names alike
 from ..expert_adapters import adapter_factor, slice_experts
 from ..megatron.lora import _LAYER
@@ -38,12 +39,19 @@ def load_hf_checkpoint(model: nn.Module, path: str, config: ModelConfig, strict:
     ``strict``: checkpoint tensors of the text model that ``model`` lacks raise ValueError (vision-side tensors
     are ignored, ``LoadStats.ignored``). Missing or misshapen tensors always raise, all in one ValueError.
     """
-    return load_state(model, path, names="megatron", config=config, strict=strict, layout="hf",
-                      ignore_vision=True, open_file=_open_shard)
+    return load_state(
+        model,
+        path,
+        names="megatron",
+        config=config,
+        strict=strict,
+        layout="hf",
+        ignore_vision=True,
+        open_file=_open_shard,
+    )
 
 
-def load_k3_checkpoint_per_rank(model: nn.Module, path: str, config: ModelConfig, strict: bool = True
-                                ) -> LoadStats:
+def load_k3_checkpoint_per_rank(model: nn.Module, path: str, config: ModelConfig, strict: bool = True) -> LoadStats:
     """Copy a K3-layout checkpoint (``save_k3_checkpoint``'s directory) into megatron ``model`` on this rank.
 
     Routed experts are read one per-expert tensor ``[F, L]`` / ``[L, F]`` at a time, only for this rank's
@@ -52,8 +60,16 @@ def load_k3_checkpoint_per_rank(model: nn.Module, path: str, config: ModelConfig
     as it is. Missing tensors (over every expert, not only this rank's), misshapen ones and with ``strict``
     unknown text-model tensors (vision ones are ignored) raise one ValueError listing them all.
     """
-    return load_state(model, path, names="megatron", config=config, strict=strict, layout="k3",
-                      ignore_vision=True, open_file=_open_shard)
+    return load_state(
+        model,
+        path,
+        names="megatron",
+        config=config,
+        strict=strict,
+        layout="k3",
+        ignore_vision=True,
+        open_file=_open_shard,
+    )
 
 
 @torch.no_grad()
@@ -74,7 +90,10 @@ def load_hf_adapter_state(model: nn.Module, state: Dict[str, torch.Tensor], conf
         if factor is not None:
             first, last = ranges[int(layer.group(1))]
             value = slice_experts(value, factor, first, last, config.moe.num_experts)
-        require(tuple(value.shape) == tuple(params[name].shape), f"state[{hf_name!r}]",
-                f"has shape {tuple(value.shape)} on this rank, the model's {name} has {tuple(params[name].shape)}")
+        require(
+            tuple(value.shape) == tuple(params[name].shape),
+            f"state[{hf_name!r}]",
+            f"has shape {tuple(value.shape)} on this rank, the model's {name} has {tuple(params[name].shape)}",
+        )
         params[name].copy_(value)
     return len(adapters)

@@ -52,24 +52,34 @@ def packed_k3_tensors(model, naming: str = "k3", text_prefix: bool = True) -> Di
     state = model.state_dict()
     stacks = _packed_stacks(model)
     packed_names = {f"{p}.{k}" for p in stacks for k in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")}
-    out = {head + rename(n): t.contiguous().clone() for n, t in
-           state_dict_to_k3({n: t for n, t in state.items() if n not in packed_names}, model.config).items()}
+    out = {
+        head + rename(n): t.contiguous().clone()
+        for n, t in state_dict_to_k3({n: t for n, t in state.items() if n not in packed_names}, model.config).items()
+    }
     for prefix, experts in stacks.items():
         for kind, shape in experts.logical_shapes.items():
             stacked = f"{prefix}.{kind}"
-            out.update((head + n, t) for n, t in per_expert_tensors(
-                stacked, experts.expert_format, state[stacked], state[stacked + "_scale"], shape, naming))
+            out.update(
+                (head + n, t)
+                for n, t in per_expert_tensors(
+                    stacked, experts.expert_format, state[stacked], state[stacked + "_scale"], shape, naming
+                )
+            )
     return out
 
 
-def save_packed_k3_checkpoint(model, path: Union[str, os.PathLike], naming: str = "k3",
-                              text_prefix: bool = True) -> None:
+def save_packed_k3_checkpoint(
+    model, path: Union[str, os.PathLike], naming: str = "k3", text_prefix: bool = True
+) -> None:
     """Write ``model`` (packed experts) as a published-layout directory (one shard; see the module doc)."""
     tensors = packed_k3_tensors(model, naming, text_prefix)
     text = config_to_k3(model.config)
     text["torch_dtype"] = str(model.get_input_embeddings().weight.dtype).replace("torch.", "")
-    config = {"model_type": K3_VL_MODEL_TYPE, "text_config": text,
-              "tie_word_embeddings": model.config.tie_word_embeddings}
+    config = {
+        "model_type": K3_VL_MODEL_TYPE,
+        "text_config": text,
+        "tie_word_embeddings": model.config.tie_word_embeddings,
+    }
     if not text_prefix:
         config = {**text, "tie_word_embeddings": model.config.tie_word_embeddings}
     with atomic_directory(path) as tmp:
@@ -90,15 +100,26 @@ def dequantized_state_dict(model, dtype: torch.dtype = torch.float32) -> Dict[st
             continue
         if owner:
             experts = stacks[found[0]]
-            t = decode(experts.expert_format, t, getattr(experts, f"{found[1]}_scale"),
-                       experts.logical_shapes[found[1]][2], dtype)
+            t = decode(
+                experts.expert_format,
+                t,
+                getattr(experts, f"{found[1]}_scale"),
+                experts.logical_shapes[found[1]][2],
+                dtype,
+            )
         out[name] = t
     return out
 
 
-def write_tiny_packed_checkpoint(path: Union[str, os.PathLike], expert_format: str = "mxfp4", seed: int = 0,
-                                 dequantized_path: Optional[Union[str, os.PathLike]] = None, naming: str = "k3",
-                                 text_prefix: bool = True, **overrides) -> None:
+def write_tiny_packed_checkpoint(
+    path: Union[str, os.PathLike],
+    expert_format: str = "mxfp4",
+    seed: int = 0,
+    dequantized_path: Optional[Union[str, os.PathLike]] = None,
+    naming: str = "k3",
+    text_prefix: bool = True,
+    **overrides,
+) -> None:
     """Generate the ``tiny`` preset (``overrides`` applied) with packed experts drawn from ``seed`` and write it
     in the published layout (``naming``, ``text_prefix``: see ``save_packed_k3_checkpoint``) to ``path``; with
     ``dequantized_path``, also the same model with the experts dequantised once into fp32, as a dense

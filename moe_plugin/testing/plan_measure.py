@@ -20,22 +20,60 @@ import json
 import os
 from typing import Dict, List, Optional
 
-__all__ = ["SHAPE", "CALIBRATION", "LAYOUTS", "CHECKPOINTED", "MEASURED_REDUCE_BUCKET", "layout_recipe",
-           "layout_recipes", "measured_layouts", "measure_worker", "planned_peak", "tensor_peak"]
+__all__ = [
+    "SHAPE",
+    "CALIBRATION",
+    "LAYOUTS",
+    "CHECKPOINTED",
+    "MEASURED_REDUCE_BUCKET",
+    "layout_recipe",
+    "layout_recipes",
+    "measured_layouts",
+    "measure_worker",
+    "planned_peak",
+    "tensor_peak",
+]
 
 # weights of about 20 M parameters (most of them routed experts) and activations of the same order
-SHAPE = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, layer_types=["kda", "kda", "kda", "mla"],
-             attn_res=False, num_experts=64, num_experts_per_token=4, moe_intermediate_size=256,
-             routed_expert_hidden_size=128, intermediate_size=512, index_topk=256, use_dsa_indexer=False,
-             linear_attn_config=dict(num_heads=4, head_dim=64, short_conv_kernel_size=4, gate_lower_bound=-5.0,
-                                     gate_form="k3", gate_rank=32, chunk_size=64))
-CALIBRATION = dict(SHAPE, vocab_size=512, hidden_size=32, num_experts=8, moe_intermediate_size=32,
-                   routed_expert_hidden_size=32, intermediate_size=64,
-                   linear_attn_config=dict(SHAPE["linear_attn_config"], num_heads=1, head_dim=16, gate_rank=8))
+SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    num_hidden_layers=4,
+    layer_types=["kda", "kda", "kda", "mla"],
+    attn_res=False,
+    num_experts=64,
+    num_experts_per_token=4,
+    moe_intermediate_size=256,
+    routed_expert_hidden_size=128,
+    intermediate_size=512,
+    index_topk=256,
+    use_dsa_indexer=False,
+    linear_attn_config=dict(
+        num_heads=4,
+        head_dim=64,
+        short_conv_kernel_size=4,
+        gate_lower_bound=-5.0,
+        gate_form="k3",
+        gate_rank=32,
+        chunk_size=64,
+    ),
+)
+CALIBRATION = dict(
+    SHAPE,
+    vocab_size=512,
+    hidden_size=32,
+    num_experts=8,
+    moe_intermediate_size=32,
+    routed_expert_hidden_size=32,
+    intermediate_size=64,
+    linear_attn_config=dict(SHAPE["linear_attn_config"], num_heads=1, head_dim=16, gate_rank=8),
+)
 # (world, EP, seq_len, expert format) of the layouts each launch runs after its calibration
-LAYOUTS = {1: [(1, 1, 256, "dense"), (1, 1, 1024, "dense"), (1, 1, 512, "mxfp4")],
-           2: [(2, 1, 512, "dense"), (2, 2, 256, "dense"), (2, 2, 1024, "mxfp4")],
-           4: [(4, 2, 256, "dense"), (4, 2, 1024, "dense"), (4, 1, 512, "dense"), (4, 2, 512, "mxfp4")]}
+LAYOUTS = {
+    1: [(1, 1, 256, "dense"), (1, 1, 1024, "dense"), (1, 1, 512, "mxfp4")],
+    2: [(2, 1, 512, "dense"), (2, 2, 256, "dense"), (2, 2, 1024, "mxfp4")],
+    4: [(4, 2, 256, "dense"), (4, 2, 1024, "dense"), (4, 1, 512, "dense"), (4, 2, 512, "mxfp4")],
+}
 # activation checkpointing (schedule.activation_checkpointing): one layout per launch, with Attention Residuals
 # (what "full" recomputes beyond "selective"), run in every mode after LAYOUTS
 CHECKPOINTED_SHAPE = dict(SHAPE, attn_res=True, attn_res_block_size=2)
@@ -60,28 +98,46 @@ def measured_ds_config(directory: str) -> str:
     return path
 
 
-def layout_recipe(output_dir: str, world: int, ep: int, seq_len: int, expert_format: str = "dense",
-                  shape: dict = SHAPE, steps: int = 2, ds_config: Optional[str] = SHIPPED_DS_CONFIG,
-                  checkpointing: str = "off") -> dict:
+def layout_recipe(
+    output_dir: str,
+    world: int,
+    ep: int,
+    seq_len: int,
+    expert_format: str = "dense",
+    shape: dict = SHAPE,
+    steps: int = 2,
+    ds_config: Optional[str] = SHIPPED_DS_CONFIG,
+    checkpointing: str = "off",
+) -> dict:
     """A LoRA recipe on the seed's targets (one micro-batch of 2 rows per rank), fp32 as the CPU trains. Two
     steps: DeepSpeed records its module trace in the first and runs the second in the steady state (the
     trace complete: parameters kept gathered for reuse, prefetch on)."""
-    return {"output_dir": output_dir, "seed": 0, "deepspeed": ds_config if world > 1 else None,
-            "model": {"preset": "tiny", "overrides": dict(shape, expert_format=expert_format)},
-            "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "gate"]},
-            "data": {"kind": "arithmetic", "num_documents": 400, "seq_len": seq_len, "eval_fraction": 0.0},
-            "parallel": {"backend": "megatron", "expert_parallel_size": ep},
-            "schedule": {"steps": steps, "micro_batch_size": 2, "lr": 1e-3, "decay": "constant",
-                         "activation_checkpointing": checkpointing},
-            "checkpoint": {"every": 0}, "logging": {"every": 1000, "progress_bar": False,
-                                                    "wandb": {"mode": "disabled"}}}
+    return {
+        "output_dir": output_dir,
+        "seed": 0,
+        "deepspeed": ds_config if world > 1 else None,
+        "model": {"preset": "tiny", "overrides": dict(shape, expert_format=expert_format)},
+        "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "gate"]},
+        "data": {"kind": "arithmetic", "num_documents": 400, "seq_len": seq_len, "eval_fraction": 0.0},
+        "parallel": {"backend": "megatron", "expert_parallel_size": ep},
+        "schedule": {
+            "steps": steps,
+            "micro_batch_size": 2,
+            "lr": 1e-3,
+            "decay": "constant",
+            "activation_checkpointing": checkpointing,
+        },
+        "checkpoint": {"every": 0},
+        "logging": {"every": 1000, "progress_bar": False, "wandb": {"mode": "disabled"}},
+    }
 
 
 def measured_layouts(world: int) -> List[tuple]:
     """``(world, EP, seq_len, expert format, checkpointing mode, shape)`` of each layout a launch of ``world``
     processes measures after its calibration: ``LAYOUTS[world]``, then ``CHECKPOINTED[world]`` in every mode."""
-    return ([layout + ("off", SHAPE) for layout in LAYOUTS[world]]
-            + [CHECKPOINTED[world] + (mode, CHECKPOINTED_SHAPE) for mode in CHECKPOINTING_MODES])
+    return [layout + ("off", SHAPE) for layout in LAYOUTS[world]] + [
+        CHECKPOINTED[world] + (mode, CHECKPOINTED_SHAPE) for mode in CHECKPOINTING_MODES
+    ]
 
 
 def layout_recipes(directory: str, world: int) -> List[dict]:
@@ -90,7 +146,8 @@ def layout_recipes(directory: str, world: int) -> List[dict]:
     ds = measured_ds_config(directory) if world > 1 else None
     return [layout_recipe(f"{directory}/calibration", world, 1, 256, shape=CALIBRATION, ds_config=ds)] + [
         layout_recipe(f"{directory}/l{i}", w, ep, seq, fmt, shape=shape, ds_config=ds, checkpointing=mode)
-        for i, (w, ep, seq, fmt, mode, shape) in enumerate(measured_layouts(world))]
+        for i, (w, ep, seq, fmt, mode, shape) in enumerate(measured_layouts(world))
+    ]
 
 
 def _settle() -> None:

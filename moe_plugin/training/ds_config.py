@@ -66,14 +66,18 @@ def _same(given: Any, value: Any) -> bool:
 
 def _read_file(path: str) -> Dict[str, Any]:
     if not os.path.isfile(path):
-        raise ValueError(f"deepspeed: the DeepSpeed config {path!r} does not exist (relative paths resolve "
-                         f"against {os.getcwd()}); fix the path, or remove \"deepspeed\" for the default config")
+        raise ValueError(
+            f"deepspeed: the DeepSpeed config {path!r} does not exist (relative paths resolve "
+            f'against {os.getcwd()}); fix the path, or remove "deepspeed" for the default config'
+        )
     try:
         with open(path) as f:
             values = json.load(f)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}, line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); fix the "
-                         "DeepSpeed config's syntax") from None
+        raise ValueError(
+            f"{path}, line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); fix the "
+            "DeepSpeed config's syntax"
+        ) from None
     if not isinstance(values, dict):
         raise ValueError(f"{path}: a DeepSpeed config must be a JSON object, got {type(values).__name__}")
     return values
@@ -82,8 +86,10 @@ def _read_file(path: str) -> Dict[str, Any]:
 def default_config(recipe: Recipe, world_size: int) -> Dict[str, Any]:
     """No ZeRO for one process without expert parallelism, else ZeRO-3 (``ZERO3_SETTINGS``)."""
     single = world_size == 1 and recipe.parallel.expert_parallel_size == 1
-    return {"zero_optimization": {"stage": 0} if single else copy.deepcopy(ZERO3_SETTINGS),
-            "wall_clock_breakdown": False}
+    return {
+        "zero_optimization": {"stage": 0} if single else copy.deepcopy(ZERO3_SETTINGS),
+        "wall_clock_breakdown": False,
+    }
 
 
 def _filled_values(recipe: Recipe, world_size: int) -> List[Tuple[Tuple[str, ...], Any, str]]:
@@ -91,15 +97,24 @@ def _filled_values(recipe: Recipe, world_size: int) -> List[Tuple[Tuple[str, ...
     s = recipe.schedule
     return [
         (("train_micro_batch_size_per_gpu",), s.micro_batch_size, f"schedule.micro_batch_size ({s.micro_batch_size})"),
-        (("gradient_accumulation_steps",), s.gradient_accumulation_steps,
-         f"schedule.gradient_accumulation_steps ({s.gradient_accumulation_steps})"),
+        (
+            ("gradient_accumulation_steps",),
+            s.gradient_accumulation_steps,
+            f"schedule.gradient_accumulation_steps ({s.gradient_accumulation_steps})",
+        ),
         # DeepSpeed's data-parallel size is the whole world, also with expert parallelism
-        (("train_batch_size",), s.micro_batch_size * s.gradient_accumulation_steps * world_size,
-         f"schedule.micro_batch_size x schedule.gradient_accumulation_steps x world size ({s.micro_batch_size} x "
-         f"{s.gradient_accumulation_steps} x {world_size} = "
-         f"{s.micro_batch_size * s.gradient_accumulation_steps * world_size})"),
-        (("gradient_clipping",), s.clip_grad_norm if s.clip_grad_norm is not None else 0.0,
-         f"schedule.clip_grad_norm ({json.dumps(s.clip_grad_norm)})"),
+        (
+            ("train_batch_size",),
+            s.micro_batch_size * s.gradient_accumulation_steps * world_size,
+            f"schedule.micro_batch_size x schedule.gradient_accumulation_steps x world size ({s.micro_batch_size} x "
+            f"{s.gradient_accumulation_steps} x {world_size} = "
+            f"{s.micro_batch_size * s.gradient_accumulation_steps * world_size})",
+        ),
+        (
+            ("gradient_clipping",),
+            s.clip_grad_norm if s.clip_grad_norm is not None else 0.0,
+            f"schedule.clip_grad_norm ({json.dumps(s.clip_grad_norm)})",
+        ),
         (("bf16", "enabled"), s.precision == "bf16", f"schedule.precision ({s.precision!r})"),
     ]
 
@@ -107,8 +122,10 @@ def _filled_values(recipe: Recipe, world_size: int) -> List[Tuple[Tuple[str, ...
 def _zero3_reason(recipe: Recipe, world_size: int) -> Optional[str]:
     ep = recipe.parallel.expert_parallel_size
     if ep > 1 and world_size > ep:
-        return (f"expert parallelism {ep} on {world_size} processes needs each expert partitioned within its "
-                "expert-data-parallel group, which only ZeRO-3 does")
+        return (
+            f"expert parallelism {ep} on {world_size} processes needs each expert partitioned within its "
+            "expert-data-parallel group, which only ZeRO-3 does"
+        )
     if recipe.parallel.backend == "megatron" and world_size > 1:
         return f"the megatron backend on {world_size} processes trains with ZeRO-3 partitioning"
     return None
@@ -133,15 +150,20 @@ def deepspeed_config(recipe: Recipe, world_size: int, base_dir: Optional[str] = 
         where, config = recipe.deepspeed, _read_file(path)
     for section in ("optimizer", "scheduler"):
         if section in config:
-            raise ValueError(f"{where}: {section}: the trainer passes its own torch AdamW and learning-rate "
-                             f"schedule (recipe section schedule); remove the {section!r} section")
+            raise ValueError(
+                f"{where}: {section}: the trainer passes its own torch AdamW and learning-rate "
+                f"schedule (recipe section schedule); remove the {section!r} section"
+            )
     fp16 = config.get("fp16")
     if isinstance(fp16, dict) and not _missing(fp16.get("enabled")) and fp16.get("enabled"):
-        raise ValueError(f"{where}: fp16.enabled: fp16 needs loss scaling, which this trainer does not do; "
-                         "remove the fp16 section and set schedule.precision to \"bf16\" or \"fp32\"")
+        raise ValueError(
+            f"{where}: fp16.enabled: fp16 needs loss scaling, which this trainer does not do; "
+            'remove the fp16 section and set schedule.precision to "bf16" or "fp32"'
+        )
     if "bfloat16" in config:
-        raise ValueError(f"{where}: bfloat16: write DeepSpeed's current name \"bf16\" (or leave it out: "
-                         "schedule.precision fills it)")
+        raise ValueError(
+            f'{where}: bfloat16: write DeepSpeed\'s current name "bf16" (or leave it out: schedule.precision fills it)'
+        )
     for keys, value, recipe_field in _filled_values(recipe, world_size):
         parent = config
         for key in keys[:-1]:
@@ -150,8 +172,10 @@ def deepspeed_config(recipe: Recipe, world_size: int, base_dir: Optional[str] = 
             parent = parent.setdefault(key, {})
         given = parent.get(keys[-1])
         if not _missing(given) and not _same(given, value):
-            raise ValueError(f"{recipe_field} and {where}: {'.'.join(keys)} ({json.dumps(given)}) disagree; remove "
-                             "it from the DeepSpeed config (the recipe fills it) or make them equal")
+            raise ValueError(
+                f"{recipe_field} and {where}: {'.'.join(keys)} ({json.dumps(given)}) disagree; remove "
+                "it from the DeepSpeed config (the recipe fills it) or make them equal"
+            )
         parent[keys[-1]] = value
     config.setdefault("fp16", {})["enabled"] = False
     zero = config.setdefault("zero_optimization", {})
@@ -160,6 +184,8 @@ def deepspeed_config(recipe: Recipe, world_size: int, base_dir: Optional[str] = 
     stage = zero.get("stage", 0)
     reason = _zero3_reason(recipe, world_size)
     if reason is not None and stage != 3:
-        raise ValueError(f"{where}: zero_optimization.stage is {json.dumps(stage)}, but {reason}; set "
-                         "\"zero_optimization\": {\"stage\": 3, \"stage3_param_persistence_threshold\": 0}")
+        raise ValueError(
+            f"{where}: zero_optimization.stage is {json.dumps(stage)}, but {reason}; set "
+            '"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}'
+        )
     return config

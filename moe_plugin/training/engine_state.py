@@ -22,8 +22,14 @@ from ..compat.deepspeed import check_engine_files, safe_checkpoint_loading
 from .checkpoint import CheckpointManager
 from .trainer_state import read_trainer_state, write_trainer_state
 from .runtime import all_ok
-from .trainable_state import (META, follow_schedule, read_trainable, read_trainable_meta, restore_trainable,
-                              write_trainable)
+from .trainable_state import (
+    META,
+    follow_schedule,
+    read_trainable,
+    read_trainable_meta,
+    restore_trainable,
+    write_trainable,
+)
 
 __all__ = ["ENGINE_TAG", "rng_state", "set_rng_state", "agree", "save_step", "load_latest"]
 
@@ -47,8 +53,14 @@ def agree(error: Optional[BaseException], others: str) -> None:
         raise error if error is not None else ValueError(others)
 
 
-def save_step(checkpoints: CheckpointManager, engine, step: int, rank: int, state: Callable[[], Dict],
-              layout_free: Callable[[], Tuple[Dict[str, torch.Tensor], Dict]]) -> str:
+def save_step(
+    checkpoints: CheckpointManager,
+    engine,
+    step: int,
+    rank: int,
+    state: Callable[[], Dict],
+    layout_free: Callable[[], Tuple[Dict[str, torch.Tensor], Dict]],
+) -> str:
     """Write step ``step``'s checkpoint; ``state()`` gives the trainer's part (the RNG states are added),
     ``layout_free()`` (collective) the layout-free tensors and their metadata, which rank 0 writes.
     Returns its directory."""
@@ -69,8 +81,9 @@ def written_layout(path: str) -> Optional[Dict]:
     return read_trainable_meta(path)["layout"] if os.path.exists(os.path.join(path, META)) else None
 
 
-def load_latest(checkpoints: CheckpointManager, engine, rank: int, layout, r: int,
-                say: Callable[[str], None]) -> Optional[Tuple[int, str, Dict]]:
+def load_latest(
+    checkpoints: CheckpointManager, engine, rank: int, layout, r: int, say: Callable[[str], None]
+) -> Optional[Tuple[int, str, Dict]]:
     """Load the newest complete checkpoint into ``engine`` (after removing leftovers of failed saves) and
     restore the RNG states; ``(step, directory, the trainer's state)``, or None when there is none. At the
     layout that wrote it through DeepSpeed's files; at another one through the layout-free state, resharded
@@ -98,8 +111,13 @@ def load_latest(checkpoints: CheckpointManager, engine, rank: int, layout, r: in
     agree(error, f"another rank found a damaged file in {path} (its error names it)")
     try:
         with safe_checkpoint_loading():
-            engine.load_checkpoint(path, tag=ENGINE_TAG, load_module_strict=False,
-                                   load_optimizer_states=True, load_lr_scheduler_states=True)
+            engine.load_checkpoint(
+                path,
+                tag=ENGINE_TAG,
+                load_module_strict=False,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+            )
         follow_schedule(engine.optimizer, engine.lr_scheduler)  # the recipe's schedule (more steps: its new length)
         state = read_trainer_state(path, rank)
     except ValueError as e:
@@ -113,8 +131,9 @@ def _processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
 
 
-def _load_resharded(path: str, step: int, engine, rank: int, layout, r: int, written: Dict,
-                    say: Callable[[str], None]) -> Dict:
+def _load_resharded(
+    path: str, step: int, engine, rank: int, layout, r: int, written: Dict, say: Callable[[str], None]
+) -> Dict:
     """The layout-free state of checkpoint ``path`` into this run's layout; the trainer's state of rank 0."""
     error, tensors, meta, state = None, None, None, None
     try:
@@ -124,8 +143,10 @@ def _load_resharded(path: str, step: int, engine, rank: int, layout, r: int, wri
         error = e
     agree(error, f"another rank could not read the layout-free state of {path} (its error names the file)")
     if rank == 0:
-        say(f"resuming step {step} written at {_processes(written['world'])} EP {written['expert']} on "
-            f"{_processes(layout.world)} EP {layout.expert}")
+        say(
+            f"resuming step {step} written at {_processes(written['world'])} EP {written['expert']} on "
+            f"{_processes(layout.world)} EP {layout.expert}"
+        )
     try:
         restore_trainable(engine.module, engine.optimizer, engine.lr_scheduler, tensors, meta, layout, r)
     except ValueError as e:

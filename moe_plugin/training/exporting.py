@@ -36,12 +36,16 @@ def write_outputs(backend, module, recipe, output_dir: str, rank: int) -> str:
         base = os.path.abspath(base)
         if backend.base_path is not None and _model_class(state) == "MoEPluginForCausalLM" and has_vision(base):
             # a text run over an image+text base: the base loads as the image model, the adapter names the text one
-            return (f"adapter saved to {path} (the text model's names; the base is an image+text model): "
-                    f"`moe-plugin export --run {output_dir} --to peft OUT` writes it for the base, or load it with "
-                    f"peft (after `import moe_plugin`) onto the base's language model: PeftModel.from_pretrained("
-                    f"MoEPluginForConditionalGeneration.from_pretrained({base!r}).language_model, {path!r})")
-        return (f"adapter saved to {path}; load it with peft (after `import moe_plugin`): PeftModel.from_pretrained("
-                f"{_model_class(state)}.from_pretrained({base!r}), {path!r})")
+            return (
+                f"adapter saved to {path} (the text model's names; the base is an image+text model): "
+                f"`moe-plugin export --run {output_dir} --to peft OUT` writes it for the base, or load it with "
+                f"peft (after `import moe_plugin`) onto the base's language model: PeftModel.from_pretrained("
+                f"MoEPluginForConditionalGeneration.from_pretrained({base!r}).language_model, {path!r})"
+            )
+        return (
+            f"adapter saved to {path}; load it with peft (after `import moe_plugin`): PeftModel.from_pretrained("
+            f"{_model_class(state)}.from_pretrained({base!r}), {path!r})"
+        )
     state = backend.full_state(module)
     path = os.path.join(output_dir, "model")
     if rank == 0:
@@ -61,14 +65,16 @@ def _write_adapter(state, recipe, resolved, path: str, base_path: str) -> None:
     from ..lora import lora_config
 
     section = recipe.lora
-    config = lora_config(section.r, section.alpha, section.target_modules, section.target_parameters,
-                         section.dropout)
+    config = lora_config(section.r, section.alpha, section.target_modules, section.target_parameters, section.dropout)
     config.task_type = "CAUSAL_LM"
     config.inference_mode = True
     config.base_model_name_or_path = os.path.abspath(base_path)
     with atomic_directory(path) as tmp:
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            os.path.join(tmp, "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
         config.save_pretrained(tmp)
         resolved.save_tokenizer(tmp)
 
@@ -83,7 +89,10 @@ def _write_model(state, resolved, path: str) -> None:
     # config may carry a vision tower that a text run never built: the written names decide)
     config.architectures = [_model_class(state)]
     with atomic_directory(path) as tmp:
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            os.path.join(tmp, "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         config.save_pretrained(tmp)
         resolved.save_tokenizer(tmp)

@@ -46,33 +46,44 @@ class StepGuard:
     def check(self, step: int, losses: List[float], grad_norm: Optional[float], last_checkpoint: Optional[int]) -> None:
         """``losses``: every step's loss so far, this ``step``'s last. Raises TrainingStopped to stop."""
         loss = losses[-1]
-        kept = (f"the newest checkpoint is step {last_checkpoint}'s" if last_checkpoint
-                else "no checkpoint was written")
+        kept = f"the newest checkpoint is step {last_checkpoint}'s" if last_checkpoint else "no checkpoint was written"
         bad = [] if math.isfinite(loss) else [f"the loss is {loss}"]
         if grad_norm is not None and not math.isfinite(grad_norm):
             bad.append(f"the gradient norm is {grad_norm}")
         if bad:
-            raise TrainingStopped(f"step {step}: {' and '.join(bad)}; the run stopped before saving this step "
-                                  f"or writing the adapter, {kept}; lower schedule.lr (or raise "
-                                  "schedule.warmup_steps), or check the base and the data", step, "non-finite")
+            raise TrainingStopped(
+                f"step {step}: {' and '.join(bad)}; the run stopped before saving this step "
+                f"or writing the adapter, {kept}; lower schedule.lr (or raise "
+                "schedule.warmup_steps), or check the base and the data",
+                step,
+                "non-finite",
+            )
         s = self.settings
         if len(losses) <= s.window:
             return
-        mean, limit = sum(losses[-s.window:]) / s.window, s.factor * losses[0]
+        mean, limit = sum(losses[-s.window :]) / s.window, s.factor * losses[0]
         if not mean > limit:
             self.diverging = 0
             return
         self.diverging += 1
-        rule = (f"the mean loss of the last {s.window} steps ({mean:.4g}) is above guards.divergence.factor "
-                f"{s.factor:g} x the first step's loss ({losses[0]:.4g})")
+        rule = (
+            f"the mean loss of the last {s.window} steps ({mean:.4g}) is above guards.divergence.factor "
+            f"{s.factor:g} x the first step's loss ({losses[0]:.4g})"
+        )
         if not self.warned:
             self.warned = True
-            limit_text = ("" if s.stop_after is None else
-                          f"; the run stops if it stays so for more than {s.stop_after} steps "
-                          "(guards.divergence.stop_after)")
+            limit_text = (
+                ""
+                if s.stop_after is None
+                else f"; the run stops if it stays so for more than {s.stop_after} steps (guards.divergence.stop_after)"
+            )
             self.warn(f"warning: step {step}: the loss is diverging: {rule}{limit_text}")
         if s.stop_after is not None and self.diverging > s.stop_after:
-            raise TrainingStopped(f"step {step}: the loss diverged: {rule} for {self.diverging} steps in a row, "
-                                  f"more than guards.divergence.stop_after ({s.stop_after}); the run stopped "
-                                  f"before writing the adapter, {kept}; lower schedule.lr, or raise "
-                                  "guards.divergence.factor or stop_after", step, "diverged")
+            raise TrainingStopped(
+                f"step {step}: the loss diverged: {rule} for {self.diverging} steps in a row, "
+                f"more than guards.divergence.stop_after ({s.stop_after}); the run stopped "
+                f"before writing the adapter, {kept}; lower schedule.lr, or raise "
+                "guards.divergence.factor or stop_after",
+                step,
+                "diverged",
+            )

@@ -111,8 +111,12 @@ def read_recorded_inputs(run_dir: str) -> Optional[Dict[str, Any]]:
         return None
     fix = "restore it, or delete it to resume without comparing the inputs (the run records them again)"
     record = read_json(path, fix)
-    if not (isinstance(record, dict) and record.get("format") == FORMAT and isinstance(record.get("base"), dict)
-            and isinstance(record.get("data"), dict)):
+    if not (
+        isinstance(record, dict)
+        and record.get("format") == FORMAT
+        and isinstance(record.get("base"), dict)
+        and isinstance(record.get("data"), dict)
+    ):
         raise ValueError(f"{path}: not a record of inputs (format {FORMAT} with 'base' and 'data'); {fix}")
     return record
 
@@ -134,8 +138,13 @@ def _base_changes(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
         elif before is None:
             changes.append(f"{where}: {name} is new")
         elif "header_sha256" in after:
-            what = ("size" if before.get("size") != after.get("size") else
-                    "header" if before.get("header_sha256") != after.get("header_sha256") else "tensor data")
+            what = (
+                "size"
+                if before.get("size") != after.get("size")
+                else "header"
+                if before.get("header_sha256") != after.get("header_sha256")
+                else "tensor data"
+            )
             changes.append(f"{where}: the {what} of shard {name} changed")
         else:
             changes.append(f"{where}: its {name} changed")
@@ -164,11 +173,14 @@ def check_inputs(recorded: Dict[str, Any], current: Dict[str, Any], *, override_
         elif before.get("path") != after.get("path"):
             changes.append(f"data file {field}: was {before.get('path')}, now {after.get('path')}")
         elif before.get("size") != after.get("size"):
-            changes.append(f"data file {after['path']} ({field}): size changed ({before.get('size')} -> "
-                           f"{after.get('size')} bytes)")
+            changes.append(
+                f"data file {after['path']} ({field}): size changed ({before.get('size')} -> {after.get('size')} bytes)"
+            )
         else:
             changes.append(f"data file {after['path']} ({field}): content changed (sha256 differs)")
     if changes:
-        raise ValueError(f"{'; '.join(changes)} since the run recorded its inputs ({RECORD}); restore "
-                         f"{'it' if len(changes) == 1 else 'them'}, use a new output_dir, or pass {override_flag} "
-                         "to go on with the inputs as they are now")
+        raise ValueError(
+            f"{'; '.join(changes)} since the run recorded its inputs ({RECORD}); restore "
+            f"{'it' if len(changes) == 1 else 'them'}, use a new output_dir, or pass {override_flag} "
+            "to go on with the inputs as they are now"
+        )

@@ -32,9 +32,18 @@ _PROBE = ".moe_plugin_write_probe"
 # a resume may train longer, evaluate or log differently; output_dir names this same directory either way; and it
 # may run on another layout (its micro-batch, accumulation and DeepSpeed config with it), the global batch kept
 # (check_resume_layout)
-RESUMABLE_CHANGES = ("schedule.steps", "eval", "logging", "output_dir", "guards", "parallel.expert_parallel_size",
-                     "parallel.capacity_factor", "schedule.micro_batch_size", "schedule.gradient_accumulation_steps",
-                     "deepspeed")
+RESUMABLE_CHANGES = (
+    "schedule.steps",
+    "eval",
+    "logging",
+    "output_dir",
+    "guards",
+    "parallel.expert_parallel_size",
+    "parallel.capacity_factor",
+    "schedule.micro_batch_size",
+    "schedule.gradient_accumulation_steps",
+    "deepspeed",
+)
 # what a run writes once it has trained: a directory holding none of these has no output to protect
 OUTPUTS = ("checkpoints", "adapter", "model", "losses.json", "results.json")
 
@@ -72,8 +81,10 @@ def _write_json_atomic(path: str, values: Dict[str, Any]) -> None:
 def _inputs_of(recipe_dict: Dict[str, Any]) -> List[Tuple[str, str]]:
     """What a run reads, which its output_dir may be none of, nor inside or around: the base and the data."""
     model, data = recipe_dict.get("model") or {}, recipe_dict.get("data") or {}
-    found = [("the base checkpoint model.from_pretrained", model.get("from_pretrained")),
-             ("the data file data.path", data.get("path"))]
+    found = [
+        ("the base checkpoint model.from_pretrained", model.get("from_pretrained")),
+        ("the data file data.path", data.get("path")),
+    ]
     return [(label, where) for label, where in found if isinstance(where, str) and where.strip()]
 
 
@@ -95,14 +106,20 @@ class RunDirectory:
         self.path, self._lock_file, self.resumed = path, lock_file, resumed
 
     @classmethod
-    def claim(cls, path: str, recipe_dict: Dict[str, Any],
-              before_marking: Optional[Callable[[str], None]] = None) -> "RunDirectory":
+    def claim(
+        cls, path: str, recipe_dict: Dict[str, Any], before_marking: Optional[Callable[[str], None]] = None
+    ) -> "RunDirectory":
         """Check ``path`` and take it for the run of ``recipe_dict``; ValueError naming ``output_dir`` if not.
         ``before_marking(real_path)`` runs under the lock before the marker is written (its refusal leaves the
         directory as it was)."""
-        real = check_output_dir(path, option="output_dir", protected=_inputs_of(recipe_dict),
-                                accept_existing=_run_or_leftovers, kind="a run of this project",
-                                fix='choose a new or empty directory, e.g. "outputs/my_run"')
+        real = check_output_dir(
+            path,
+            option="output_dir",
+            protected=_inputs_of(recipe_dict),
+            accept_existing=_run_or_leftovers,
+            kind="a run of this project",
+            fix='choose a new or empty directory, e.g. "outputs/my_run"',
+        )
         marker = os.path.join(real, MARKER)
         try:
             os.makedirs(real, exist_ok=True)
@@ -137,8 +154,9 @@ class RunDirectory:
             lock_file.seek(0)
             holder = lock_file.read().strip() or "unknown"
             lock_file.close()
-            _refuse(f"another run (pid {holder}) is using {path!r}; wait for it to finish, or choose another "
-                    "output_dir")
+            _refuse(
+                f"another run (pid {holder}) is using {path!r}; wait for it to finish, or choose another output_dir"
+            )
         lock_file.seek(0)
         lock_file.truncate()
         lock_file.write(f"{os.getpid()}\n")
@@ -164,20 +182,26 @@ class RunDirectory:
         except json.JSONDecodeError as err:
             _refuse(f"{marker}, line {err.lineno}: not valid JSON ({err.msg}); repair it or choose a new directory")
         except (OSError, UnicodeDecodeError) as err:
-            _refuse(f"{marker}: cannot read it ({getattr(err, 'strerror', None) or err}); repair it or choose a new "
-                    "directory")
+            _refuse(
+                f"{marker}: cannot read it ({getattr(err, 'strerror', None) or err}); repair it or choose a new "
+                "directory"
+            )
         if not isinstance(stored, dict):
-            _refuse(f"{marker}: holds {type(stored).__name__}, not the recipe (a JSON object); repair it or choose "
-                    "a new directory")
+            _refuse(
+                f"{marker}: holds {type(stored).__name__}, not the recipe (a JSON object); repair it or choose "
+                "a new directory"
+            )
         return stored
 
     @staticmethod
     def _check_same_run(path: str, marker: str, stored: Dict[str, Any], recipe_dict: Dict[str, Any]) -> None:
         changed = [key for key in _differences(stored, recipe_dict) if not _resumable(key)]
         if changed:
-            _refuse(f"{path!r} holds a run of another recipe: {', '.join(changed)} differ from its {MARKER}, and "
-                    f"resuming with another model, adapters or data is not a resume (only "
-                    f"{', '.join(RESUMABLE_CHANGES[:3])} may change); choose a new directory or restore those values")
+            _refuse(
+                f"{path!r} holds a run of another recipe: {', '.join(changed)} differ from its {MARKER}, and "
+                f"resuming with another model, adapters or data is not a resume (only "
+                f"{', '.join(RESUMABLE_CHANGES[:3])} may change); choose a new directory or restore those values"
+            )
 
     def refuse_overwriting_outputs(self, latest_step: Optional[int]) -> None:
         """ValueError naming the outputs of a finished run (``adapter/`` or ``model/``, and ``losses.json``)
@@ -194,12 +218,17 @@ class RunDirectory:
             trained = None  # unreadable: its run got at least as far as it, so protect it all the same
         if latest_step is not None and trained is not None and latest_step >= trained:
             return
-        held = f"its newest usable checkpoint is step {latest_step}" if latest_step is not None else \
-            "none of its checkpoints can be resumed (no complete COMPLETE marker)"
+        held = (
+            f"its newest usable checkpoint is step {latest_step}"
+            if latest_step is not None
+            else "none of its checkpoints can be resumed (no complete COMPLETE marker)"
+        )
         shown = ", ".join(os.path.join(self.path, n) for n in finals + ["losses.json"])
-        _refuse(f"{self.path!r} holds the outputs of a finished run ({shown}{f', {trained} steps' if trained else ''}) "
-                f"but {held}, so starting it again would train over them; move them aside or choose a new "
-                "output_dir")
+        _refuse(
+            f"{self.path!r} holds the outputs of a finished run ({shown}{f', {trained} steps' if trained else ''}) "
+            f"but {held}, so starting it again would train over them; move them aside or choose a new "
+            "output_dir"
+        )
 
     @property
     def held(self) -> bool:
@@ -219,8 +248,9 @@ class RunDirectory:
         return None
 
 
-def check_resume_layout(recipe_dict: Dict[str, Any], latest: Optional[Tuple[int, str]], world: int,
-                        stored: Optional[Dict[str, Any]]) -> None:
+def check_resume_layout(
+    recipe_dict: Dict[str, Any], latest: Optional[Tuple[int, str]], world: int, stored: Optional[Dict[str, Any]]
+) -> None:
     """Refuse (ValueError naming the field) resuming checkpoint ``latest`` (``(step, path)``) on ``world``
     processes with ``recipe_dict`` when the global batch differs from the one it was written with, or when it is
     a checkpoint of an earlier version (DeepSpeed's files only) and the layout changed. ``stored``: the recipe
@@ -238,20 +268,30 @@ def check_resume_layout(recipe_dict: Dict[str, Any], latest: Optional[Tuple[int,
             written = json.load(f).get("world_size")
         old_ep = ((stored or {}).get("parallel") or {}).get("expert_parallel_size", ep)
         if (written, old_ep) != (world, ep):
-            _refuse(f"{path} was written by an earlier version of moe_plugin on {written} processes at "
-                    f"parallel.expert_parallel_size {old_ep}, and holds no layout-free state; resume it on "
-                    f"{written} processes with parallel.expert_parallel_size {old_ep}, or start a new output_dir")
+            _refuse(
+                f"{path} was written by an earlier version of moe_plugin on {written} processes at "
+                f"parallel.expert_parallel_size {old_ep}, and holds no layout-free state; resume it on "
+                f"{written} processes with parallel.expert_parallel_size {old_ep}, or start a new output_dir"
+            )
         return
     layout = read_trainable_meta(path)["layout"]
     if layout["global_batch"] != micro * accumulation * world:
-        _refuse(f"schedule.micro_batch_size x schedule.gradient_accumulation_steps x {world} processes is "
-                f"{micro * accumulation * world} rows a step, but checkpoint step {step} was written with "
-                f"{layout['global_batch']} ({layout['world']} processes); a resume keeps the global batch: make "
-                f"micro_batch_size x gradient_accumulation_steps {layout['global_batch'] / world:g}")
+        _refuse(
+            f"schedule.micro_batch_size x schedule.gradient_accumulation_steps x {world} processes is "
+            f"{micro * accumulation * world} rows a step, but checkpoint step {step} was written with "
+            f"{layout['global_batch']} ({layout['world']} processes); a resume keeps the global batch: make "
+            f"micro_batch_size x gradient_accumulation_steps {layout['global_batch'] / world:g}"
+        )
 
 
-def claim_for_training(output_dir: str, recipe_dict: Dict[str, Any], checkpoints, base_path: Optional[str],
-                       allow_changed_inputs: bool = False, world: int = 1) -> RunDirectory:
+def claim_for_training(
+    output_dir: str,
+    recipe_dict: Dict[str, Any],
+    checkpoints,
+    base_path: Optional[str],
+    allow_changed_inputs: bool = False,
+    world: int = 1,
+) -> RunDirectory:
     """The trainer's claim (rank 0): ``RunDirectory.claim``, then refuse damaged checkpoints and a finished run's
     outputs that resuming would train over, then compare the inputs with those the run recorded (when there is
     a checkpoint to resume) and record them. ``checkpoints``: the run's ``CheckpointManager``."""
@@ -259,13 +299,18 @@ def claim_for_training(output_dir: str, recipe_dict: Dict[str, Any], checkpoints
 
     def check(real: str) -> None:  # before the marker is written: a refusal changes nothing
         for problem in checkpoints.damaged():  # skipped, kept: the newest complete one resumes instead
-            print(f"warning: {problem}, so that checkpoint changed after it was saved: it is not resumed (its "
-                  "files are left as they are) and the newest complete checkpoint is", file=sys.stderr, flush=True)
+            print(
+                f"warning: {problem}, so that checkpoint changed after it was saved: it is not resumed (its "
+                "files are left as they are) and the newest complete checkpoint is",
+                file=sys.stderr,
+                flush=True,
+            )
         latest = checkpoints.latest()
         RunDirectory(real, None, True).refuse_overwriting_outputs(latest[0] if latest else None)
         marker = os.path.join(real, MARKER)
-        check_resume_layout(recipe_dict, latest, world,
-                            RunDirectory._read_marker(marker) if os.path.isfile(marker) else None)
+        check_resume_layout(
+            recipe_dict, latest, world, RunDirectory._read_marker(marker) if os.path.isfile(marker) else None
+        )
         current.update(fingerprint_inputs(recipe_dict, base_path))
         recorded = read_recorded_inputs(real) if latest else None
         if recorded is not None:

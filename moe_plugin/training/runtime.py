@@ -39,8 +39,12 @@ def start_processes(device: torch.device) -> bool:
     if started:
         if "RANK" not in os.environ:  # one process without a launcher
             _RENDEZVOUS_DIRS.append(tempfile.mkdtemp(prefix="moe_plugin_"))
-            single = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                      INIT_METHOD_ENV: "file://" + os.path.join(_RENDEZVOUS_DIRS[-1], "rendezvous")}
+            single = {
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+                "LOCAL_RANK": "0",
+                INIT_METHOD_ENV: "file://" + os.path.join(_RENDEZVOUS_DIRS[-1], "rendezvous"),
+            }
             _SET_HERE.update({k: v for k, v in single.items() if k not in os.environ})
             os.environ.update(_SET_HERE)
     try:

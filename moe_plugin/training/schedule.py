@@ -9,8 +9,7 @@ import torch
 __all__ = ["lr_at", "lr_scheduler"]
 
 
-def lr_at(step: int, steps: int, lr: float, min_lr: float = 0.0, warmup_steps: int = 0,
-          decay: str = "cosine") -> float:
+def lr_at(step: int, steps: int, lr: float, min_lr: float = 0.0, warmup_steps: int = 0, decay: str = "cosine") -> float:
     """The learning rate of optimizer step ``step`` (0-based) of ``steps``.
 
     Warm-up rises linearly to ``lr`` over ``warmup_steps`` (step 0 gets ``lr / warmup_steps``, never 0, so the
@@ -30,8 +29,11 @@ def lr_at(step: int, steps: int, lr: float, min_lr: float = 0.0, warmup_steps: i
 def lr_scheduler(optimizer: torch.optim.Optimizer, schedule) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` over ``optimizer`` (built with ``lr = schedule.lr``) following ``lr_at``; it is stepped
     once per optimizer step (DeepSpeed's engine does that at each gradient-accumulation boundary)."""
+
     def factor(step: int) -> float:
-        return lr_at(step, schedule.steps, schedule.lr, schedule.min_lr, schedule.warmup_steps,
-                     schedule.decay) / schedule.lr
+        return (
+            lr_at(step, schedule.steps, schedule.lr, schedule.min_lr, schedule.warmup_steps, schedule.decay)
+            / schedule.lr
+        )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -35,8 +35,18 @@ from ..expert_adapters import adapter_factor, slice_experts
 from ..fileio import read_json
 from ..parallel.grad_reduce import is_expert_parameter
 
-__all__ = ["TENSORS", "META", "FORMAT", "gather_trainable", "layout_free_state", "write_trainable",
-           "read_trainable_meta", "read_trainable", "restore_trainable", "follow_schedule"]
+__all__ = [
+    "TENSORS",
+    "META",
+    "FORMAT",
+    "gather_trainable",
+    "layout_free_state",
+    "write_trainable",
+    "read_trainable_meta",
+    "read_trainable",
+    "restore_trainable",
+    "follow_schedule",
+]
 
 TENSORS, META, FORMAT = "trainable.safetensors", "trainable.json", 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -54,11 +64,13 @@ def _full(p: nn.Parameter, optimizer) -> Tuple[torch.Tensor, torch.Tensor, torch
     value = safe_get_full_fp32_param(p)
     if value is not None:  # ZeRO (any stage) or DeepSpeed's bf16 optimizer: its fp32 master and moments
         return (value.detach().float().cpu(),) + tuple(
-            safe_get_full_optimizer_state(p, key).detach().float().cpu() for key in MOMENTS)
+            safe_get_full_optimizer_state(p, key).detach().float().cpu() for key in MOMENTS
+        )
     state = adam_states(optimizer).get(p, {})  # a plain torch AdamW (one process, fp32)
     zeros = torch.zeros(p.shape, dtype=torch.float32)
-    return (p.detach().float().cpu(),) + tuple(state[k].detach().float().cpu() if k in state else zeros
-                                               for k in MOMENTS)
+    return (p.detach().float().cpu(),) + tuple(
+        state[k].detach().float().cpu() if k in state else zeros for k in MOMENTS
+    )
 
 
 def _whole_experts(name: str, p: nn.Parameter, value: torch.Tensor, ep: int, r: int) -> torch.Tensor:
@@ -89,9 +101,12 @@ def layout_free_state(engine, layout, r: int, global_batch: int, buffers=()) -> 
     tensors = gather_trainable(engine.module, engine.optimizer, layout, r, buffers)
     steps = [s["step"] for s in adam_states(engine.optimizer).values() if "step" in s]
     adam_step = int(steps[0]) if steps else int(engine.global_steps)
-    meta = {"adam_step": adam_step, "scheduler": engine.lr_scheduler.state_dict(), "buffers": list(buffers),
-            "layout": {"world": layout.world, "expert": layout.expert, "data": layout.data,
-                       "global_batch": global_batch}}
+    meta = {
+        "adam_step": adam_step,
+        "scheduler": engine.lr_scheduler.state_dict(),
+        "buffers": list(buffers),
+        "layout": {"world": layout.world, "expert": layout.expert, "data": layout.data, "global_batch": global_batch},
+    }
     return tensors, meta
 
 
@@ -110,10 +125,16 @@ def read_trainable_meta(directory: str) -> Dict:
     fix = f"the checkpoint is damaged: remove {directory} to resume from an earlier one"
     meta = read_json(path, fix)
     layout = meta.get("layout") if isinstance(meta, dict) else None
-    require(isinstance(meta, dict) and meta.get("format") == FORMAT and isinstance(meta.get("adam_step"), int)
-            and isinstance(meta.get("scheduler"), dict) and isinstance(layout, dict)
-            and all(isinstance(layout.get(k), int) for k in ("world", "expert", "data", "global_batch")),
-            path, f"not a layout-free state (format {FORMAT}: adam_step, scheduler, layout); {fix}")
+    require(
+        isinstance(meta, dict)
+        and meta.get("format") == FORMAT
+        and isinstance(meta.get("adam_step"), int)
+        and isinstance(meta.get("scheduler"), dict)
+        and isinstance(layout, dict)
+        and all(isinstance(layout.get(k), int) for k in ("world", "expert", "data", "global_batch")),
+        path,
+        f"not a layout-free state (format {FORMAT}: adam_step, scheduler, layout); {fix}",
+    )
     return meta
 
 
@@ -126,8 +147,10 @@ def read_trainable(directory: str) -> Dict[str, torch.Tensor]:
     try:
         return load_file(path)
     except (OSError, SafetensorError, ValueError) as err:
-        raise ValueError(f"{path}: not a readable safetensors file ({err}); the checkpoint is damaged: remove "
-                         f"{directory} to resume from an earlier one") from None
+        raise ValueError(
+            f"{path}: not a readable safetensors file ({err}); the checkpoint is damaged: remove "
+            f"{directory} to resume from an earlier one"
+        ) from None
 
 
 def _local(name: str, p: nn.Parameter, value: torch.Tensor, layout, r: int) -> torch.Tensor:
@@ -137,15 +160,16 @@ def _local(name: str, p: nn.Parameter, value: torch.Tensor, layout, r: int) -> t
     factor = adapter_factor(name)
     if factor is None:  # a base expert stack [E, ...]
         local = value.shape[0] // layout.expert
-        return value[layout.ep_rank * local:(layout.ep_rank + 1) * local]
+        return value[layout.ep_rank * local : (layout.ep_rank + 1) * local]
     experts = value.shape[0 if factor == "A" else 1] // r
     local = experts // layout.expert
     return slice_experts(value, factor, layout.ep_rank * local, (layout.ep_rank + 1) * local, experts)
 
 
 @torch.no_grad()
-def _set(p: nn.Parameter, optimizer, value: torch.Tensor, moments: Tuple[torch.Tensor, torch.Tensor],
-         step: int) -> None:
+def _set(
+    p: nn.Parameter, optimizer, value: torch.Tensor, moments: Tuple[torch.Tensor, torch.Tensor], step: int
+) -> None:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     from ..weights.loader import write_flat
@@ -157,8 +181,10 @@ def _set(p: nn.Parameter, optimizer, value: torch.Tensor, moments: Tuple[torch.T
         write_flat(p, 0, value)  # the low-precision copy the forward reads (this rank's partition under ZeRO-3)
         return
     p.data.copy_(value.view(p.shape))
-    adam_states(optimizer)[p] = {"step": torch.tensor(float(step)),
-                                 **{k: m.view(p.shape).to(p.device).clone() for k, m in zip(MOMENTS, moments)}}
+    adam_states(optimizer)[p] = {
+        "step": torch.tensor(float(step)),
+        **{k: m.view(p.shape).to(p.device).clone() for k, m in zip(MOMENTS, moments)},
+    }
 
 
 def _start_adam_states(optimizer) -> None:
@@ -171,33 +197,46 @@ def _start_adam_states(optimizer) -> None:
 
 
 @torch.no_grad()
-def restore_trainable(module: nn.Module, optimizer, scheduler, tensors: Dict[str, torch.Tensor], meta: Dict,
-                      layout, r: int) -> None:
+def restore_trainable(
+    module: nn.Module, optimizer, scheduler, tensors: Dict[str, torch.Tensor], meta: Dict, layout, r: int
+) -> None:
     """Write ``read_trainable``'s tensors into this rank's parameters, partitions and AdamW state, resharded to
     ``layout``, and restore the step and the schedule. ValueError naming what does not fit (another model or
     adapter)."""
     _start_adam_states(optimizer)
     named_buffers, buffers = dict(module.named_buffers()), list(meta.get("buffers", []))
     for name in buffers:
-        require(name in named_buffers, "checkpoint", f"holds the buffer {name}, which this model does not have; "
-                "resume with the same model section")
+        require(
+            name in named_buffers,
+            "checkpoint",
+            f"holds the buffer {name}, which this model does not have; resume with the same model section",
+        )
         named_buffers[name].copy_(tensors[name])
     names = {n for n, _ in _trainable(module)}
     saved = {k for k in tensors if ":" not in k} - set(buffers)
-    require(saved == names, "checkpoint", f"holds the trainable tensors of another model or adapter "
-            f"({len(saved ^ names)} names differ, e.g. {sorted(saved ^ names)[:2]}); resume with the same "
-            "model and lora sections")
+    require(
+        saved == names,
+        "checkpoint",
+        f"holds the trainable tensors of another model or adapter "
+        f"({len(saved ^ names)} names differ, e.g. {sorted(saved ^ names)[:2]}); resume with the same "
+        "model and lora sections",
+    )
     for name, p in _trainable(module):
         full = [_local(name, p, tensors[name + key], layout, r) for key in ("", ":exp_avg", ":exp_avg_sq")]
         shape = tuple(getattr(p, "ds_shape", p.shape))
-        require(tuple(full[0].shape) == shape, name, f"is {list(full[0].shape)} in the checkpoint but "
-                f"{list(shape)} in this run; resume with the same model and lora sections")
+        require(
+            tuple(full[0].shape) == shape,
+            name,
+            f"is {list(full[0].shape)} in the checkpoint but "
+            f"{list(shape)} in this run; resume with the same model and lora sections",
+        )
         _set(p, optimizer, full[0], (full[1], full[2]), meta["adam_step"])
     for state in adam_states(optimizer).values():  # the flat partitions of ZeRO, and every plain-AdamW state
         if "step" in state:
             step = state["step"]
-            state["step"] = torch.full_like(step, float(meta["adam_step"])) if torch.is_tensor(step) \
-                else meta["adam_step"]
+            state["step"] = (
+                torch.full_like(step, float(meta["adam_step"])) if torch.is_tensor(step) else meta["adam_step"]
+            )
     scheduler.load_state_dict(dict(meta["scheduler"]))
     follow_schedule(optimizer, scheduler)
     dist.barrier()

@@ -7,6 +7,22 @@ from .names import NAME_TABLE, base_name, hf_to_megatron_name, is_expert_tensor,
 from .plan import Plan, detect_layout, plan_reads, stored_tensors
 from .reads import Read, Stored, Target
 
-__all__ = ["LoadStats", "NAME_TABLE", "Plan", "Read", "Stored", "Target", "base_name", "detect_layout",
-           "expert_ranges", "hf_to_megatron_name", "is_expert_tensor", "load_state", "megatron_to_hf_name",
-           "model_tensors", "plan_reads", "state_from_tensors", "stored_tensors"]
+__all__ = [
+    "LoadStats",
+    "NAME_TABLE",
+    "Plan",
+    "Read",
+    "Stored",
+    "Target",
+    "base_name",
+    "detect_layout",
+    "expert_ranges",
+    "hf_to_megatron_name",
+    "is_expert_tensor",
+    "load_state",
+    "megatron_to_hf_name",
+    "model_tensors",
+    "plan_reads",
+    "state_from_tensors",
+    "stored_tensors",
+]

@@ -22,8 +22,15 @@ import torch
 
 from ..compat.deepspeed import local_partition
 
-__all__ = ["config_dtype", "keeps_fp32", "dtype_problems", "check_dtypes", "check_finite", "check_packed_scale",
-           "check_module_finite"]
+__all__ = [
+    "config_dtype",
+    "keeps_fp32",
+    "dtype_problems",
+    "check_dtypes",
+    "check_finite",
+    "check_packed_scale",
+    "check_module_finite",
+]
 
 LISTED = 20
 _CONFIG = "config.json"
@@ -74,8 +81,9 @@ def dtype_problems(reads: Iterable[Tuple[str, str, str, torch.dtype]], declared:
         model_float = model_dtype.is_floating_point
         if model_float != (stored in _FLOATS):
             kind = "floating" if model_float else "integer"
-            problems[f"stored as {stored} but the model's tensor is {kind} "
-                     f"({str(model_dtype).removeprefix('torch.')})"].append(name)
+            problems[
+                f"stored as {stored} but the model's tensor is {kind} ({str(model_dtype).removeprefix('torch.')})"
+            ].append(name)
         elif model_float and declared and stored != declared and not (stored == "float32" and keeps_fp32(name)):
             problems[f"stored as {stored} but the checkpoint's config.json says {declared}"].append(name)
     return dict(problems)
@@ -90,8 +98,11 @@ def check_dtypes(reads: Iterable[Tuple[str, str, str, torch.dtype]], declared: O
     for what, names in problems.items():
         more = f" ... ({len(names) - LISTED} more)" if len(names) > LISTED else ""
         parts.append(f"{len(names)} tensor(s) {what}: {names[:LISTED]}{more}")
-    fix = (f"re-save the checkpoint with its floating weights in {declared} (or correct config.json's dtype)"
-           if declared else "re-save the checkpoint with its weights in their floating dtype")
+    fix = (
+        f"re-save the checkpoint with its floating weights in {declared} (or correct config.json's dtype)"
+        if declared
+        else "re-save the checkpoint with its weights in their floating dtype"
+    )
     raise ValueError(f"path: {source}: {'; '.join(parts)}; {fix}")
 
 
@@ -107,9 +118,11 @@ def check_finite(name: str, file: str, value: torch.Tensor) -> None:
     if bool(finite.all()):
         return
     bad = ~finite
-    raise ValueError(f"path: {file or 'memory'}: tensor {name} holds {int(bad.sum())} non-finite value(s) (NaN or "
-                     f"inf, the first at index {_first_index(bad)}), which would train to a NaN loss; the "
-                     "checkpoint is damaged: re-download it or re-save it from a good copy")
+    raise ValueError(
+        f"path: {file or 'memory'}: tensor {name} holds {int(bad.sum())} non-finite value(s) (NaN or "
+        f"inf, the first at index {_first_index(bad)}), which would train to a NaN loss; the "
+        "checkpoint is damaged: re-download it or re-save it from a good copy"
+    )
 
 
 def check_packed_scale(name: str, file: str, value: torch.Tensor, expert_format: Optional[str]) -> None:
@@ -121,9 +134,11 @@ def check_packed_scale(name: str, file: str, value: torch.Tensor, expert_format:
         check_finite(name, file, scale)
         return
     if value.dtype == torch.uint8 and bool((value == 0xFF).any()):
-        raise ValueError(f"path: {file or 'memory'}: tensor {name}: scale byte 0xFF (NaN in the MX specification) "
-                         f"at index {_first_index(value == 0xFF)}: the checkpoint is damaged or its experts are not "
-                         "MXFP4; re-download it")
+        raise ValueError(
+            f"path: {file or 'memory'}: tensor {name}: scale byte 0xFF (NaN in the MX specification) "
+            f"at index {_first_index(value == 0xFF)}: the checkpoint is damaged or its experts are not "
+            "MXFP4; re-download it"
+        )
 
 
 @torch.no_grad()

@@ -32,14 +32,32 @@ from ..compat import deepspeed as zero3
 from ..config import ModelConfig, require
 from ..fileio import read_safetensors_header, safetensors_weight_map
 from .checks import check_dtypes, check_finite, check_packed_scale, config_dtype
-from .names import NAMINGS, base_name, expert_layer, is_expert_tensor, is_stacked_expert, strip_text_prefix, \
-    tensor_from_k3
+from .names import (
+    NAMINGS,
+    base_name,
+    expert_layer,
+    is_expert_tensor,
+    is_stacked_expert,
+    strip_text_prefix,
+    tensor_from_k3,
+)
 from .packed import is_packed_expert_stack
 from .plan import Plan, detect_layout, plan_reads, stored_tensors
 from .reads import Read, Stored, Target
 
-__all__ = ["LoadStats", "load_state", "run_reads", "state_from_tensors", "model_tensors", "model_targets",
-           "expert_ranges", "is_partitioned", "partition_range", "zero_padding", "write_flat"]
+__all__ = [
+    "LoadStats",
+    "load_state",
+    "run_reads",
+    "state_from_tensors",
+    "model_tensors",
+    "model_targets",
+    "expert_ranges",
+    "is_partitioned",
+    "partition_range",
+    "zero_padding",
+    "write_flat",
+]
 
 _EXTRA_STATE = "_extra_state"
 _CHECKED_SHARDS: set = set()  # (real path, size, mtime) of shards whose header read_safetensors_header passed
@@ -68,8 +86,11 @@ def expert_ranges(model: nn.Module) -> Dict[int, Tuple[int, int]]:
         if local is None:
             continue
         first, count = local[0], len(local)
-        require(list(local) == list(range(first, first + count)), f"decoder.layers.{i}.mlp.local_expert_indices",
-                f"must be contiguous, got {local}")
+        require(
+            list(local) == list(range(first, first + count)),
+            f"decoder.layers.{i}.mlp.local_expert_indices",
+            f"must be contiguous, got {local}",
+        )
         ranges[i] = (first, first + count)
     return ranges
 
@@ -77,8 +98,11 @@ def expert_ranges(model: nn.Module) -> Dict[int, Tuple[int, int]]:
 def model_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The base model's parameters and buffers under their pre-LoRA names (adapter tensors and megatron's
     ``_extra_state`` left out), as the objects themselves (so ZeRO-3's ``ds_*`` attributes are there)."""
-    return {base_name(k): v for k, v in model.state_dict(keep_vars=True).items()
-            if not k.endswith(_EXTRA_STATE) and ".lora_" not in k}
+    return {
+        base_name(k): v
+        for k, v in model.state_dict(keep_vars=True).items()
+        if not k.endswith(_EXTRA_STATE) and ".lora_" not in k
+    }
 
 
 def is_partitioned(tensor: torch.Tensor) -> bool:
@@ -109,8 +133,9 @@ def model_targets(tensors: Mapping[str, torch.Tensor], model: nn.Module, names: 
             experts = ranges[layer]
         elif names == "hf" and (is_stacked_expert(strip_text_prefix(name)) or packed) and len(shape) == 3:
             experts = (0, shape[0])
-        out[name] = Target(shape, experts, partition_range(tensor) if is_partitioned(tensor) else None,
-                           dtype if packed else None)
+        out[name] = Target(
+            shape, experts, partition_range(tensor) if is_partitioned(tensor) else None, dtype if packed else None
+        )
     return out
 
 
@@ -119,7 +144,7 @@ def zero_padding(param: torch.Tensor) -> None:
     """Zero the entries of this rank's ZeRO-3 partition that lie past the tensor's end (DeepSpeed pads the
     flattened tensor to a multiple of the group size)."""
     lo, hi = partition_range(param)
-    zero3.local_partition(param).view(-1)[hi - lo:].zero_()
+    zero3.local_partition(param).view(-1)[hi - lo :].zero_()
 
 
 @torch.no_grad()
@@ -136,12 +161,16 @@ def write_flat(tensor: torch.Tensor, offset: int, value: torch.Tensor) -> None:
         numel = zero3.full_numel(tensor)
         a, b = max(start, lo), min(stop, lo + part.numel(), numel)
         if a < b:
-            part[a - lo:b - lo].copy_(flat[a - start:b - start])
+            part[a - lo : b - lo].copy_(flat[a - start : b - start])
         if tensor.data.numel() == numel:
             tensor.data.view(-1)[start:stop].copy_(flat)
         return
-    require(tensor.is_contiguous(), "model", "tensors are written in place through a flat view and must be "
-            f"contiguous; got one of shape {list(tensor.shape)} with strides {list(tensor.stride())}")
+    require(
+        tensor.is_contiguous(),
+        "model",
+        "tensors are written in place through a flat view and must be "
+        f"contiguous; got one of shape {list(tensor.shape)} with strides {list(tensor.stride())}",
+    )
     tensor.data.view(-1)[start:stop].copy_(flat)
 
 
@@ -156,23 +185,32 @@ def _open_safetensors(file: str) -> ContextManager[Any]:
     try:
         return safe_open(file, framework="pt")
     except SafetensorError as err:  # e.g. a header past safetensors' own size limit
-        raise ValueError(f"path: {file}: damaged safetensors file: safetensors cannot open it "
-                         f"({type(err).__name__}: {err}); re-download or re-save it") from None
+        raise ValueError(
+            f"path: {file}: damaged safetensors file: safetensors cannot open it "
+            f"({type(err).__name__}: {err}); re-download or re-save it"
+        ) from None
 
 
 def _fetch(handle: Any, read: Read) -> torch.Tensor:
     try:
         if read.rows is None:
             return handle.get_tensor(read.name)
-        return handle.get_slice(read.name)[read.rows[0]:read.rows[1]]
+        return handle.get_slice(read.name)[read.rows[0] : read.rows[1]]
     except SafetensorError as err:  # I/O, or a file changed since its header was checked
-        raise ValueError(f"path: {read.file}: damaged safetensors file: tensor {read.name} cannot be read "
-                         f"({type(err).__name__}: {err}); re-download or re-save it") from None
+        raise ValueError(
+            f"path: {read.file}: damaged safetensors file: tensor {read.name} cannot be read "
+            f"({type(err).__name__}: {err}); re-download or re-save it"
+        ) from None
 
 
-def run_reads(plan: Plan, tensors: Mapping[str, torch.Tensor], targets: Mapping[str, Target],
-              open_file: Callable[[str], ContextManager[Any]], stats: LoadStats,
-              expert_format: Optional[str] = None) -> None:
+def run_reads(
+    plan: Plan,
+    tensors: Mapping[str, torch.Tensor],
+    targets: Mapping[str, Target],
+    open_file: Callable[[str], ContextManager[Any]],
+    stats: LoadStats,
+    expert_format: Optional[str] = None,
+) -> None:
     """Carry out ``plan`` (``moe_plugin.weights.plan.plan_reads``) into ``tensors`` (target name -> this rank's
     tensor, as ``targets`` describes it), file by file through ``open_file`` (a safetensors handle's context).
     Every value is checked as it is read (``weights.checks``): a NaN or inf raises a ValueError naming the
@@ -182,27 +220,31 @@ def run_reads(plan: Plan, tensors: Mapping[str, torch.Tensor], targets: Mapping[
         with open_file(file) as handle:
             for read in reads:
                 # one tensor at a time: the value is dropped when this iteration's call returns
-                stats.elements += _apply(handle, read, tensors[read.target], targets[read.target], stats,
-                                         expert_format)
+                stats.elements += _apply(handle, read, tensors[read.target], targets[read.target], stats, expert_format)
                 read_names.add(read.name)
     stats.tensors = len(read_names)
 
 
-def _packed_value(read: Read, value: torch.Tensor, tensor: torch.Tensor,
-                  expert_format: Optional[str] = None) -> torch.Tensor:
+def _packed_value(
+    read: Read, value: torch.Tensor, tensor: torch.Tensor, expert_format: Optional[str] = None
+) -> torch.Tensor:
     """A packed expert tensor's stored bits, reinterpreted (never converted) as the target's dtype; a scale
     checked by what it decodes to (``checks.check_packed_scale``)."""
     if read.target.endswith("_scale"):
         check_packed_scale(read.name, read.file, value, expert_format)
     if read.bitcast is not None:
         value = value.view(getattr(torch, read.bitcast))
-    require(value.dtype == tensor.dtype, read.name, f"holds {value.dtype}, the packed target {read.target} "
-            f"{tensor.dtype}: packed bytes are never converted")
+    require(
+        value.dtype == tensor.dtype,
+        read.name,
+        f"holds {value.dtype}, the packed target {read.target} {tensor.dtype}: packed bytes are never converted",
+    )
     return value
 
 
-def _apply(handle: Any, read: Read, tensor: torch.Tensor, target: Target, stats: LoadStats,
-           expert_format: Optional[str] = None) -> int:
+def _apply(
+    handle: Any, read: Read, tensor: torch.Tensor, target: Target, stats: LoadStats, expert_format: Optional[str] = None
+) -> int:
     value = _fetch(handle, read)
     numel = value.numel()
     if read.expert:
@@ -218,9 +260,18 @@ def _apply(handle: Any, read: Read, tensor: torch.Tensor, target: Target, stats:
 
 
 @torch.no_grad()
-def load_state(model: nn.Module, path: str | os.PathLike, *, names: str, config: ModelConfig, strict: bool = True,
-               layout: Optional[str] = None, ignore_vision: bool = False, ignore_mtp: bool = False,
-               open_file: Optional[Callable[[str], ContextManager[Any]]] = None) -> LoadStats:
+def load_state(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    names: str,
+    config: ModelConfig,
+    strict: bool = True,
+    layout: Optional[str] = None,
+    ignore_vision: bool = False,
+    ignore_mtp: bool = False,
+    open_file: Optional[Callable[[str], ContextManager[Any]]] = None,
+) -> LoadStats:
     """Copy the checkpoint directory ``path`` (``model.safetensors`` or an index with shards) into ``model``.
 
     names: the model's naming, "hf" (this project's Hugging Face classes; peft's ``base_layer.`` segments
@@ -239,8 +290,18 @@ def load_state(model: nn.Module, path: str | os.PathLike, *, names: str, config:
     layout = layout or detect_layout(path, stored)
     tensors = model_tensors(model)
     targets = model_targets(tensors, model, names)
-    plan = plan_reads(targets, weight_map, names=names, config=config, layout=layout, strict=strict,
-                      ignore_vision=ignore_vision, ignore_mtp=ignore_mtp, stored=stored, source=path)
+    plan = plan_reads(
+        targets,
+        weight_map,
+        names=names,
+        config=config,
+        layout=layout,
+        strict=strict,
+        ignore_vision=ignore_vision,
+        ignore_mtp=ignore_mtp,
+        stored=stored,
+        source=path,
+    )
     check_dtypes(_unpacked_reads(plan, stored, tensors, targets), config_dtype(path), path)
     for name in plan.reads:
         if is_partitioned(tensors[name]):
@@ -250,12 +311,17 @@ def load_state(model: nn.Module, path: str | os.PathLike, *, names: str, config:
     return stats
 
 
-def _unpacked_reads(plan: Plan, stored: Mapping[str, Stored], tensors: Mapping[str, torch.Tensor],
-                    targets: Mapping[str, Target]) -> List[Tuple[str, str, str, torch.dtype]]:
+def _unpacked_reads(
+    plan: Plan, stored: Mapping[str, Stored], tensors: Mapping[str, torch.Tensor], targets: Mapping[str, Target]
+) -> List[Tuple[str, str, str, torch.dtype]]:
     """(stored name, file, stored dtype, model dtype) of each read into a target that is not packed (packed
     targets take their bits unconverted and ``plan_reads`` checks their dtypes)."""
-    return [(r.name, r.file, stored[r.name].dtype, tensors[r.target].dtype) for target, reads in plan.reads.items()
-            if targets[target].dtype is None for r in reads]
+    return [
+        (r.name, r.file, stored[r.name].dtype, tensors[r.target].dtype)
+        for target, reads in plan.reads.items()
+        if targets[target].dtype is None
+        for r in reads
+    ]
 
 
 class _InMemory:
@@ -277,20 +343,42 @@ class _InMemory:
         return self.tensors[name]
 
 
-def state_from_tensors(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, Tuple[int, ...]], *,
-                       config: ModelConfig, layout: str = "k3", strict: bool = True, ignore_vision: bool = False,
-                       ignore_mtp: bool = False) -> Dict[str, torch.Tensor]:
+def state_from_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, Tuple[int, ...]],
+    *,
+    config: ModelConfig,
+    layout: str = "k3",
+    strict: bool = True,
+    ignore_vision: bool = False,
+    ignore_mtp: bool = False,
+) -> Dict[str, torch.Tensor]:
     """In-memory checkpoint tensors -> a state dict for a Hugging Face-named model with ``shapes``.
 
     The same plan as ``load_state`` (and the same one ValueError, under the field ``tensors``); the values
     are new tensors in the checkpoint's dtypes (stacked experts ``[E, ...]``, A_log unpadded). Targets the
     plan leaves fresh (a K3 checkpoint without the DSA indexer) are not in the result."""
     stored = {n: Stored("", tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()}
-    targets = {n: Target(tuple(s), (0, s[0]) if is_stacked_expert(strip_text_prefix(n)) and len(s) == 3 else None)
-               for n, s in shapes.items()}
-    plan = plan_reads(targets, {n: "" for n in tensors}, names="hf", config=config, layout=layout, strict=strict,
-                      ignore_vision=ignore_vision, ignore_mtp=ignore_mtp, stored=stored, field_name="tensors")
-    out = {name: torch.empty(targets[name].shape, dtype=tensors[reads[0].name].dtype)
-           for name, reads in plan.reads.items() if reads}
+    targets = {
+        n: Target(tuple(s), (0, s[0]) if is_stacked_expert(strip_text_prefix(n)) and len(s) == 3 else None)
+        for n, s in shapes.items()
+    }
+    plan = plan_reads(
+        targets,
+        {n: "" for n in tensors},
+        names="hf",
+        config=config,
+        layout=layout,
+        strict=strict,
+        ignore_vision=ignore_vision,
+        ignore_mtp=ignore_mtp,
+        stored=stored,
+        field_name="tensors",
+    )
+    out = {
+        name: torch.empty(targets[name].shape, dtype=tensors[reads[0].name].dtype)
+        for name, reads in plan.reads.items()
+        if reads
+    }
     run_reads(plan, out, targets, lambda file: _InMemory(tensors), LoadStats(), config.moe.expert_format)
     return out

@@ -29,11 +29,32 @@ import torch
 from ..config import ModelConfig, require
 from ..fileio import safetensors_weight_map
 
-__all__ = ["NAME_TABLE", "TEXT_PREFIX", "VISION_PREFIXES", "A_LOG_PAD_MULTIPLE", "NAMINGS", "hf_to_megatron_name",
-           "megatron_to_hf_name", "to_hf_name", "base_name", "is_expert_tensor", "expert_layer", "is_stacked_expert",
-           "k3_tensor_names", "k3_expert_name", "parse_k3_expert", "is_indexer_tensor", "strip_text_prefix",
-           "is_mtp", "a_log_padded_length", "k3_shape_fits", "needs_k3_conversion", "tensor_from_k3", "tensor_to_k3",
-           "quantised_tensors"]
+__all__ = [
+    "NAME_TABLE",
+    "TEXT_PREFIX",
+    "VISION_PREFIXES",
+    "A_LOG_PAD_MULTIPLE",
+    "NAMINGS",
+    "hf_to_megatron_name",
+    "megatron_to_hf_name",
+    "to_hf_name",
+    "base_name",
+    "is_expert_tensor",
+    "expert_layer",
+    "is_stacked_expert",
+    "k3_tensor_names",
+    "k3_expert_name",
+    "parse_k3_expert",
+    "is_indexer_tensor",
+    "strip_text_prefix",
+    "is_mtp",
+    "a_log_padded_length",
+    "k3_shape_fits",
+    "needs_k3_conversion",
+    "tensor_from_k3",
+    "tensor_to_k3",
+    "quantised_tensors",
+]
 
 # (Hugging Face prefix, megatron prefix, layers the row applies to: None = every layer, "moe" or "dense").
 # "{i}" is the 0-based layer index on both sides; the rest of a name is the same on both sides because the
@@ -59,6 +80,8 @@ VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 def has_vision(base_path: str) -> bool:
     """Whether the checkpoint at ``base_path`` is an image+text one (vision tower and projector tensors)."""
     return any(n.startswith(VISION_PREFIXES) for n in safetensors_weight_map(base_path))
+
+
 A_LOG_PAD_MULTIPLE = 128  # K3: 96 heads stored as 128 entries
 
 _MEGATRON_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.w[123]$")
@@ -90,7 +113,7 @@ def _translate(name: str, config: Optional[ModelConfig], to_megatron: bool) -> s
         i = m.groupdict().get("i")
         if when is not None and config is not None and ("moe" if config.is_moe_layer(int(i)) else "dense") != when:
             continue
-        return dst.replace("{i}", i or "") + name[m.end():]
+        return dst.replace("{i}", i or "") + name[m.end() :]
     side = "Hugging Face" if to_megatron else "megatron"
     raise ValueError(f"name: {name!r} matches no {side} prefix of NAME_TABLE")
 
@@ -173,7 +196,7 @@ def is_indexer_tensor(name: str) -> bool:
 
 def strip_text_prefix(name: str) -> str:
     """``language_model.model.norm.weight`` -> ``model.norm.weight``; other names unchanged."""
-    return name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name
+    return name[len(TEXT_PREFIX) :] if name.startswith(TEXT_PREFIX) else name
 
 
 def is_mtp(name: str, num_layers: int) -> bool:
@@ -205,8 +228,9 @@ def k3_shape_fits(name: str, stored: Tuple[int, ...], shape: Tuple[int, ...]) ->
         numel = math.prod(stored)
         if numel == max(stored, default=1) and numel >= math.prod(shape):
             return None
-        return (f"a padded vector of at least {math.prod(shape)} entries "
-                "([P] or with singleton dims such as [1, 1, P, 1])")
+        return (
+            f"a padded vector of at least {math.prod(shape)} entries ([P] or with singleton dims such as [1, 1, P, 1])"
+        )
     if _is_conv(name) and stored[:1] == shape[:1] and math.prod(stored) == math.prod(shape):
         return None
     return None if tuple(stored) == tuple(shape) else ""
@@ -224,7 +248,7 @@ def tensor_from_k3(name: str, stored: torch.Tensor, shape: Tuple[int, ...]) -> t
         reason = k3_shape_fits(name, tuple(stored.shape), tuple(shape))
         if reason is not None:
             raise ValueError(f"{name}: expected {reason}, got shape {list(stored.shape)}")
-        return stored.reshape(-1)[:math.prod(shape)].reshape(shape)
+        return stored.reshape(-1)[: math.prod(shape)].reshape(shape)
     if _is_conv(name) and stored.numel() == math.prod(shape) and stored.shape[0] == shape[0]:
         return stored.reshape(shape)  # K3's [C, 1, K] into a layer that keeps [C, K], or the reverse
     return stored
@@ -246,5 +270,6 @@ def tensor_to_k3(name: str, tensor: torch.Tensor) -> torch.Tensor:
 def quantised_tensors(dtypes: Mapping[str, str]) -> List[str]:
     """The names, of ``{name: torch dtype name}``, that hold MXFP4-quantised data (packed FP4 blocks, e8m0
     scales, or uint8 storage), which the loaders refuse."""
-    return sorted(name for name, dtype in dtypes.items()
-                  if name.endswith(_QUANTISED_SUFFIXES) or dtype in _QUANTISED_DTYPES)
+    return sorted(
+        name for name, dtype in dtypes.items() if name.endswith(_QUANTISED_SUFFIXES) or dtype in _QUANTISED_DTYPES
+    )

@@ -22,10 +22,27 @@ from __future__ import annotations
 import re
 from typing import Iterable, Optional, Tuple
 
-__all__ = ["SCALE_SUFFIX", "PACKED_DTYPES", "EXPERT_NAMINGS", "K2_KINDS", "is_packed_dtype", "stack_of",
-           "is_packed_expert_stack", "k3_packed_names", "k3_packed_name", "k2_packed_name", "packed_expert_name",
-           "packed_expert_names", "is_k2_expert", "expert_naming", "k2_block_name", "k3_block_name",
-           "shape_tensor_name", "logical_shape", "bit_compatible"]
+__all__ = [
+    "SCALE_SUFFIX",
+    "PACKED_DTYPES",
+    "EXPERT_NAMINGS",
+    "K2_KINDS",
+    "is_packed_dtype",
+    "stack_of",
+    "is_packed_expert_stack",
+    "k3_packed_names",
+    "k3_packed_name",
+    "k2_packed_name",
+    "packed_expert_name",
+    "packed_expert_names",
+    "is_k2_expert",
+    "expert_naming",
+    "k2_block_name",
+    "k3_block_name",
+    "shape_tensor_name",
+    "logical_shape",
+    "bit_compatible",
+]
 
 SCALE_SUFFIX = "_scale"
 PACKED_DTYPES = ("uint8", "int32")  # what packed targets hold (ops.quant.formats.packed_spec)
@@ -36,8 +53,10 @@ _ITEMSIZE = {"float8_e8m0fnu": 1, "uint8": 1, "bfloat16": 2, "int32": 4}
 _SHAPE_SUFFIX = ".weight_shape"
 EXPERT_NAMINGS = ("k3", "k2")
 K2_KINDS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_K2_EXPERT = re.compile(r"^(language_model\.)?model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\."
-                        r"weight_(packed|scale|shape)$")
+_K2_EXPERT = re.compile(
+    r"^(language_model\.)?model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\."
+    r"weight_(packed|scale|shape)$"
+)
 _MOE_BLOCK = re.compile(r"^(?P<head>(language_model\.)?model\.layers\.\d+\.)block_sparse_moe\.")
 _K2_BLOCK = re.compile(r"^(?P<head>(language_model\.)?model\.layers\.\d+\.)mlp\.")
 
@@ -92,7 +111,7 @@ def is_k2_expert(name: str) -> bool:
 
 
 def expert_naming(names: Iterable[str]) -> str:
-    """"k2" when the checkpoint names hold a K2-family packed expert, else "k3"."""
+    """ "k2" when the checkpoint names hold a K2-family packed expert, else "k3"."""
     return "k2" if any(map(is_k2_expert, names)) else "k3"
 
 

@@ -21,8 +21,9 @@ from .packed import EXPERT_NAMINGS, SCALE_SUFFIX, packed_expert_name, shape_tens
 __all__ = ["per_expert_tensors"]
 
 
-def per_expert_tensors(stacked: str, fmt: str, codes: torch.Tensor, scales: torch.Tensor,
-                       shape: Sequence[int], naming: str = "k3") -> List[Tuple[str, torch.Tensor]]:
+def per_expert_tensors(
+    stacked: str, fmt: str, codes: torch.Tensor, scales: torch.Tensor, shape: Sequence[int], naming: str = "k3"
+) -> List[Tuple[str, torch.Tensor]]:
     """``(name, tensor)`` per expert, in expert order (packed, scale, INT4 shape), of the packed stack ``stacked``
     (``...experts.w1``) of ``fmt`` with logical ``shape`` ``[E, out, in]``: ``codes`` ``[E, out, packed_cols]``,
     ``scales`` ``[E, out, scale_cols]`` as a layer keeps them (INT4 uint8 bytes, or bf16). Every tensor is a copy.
@@ -33,8 +34,10 @@ def per_expert_tensors(stacked: str, fmt: str, codes: torch.Tensor, scales: torc
     experts, out, in_features = (int(n) for n in shape)
     check_packed(stacked, fmt, codes, scales, in_features)
     if tuple(codes.shape[:-1]) != (experts, out):
-        raise ValueError(f"{stacked}: packed values of a [{experts}, {out}, {in_features}] stack must be "
-                         f"[{experts}, {out}, ...], got {list(codes.shape)}")
+        raise ValueError(
+            f"{stacked}: packed values of a [{experts}, {out}, {in_features}] stack must be "
+            f"[{experts}, {out}, ...], got {list(codes.shape)}"
+        )
     tensors = []
     for e in range(experts):
         packed_name = packed_expert_name(stacked, e, naming)

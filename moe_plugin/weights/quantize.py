@@ -31,9 +31,17 @@ class MergedExperts:
 
 
 @torch.no_grad()
-def merge_expert_adapter(fmt: str, packed: torch.Tensor, scale: torch.Tensor, in_features: int,
-                         lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
-                         dtype: torch.dtype = torch.bfloat16, requantize: bool = False) -> MergedExperts:
+def merge_expert_adapter(
+    fmt: str,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    in_features: int,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    dtype: torch.dtype = torch.bfloat16,
+    requantize: bool = False,
+) -> MergedExperts:
     """Merge peft's stacked expert adapter into packed experts.
 
     packed / scale: ``[E, out, *]`` in ``fmt`` (a layer's storage); lora_a ``[r * E, in]``, lora_b
@@ -41,8 +49,10 @@ def merge_expert_adapter(fmt: str, packed: torch.Tensor, scale: torch.Tensor, in
     requantised to ``fmt`` with the count of changed values (``requantize``)."""
     e, out = packed.shape[0], packed.shape[1]
     if lora_a.shape[0] % e or lora_a.shape[1] != in_features or tuple(lora_b.shape) != (out, lora_a.shape[0]):
-        raise ValueError(f"lora_A/lora_B: expected [r * {e}, {in_features}] and [{out}, r * {e}] for these experts, "
-                         f"got {list(lora_a.shape)} and {list(lora_b.shape)}")
+        raise ValueError(
+            f"lora_A/lora_B: expected [r * {e}, {in_features}] and [{out}, r * {e}] for these experts, "
+            f"got {list(lora_a.shape)} and {list(lora_b.shape)}"
+        )
     base = decode(fmt, packed, scale, in_features, torch.float32)
     a = lora_a.float().reshape(e, -1, in_features)
     b = lora_b.float().reshape(out, -1, e).permute(2, 0, 1)

@@ -44,10 +44,15 @@ def test_expert_deltas_equal_peft_and_the_map_names_the_right_parameter():
         module = model.get_submodule(target.module)
         assert target.weight.endswith("." + module.parameter_name)  # the nesting peft chose, not a guess
         a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
-        torch.testing.assert_close(expert_deltas(a, b, target.experts, target.scaling),
-                                   module.get_delta_weight("default"), rtol=1e-6, atol=1e-6)
-        base = dict(model.named_parameters())["base_model.model." + target.weight.replace(
-            "experts.", "experts." + "base_layer." * 3)]
+        torch.testing.assert_close(
+            expert_deltas(a, b, target.experts, target.scaling),
+            module.get_delta_weight("default"),
+            rtol=1e-6,
+            atol=1e-6,
+        )
+        base = dict(model.named_parameters())[
+            "base_model.model." + target.weight.replace("experts.", "experts." + "base_layer." * 3)
+        ]
         assert expert_deltas(a, b, target.experts, target.scaling).shape == base.shape
 
 

@@ -26,17 +26,24 @@ EXPERT_W2 = "model.layers.1.block_sparse_moe.experts.w2"
 
 
 def _recipe(output_dir, world: int, ep: int) -> dict:
-    return {"output_dir": str(output_dir), "seed": 5,
-            "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
-            "model": {"preset": "tiny", "overrides": {"attn_res": False}},
-            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"],
-                     "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]},
-            "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64,
-                     "eval_fraction": 0.05},
-            "parallel": {"backend": "megatron", "expert_parallel_size": ep},
-            "schedule": {"steps": STEPS, "micro_batch_size": 4 // world, "lr": LR, "warmup_steps": 0},
-            "eval": {"every": 0, "batches": 1}, "checkpoint": {"every": 1, "keep": 3},
-            "logging": {"every": 1, "progress_bar": False}}
+    return {
+        "output_dir": str(output_dir),
+        "seed": 5,
+        "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
+        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
+        "lora": {
+            "r": 4,
+            "alpha": 8,
+            "target_modules": ["q_proj", "k_proj", "gate"],
+            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
+        },
+        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
+        "parallel": {"backend": "megatron", "expert_parallel_size": ep},
+        "schedule": {"steps": STEPS, "micro_batch_size": 4 // world, "lr": LR, "warmup_steps": 0},
+        "eval": {"every": 0, "batches": 1},
+        "checkpoint": {"every": 1, "keep": 3},
+        "logging": {"every": 1, "progress_bar": False},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +107,7 @@ def _apply_per_expert(run, directory):
             if ".lora_A." not in key:
                 continue
             b = state[key.replace(".lora_A.", ".lora_B.")]
-            stem = key[len("base_model.model."):-len(".lora_A.weight")]
+            stem = key[len("base_model.model.") : -len(".lora_A.weight")]
             parts = stem.split(".")
             if parts[-2].isdigit():  # ...experts.{e}.w1
                 params[".".join(parts[:-2] + parts[-1:])][int(parts[-2])] += scaling * b @ a
@@ -226,8 +233,11 @@ def test_a_dropped_per_expert_adapter_is_named(runs, tmp_path, monkeypatch):
 
 
 def test_a_target_list_that_leaves_trained_targets_out_is_refused(runs, tmp_path):
-    with pytest.raises(ValueError, match=r"targets: the list \['q_proj', 'k_proj', 'gate'\] does not cover what "
-                                         r"was trained: 9 trained target\(s\).*experts\.w1"):
+    with pytest.raises(
+        ValueError,
+        match=r"targets: the list \['q_proj', 'k_proj', 'gate'\] does not cover what "
+        r"was trained: 9 trained target\(s\).*experts\.w1",
+    ):
         export_run(runs["ep1"], "peft", str(tmp_path / "a"), targets=["q_proj", "k_proj", "gate"])
     with pytest.raises(ValueError, match=r"targets: \['o_proj'\] match no adapted tensor"):
         export_run(runs["ep1"], "peft", str(tmp_path / "b"), targets=["q_proj", "o_proj"])
@@ -240,8 +250,11 @@ def test_an_adapter_config_that_does_not_list_the_expert_targets_is_refused(runs
     config = json.load(open(path))
     config["target_parameters"] = None  # what a converter that knows only attention adapters writes
     json.dump(config, open(path, "w"))
-    with pytest.raises(ValueError, match=r"adapter_config.json: its target list does not cover what was trained: "
-                                         r"9 trained target\(s\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"adapter_config.json: its target list does not cover what was trained: "
+        r"9 trained target\(s\)",
+    ):
         export_run(str(run), "merged-hf", str(tmp_path / "out"))
 
 

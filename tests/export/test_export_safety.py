@@ -25,8 +25,12 @@ from moe_plugin.training.run_dir import MARKER
 from tests.export.saved_files import directory_tensors
 
 WORKER = "tests/training/trainer_workers.py:run_recipes"
-ENGINE_FILES = ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+ENGINE_FILES = [
+    "zero_pp_rank_0_mp_rank_00_model_states.pt",
+    "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "zero_pp_rank_1_mp_rank_00_model_states.pt",
+    "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+]
 TEST_LIMIT_S = 600  # a hang fails the test instead of the whole session
 
 
@@ -47,15 +51,19 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trained")
     base = tmp / "base"
     shutil.copytree("recipes/bases/tiny-arith", base)
-    recipe = {"output_dir": str(tmp / "run"), "seed": 3, "deepspeed": "ds_configs/zero3_lora.json",
-              "model": {"from_pretrained": str(base)},
-              "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"]},
-              "data": {"kind": "arithmetic", "operation": "-", "num_documents": 100, "seq_len": 64,
-                       "eval_fraction": 0.05},
-              "parallel": {"backend": "megatron", "expert_parallel_size": 2},
-              "schedule": {"steps": 1, "micro_batch_size": 2, "lr": 2e-2, "warmup_steps": 0},
-              "eval": {"every": 0, "batches": 1}, "checkpoint": {"every": 1, "keep": 2},
-              "logging": {"every": 1, "progress_bar": False, "wandb": {"mode": "disabled"}}}
+    recipe = {
+        "output_dir": str(tmp / "run"),
+        "seed": 3,
+        "deepspeed": "ds_configs/zero3_lora.json",
+        "model": {"from_pretrained": str(base)},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"]},
+        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 100, "seq_len": 64, "eval_fraction": 0.05},
+        "parallel": {"backend": "megatron", "expert_parallel_size": 2},
+        "schedule": {"steps": 1, "micro_batch_size": 2, "lr": 2e-2, "warmup_steps": 0},
+        "eval": {"every": 0, "batches": 1},
+        "checkpoint": {"every": 1, "keep": 2},
+        "logging": {"every": 1, "progress_bar": False, "wandb": {"mode": "disabled"}},
+    }
     run_distributed(WORKER, world_size=2, timeout_s=900, recipes=[recipe])
     return str(tmp / "run"), str(base)
 
@@ -75,8 +83,7 @@ def _copy(trained, root, *, record: bool, from_pretrained=None):
     shutil.copytree(trained[0], run, ignore=shutil.ignore_patterns(".lock"))
     shutil.copytree(trained[1], base)
     _rewrite_json(os.path.join(run, MARKER), lambda r: r["model"].update(from_pretrained=from_pretrained or base))
-    _rewrite_json(os.path.join(run, "adapter", "adapter_config.json"),
-                  lambda c: c.update(base_model_name_or_path=base))
+    _rewrite_json(os.path.join(run, "adapter", "adapter_config.json"), lambda c: c.update(base_model_name_or_path=base))
     if os.path.exists(os.path.join(run, RECORD)):
         os.remove(os.path.join(run, RECORD))
     if record:
@@ -115,7 +122,7 @@ def _cli_error(capsys, argv) -> str:
     prefix = "moe-plugin export: error: "
     errors = [line for line in lines if line.startswith(prefix)]
     assert len(errors) == 1 and lines[-1] == errors[0], lines
-    return errors[0][len(prefix):]
+    return errors[0][len(prefix) :]
 
 
 @pytest.fixture
@@ -128,8 +135,7 @@ CASES = ["user_dir", "dot", "dotdot", "home", "home_link", "run", "adapter", "ch
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_an_out_that_would_destroy_data_is_refused_and_nothing_is_touched(copied, tmp_path, monkeypatch, capsys,
-                                                                          case):
+def test_an_out_that_would_destroy_data_is_refused_and_nothing_is_touched(copied, tmp_path, monkeypatch, capsys, case):
     run, base = copied
     home, work = tmp_path / "home", tmp_path / "work" / "sub"
     work.mkdir(parents=True)
@@ -138,21 +144,36 @@ def test_an_out_that_would_destroy_data_is_refused_and_nothing_is_touched(copied
     (tmp_path / "home_link").symlink_to(home)
     user = tmp_path / "user_files"
     out, expected = {
-        "user_dir": (str(user), f"'{user}' is a non-empty directory (SENTINEL_user_file.txt) that is not an earlier "
-                                "peft export of this run: it has no moe_plugin_export.json"),
+        "user_dir": (
+            str(user),
+            f"'{user}' is a non-empty directory (SENTINEL_user_file.txt) that is not an earlier "
+            "peft export of this run: it has no moe_plugin_export.json",
+        ),
         "dot": (".", "'.' is the current directory or one of its parents"),
         "dotdot": ("..", "'..' is the current directory or one of its parents"),
         "home": ("~", "'~' is the home directory or one of its parents"),
-        "home_link": (str(tmp_path / "home_link"), f"'{tmp_path / 'home_link'}' is the home directory or one of its "
-                                                   f"parents ({os.path.realpath(home)})"),
+        "home_link": (
+            str(tmp_path / "home_link"),
+            f"'{tmp_path / 'home_link'}' is the home directory or one of its parents ({os.path.realpath(home)})",
+        ),
         "run": (run, f"'{run}' is the run directory, which this command reads"),
         "adapter": (os.path.join(run, "adapter"), "is the run's adapter, which this command reads"),
         "checkpoint": (os.path.join(run, "checkpoints", "step-00000001"), "is inside the run's checkpoints"),
         "base": (base, f"'{base}' is the base checkpoint, which this command reads"),
         "file": (str(tmp_path / "notes.txt"), "is an existing file, not a directory"),
     }[case]
-    planted = _plant([str(home), str(work), str(work.parent), str(user), run, os.path.join(run, "adapter"),
-                      os.path.join(run, "checkpoints", "step-00000001"), base])
+    planted = _plant(
+        [
+            str(home),
+            str(work),
+            str(work.parent),
+            str(user),
+            run,
+            os.path.join(run, "adapter"),
+            os.path.join(run, "checkpoints", "step-00000001"),
+            base,
+        ]
+    )
     (tmp_path / "notes.txt").write_text("user notes\n")
     message = _cli_error(capsys, ["export", "--run", run, "--to", "peft", out])
     assert message.startswith("OUT: ") and expected in message, message
@@ -162,8 +183,7 @@ def test_an_out_that_would_destroy_data_is_refused_and_nothing_is_touched(copied
         _no_leftovers(d)
 
 
-def test_an_earlier_export_of_the_same_run_and_format_is_replaced_any_other_directory_is_not(copied, trained,
-                                                                                           tmp_path):
+def test_an_earlier_export_of_the_same_run_and_format_is_replaced_any_other_directory_is_not(copied, trained, tmp_path):
     run, _ = copied
     out = tmp_path / "exports" / "peft"
     out.mkdir(parents=True)  # an existing empty directory is fine
@@ -177,11 +197,17 @@ def test_an_earlier_export_of_the_same_run_and_format_is_replaced_any_other_dire
     assert sorted(again) == sorted(first) and all(torch.equal(again[k], first[k]) for k in first)
     _no_leftovers(out.parent)
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
-    with pytest.raises(ValueError, match=r"^OUT: .* is a non-empty directory .* that is not an earlier per-expert "
-                                         r"export of this run: it is a 'peft' export, not 'per-expert'"):
+    with pytest.raises(
+        ValueError,
+        match=r"^OUT: .* is a non-empty directory .* that is not an earlier per-expert "
+        r"export of this run: it is a 'peft' export, not 'per-expert'",
+    ):
         export_run(run, "per-expert", str(out))
-    with pytest.raises(ValueError, match=r"^OUT: .* not an earlier peft export of this run: it is an export of the "
-                                         rf"run '{os.path.realpath(run)}', not of "):
+    with pytest.raises(
+        ValueError,
+        match=r"^OUT: .* not an earlier peft export of this run: it is an export of the "
+        rf"run '{os.path.realpath(run)}', not of ",
+    ):
         export_run(trained[0], "peft", str(out))
     (out / "my_notes.md").write_text("mine\n")
     with pytest.raises(ValueError, match=r"it also holds entries the export did not write \(my_notes\.md\)"):
@@ -202,8 +228,9 @@ class _Payload:
 
 
 def _planted_pickle(path, proof) -> None:
-    torch.save({"module": _Payload(proof), "param_shapes": _Payload(proof),
-                "optimizer_state_dict": _Payload(proof)}, path)
+    torch.save(
+        {"module": _Payload(proof), "param_shapes": _Payload(proof), "optimizer_state_dict": _Payload(proof)}, path
+    )
 
 
 def _earlier_version(run: str, step: int = 1) -> None:
@@ -223,8 +250,11 @@ def test_a_pickle_payload_in_any_engine_file_is_not_executed_and_the_file_is_nam
             os.remove(os.path.join(engine, f))
     proof = str(tmp_path / "payload_ran")
     _planted_pickle(os.path.join(engine, name), proof)
-    with pytest.raises(ValueError, match=rf"^{os.path.join(engine, name)}: damaged or not a DeepSpeed checkpoint of "
-                                         r"this run \(UnpicklingError: [^\n]*\); restore the checkpoint"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{os.path.join(engine, name)}: damaged or not a DeepSpeed checkpoint of "
+        r"this run \(UnpicklingError: [^\n]*\); restore the checkpoint",
+    ):
         export_run(run, "peft", str(tmp_path / "out"), step=1)
     assert not os.path.exists(proof)
     assert not (tmp_path / "out").exists()
@@ -265,8 +295,10 @@ def _corrupt(path, text) -> None:
         f.write(text)
 
 
-@pytest.mark.parametrize("what", ["marker_json", "marker_list", "adapter_config_json", "adapter_config_list",
-                                  "adapter_truncated", "adapter_header"])
+@pytest.mark.parametrize(
+    "what",
+    ["marker_json", "marker_list", "adapter_config_json", "adapter_config_list", "adapter_truncated", "adapter_header"],
+)
 def test_a_corrupt_run_file_is_named(copied, tmp_path, capsys, what):
     run, _ = copied
     marker, config = os.path.join(run, MARKER), os.path.join(run, "adapter", "adapter_config.json")
@@ -278,7 +310,7 @@ def test_a_corrupt_run_file_is_named(copied, tmp_path, capsys, what):
         _corrupt(marker, "[1, 2]")
         expected = f"{marker}: holds a JSON list, not an object"
     elif what == "adapter_config_json":
-        _corrupt(config, "{\n  \"r\": 4,\n")
+        _corrupt(config, '{\n  "r": 4,\n')
         expected = f"{config}, line 3: not valid JSON"
     elif what == "adapter_config_list":
         _corrupt(config, "[]")
@@ -289,7 +321,7 @@ def test_a_corrupt_run_file_is_named(copied, tmp_path, capsys, what):
         expected = f"{weights}: damaged safetensors file"
     else:
         with open(weights, "r+b") as f:
-            f.write((10 ** 9).to_bytes(8, "little"))
+            f.write((10**9).to_bytes(8, "little"))
         expected = f"{weights}: damaged safetensors file"
     message = _cli_error(capsys, ["export", "--run", run, "--to", "peft", str(tmp_path / "out")])
     assert message.startswith(expected), message
@@ -308,13 +340,17 @@ def test_the_base_is_the_one_the_run_recorded_from_any_directory(trained, tmp_pa
         out = tmp_path / f"out-{record}"
         export_run(run, "peft", str(out))
         assert json.loads((out / "moe_plugin_export.json").read_text())["base"] == os.path.realpath(base)
-        assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == \
-            os.path.realpath(base)
+        assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == os.path.realpath(
+            base
+        )
     _untouched(planted)
     assert (decoy / "config.json").read_text() == '{"model_type": "not the base"}'
     shutil.rmtree(os.path.join(run, "adapter"))  # no record, no final adapter: nothing pins the relative path
-    with pytest.raises(ValueError, match=r"^run: model\.from_pretrained is the relative path 'bases/tiny' and the run "
-                                         r"recorded no absolute base .* pass --allow-changed-inputs"):
+    with pytest.raises(
+        ValueError,
+        match=r"^run: model\.from_pretrained is the relative path 'bases/tiny' and the run "
+        r"recorded no absolute base .* pass --allow-changed-inputs",
+    ):
         export_run(run, "peft", str(tmp_path / "step"), step=1)
     assert not (tmp_path / "step").exists()
 
@@ -325,8 +361,9 @@ def test_a_changed_base_is_refused_naming_it_unless_overridden(copied, tmp_path,
     _rewrite_json(config, lambda c: None)  # same values, other bytes: the recorded fingerprint differs
     out = tmp_path / "out"
     message = _cli_error(capsys, ["export", "--run", run, "--to", "peft", str(out)])
-    assert message.startswith(f"the base at {os.path.realpath(base)}: its config.json changed since the run "
-                              "recorded its inputs"), message
+    assert message.startswith(
+        f"the base at {os.path.realpath(base)}: its config.json changed since the run recorded its inputs"
+    ), message
     assert "pass --allow-changed-inputs" in message and not out.exists()
     assert cli.main(["export", "--run", run, "--to", "peft", "--allow-changed-inputs", str(out)]) == 0
     assert (out / "adapter_model.safetensors").exists()

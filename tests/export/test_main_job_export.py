@@ -38,14 +38,31 @@ def job(tmp_path_factory):
     recipe["schedule"]["steps"], recipe["checkpoint"] = STEPS, {"every": EVERY}
     recipe["eval"]["answers"]["limit"] = 2
     (tmp / "recipe.json").write_text(json.dumps(recipe))
-    launch([os.path.join(BIN, "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()),
-            "--module", "moe_plugin.train", "--recipe", str(tmp / "recipe.json")], timeout=1500)
+    launch(
+        [
+            os.path.join(BIN, "deepspeed"),
+            "--num_accelerators",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "moe_plugin.train",
+            "--recipe",
+            str(tmp / "recipe.json"),
+        ],
+        timeout=1500,
+    )
     exports = {}
     for to in FORMATS:
         for step in (None, STEPS):
             out = str(tmp / f"{to}-{step or 'final'}")
-            assert main(["export", "--run", str(tmp / "run"), "--to", to, out]
-                        + ([] if step is None else ["--step", str(step)])) == 0
+            assert (
+                main(
+                    ["export", "--run", str(tmp / "run"), "--to", to, out]
+                    + ([] if step is None else ["--step", str(step)])
+                )
+                == 0
+            )
             exports[to, step] = out
     return {"run": str(tmp / "run"), "exports": exports}
 
@@ -81,9 +98,10 @@ def _with_per_expert_adapter(model, directory: str):
     assert keys_a and len(state) == 2 * len(keys_a)
     with torch.no_grad():
         for key in keys_a:
-            stem = key[len("base_model.model."):-len(".lora_A.weight")]
-            params[stem + ".weight"].add_(scaling * state[stem.join(("base_model.model.", ".lora_B.weight"))]
-                                          @ state[key])
+            stem = key[len("base_model.model.") : -len(".lora_A.weight")]
+            params[stem + ".weight"].add_(
+                scaling * state[stem.join(("base_model.model.", ".lora_B.weight"))] @ state[key]
+            )
     return model
 
 

@@ -24,24 +24,38 @@ def run(tmp_path_factory):
     from peft import get_peft_model
 
     from moe_plugin.lora import lora_config
-    from moe_plugin.models import (MoEPluginForConditionalGeneration, load_k3_checkpoint, preset_config,
-                                   save_k3_checkpoint)
+    from moe_plugin.models import (
+        MoEPluginForConditionalGeneration,
+        load_k3_checkpoint,
+        preset_config,
+        save_k3_checkpoint,
+    )
     from moe_plugin.training.run_dir import MARKER
 
     tmp = tmp_path_factory.mktemp("vl")
     torch.manual_seed(2)
     save_k3_checkpoint(MoEPluginForConditionalGeneration(preset_config("tiny", attn_res=False)), tmp / "base")
-    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"],
-            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]}
-    text = get_peft_model(load_k3_checkpoint(tmp / "base", ignore_vision=True).float(),
-                          lora_config(4, 8, lora["target_modules"], lora["target_parameters"]))
+    lora = {
+        "r": 4,
+        "alpha": 8,
+        "target_modules": ["q_proj", "k_proj", "gate"],
+        "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
+    }
+    text = get_peft_model(
+        load_k3_checkpoint(tmp / "base", ignore_vision=True).float(),
+        lora_config(4, 8, lora["target_modules"], lora["target_parameters"]),
+    )
     with torch.no_grad():
         for name, p in text.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     text.save_pretrained(tmp / "run" / "adapter")
-    recipe = {"output_dir": str(tmp / "run"), "model": {"from_pretrained": str(tmp / "base"), "overrides": {}},
-              "lora": lora, "parallel": {"backend": "megatron", "expert_parallel_size": 1}}
+    recipe = {
+        "output_dir": str(tmp / "run"),
+        "model": {"from_pretrained": str(tmp / "base"), "overrides": {}},
+        "lora": lora,
+        "parallel": {"backend": "megatron", "expert_parallel_size": 1},
+    }
     (tmp / "run" / MARKER).write_text(json.dumps(recipe))
     exports = {to: str(tmp / to) for to in ("merged-hf", "merged-k3")}
     for to, out in exports.items():
@@ -51,10 +65,19 @@ def run(tmp_path_factory):
 
 def _inputs(image_token_id: int):
     g = torch.Generator().manual_seed(7)
-    ids = torch.cat([torch.randint(0, 256, (1, 5), generator=g), torch.full((1, 6), image_token_id),
-                     torch.randint(0, 256, (1, 9), generator=g)], dim=1)
-    return {"input_ids": ids, "pixel_patches": torch.randn(24, 3 * 14 * 14, generator=g),
-            "grid_hw": torch.tensor([[4, 6]])}
+    ids = torch.cat(
+        [
+            torch.randint(0, 256, (1, 5), generator=g),
+            torch.full((1, 6), image_token_id),
+            torch.randint(0, 256, (1, 9), generator=g),
+        ],
+        dim=1,
+    )
+    return {
+        "input_ids": ids,
+        "pixel_patches": torch.randn(24, 3 * 14 * 14, generator=g),
+        "grid_hw": torch.tensor([[4, 6]]),
+    }
 
 
 def _rel(a, b):
@@ -70,8 +93,10 @@ def _adapted_image_text_model(run):
     model = load_k3_checkpoint(run["base"], model_cls=MoEPluginForConditionalGeneration).float()
     adapter = os.path.join(run["run"], "adapter")
     peft_model = get_peft_model(model, LoraConfig.from_pretrained(adapter))
-    state = {k.replace("base_model.model.", "base_model.model.language_model.", 1): v
-             for k, v in load_file(os.path.join(adapter, "adapter_model.safetensors")).items()}
+    state = {
+        k.replace("base_model.model.", "base_model.model.language_model.", 1): v
+        for k, v in load_file(os.path.join(adapter, "adapter_model.safetensors")).items()
+    }
     result = set_peft_model_state_dict(peft_model, state)
     assert not [k for k in result.missing_keys if ".lora_" in k] and not result.unexpected_keys
     return peft_model.eval()

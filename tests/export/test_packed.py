@@ -39,8 +39,11 @@ def test_decoded_stream_yields_each_stack_once_decoded(fmt):
 def test_k3_names_of_a_requantised_int4_stack():
     w = _weights(3, (2, 4, 32))
     codes, scales = encode("int4", w, scale_bits=True)
-    out = dict(packed_output_tensors(PackedStack("model.layers.1.block_sparse_moe.experts.w2", "int4", (2, 4, 32)),
-                                     codes, scales, "k3"))
+    out = dict(
+        packed_output_tensors(
+            PackedStack("model.layers.1.block_sparse_moe.experts.w2", "int4", (2, 4, 32)), codes, scales, "k3"
+        )
+    )
     name = "model.layers.1.block_sparse_moe.experts.1.w2"
     assert out[f"{name}.weight_scale"].dtype == torch.bfloat16  # as published
     assert torch.equal(out[f"{name}.weight_shape"], torch.tensor([4, 32], dtype=torch.int32))
@@ -96,15 +99,17 @@ def test_a_dropped_or_wrong_expert_is_named(fmt):
     codes, scales, _ = requantise(stack, base + kept, base)
     result = CheckResult()
     check_requantised_stack(stack, target, base, delta, codes, scales, result)
-    assert result.problems == [f"delta missing for ['{target.weight} expert 1'] (the requantised experts equal the "
-                               "base's)"]
+    assert result.problems == [
+        f"delta missing for ['{target.weight} expert 1'] (the requantised experts equal the base's)"
+    ]
     wrong = delta.clone()
     wrong[2] *= 1.5
     codes, scales, _ = requantise(stack, base + wrong, base)
     result = CheckResult()
     check_requantised_stack(stack, target, base, delta, codes, scales, result)
-    assert result.problems == [f"delta wrong for ['{target.weight} expert 2'] (not the requantisation of the "
-                               "merged weights)"]
+    assert result.problems == [
+        f"delta wrong for ['{target.weight} expert 2'] (not the requantisation of the merged weights)"
+    ]
 
 
 def test_the_bases_floating_dtype_counts_values_and_leaves_packed_scales_out():
@@ -131,7 +136,7 @@ def test_a_bf16_packed_base_merges_into_bf16_experts_decoded_exactly(fmt, tmp_pa
     model = MoEPluginForCausalLM(config).to(torch.bfloat16)  # the packed bytes stay as they are
     save_packed_k3_checkpoint(model, tmp_path / "base")
     (tmp_path / "out").mkdir()
-    written = write_merged(str(tmp_path / "base"), config, {}, {}, str(tmp_path / "out"), "hf", 10 ** 9)
+    written = write_merged(str(tmp_path / "base"), config, {}, {}, str(tmp_path / "out"), "hf", 10**9)
     assert written["expert_format"] == written["float_dtype"] == "bfloat16" and written["merged"] == []
     state = {}
     for f in written["files"]:  # one shard per MoE layer's experts

@@ -32,17 +32,24 @@ BOUND = 1e-3 * LR * STEPS  # tests/training/test_trainer.py's bound for values t
 
 
 def _recipe(output_dir, base, world: int = 1, ep: int = 1) -> dict:
-    return {"output_dir": str(output_dir), "seed": 5,
-            "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
-            "model": {"from_pretrained": str(base), "overrides": {}},
-            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"],
-                     "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]},
-            "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64,
-                     "eval_fraction": 0.05},
-            "parallel": {"backend": "megatron", "expert_parallel_size": ep},
-            "schedule": {"steps": STEPS, "micro_batch_size": 4 // world, "lr": LR, "warmup_steps": 0},
-            "eval": {"every": 0, "batches": 1}, "checkpoint": {"every": 1 if world > 1 else 0, "keep": 3},
-            "logging": {"every": 1, "progress_bar": False}}
+    return {
+        "output_dir": str(output_dir),
+        "seed": 5,
+        "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
+        "model": {"from_pretrained": str(base), "overrides": {}},
+        "lora": {
+            "r": 4,
+            "alpha": 8,
+            "target_modules": ["q_proj", "k_proj", "gate"],
+            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
+        },
+        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
+        "parallel": {"backend": "megatron", "expert_parallel_size": ep},
+        "schedule": {"steps": STEPS, "micro_batch_size": 4 // world, "lr": LR, "warmup_steps": 0},
+        "eval": {"every": 0, "batches": 1},
+        "checkpoint": {"every": 1 if world > 1 else 0, "keep": 3},
+        "logging": {"every": 1, "progress_bar": False},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +62,10 @@ def runs(tmp_path_factory):
     run_distributed(WORKER, world_size=1, timeout_s=900, recipes=[_recipe(tmp / f"run-{f}", tmp / f) for f in PACKED])
     # the same MXFP4 run at EP=2 x ZeRO-3 on 4 gloo processes
     run_distributed(WORKER, world_size=4, timeout_s=1500, recipes=[_recipe(tmp / "run-ep2", tmp / "mxfp4", 4, 2)])
-    out = {fmt: {"run": str(tmp / f"run-{fmt}"), "base": str(tmp / fmt), "twin": str(tmp / f"{fmt}-fp32")}
-           for fmt in PACKED}
+    out = {
+        fmt: {"run": str(tmp / f"run-{fmt}"), "base": str(tmp / fmt), "twin": str(tmp / f"{fmt}-fp32")}
+        for fmt in PACKED
+    }
     out["ep2"] = dict(out["mxfp4"], run=str(tmp / "run-ep2"))
     return out
 
@@ -68,8 +77,10 @@ def exports(runs, tmp_path_factory):
     for fmt in PACKED:
         for to, requantise in KINDS:
             directory = str(tmp / f"{fmt}-{to}-{'q' if requantise else 'd'}")
-            out[fmt, to, requantise] = directory, export_run(runs[fmt]["run"], to, directory, requantise=requantise,
-                                                             max_shard_size="20KB")
+            out[fmt, to, requantise] = (
+                directory,
+                export_run(runs[fmt]["run"], to, directory, requantise=requantise, max_shard_size="20KB"),
+            )
     return out
 
 
@@ -104,10 +115,12 @@ def _expert_adapters(model):
     out = {}
     for name, module in model.named_modules():
         if getattr(module, "parameter_name", None) and "default" in module.lora_A:
-            stem = name[len("base_model.model."):].replace(".base_layer", "")
-            out[f"{stem}.{module.parameter_name}"] = (module.lora_A["default"].weight.detach(),
-                                                      module.lora_B["default"].weight.detach(),
-                                                      module.scaling["default"])
+            stem = name[len("base_model.model.") :].replace(".base_layer", "")
+            out[f"{stem}.{module.parameter_name}"] = (
+                module.lora_A["default"].weight.detach(),
+                module.lora_B["default"].weight.detach(),
+                module.scaling["default"],
+            )
     return out
 
 
@@ -123,7 +136,7 @@ def _apply_per_expert(model, directory):
             if ".lora_A." not in key:
                 continue
             b = state[key.replace(".lora_A.", ".lora_B.")]
-            parts = key[len("base_model.model."):-len(".lora_A.weight")].split(".")
+            parts = key[len("base_model.model.") : -len(".lora_A.weight")].split(".")
             if parts[-2].isdigit():  # ...experts.{e}.w1
                 params[".".join(parts[:-2] + parts[-1:])][int(parts[-2])] += scaling * b @ a
             else:
@@ -189,8 +202,9 @@ def _requantised_reference(paths, fmt):
     packed = load_k3_checkpoint(paths["base"]).state_dict()
     out = {}
     for name, (a, b, scaling) in _expert_adapters(_adapted_twin(paths)).items():
-        merged = merge_expert_adapter(fmt, packed[name], packed[name + "_scale"], a.shape[1], a, b, scaling,
-                                      requantize=True)
+        merged = merge_expert_adapter(
+            fmt, packed[name], packed[name + "_scale"], a.shape[1], a, b, scaling, requantize=True
+        )
         out[name] = merged
     return out
 
@@ -213,13 +227,17 @@ def test_requantised_exports_hold_the_requantised_merge_and_count_the_changes(ru
     for name, merged in reference.items():
         assert torch.equal(state[name], merged.packed) and torch.equal(state[name + "_scale"], merged.scale), name
     if to == "merged-k3":
-        stored = load_file(os.path.join(directory, "model.safetensors")) if os.path.exists(
-            os.path.join(directory, "model.safetensors")) else {}
+        stored = (
+            load_file(os.path.join(directory, "model.safetensors"))
+            if os.path.exists(os.path.join(directory, "model.safetensors"))
+            else {}
+        )
         config = json.load(open(os.path.join(directory, "config.json")))
         formats = {"mxfp4": "mxfp4-pack-quantized", "int4": "pack-quantized"}
         assert config["quantization_config"]["format"] == formats[fmt]
-        assert all(".weight_packed" in n or "experts." not in n or n.endswith(("weight_scale", "weight_shape"))
-                   for n in stored)
+        assert all(
+            ".weight_packed" in n or "experts." not in n or n.endswith(("weight_scale", "weight_shape")) for n in stored
+        )
 
 
 @pytest.mark.parametrize("fmt", PACKED)
@@ -262,8 +280,11 @@ def test_a_dropped_expert_delta_in_a_requantised_export_is_named(runs, tmp_path,
 
     monkeypatch.setattr(merge, "delta_for", drop_expert_3)
     out = tmp_path / "dropped"
-    with pytest.raises(ExportCheckError, match=rf"delta missing for \['{weight} expert 3'\] \(the requantised "
-                                               r"experts equal the base's\)"):
+    with pytest.raises(
+        ExportCheckError,
+        match=rf"delta missing for \['{weight} expert 3'\] \(the requantised "
+        r"experts equal the base's\)",
+    ):
         export_run(runs["mxfp4"]["run"], "merged-k3", str(out), requantise=True)
     assert not out.exists()
 

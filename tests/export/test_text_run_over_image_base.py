@@ -35,23 +35,35 @@ def job(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("text_over_image")
     data = tmp / "text.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
-                                                     {"role": "assistant", "content": a}]}) + "\n"
-                            for q, a in RECORDS))
+    data.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+            for q, a in RECORDS
+        )
+    )
     # micro_batch_size 2 over 2 rows: every step holds both conversations, so step 1's loss is theirs whatever
     # the shuffle
-    recipe = {"output_dir": str(tmp / "run"), "seed": 3, "model": {"from_pretrained": BASE},
-              "lora": {"r": 4, "alpha": 8, "target_modules": TARGET_MODULES, "target_parameters": TARGET_PARAMETERS},
-              "data": {"kind": "sft", "path": str(data), "seq_len": SEQ_LEN, "pack": False, "eval_fraction": 0.0},
-              "parallel": {"backend": "hf"},
-              "schedule": {"steps": STEPS, "micro_batch_size": 2, "lr": 1e-2, "decay": "constant"},
-              "logging": {"every": 1, "progress_bar": False}}
+    recipe = {
+        "output_dir": str(tmp / "run"),
+        "seed": 3,
+        "model": {"from_pretrained": BASE},
+        "lora": {"r": 4, "alpha": 8, "target_modules": TARGET_MODULES, "target_parameters": TARGET_PARAMETERS},
+        "data": {"kind": "sft", "path": str(data), "seq_len": SEQ_LEN, "pack": False, "eval_fraction": 0.0},
+        "parallel": {"backend": "hf"},
+        "schedule": {"steps": STEPS, "micro_batch_size": 2, "lr": 1e-2, "decay": "constant"},
+        "logging": {"every": 1, "progress_bar": False},
+    }
     (tmp / "recipe.json").write_text(json.dumps(recipe))
-    printed = launch([sys.executable, "-m", "moe_plugin.train", "--recipe", str(tmp / "recipe.json")],
-                     env_extra={"OMP_NUM_THREADS": "1"}, timeout=600)
+    printed = launch(
+        [sys.executable, "-m", "moe_plugin.train", "--recipe", str(tmp / "recipe.json")],
+        env_extra={"OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     # the run's last line names a load that works for this base (the image model's language model)
-    assert (f"PeftModel.from_pretrained(MoEPluginForConditionalGeneration.from_pretrained({os.path.realpath(BASE)!r})"
-            f".language_model, ") in printed, printed[-2000:]
+    assert (
+        f"PeftModel.from_pretrained(MoEPluginForConditionalGeneration.from_pretrained({os.path.realpath(BASE)!r})"
+        f".language_model, "
+    ) in printed, printed[-2000:]
     exports = {}
     for to in ("merged-hf", "peft"):
         exports[to] = str(tmp / to)
@@ -93,8 +105,12 @@ def test_the_run_trains_the_text_model_on_the_bases_text_weights(job):
     text = base.language_model
     total, count, length = 0.0, 0, 0
     with torch.no_grad():
-        for example in sft_examples(os.path.join(os.path.dirname(job["run"]), "text.jsonl"), resolved.tokenizer,
-                                    resolved.processor, resolved.tokens):
+        for example in sft_examples(
+            os.path.join(os.path.dirname(job["run"]), "text.jsonl"),
+            resolved.tokenizer,
+            resolved.processor,
+            resolved.tokens,
+        ):
             ids, labels = torch.tensor([example.input_ids]), torch.tensor([example.labels])
             n = int((labels[0, 1:] != -100).sum())  # the first position has no prediction
             total += float(text(input_ids=ids, labels=labels).loss) * n
@@ -102,8 +118,10 @@ def test_the_run_trains_the_text_model_on_the_bases_text_weights(job):
     with open(os.path.join(job["run"], "losses.json")) as f:
         first = json.load(f)[0]
     # the token sum over the step (in another order), the softmax and the layers: fp32 rounding only
-    assert abs(first - total / count) <= _bound(base.config, length, base.config.vocab_size) * (total / count), \
-        (first, total / count)
+    assert abs(first - total / count) <= _bound(base.config, length, base.config.vocab_size) * (total / count), (
+        first,
+        total / count,
+    )
 
 
 def test_every_export_reloads_with_plain_transformers_to_the_trained_models_logits(job):
@@ -112,15 +130,23 @@ def test_every_export_reloads_with_plain_transformers_to_the_trained_models_logi
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(BASE, trust_remote_code=False)
-    ids = torch.tensor([tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"]]).reshape(1, -1)
+    ids = torch.tensor(
+        [
+            tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        ]
+    ).reshape(1, -1)
     base = _auto(BASE)
     assert isinstance(base, moe_plugin.MoEPluginForConditionalGeneration)  # the base loads with its tower
     bound = _bound(base.config, ids.shape[1])
     with torch.no_grad():
         untrained = base(input_ids=ids).logits.float()
-        trained = PeftModel.from_pretrained(_auto(BASE).language_model, os.path.join(job["run"], "adapter")
-                                            ).eval()(input_ids=ids).logits.float()
+        trained = (
+            PeftModel.from_pretrained(_auto(BASE).language_model, os.path.join(job["run"], "adapter"))
+            .eval()(input_ids=ids)
+            .logits.float()
+        )
     assert _relative(untrained, trained) > 20 * bound  # the adapter's effect is far beyond rounding
     merged = _auto(job["exports"]["merged-hf"])
     peft = AutoPeftModelForCausalLM.from_pretrained(job["exports"]["peft"], trust_remote_code=False).float().eval()

@@ -26,11 +26,20 @@ import torch
 
 # one MoE layer of 16 experts whose matrices are 512 x 512: a group of 4 dequantised in fp32 is 4 MiB, far
 # above what the allocator and the interpreter move between two identical steps (kilobytes)
-SIZE = dict(num_hidden_layers=2, layer_types=["kda", "kda"], first_k_dense_replace=1, attn_res=False,
-            use_dsa_indexer=False, num_experts=16, num_experts_per_token=8, moe_intermediate_size=512,
-            routed_expert_hidden_size=512)
-TARGETS = dict(target_modules=["q_proj", "k_proj", "gate"],
-               target_parameters=["experts.w1", "experts.w2", "experts.w3"])
+SIZE = dict(
+    num_hidden_layers=2,
+    layer_types=["kda", "kda"],
+    first_k_dense_replace=1,
+    attn_res=False,
+    use_dsa_indexer=False,
+    num_experts=16,
+    num_experts_per_token=8,
+    moe_intermediate_size=512,
+    routed_expert_hidden_size=512,
+)
+TARGETS = dict(
+    target_modules=["q_proj", "k_proj", "gate"], target_parameters=["experts.w1", "experts.w2", "experts.w3"]
+)
 TOKENS = 64
 
 
@@ -58,8 +67,8 @@ def measure(spec: dict) -> dict:
     real = quant_experts.dequantize_experts
     if spec["variant"] == "preallocated":
         first = experts[0]
-        buffer = decode(spec["fmt"], first.w1[:spec["group_size"]], first.w1_scale[:spec["group_size"]], inp)
-        real = lambda fmt, packed, scale, in_features, dtype: buffer[:packed.shape[0]]  # noqa: E731
+        buffer = decode(spec["fmt"], first.w1[: spec["group_size"]], first.w1_scale[: spec["group_size"]], inp)
+        real = lambda fmt, packed, scale, in_features, dtype: buffer[: packed.shape[0]]  # noqa: E731
     model = add_lora(model, lora_config(4, 8, **TARGETS), wrap=True)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
@@ -92,8 +101,14 @@ def measure(spec: dict) -> dict:
     finally:
         quant_experts.dequantize_experts = original
     counts["dequantisations"] = calls[0]
-    return {**spec, "growth": _status("VmHWM") - base, "group_bytes": group_bytes, "loss": loss,
-            "expert_bytes": sum(m.packed_nbytes() for m in experts), **counts}
+    return {
+        **spec,
+        "growth": _status("VmHWM") - base,
+        "group_bytes": group_bytes,
+        "loss": loss,
+        "expert_bytes": sum(m.packed_nbytes() for m in experts),
+        **counts,
+    }
 
 
 def main(specs: list) -> list:

@@ -2,8 +2,14 @@
 
 import torch
 
-from moe_plugin.layers.attn_res import (AttnResProjection, AttnResStream, PlainStream, attn_res_mix, attn_res_point,
-                                       make_stream)
+from moe_plugin.layers.attn_res import (
+    AttnResProjection,
+    AttnResStream,
+    PlainStream,
+    attn_res_mix,
+    attn_res_point,
+    make_stream,
+)
 
 
 def _reference_mix(cands, proj, norm_w, eps):

@@ -39,11 +39,18 @@ def _parts(a, b, c, moe: bool, attn_res: bool, layer_idx: int = 1, block_size: i
     mlp_norm = Counted(_norm)
     dense = Counted(lambda x: torch.relu(x @ b))
     routed = Counted(lambda h: (h @ c, torch.tensor([3, 1])))
-    parts = LayerParts(stream=lambda state, after: layer_stream(state, after, attn_res=attn_res,
-                                                                  layer_idx=layer_idx, block_size=block_size),
-                       attention=attention, mlp_norm=mlp_norm, mlp=None if moe else dense,
-                       moe=routed if moe else None, attention_point=points[:2] if points else (),
-                       mlp_point=points[2:] if points else (), ends_block=attn_res and layer_idx % 2 == 1)
+    parts = LayerParts(
+        stream=lambda state, after: layer_stream(
+            state, after, attn_res=attn_res, layer_idx=layer_idx, block_size=block_size
+        ),
+        attention=attention,
+        mlp_norm=mlp_norm,
+        mlp=None if moe else dense,
+        moe=routed if moe else None,
+        attention_point=points[:2] if points else (),
+        mlp_point=points[2:] if points else (),
+        ends_block=attn_res and layer_idx % 2 == 1,
+    )
     return parts, {"attention": attention, "mlp_norm": mlp_norm, "dense": dense, "moe": routed}
 
 

@@ -10,10 +10,19 @@ from moe_plugin.layers.decoder import DecoderLayer
 
 def _config(attn_res):
     d = 32
-    return ModelConfig(vocab_size=100, hidden_size=d, num_layers=4, kda=KDAConfig(d, 2, 16, chunk_size=8),
-                       mla=MLAConfig(d, 2, 16, 16, 8, 4, 8, index_topk=4, index_n_heads=2, index_head_dim=8),
-                       moe=MoEConfig(d, 4, 2, 16, latent_size=16), layer_types=["kda", "mla", "kda", "mla"],
-                       first_k_dense=1, dense_intermediate_size=64, attn_res=attn_res, attn_res_block_size=2)
+    return ModelConfig(
+        vocab_size=100,
+        hidden_size=d,
+        num_layers=4,
+        kda=KDAConfig(d, 2, 16, chunk_size=8),
+        mla=MLAConfig(d, 2, 16, 16, 8, 4, 8, index_topk=4, index_n_heads=2, index_head_dim=8),
+        moe=MoEConfig(d, 4, 2, 16, latent_size=16),
+        layer_types=["kda", "mla", "kda", "mla"],
+        first_k_dense=1,
+        dense_intermediate_size=64,
+        attn_res=attn_res,
+        attn_res_block_size=2,
+    )
 
 
 def _rel(a, b):

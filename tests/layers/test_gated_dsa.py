@@ -13,9 +13,19 @@ def rel(a, b):
 
 
 def config(**kw):
-    base = dict(hidden_size=32, num_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
-                qk_rope_head_dim=4, v_head_dim=6, use_indexer=True, index_topk=3, index_n_heads=8,
-                index_head_dim=8)
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        use_indexer=True,
+        index_topk=3,
+        index_n_heads=8,
+        index_head_dim=8,
+    )
     base.update(kw)
     return MLAConfig(**base)
 
@@ -35,7 +45,7 @@ def test_cache_decoding_equals_full_forward(use_indexer):
     full = attn(x)
     cache = MLACache()
     parts = [attn(x[:, :4], cache=cache)]  # a prefill, then one token at a time
-    parts += [attn(x[:, t:t + 1], cache=cache) for t in range(4, 12)]
+    parts += [attn(x[:, t : t + 1], cache=cache) for t in range(4, 12)]
     assert cache.length == 12 and cache.k_rope.shape == (2, 12, 4)
     assert (cache.index_keys is not None) == use_indexer
     assert rel(torch.cat(parts, dim=1), full) <= 1e-5
@@ -110,8 +120,16 @@ def test_indexer_loss_trains_only_the_indexer():
 
 
 def test_names_and_k3_parameter_count():
-    k3 = dict(hidden_size=7168, num_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-              qk_rope_head_dim=64, v_head_dim=128, output_gate=True)
+    k3 = dict(
+        hidden_size=7168,
+        num_heads=96,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        output_gate=True,
+    )
     with torch.device("meta"):
         off = GatedMLAAttention(MLAConfig(**k3, use_indexer=False))
         on = GatedMLAAttention(MLAConfig(**k3, use_indexer=True))
@@ -119,10 +137,21 @@ def test_names_and_k3_parameter_count():
     extra = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64  # wq_b, wk, k_norm, weights_proj
     assert sum(p.numel() for p in on.parameters()) == 232_196_096 + extra
     names = {n for n, _ in on.named_parameters()}
-    assert {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
-            "kv_a_layernorm.weight", "kv_b_proj.weight", "g_proj.weight", "o_proj.weight", "indexer.wq_b.weight",
-            "indexer.wk.weight", "indexer.k_norm.weight", "indexer.k_norm.bias",
-            "indexer.weights_proj.weight"} == names
+    assert {
+        "q_a_proj.weight",
+        "q_a_layernorm.weight",
+        "q_b_proj.weight",
+        "kv_a_proj_with_mqa.weight",
+        "kv_a_layernorm.weight",
+        "kv_b_proj.weight",
+        "g_proj.weight",
+        "o_proj.weight",
+        "indexer.wq_b.weight",
+        "indexer.wk.weight",
+        "indexer.k_norm.weight",
+        "indexer.k_norm.bias",
+        "indexer.weights_proj.weight",
+    } == names
 
 
 def test_init_std():
@@ -151,21 +180,21 @@ def test_left_padded_prefill_equals_each_row_alone(use_indexer):
     x = hidden(B=3, T=T + steps)
     mask = torch.zeros(3, T, dtype=torch.bool)
     for row, n in enumerate(lengths):
-        mask[row, T - n:] = True
+        mask[row, T - n :] = True
     cache = MLACache()
     padded = [attn(x[:, :T], cache=cache, token_mask=mask)]
-    padded += [attn(x[:, t:t + 1], cache=cache) for t in range(T, T + steps)]
+    padded += [attn(x[:, t : t + 1], cache=cache) for t in range(T, T + steps)]
     padded = torch.cat(padded, 1)
     assert cache.key_mask.shape == (3, T + steps) and torch.equal(cache.key_mask[:, :T], mask)
     assert cache.key_mask[:, T:].all()
     for row, n in enumerate(lengths):
         alone_cache = MLACache()
-        alone = [attn(x[row:row + 1, T - n:T], cache=alone_cache)]
-        alone += [attn(x[row:row + 1, t:t + 1], cache=alone_cache) for t in range(T, T + steps)]
+        alone = [attn(x[row : row + 1, T - n : T], cache=alone_cache)]
+        alone += [attn(x[row : row + 1, t : t + 1], cache=alone_cache) for t in range(T, T + steps)]
         alone = torch.cat(alone, 1)
         assert alone_cache.key_mask is None  # nothing padded: no mask kept
-        assert rel(padded[row:row + 1, T - n:], alone) <= 1e-12, row
-        assert rel(cache.c_kv[row:row + 1, T - n:], alone_cache.c_kv) <= 1e-12
+        assert rel(padded[row : row + 1, T - n :], alone) <= 1e-12, row
+        assert rel(cache.c_kv[row : row + 1, T - n :], alone_cache.c_kv) <= 1e-12
 
 
 def test_left_padded_indexer_loss_ignores_padded_keys():

@@ -33,7 +33,7 @@ def test_cached_decoding_equals_full_forward(gate_form):
         for prefill in (0, 1, 7):
             cache = KDACache()
             outs = [layer(x[:, :prefill], cache=cache)] if prefill else []
-            outs += [layer(x[:, t:t + 1], cache=cache) for t in range(prefill, 23)]
+            outs += [layer(x[:, t : t + 1], cache=cache) for t in range(prefill, 23)]
             assert rel(torch.cat(outs, 1), full) <= 1e-5, prefill
             assert cache.state.shape == (2, 2, 8, 8) and cache.state.dtype == torch.float32
             assert cache.q_conv.shape == cache.k_conv.shape == cache.v_conv.shape == (2, 16, 3)
@@ -81,10 +81,19 @@ def test_k3_names_shapes_and_parameter_count():
         layer = KDAAttention(cfg)
     shapes = {n: tuple(p.shape) for n, p in layer.named_parameters()}
     assert shapes == {
-        "q_proj.weight": (12288, 7168), "k_proj.weight": (12288, 7168), "v_proj.weight": (12288, 7168),
-        "q_conv1d.weight": (12288, 1, 4), "k_conv1d.weight": (12288, 1, 4), "v_conv1d.weight": (12288, 1, 4),
-        "f_a_proj.weight": (128, 7168), "f_b_proj.weight": (12288, 128), "b_proj.weight": (96, 7168),
-        "g_proj.weight": (12288, 7168), "A_log": (96,), "dt_bias": (12288,), "o_norm.weight": (128,),
+        "q_proj.weight": (12288, 7168),
+        "k_proj.weight": (12288, 7168),
+        "v_proj.weight": (12288, 7168),
+        "q_conv1d.weight": (12288, 1, 4),
+        "k_conv1d.weight": (12288, 1, 4),
+        "v_conv1d.weight": (12288, 1, 4),
+        "f_a_proj.weight": (128, 7168),
+        "f_b_proj.weight": (12288, 128),
+        "b_proj.weight": (96, 7168),
+        "g_proj.weight": (12288, 7168),
+        "A_log": (96,),
+        "dt_bias": (12288,),
+        "o_norm.weight": (128,),
         "o_proj.weight": (7168, 12288),
     }
     assert sum(p.numel() for p in layer.parameters()) == 443_740_384
@@ -106,17 +115,23 @@ def test_equals_transformers_kimi_linear_layer():
     modeling = importlib.import_module("transformers.models.kimi_linear.modeling_kimi_linear")
     from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 
-    hf_cfg = KimiLinearConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, rms_norm_eps=1e-5,
-                              linear_attn_config={"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4},
-                              layer_types=["linear_attention"])
+    hf_cfg = KimiLinearConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        rms_norm_eps=1e-5,
+        linear_attn_config={"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4},
+        layer_types=["linear_attention"],
+    )
     torch.manual_seed(3)
     theirs = modeling.KimiLinearDeltaAttention(hf_cfg, layer_idx=0)
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0, 0.3)
         theirs.forget_gate.A_log.uniform_(0, 2)
-    ours = KDAAttention(KDAConfig(hidden_size=32, num_heads=2, head_dim=8, gate_form="kimi_linear",
-                                  chunk_size=16, norm_eps=1e-5))
+    ours = KDAAttention(
+        KDAConfig(hidden_size=32, num_heads=2, head_dim=8, gate_form="kimi_linear", chunk_size=16, norm_eps=1e-5)
+    )
     conv_q, conv_k, conv_v = theirs.conv1d.weight.chunk(3, dim=0)
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj", "o_norm"):
@@ -141,20 +156,20 @@ def test_left_padded_prefill_equals_each_row_alone(gate_form):
     x = torch.randn(3, T + steps, 32)
     mask = torch.zeros(3, T, dtype=torch.bool)
     for row, n in enumerate(lengths):
-        mask[row, T - n:] = True
+        mask[row, T - n :] = True
     with torch.no_grad():
         cache = KDACache()
         padded = [layer(x[:, :T], cache=cache, token_mask=mask)]
-        padded += [layer(x[:, t:t + 1], cache=cache) for t in range(T, T + steps)]
+        padded += [layer(x[:, t : t + 1], cache=cache) for t in range(T, T + steps)]
         padded = torch.cat(padded, 1)
         for row, n in enumerate(lengths):
             alone_cache = KDACache()
-            alone = [layer(x[row:row + 1, T - n:T], cache=alone_cache)]
-            alone += [layer(x[row:row + 1, t:t + 1], cache=alone_cache) for t in range(T, T + steps)]
+            alone = [layer(x[row : row + 1, T - n : T], cache=alone_cache)]
+            alone += [layer(x[row : row + 1, t : t + 1], cache=alone_cache) for t in range(T, T + steps)]
             alone = torch.cat(alone, 1)
-            assert rel(padded[row:row + 1, T - n:], alone) <= 1e-5, row
+            assert rel(padded[row : row + 1, T - n :], alone) <= 1e-5, row
             for name in ("state", "q_conv", "k_conv", "v_conv"):
-                assert rel(getattr(cache, name)[row:row + 1], getattr(alone_cache, name)) <= 1e-5, (row, name)
+                assert rel(getattr(cache, name)[row : row + 1], getattr(alone_cache, name)) <= 1e-5, (row, name)
 
 
 def test_bad_token_mask_is_refused_by_name():

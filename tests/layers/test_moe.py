@@ -38,11 +38,13 @@ def layer_loop(m: StableLatentMoE, x):
     for t in range(x.shape[0]):
         xt = x[t]
         s = torch.sigmoid(m.gate.weight @ xt)
-        chosen = torch.argsort(s + bias, descending=True)[:c.top_k].tolist()
+        chosen = torch.argsort(s + bias, descending=True)[: c.top_k].tolist()
         w = s[chosen] / s[chosen].sum() * c.routed_scaling_factor
         z = m.routed_expert_down_proj.weight @ xt if c.latent_size else xt
-        u = sum(w[j] * (m.experts.w2[e] @ act(m.experts.w1[e] @ z, m.experts.w3[e] @ z, *betas))
-                for j, e in enumerate(chosen))
+        u = sum(
+            w[j] * (m.experts.w2[e] @ act(m.experts.w1[e] @ z, m.experts.w3[e] @ z, *betas))
+            for j, e in enumerate(chosen)
+        )
         if c.latent_size:
             if c.latent_norm:
                 u = rms(u, m.routed_expert_norm.weight, c.norm_eps)
@@ -55,8 +57,15 @@ def layer_loop(m: StableLatentMoE, x):
 
 
 def build(seed=0, **kw):
-    cfg = dict(hidden_size=16, num_experts=8, top_k=3, expert_intermediate_size=12, latent_size=8,
-               num_shared_experts=1, shared_intermediate_size=20)
+    cfg = dict(
+        hidden_size=16,
+        num_experts=8,
+        top_k=3,
+        expert_intermediate_size=12,
+        latent_size=8,
+        num_shared_experts=1,
+        shared_intermediate_size=20,
+    )
     cfg.update(kw)
     torch.manual_seed(seed)
     m = StableLatentMoE(MoEConfig(**cfg))
@@ -68,11 +77,14 @@ def build(seed=0, **kw):
     return m
 
 
-@pytest.mark.parametrize("kw", [
-    {},  # latent + norm + shared, SiTU
-    {"latent_norm": False, "activation": "swiglu", "routed_scaling_factor": 2.0},
-    {"latent_size": None, "num_shared_experts": 0, "num_groups": 1},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # latent + norm + shared, SiTU
+        {"latent_norm": False, "activation": "swiglu", "routed_scaling_factor": 2.0},
+        {"latent_size": None, "num_shared_experts": 0, "num_groups": 1},
+    ],
+)
 def test_layer_equals_token_loop(kw):
     m = build(**kw)
     x = torch.randn(2, 9, 16)
@@ -124,8 +136,9 @@ def test_update_routing_bias_moves_toward_balance():
     m.gate.e_score_correction_bias.zero_()
     old = m.gate.e_score_correction_bias.clone()
     m.update_routing_bias(load, method="sign")
-    assert torch.allclose(m.gate.e_score_correction_bias,
-                          old + m.config.bias_update_rate * torch.sign(load.mean() - load))
+    assert torch.allclose(
+        m.gate.e_score_correction_bias, old + m.config.bias_update_rate * torch.sign(load.mean() - load)
+    )
     with pytest.raises(ValueError, match="^method:"):
         m.update_routing_bias(load, method="median")
 
@@ -133,10 +146,19 @@ def test_update_routing_bias_moves_toward_balance():
 def test_names_state_dict_and_fp32_router():
     m = build()
     keys = set(m.state_dict())
-    assert {"gate.weight", "gate.e_score_correction_bias", "experts.w1", "experts.w3", "experts.w2",
-            "routed_expert_down_proj.weight", "routed_expert_norm.weight", "routed_expert_up_proj.weight",
-            "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
-            "shared_experts.down_proj.weight"} == keys
+    assert {
+        "gate.weight",
+        "gate.e_score_correction_bias",
+        "experts.w1",
+        "experts.w3",
+        "experts.w2",
+        "routed_expert_down_proj.weight",
+        "routed_expert_norm.weight",
+        "routed_expert_up_proj.weight",
+        "shared_experts.gate_proj.weight",
+        "shared_experts.up_proj.weight",
+        "shared_experts.down_proj.weight",
+    } == keys
     apply_precision(m, torch.bfloat16)  # the layer has no .to() override: the one policy sets dtypes
     assert m.gate.weight.dtype == torch.float32 and m.gate.e_score_correction_bias.dtype == torch.float32
     assert m.experts.w1.dtype == torch.bfloat16
@@ -210,8 +232,7 @@ def test_glu_mlp_matches_formula():
     for act, fn in (("situ", situ), ("swiglu", swiglu)):
         mlp = GLUMLP(10, 14, activation=act)
         x = torch.randn(3, 10)
-        want = torch.stack([mlp.down_proj.weight @ fn(mlp.gate_proj.weight @ r, mlp.up_proj.weight @ r)
-                            for r in x])
+        want = torch.stack([mlp.down_proj.weight @ fn(mlp.gate_proj.weight @ r, mlp.up_proj.weight @ r) for r in x])
         assert rel(mlp(x), want) < 1e-6
     mlp = GLUMLP(10, 14, situ_beta=2.0, situ_linear_beta=3.0)
     x = torch.randn(3, 10) * 5
@@ -222,8 +243,15 @@ def test_glu_mlp_matches_formula():
 
 
 def test_k3_parameter_counts_on_meta():
-    cfg = MoEConfig(hidden_size=7168, num_experts=896, top_k=16, expert_intermediate_size=3072, latent_size=3584,
-                    num_shared_experts=2, shared_intermediate_size=6144)
+    cfg = MoEConfig(
+        hidden_size=7168,
+        num_experts=896,
+        top_k=16,
+        expert_intermediate_size=3072,
+        latent_size=3584,
+        num_shared_experts=2,
+        shared_intermediate_size=6144,
+    )
     with torch.device("meta"):
         m = StableLatentMoE(cfg)
     per_expert = sum(p[0].numel() for p in (m.experts.w1, m.experts.w3, m.experts.w2))
@@ -232,16 +260,19 @@ def test_k3_parameter_counts_on_meta():
     assert everything - 896 * per_expert == 189_927_808
 
 
-@pytest.mark.parametrize("kw,field", [
-    ({"top_k": 9}, "MoEConfig.top_k"),
-    ({"num_groups": 3}, "MoEConfig.num_groups"),
-    ({"num_groups": 2, "topk_groups": 3}, "MoEConfig.topk_groups"),
-    ({"num_groups": 4, "topk_groups": 1, "top_k": 3}, "MoEConfig.top_k"),
-    ({"activation": "gelu"}, "MoEConfig.activation"),
-    ({"latent_size": 0}, "MoEConfig.latent_size"),
-    ({"num_shared_experts": -1}, "MoEConfig.num_shared_experts"),
-    ({"expert_intermediate_size": 0}, "MoEConfig.expert_intermediate_size"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"top_k": 9}, "MoEConfig.top_k"),
+        ({"num_groups": 3}, "MoEConfig.num_groups"),
+        ({"num_groups": 2, "topk_groups": 3}, "MoEConfig.topk_groups"),
+        ({"num_groups": 4, "topk_groups": 1, "top_k": 3}, "MoEConfig.top_k"),
+        ({"activation": "gelu"}, "MoEConfig.activation"),
+        ({"latent_size": 0}, "MoEConfig.latent_size"),
+        ({"num_shared_experts": -1}, "MoEConfig.num_shared_experts"),
+        ({"expert_intermediate_size": 0}, "MoEConfig.expert_intermediate_size"),
+    ],
+)
 def test_config_errors_name_the_field(kw, field):
     cfg = dict(hidden_size=16, num_experts=8, top_k=2, expert_intermediate_size=12)
     cfg.update(kw)
@@ -250,8 +281,12 @@ def test_config_errors_name_the_field(kw, field):
 
 
 def test_shared_width_defaults_to_experts_times_width():
-    assert MoEConfig(hidden_size=8, num_experts=4, top_k=1, expert_intermediate_size=6,
-                     num_shared_experts=2).shared_intermediate_size == 12
+    assert (
+        MoEConfig(
+            hidden_size=8, num_experts=4, top_k=1, expert_intermediate_size=6, num_shared_experts=2
+        ).shared_intermediate_size
+        == 12
+    )
     assert math.isclose(build().config.situ_beta, 4.0)
 
 
@@ -262,9 +297,18 @@ def test_equals_transformers_deepseek_v3_moe(groups):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     e, f, d = 16, 12, 20
-    hf_cfg = DeepseekV3Config(hidden_size=d, n_routed_experts=e, num_experts_per_tok=4, moe_intermediate_size=f,
-                              n_shared_experts=1, n_group=groups[0], topk_group=groups[1], norm_topk_prob=True,
-                              routed_scaling_factor=1.5, hidden_act="silu")
+    hf_cfg = DeepseekV3Config(
+        hidden_size=d,
+        n_routed_experts=e,
+        num_experts_per_tok=4,
+        moe_intermediate_size=f,
+        n_shared_experts=1,
+        n_group=groups[0],
+        topk_group=groups[1],
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+        hidden_act="silu",
+    )
     hf_cfg._experts_implementation = "eager"
     torch.manual_seed(6)
     hf = DeepseekV3MoE(hf_cfg)
@@ -272,9 +316,20 @@ def test_equals_transformers_deepseek_v3_moe(groups):
         for p in hf.parameters():
             p.normal_(0, 0.3)
         hf.gate.e_score_correction_bias.normal_(0, 0.1)
-    ours = StableLatentMoE(MoEConfig(hidden_size=d, num_experts=e, top_k=4, expert_intermediate_size=f,
-                                     latent_size=None, num_shared_experts=1, activation="swiglu",
-                                     routed_scaling_factor=1.5, num_groups=groups[0], topk_groups=groups[1]))
+    ours = StableLatentMoE(
+        MoEConfig(
+            hidden_size=d,
+            num_experts=e,
+            top_k=4,
+            expert_intermediate_size=f,
+            latent_size=None,
+            num_shared_experts=1,
+            activation="swiglu",
+            routed_scaling_factor=1.5,
+            num_groups=groups[0],
+            topk_groups=groups[1],
+        )
+    )
     with torch.no_grad():
         ours.gate.weight.copy_(hf.gate.weight)
         ours.gate.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
@@ -295,10 +350,13 @@ def test_router_reset_zeroes_selection_bias():
     assert torch.equal(m.gate.e_score_correction_bias, torch.zeros(8))
 
 
-@pytest.mark.parametrize("kw", [
-    {},
-    {"activation": "swiglu", "routed_scaling_factor": 1.5, "renormalize": False, "num_groups": 2, "topk_groups": 1},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"activation": "swiglu", "routed_scaling_factor": 1.5, "renormalize": False, "num_groups": 2, "topk_groups": 1},
+    ],
+)
 def test_layer_without_latent_or_shared_equals_moe_forward_op(kw):
     from moe_plugin.ops.moe import moe_forward
 
@@ -307,9 +365,20 @@ def test_layer_without_latent_or_shared_equals_moe_forward_op(kw):
     x = torch.randn(2, 9, c.hidden_size)
     y, load = m(x)
     y_op, tokens_per_expert = moe_forward(
-        x.reshape(-1, c.hidden_size), m.gate.weight, m.experts.w1, m.experts.w3, m.experts.w2, c.top_k,
-        bias=m.gate.e_score_correction_bias, activation=c.activation, renormalize=c.renormalize,
-        scaling=c.routed_scaling_factor, num_groups=c.num_groups, topk_groups=c.topk_groups,
-        beta=c.situ_beta, linear_beta=c.situ_linear_beta)
+        x.reshape(-1, c.hidden_size),
+        m.gate.weight,
+        m.experts.w1,
+        m.experts.w3,
+        m.experts.w2,
+        c.top_k,
+        bias=m.gate.e_score_correction_bias,
+        activation=c.activation,
+        renormalize=c.renormalize,
+        scaling=c.routed_scaling_factor,
+        num_groups=c.num_groups,
+        topk_groups=c.topk_groups,
+        beta=c.situ_beta,
+        linear_beta=c.situ_linear_beta,
+    )
     assert rel(y.reshape(-1, c.hidden_size), y_op) < 1e-6
     assert torch.equal(load, tokens_per_expert.float())

@@ -19,8 +19,9 @@ from moe_plugin.ops.quant import decode, encode
 from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from moe_plugin.weights.quantize import merge_expert_adapter
 
-TARGETS = dict(target_modules=["q_proj", "k_proj", "gate"],
-               target_parameters=["experts.w1", "experts.w2", "experts.w3"])
+TARGETS = dict(
+    target_modules=["q_proj", "k_proj", "gate"], target_parameters=["experts.w1", "experts.w2", "experts.w3"]
+)
 
 
 @pytest.fixture(scope="module", params=["mxfp4", "int4"])
@@ -70,8 +71,12 @@ def test_precision_changes_leave_the_packed_bytes_as_stored(bases):
     fmt, packed_path, _ = bases
     model = load_k3_checkpoint(packed_path)
     before = {n: p.detach().clone() for e in _experts(model) for n, p in e.named_parameters()}
-    for change in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.float(),
-                   lambda m: m.to(dtype=torch.float64)):
+    for change in (
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.half(),
+        lambda m: m.float(),
+        lambda m: m.to(dtype=torch.float64),
+    ):
         change(model)
         after = {n: p for e in _experts(model) for n, p in e.named_parameters()}
         for name, value in before.items():
@@ -115,8 +120,10 @@ def test_bad_checkpoint_tensors_are_named(bases, tmp_path):
     fmt, packed_path, _ = bases
     stored = load_file(str(packed_path / "model.safetensors"))
     key = "language_model.model.layers.1.block_sparse_moe.experts.3.w2"
-    cases = {"shape": {f"{key}.weight_packed": stored[f"{key}.weight_packed"][:, :2]},
-             "missing": {f"{key}.weight_scale": None}}
+    cases = {
+        "shape": {f"{key}.weight_packed": stored[f"{key}.weight_packed"][:, :2]},
+        "missing": {f"{key}.weight_scale": None},
+    }
     if fmt == "mxfp4":
         bad = stored[f"{key}.weight_scale"].clone()
         bad[0, 0] = 0xFF
@@ -150,7 +157,7 @@ def test_merged_exports(fmt):
     merged = merge_expert_adapter(fmt, packed, scale, inp, a, b, 0.5, dtype=torch.float32)
     base = decode(fmt, packed, scale, inp)
     for j in range(e):  # expert j's delta: its rows of A, its (expert-minor) columns of B
-        assert torch.allclose(merged.weight[j], base[j] + 0.5 * b[:, j::e] @ a[j * r:(j + 1) * r], atol=1e-5)
+        assert torch.allclose(merged.weight[j], base[j] + 0.5 * b[:, j::e] @ a[j * r : (j + 1) * r], atol=1e-5)
     zero = merge_expert_adapter(fmt, packed, scale, inp, a, torch.zeros_like(b), 0.5, requantize=True)
     assert zero.changed == 0  # nothing to merge: no value changes (a -0 code may come back as +0)
     assert torch.equal(decode(fmt, zero.packed, zero.scale, inp), base)

@@ -25,19 +25,25 @@ EXPERTS, GROUP = 16, 4  # packed_memory_worker.SIZE
 # work slices (ops.quant.experts: at most 1/16 of the group at ~8 bytes a weight, about 0.13 of the fp32
 # group) and page/allocator slack. Measured on the development machine: 2.3 MiB (MXFP4), 2.7 MiB (INT4).
 MARGIN = 0.5
-CASES = [("preallocated", "mxfp4", GROUP), ("packed", "mxfp4", GROUP), ("preallocated", "int4", GROUP),
-         ("packed", "int4", GROUP), ("packed", "mxfp4", EXPERTS)]
+CASES = [
+    ("preallocated", "mxfp4", GROUP),
+    ("packed", "mxfp4", GROUP),
+    ("preallocated", "int4", GROUP),
+    ("packed", "int4", GROUP),
+    ("packed", "mxfp4", EXPERTS),
+]
 
 
 @pytest.fixture(scope="module")
 def measured():
     specs = [{"variant": v, "fmt": f, "group_size": g} for v, f, g in CASES]
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, WORKER, json.dumps(specs)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, WORKER, json.dumps(specs)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return {(r["variant"], r["fmt"], r["group_size"]): r for r in json.loads(lines[-1][len("RESULT "):])}
+    return {(r["variant"], r["fmt"], r["group_size"]): r for r in json.loads(lines[-1][len("RESULT ") :])}
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
@@ -46,7 +52,7 @@ def test_step_peak_grows_by_at_most_one_group_of_dequantized_experts(measured, f
     # every group of every projection was decoded, in forward and again in backward
     assert packed["dequantisations"] == reference["dequantisations"] == 3 * 2 * EXPERTS // GROUP
     growth = packed["growth"] - reference["growth"]
-    assert growth <= (1 + MARGIN) * packed["group_bytes"], (growth / 2 ** 20, packed["group_bytes"] / 2 ** 20)
+    assert growth <= (1 + MARGIN) * packed["group_bytes"], (growth / 2**20, packed["group_bytes"] / 2**20)
     assert packed["group_bytes"] == GROUP * 512 * 512 * 4
 
 
@@ -55,5 +61,5 @@ def test_a_whole_layer_dequantized_at_once_exceeds_the_bound(measured):
     one_group = measured[("packed", "mxfp4", GROUP)]
     assert whole["dequantisations"] == 3 * 2
     growth = whole["growth"] - reference["growth"]
-    assert growth > (1 + MARGIN) * one_group["group_bytes"] * 2, growth / 2 ** 20
+    assert growth > (1 + MARGIN) * one_group["group_bytes"] * 2, growth / 2**20
     assert math.isclose(whole["loss"], one_group["loss"], rel_tol=1e-6)  # the group size changes no number

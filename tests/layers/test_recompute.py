@@ -13,8 +13,9 @@ from moe_plugin.layers.recompute import MODES, RECOMPUTED, check_mode, set_recom
 from moe_plugin.lora import add_lora, lora_config
 from moe_plugin.models import MoEPluginForCausalLM, preset_config
 
-TARGETS = dict(target_modules=["q_proj", "k_proj", "gate", "wq_b"],
-               target_parameters=["experts.w1", "experts.w2", "experts.w3"])
+TARGETS = dict(
+    target_modules=["q_proj", "k_proj", "gate", "wq_b"], target_parameters=["experts.w1", "experts.w2", "experts.w3"]
+)
 
 
 def _model(attn_res: bool, expert_format: str = "dense", lora: bool = True):
@@ -160,7 +161,11 @@ def test_the_recipe_key_names_the_same_modes():
 
     assert get_args(ScheduleSection.model_fields["activation_checkpointing"].annotation) == MODES
     assert ScheduleSection().activation_checkpointing == "off"
-    with pytest.raises(ValueError, match=r'schedule.activation_checkpointing: must be one of "off", "selective", '
-                                         r'"full", got \'on\''):
-        recipe_from_dict({"output_dir": "out", "model": {"preset": "tiny"},
-                          "schedule": {"activation_checkpointing": "on"}})
+    with pytest.raises(
+        ValueError,
+        match=r'schedule.activation_checkpointing: must be one of "off", "selective", '
+        r'"full", got \'on\'',
+    ):
+        recipe_from_dict(
+            {"output_dir": "out", "model": {"preset": "tiny"}, "schedule": {"activation_checkpointing": "on"}}
+        )

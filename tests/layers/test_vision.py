@@ -4,8 +4,17 @@ import pytest
 import torch
 
 from moe_plugin.config import VisionConfig
-from moe_plugin.layers.vision import (PatchMerger, VisionAttention, VisionEncoder, VisionTower, apply_rotary,
-                                      image_segments, interpolate_pos_embed, patch_positions, rotary_2d_angles)
+from moe_plugin.layers.vision import (
+    PatchMerger,
+    VisionAttention,
+    VisionEncoder,
+    VisionTower,
+    apply_rotary,
+    image_segments,
+    interpolate_pos_embed,
+    patch_positions,
+    rotary_2d_angles,
+)
 
 
 def rel(a, b):
@@ -156,7 +165,7 @@ def test_packed_images_equal_each_image_alone():
     packed = enc(x, g)
     alone, offset = [], 0
     for h, w in grid:
-        alone.append(enc(x[offset:offset + h * w], torch.tensor([[h, w]])))
+        alone.append(enc(x[offset : offset + h * w], torch.tensor([[h, w]])))
         offset += h * w
     assert rel(packed, torch.cat(alone)) < 1e-5
 
@@ -173,31 +182,42 @@ def test_merged_token_count_and_grouping():
     merged = PatchMerger(cfg)(tower_out)
     positions = plain_positions(grid, 2)
     for j in range(merged.shape[0]):
-        rows = positions[4 * j:4 * j + 4].tolist()
+        rows = positions[4 * j : 4 * j + 4].tolist()
         r0, c0 = rows[0]
         assert rows == [[r0, c0], [r0, c0 + 1], [r0 + 1, c0], [r0 + 1, c0 + 1]]
-        assert torch.equal(merged[j], tower_out[4 * j:4 * j + 4].reshape(-1))
+        assert torch.equal(merged[j], tower_out[4 * j : 4 * j + 4].reshape(-1))
     out.sum().backward()
     assert enc.vision_tower.pos_embed.grad is not None and enc.mm_projector.linear_1.weight.grad is not None
 
 
 def test_parameter_names():
     names = {n for n, _ in VisionEncoder(tiny_config(num_layers=1)).named_parameters()}
-    for want in ("vision_tower.patch_embed.proj.weight", "vision_tower.pos_embed",
-                 "vision_tower.blocks.0.norm1.weight", "vision_tower.blocks.0.attn.qkv.weight",
-                 "vision_tower.blocks.0.attn.proj.weight", "vision_tower.blocks.0.mlp.fc1.weight",
-                 "vision_tower.blocks.0.mlp.fc2.weight", "vision_tower.blocks.0.norm2.weight",
-                 "vision_tower.final_norm.weight", "mm_projector.linear_1.weight", "mm_projector.linear_2.weight",
-                 "mm_projector.norm.weight"):
+    for want in (
+        "vision_tower.patch_embed.proj.weight",
+        "vision_tower.pos_embed",
+        "vision_tower.blocks.0.norm1.weight",
+        "vision_tower.blocks.0.attn.qkv.weight",
+        "vision_tower.blocks.0.attn.proj.weight",
+        "vision_tower.blocks.0.mlp.fc1.weight",
+        "vision_tower.blocks.0.mlp.fc2.weight",
+        "vision_tower.blocks.0.norm2.weight",
+        "vision_tower.final_norm.weight",
+        "mm_projector.linear_1.weight",
+        "mm_projector.linear_2.weight",
+        "mm_projector.norm.weight",
+    ):
         assert want in names
 
 
-@pytest.mark.parametrize("grid, dtype, match", [
-    ([[4, 6]], torch.int64, "grid_hw"),            # holds 24 patches, 28 given
-    ([[3, 4], [2, 2]], torch.int64, "grid_hw"),    # odd side
-    ([[4, 6], [2, 2]], torch.float32, "grid_hw"),  # not integers
-    ([[4, 6, 1]], torch.int64, "grid_hw"),         # not [num_images, 2]
-])
+@pytest.mark.parametrize(
+    "grid, dtype, match",
+    [
+        ([[4, 6]], torch.int64, "grid_hw"),  # holds 24 patches, 28 given
+        ([[3, 4], [2, 2]], torch.int64, "grid_hw"),  # odd side
+        ([[4, 6], [2, 2]], torch.float32, "grid_hw"),  # not integers
+        ([[4, 6, 1]], torch.int64, "grid_hw"),  # not [num_images, 2]
+    ],
+)
 def test_bad_grid_raises(grid, dtype, match):
     cfg = tiny_config()
     x = torch.randn(28, cfg.patch_dim)

@@ -60,18 +60,23 @@ def _direct(case_dir: str) -> dict:
     model.train()
     ids, labels, cu = setup["batches"][dist.get_rank()]
     longest = int((cu[1:] - cu[:-1]).max())
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                             max_seqlen_kv=longest)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
     logits = model(ids, None, None, packed_seq_params=params)
     lm = causal_lm_loss(logits, labels, cu, setup["num_items"] / dist.get_world_size())
     indexer_kl = indexer_loss_of(model)
     loss = lm + hf.indexer_loss_coeff * indexer_kl
     loss.backward()
     reduce_gradients(model)
-    return {"block": type(model.decoder).__name__ == AttnResTransformerBlock.__name__,
-            "names": sorted(n for n, _ in model.named_parameters() if "_res_proj" in n or "_res_norm" in n),
-            "logits": logits.detach(), "lm": lm.detach(), "indexer_kl": indexer_kl.detach(),
-            "grads": adapter_state_to_hf(model, config, grads=True)}
+    return {
+        "block": type(model.decoder).__name__ == AttnResTransformerBlock.__name__,
+        "names": sorted(n for n, _ in model.named_parameters() if "_res_proj" in n or "_res_norm" in n),
+        "logits": logits.detach(),
+        "lm": lm.detach(),
+        "indexer_kl": indexer_kl.detach(),
+        "grads": adapter_state_to_hf(model, config, grads=True),
+    }
 
 
 def _trainer(recipe_dict: dict) -> dict:
@@ -80,8 +85,12 @@ def _trainer(recipe_dict: dict) -> dict:
 
     with Trainer(recipe_from_dict(copy.deepcopy(recipe_dict))) as trainer:
         first = trainer.train_step()
-        out = {"first_loss": first, "adapters": trainer.backend.adapter_state(trainer.engine.module),
-               "ep": trainer.layout.expert, "zero3": trainer.zero3}
+        out = {
+            "first_loss": first,
+            "adapters": trainer.backend.adapter_state(trainer.engine.module),
+            "ep": trainer.layout.expert,
+            "zero3": trainer.zero3,
+        }
         seen = {"batches": [], "logits": [], "metrics": []}
         loss_fn, module = trainer.backend.loss, trainer.engine.module
         forward = module.forward
@@ -101,8 +110,9 @@ def _trainer(recipe_dict: dict) -> dict:
         grads = {}
         out["loss"] = trainer.train_step(on_gradients=lambda: grads.update(_full_grads(trainer)))
         out.update(seen, grads=grads)
-        out["partitioned"] = sorted(n for n, p in module.named_parameters()
-                                    if ("_res_proj" in n or "_res_norm" in n) and hasattr(p, "ds_id"))
+        out["partitioned"] = sorted(
+            n for n, p in module.named_parameters() if ("_res_proj" in n or "_res_norm" in n) and hasattr(p, "ds_id")
+        )
     return out
 
 

@@ -18,8 +18,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 H, E, FFN = 16, 4, 12  # hidden, experts, expert width of megatron's own MoE layer
-LATENT = dict(hidden_size=16, num_experts=4, top_k=2, expert_intermediate_size=12, latent_size=8,
-              num_shared_experts=1, shared_intermediate_size=20, activation="situ")
+LATENT = dict(
+    hidden_size=16,
+    num_experts=4,
+    top_k=2,
+    expert_intermediate_size=12,
+    latent_size=8,
+    num_shared_experts=1,
+    shared_intermediate_size=20,
+    activation="situ",
+)
 TOKENS = (5, 3)  # [S, B] per rank
 
 
@@ -123,14 +131,29 @@ def _megatron_moe(scenario: str, seed: int) -> dict:
 
     top_k, rule = MOE_SCENARIOS[scenario]
     g = torch.Generator().manual_seed(seed)
-    weights = {"router": _router_weight(g, H), "fc1": 0.3 * torch.randn(E, 2 * FFN, H, generator=g),
-               "fc2": 0.3 * torch.randn(E, H, FFN, generator=g)}
+    weights = {
+        "router": _router_weight(g, H),
+        "fc1": 0.3 * torch.randn(E, 2 * FFN, H, generator=g),
+        "fc2": 0.3 * torch.randn(E, H, FFN, generator=g),
+    }
     x, grad_out = _rank_tokens(seed, H, rule)
     config = TransformerConfig(
-        num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=2 * H, num_moe_experts=E,
-        moe_router_topk=top_k, moe_ffn_hidden_size=FFN, moe_token_dispatcher_type="alltoall",
-        moe_router_score_function="sigmoid", moe_router_dtype="fp32", gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False, use_cpu_initialization=True)
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=2,
+        ffn_hidden_size=2 * H,
+        num_moe_experts=E,
+        moe_router_topk=top_k,
+        moe_ffn_hidden_size=FFN,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_score_function="sigmoid",
+        moe_router_dtype="fp32",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        use_cpu_initialization=True,
+    )
     spec = get_moe_module_spec(use_te=False, num_experts=E)
     out = {"weights": weights, "x": x, "grad_out": grad_out}
     for tag, pgs in (("ep", None), ("ep1", _single_rank_groups())):
@@ -145,7 +168,10 @@ def _megatron_moe(scenario: str, seed: int) -> dict:
         y, grads = _forward_backward(layer, x, grad_out)
         experts = layer.experts.local_experts
         out[tag] = {
-            "y": y, "x_grad": grads, "local": local, "received": received,
+            "y": y,
+            "x_grad": grads,
+            "local": local,
+            "received": received,
             "router_grad": layer.router.weight.grad.clone(),
             "fc1_grad": torch.stack([_grad(m.linear_fc1.weight) for m in experts]),
             "fc2_grad": torch.stack([_grad(m.linear_fc2.weight) for m in experts]),
@@ -175,13 +201,19 @@ def _latent_moe(scenario: str, seed: int) -> dict:
         reference.gate.e_score_correction_bias.copy_(bias)
     global_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
 
-    config = TransformerConfig(num_layers=1, hidden_size=moe.hidden_size, num_attention_heads=2,
-                               add_bias_linear=False, use_cpu_initialization=True, **megatron_moe_fields(moe))
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=moe.hidden_size,
+        num_attention_heads=2,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        **megatron_moe_fields(moe),
+    )
     layer = LatentMoELayer(config, moe)
     local = layer.local_expert_indices
     state = dict(global_state)
     for kind in ("w1", "w2", "w3"):
-        state[f"experts.{kind}"] = global_state[f"experts.{kind}"][local[0]:local[-1] + 1]
+        state[f"experts.{kind}"] = global_state[f"experts.{kind}"][local[0] : local[-1] + 1]
     layer.load_state_dict(state)
 
     widths, original = [], MoEAlltoAllTokenDispatcher.token_dispatch
@@ -198,9 +230,20 @@ def _latent_moe(scenario: str, seed: int) -> dict:
     finally:
         MoEAlltoAllTokenDispatcher.token_dispatch = original
     grads = {name: _grad(p) for name, p in layer.named_parameters()}
-    return {"moe": LATENT, "global_state": global_state, "x": x, "grad_out": grad_out, "y": y, "x_grad": x_grad,
-            "grads": grads, "local": local, "dispatched_shapes": widths, "received": received,
-            "load": layer.last_load, "state_keys": sorted(layer.state_dict())}
+    return {
+        "moe": LATENT,
+        "global_state": global_state,
+        "x": x,
+        "grad_out": grad_out,
+        "y": y,
+        "x_grad": x_grad,
+        "grads": grads,
+        "local": local,
+        "dispatched_shapes": widths,
+        "received": received,
+        "load": layer.last_load,
+        "state_keys": sorted(layer.state_dict()),
+    }
 
 
 def _gpt_with_latent_moe(seed: int) -> dict:
@@ -216,9 +259,15 @@ def _gpt_with_latent_moe(seed: int) -> dict:
     moe = MoEConfig(**LATENT)
     spec = get_gpt_layer_local_spec(num_experts=moe.num_experts, normalization="RMSNorm")
     spec.submodules.mlp = latent_moe_spec(moe)
-    config = TransformerConfig(num_layers=2, hidden_size=moe.hidden_size, num_attention_heads=2,
-                               add_bias_linear=False, use_cpu_initialization=True, normalization="RMSNorm",
-                               **megatron_moe_fields(moe))
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=moe.hidden_size,
+        num_attention_heads=2,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        normalization="RMSNorm",
+        **megatron_moe_fields(moe),
+    )
     model = GPTModel(config, spec, vocab_size=32, max_sequence_length=8, position_embedding_type="none")
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 32, (2, 8), generator=g)
@@ -231,11 +280,15 @@ def _gpt_with_latent_moe(seed: int) -> dict:
     finally:
         MoEAlltoAllTokenDispatcher.token_dispatch = original
     layers = model.decoder.layers
-    return {"moe": LATENT, "loss": loss.item(), "widths": widths,
-            "mlp_types": [type(layer.mlp).__name__ for layer in layers],
-            "is_moe_layer": [layer.is_moe_layer for layer in layers],
-            "isinstance": all(isinstance(layer.mlp, LatentMoELayer) for layer in layers),
-            "no_grad": [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]}
+    return {
+        "moe": LATENT,
+        "loss": loss.item(),
+        "widths": widths,
+        "mlp_types": [type(layer.mlp).__name__ for layer in layers],
+        "is_moe_layer": [layer.is_moe_layer for layer in layers],
+        "isinstance": all(isinstance(layer.mlp, LatentMoELayer) for layer in layers),
+        "no_grad": [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0],
+    }
 
 
 def _latent_config(moe, **overrides):
@@ -243,8 +296,15 @@ def _latent_config(moe, **overrides):
 
     from moe_plugin.megatron.latent_moe import megatron_moe_fields
 
-    return TransformerConfig(num_layers=1, hidden_size=moe.hidden_size, num_attention_heads=2, add_bias_linear=False,
-                             use_cpu_initialization=True, **megatron_moe_fields(moe), **overrides)
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=moe.hidden_size,
+        num_attention_heads=2,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        **megatron_moe_fields(moe),
+        **overrides,
+    )
 
 
 def _expert_init(seed: int) -> dict:
@@ -254,13 +314,18 @@ def _expert_init(seed: int) -> dict:
 
     moe = MoEConfig(**LATENT)
     out = {}
-    for tag, pgs, overrides in (("ep", None, {}), ("ep1", _single_rank_groups(), {}),
-                                ("bf16", None, dict(params_dtype=torch.bfloat16, bf16=True))):
+    for tag, pgs, overrides in (
+        ("ep", None, {}),
+        ("ep1", _single_rank_groups(), {}),
+        ("bf16", None, dict(params_dtype=torch.bfloat16, bf16=True)),
+    ):
         torch.manual_seed(seed + 11)  # what megatron's seeding leaves behind: equal on every rank
         layer = LatentMoELayer(_latent_config(moe, **overrides), moe, pg_collection=pgs)
-        out[tag] = {"local": layer.local_expert_indices,
-                    "dtypes": {n: p.dtype for n, p in layer.named_parameters()},
-                    **{k: getattr(layer.experts, k).detach().clone() for k in ("w1", "w2", "w3")}}
+        out[tag] = {
+            "local": layer.local_expert_indices,
+            "dtypes": {n: p.dtype for n, p in layer.named_parameters()},
+            **{k: getattr(layer.experts, k).detach().clone() for k in ("w1", "w2", "w3")},
+        }
     return out
 
 
@@ -284,7 +349,7 @@ def _balance(seed: int) -> dict:
     for micro in range(2):
         x, _ = _rank_tokens(seed + 10 * micro, moe.hidden_size, None)  # [S, B, H]
         mask = torch.zeros(x.shape[1], x.shape[0], dtype=torch.bool)  # [B, S], True = padding
-        mask[micro % x.shape[1], 2 + micro:] = True
+        mask[micro % x.shape[1], 2 + micro :] = True
         layer(x, padding_mask=mask)[0].sum().backward()
         batches.append(x)
         masks.append(mask)
@@ -296,11 +361,19 @@ def _balance(seed: int) -> dict:
     total = local.clone()
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     layer.update_routing_bias(total)  # what training.step_math.balance_loads does with the summed load
-    return {"x": batches, "padding_mask": masks, "router": layer.router.weight.detach().clone(),
-            "bias_before": bias_before, "local_load": local, "after_pop": after_pop, "global_load": total,
-            "bias_after": layer.router.e_score_correction_bias.clone(),
-            "found": [type(m).__name__ for m in moe_layers(model)], "top_k": moe.top_k,
-            "rate": moe.bias_update_rate}
+    return {
+        "x": batches,
+        "padding_mask": masks,
+        "router": layer.router.weight.detach().clone(),
+        "bias_before": bias_before,
+        "local_load": local,
+        "after_pop": after_pop,
+        "global_load": total,
+        "bias_after": layer.router.e_score_correction_bias.clone(),
+        "found": [type(m).__name__ for m in moe_layers(model)],
+        "top_k": moe.top_k,
+        "rate": moe.bias_update_rate,
+    }
 
 
 def _rank_tokens(seed: int, hidden: int, rule):

@@ -28,7 +28,8 @@ def run_model_checks(case_dir: str, layouts, scenarios, extras: bool = False, se
         initialize_megatron(expert_model_parallel_size=ep, seed=seed + 1)
         for scenario in scenarios:
             results[f"{scenario}/ep{ep}"] = _guarded(
-                lambda scenario=scenario, ep=ep: _train_step(case_dir, scenario, extras and ep > 1))
+                lambda scenario=scenario, ep=ep: _train_step(case_dir, scenario, extras and ep > 1)
+            )
         if extras and ep > 1:
             results[f"k3/ep{ep}"] = _guarded(lambda: _k3_forward(case_dir))
     return results
@@ -108,13 +109,16 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
     setup = torch.load(os.path.join(path, "setup.pt"))
     config = MoEPluginConfig.from_pretrained(path).to_model_config()
     rank = dist.get_rank()
-    out = {"dp": parallel_state.get_data_parallel_world_size(),
-           "edp": parallel_state.get_expert_data_parallel_world_size(),
-           "ep": parallel_state.get_expert_model_parallel_world_size()}
+    out = {
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "edp": parallel_state.get_expert_data_parallel_world_size(),
+        "ep": parallel_state.get_expert_model_parallel_world_size(),
+    }
 
     model = build_gpt_model(config)
-    out["layer_types"] = [(type(layer.self_attention).__name__, type(layer.mlp).__name__)
-                          for layer in model.decoder.layers]
+    out["layer_types"] = [
+        (type(layer.self_attention).__name__, type(layer.mlp).__name__) for layer in model.decoder.layers
+    ]
     if extras:  # before the real load: strict=False loads the broken checkpoint's weights
         out["load_errors"] = _load_errors(model, os.path.join(case_dir, "broken"), config)
     counts, restore = _count_reads(megatron_loading)
@@ -164,8 +168,9 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
 
         cu = setup["packed_cu_seqlens"]
         longest = int((cu[1:] - cu[:-1]).max())
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
         with torch.no_grad():
             out["packed_logits"] = model(setup["packed"][rank], None, None, packed_seq_params=params)
     return out
@@ -199,8 +204,13 @@ def _k3_forward(case_dir: str) -> dict:
         error = None
     except ValueError as e:
         error = str(e)
-    return {"read": counts, "stats": vars(stats), "local": weights.expert_ranges(model), "logits": logits,
-            "broken_error": error}
+    return {
+        "read": counts,
+        "stats": vars(stats),
+        "local": weights.expert_ranges(model),
+        "logits": logits,
+        "broken_error": error,
+    }
 
 
 def _load_errors(model, broken_dir: str, config) -> dict:
@@ -214,8 +224,11 @@ def _load_errors(model, broken_dir: str, config) -> dict:
             return str(e)
         return None
 
-    return {"missing": message("missing"), "unexpected": message("unexpected"),
-            "unexpected_not_strict": message("unexpected", strict=False)}
+    return {
+        "missing": message("missing"),
+        "unexpected": message("unexpected"),
+        "unexpected_not_strict": message("unexpected", strict=False),
+    }
 
 
 def _spy_groups_used(model, num_groups: int) -> list:

@@ -29,14 +29,19 @@ TOL = 1e-5
 WORLD = 4
 COEFF = 0.5
 WORKERS = Path(__file__).with_name("attn_res_workers.py")
-LORA = dict(r=4, alpha=8, target_modules=["q_proj", "k_proj", "gate", "wq_b", "wk", "weights_proj"],
-            target_parameters=["experts.w1", "experts.w2", "experts.w3"])
+LORA = dict(
+    r=4,
+    alpha=8,
+    target_modules=["q_proj", "k_proj", "gate", "wq_b", "wk", "weights_proj"],
+    target_parameters=["experts.w1", "experts.w2", "experts.w3"],
+)
 CU = torch.tensor([0, 7, 32])  # a document longer than top-8
 
 
 def base_model() -> MoEPluginForCausalLM:
-    config = preset_config("tiny", vision_config=None, image_token_id=None, attn_res_block_size=3, index_topk=8,
-                           indexer_loss_coeff=COEFF)
+    config = preset_config(
+        "tiny", vision_config=None, image_token_id=None, attn_res_block_size=3, index_topk=8, indexer_loss_coeff=COEFF
+    )
     torch.manual_seed(0)
     model = MoEPluginForCausalLM(config)
     with torch.no_grad():
@@ -75,13 +80,16 @@ def reference(model, batches, num_items):
     model.zero_grad(set_to_none=True)
     ids = torch.cat([b[0] for b in batches], dim=1)
     labels = torch.cat([b[1] for b in batches], dim=1)
-    cu = torch.cat([torch.zeros(1, dtype=torch.long)] +
-                   [b[2][1:] + i * b[0].shape[1] for i, b in enumerate(batches)])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long)] + [b[2][1:] + i * b[0].shape[1] for i, b in enumerate(batches)])
     out = model(input_ids=ids, labels=labels, cu_seqlens=cu, num_items_in_batch=num_items)
     out.loss.backward()
     grads = {n.replace(".default.", "."): p.grad.clone() for n, p in model.named_parameters() if ".lora_" in n}
-    return {"logits": out.logits.detach().split(batches[0][0].shape[1], dim=1), "loss": out.loss.detach(),
-            "indexer_kl": out.indexer_loss.detach(), "grads": grads}
+    return {
+        "logits": out.logits.detach().split(batches[0][0].shape[1], dim=1),
+        "loss": out.loss.detach(),
+        "indexer_kl": out.indexer_loss.detach(),
+        "grads": grads,
+    }
 
 
 def _rel(a, b):
@@ -95,8 +103,9 @@ def case(tmp_path_factory):
     base_model().save_pretrained(root / "base", max_shard_size="100KB")
     ByteTokenizer().save_pretrained(root / "base")  # a base the trainer reads brings its tokenizer
     model = hf_lora_model(root / "base")
-    adapters = {n.replace("base_model.model.", "", 1): p.detach().clone()
-                for n, p in model.named_parameters() if ".lora_" in n}
+    adapters = {
+        n.replace("base_model.model.", "", 1): p.detach().clone() for n, p in model.named_parameters() if ".lora_" in n
+    }
     g = torch.Generator().manual_seed(7)
     batches = []
     for _ in range(WORLD):
@@ -107,20 +116,28 @@ def case(tmp_path_factory):
     num_items = sum(label_token_count(labels[0], cu) for _, labels, cu in batches)
     torch.save({"lora": LORA, "adapters": adapters, "batches": batches, "num_items": num_items}, root / "setup.pt")
     recipe = {
-        "output_dir": str(root / "run"), "seed": 3, "deepspeed": "ds_configs/zero3_lora.json",
+        "output_dir": str(root / "run"),
+        "seed": 3,
+        "deepspeed": "ds_configs/zero3_lora.json",
         "model": {"from_pretrained": str(root / "base")},
-        "lora": {"r": LORA["r"], "alpha": LORA["alpha"], "target_modules": LORA["target_modules"],
-                 "target_parameters": LORA["target_parameters"],
-                 # the reference has no balance term (its equality across faces: tests/training/test_trainer.py)
-                 "router_balance": {"aux_loss_coeff": 0.0}},
+        "lora": {
+            "r": LORA["r"],
+            "alpha": LORA["alpha"],
+            "target_modules": LORA["target_modules"],
+            "target_parameters": LORA["target_parameters"],
+            # the reference has no balance term (its equality across faces: tests/training/test_trainer.py)
+            "router_balance": {"aux_loss_coeff": 0.0},
+        },
         "data": {"kind": "arithmetic", "operation": "-", "num_documents": 200, "seq_len": 48, "eval_fraction": 0.05},
         "parallel": {"backend": "megatron", "expert_parallel_size": 2},
         "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 2e-2, "warmup_steps": 0, "clip_grad_norm": None},
-        "eval": {"every": 0, "batches": 1}, "checkpoint": {"every": 0, "keep": 1},
+        "eval": {"every": 0, "batches": 1},
+        "checkpoint": {"every": 0, "keep": 1},
         "logging": {"every": 1, "progress_bar": False},
     }
-    results = run_distributed(f"{WORKERS}:run_checks", world_size=WORLD, timeout_s=900, case_dir=str(root),
-                              recipe=recipe)
+    results = run_distributed(
+        f"{WORKERS}:run_checks", world_size=WORLD, timeout_s=900, case_dir=str(root), recipe=recipe
+    )
     for rank, result in enumerate(results):
         for name, got in result.items():
             if "error" in got:
@@ -145,8 +162,11 @@ def test_ep1_with_attn_res_and_indexer_loss_equals_hf(case):
     for rank, got in enumerate(results):
         err = _rel(got["logits"], ref["logits"][rank])
         assert err <= TOL, f"rank {rank}: logits rel err {err:.2e} vs the HF model"
-        _compare_grads({"base_model.model." + k.replace(".default.", "."): v for k, v in got["grads"].items()},
-                       ref["grads"], f"rank {rank} EP=1")
+        _compare_grads(
+            {"base_model.model." + k.replace(".default.", "."): v for k, v in got["grads"].items()},
+            ref["grads"],
+            f"rank {rank} EP=1",
+        )
     loss = sum(r["lm"] + COEFF * r["indexer_kl"] for r in results) / WORLD
     kl = sum(r["indexer_kl"] for r in results) / WORLD
     assert ref["indexer_kl"] > 1e-2, "premise: the indexer's KL is not negligible"

@@ -69,8 +69,9 @@ def test_starved_expert_gets_no_tokens_on_its_rank(ep_check):
     sent = sum(r["ep"]["sent"] for r in ranks)
     assert sent[3] == 0 and (sent[:3] > 0).all(), f"scenario premise broken: tokens per expert {sent.tolist()}"
     received = ranks[1]["ep"]["received"]
-    assert len(received) == 1 and received[0].tolist() == [int(sent[2]), 0], \
+    assert len(received) == 1 and received[0].tolist() == [int(sent[2]), 0], (
         f"EP rank 1 should compute expert 2 only, got tokens per local expert {received}"
+    )
 
 
 def test_all_tokens_to_one_expert(ep_check):

@@ -43,7 +43,7 @@ def test_latent_ep2_matches_single_device(ep_check, rel_err, scenario):
         local = got["local"]
         for name, grad in got["grads"].items():
             # Expert weights see every rank's tokens; the rest only this rank's (no data-parallel reduction here).
-            expected = expert_sum[name][local[0]:local[-1] + 1] if name in EXPERT_KEYS else want["grads"][name]
+            expected = expert_sum[name][local[0] : local[-1] + 1] if name in EXPERT_KEYS else want["grads"][name]
             err = rel_err(grad, expected)
             assert err < TOL, f"rank {rank} grad of {name}: rel err {err:.2e}"
 
@@ -55,7 +55,8 @@ def test_dispatcher_moves_latent_width_tokens(ep_check, scenario):
         want = (n_tokens * got["moe"]["top_k"], got["moe"]["latent_size"])
         assert got["moe"]["latent_size"] < got["moe"]["hidden_size"] and got["dispatched_shapes"] == [want], (
             f"rank {rank}: token_dispatch should see one [tokens x top_k, latent] tensor, "
-            f"saw {got['dispatched_shapes']}")
+            f"saw {got['dispatched_shapes']}"
+        )
 
 
 def test_starved_latent_expert(ep_check):
@@ -79,10 +80,17 @@ def test_latent_moe_spec_in_megatron_gpt_model(ep_check):
         assert got["no_grad"] == [], f"rank {rank}: parameters without gradient: {got['no_grad']}"
 
 
-@pytest.mark.parametrize("field, value", [
-    ("num_moe_experts", 8), ("moe_router_topk", 3), ("moe_shared_expert_intermediate_size", None),
-    ("moe_token_dispatcher_type", "allgather"), ("hidden_size", 32), ("moe_latent_size", 8),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("num_moe_experts", 8),
+        ("moe_router_topk", 3),
+        ("moe_shared_expert_intermediate_size", None),
+        ("moe_token_dispatcher_type", "allgather"),
+        ("hidden_size", 32),
+        ("moe_latent_size", 8),
+    ],
+)
 def test_config_mismatch_names_the_field(field, value):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -102,8 +110,9 @@ def test_experts_start_equal_to_the_ep1_slice_and_distinct(ep_check):
         local = got["ep"]["local"]
         assert got["ep1"]["local"] == [0, 1, 2, 3] and local == [2 * rank, 2 * rank + 1]
         for k in ("w1", "w2", "w3"):
-            assert torch.equal(got["ep"][k], got["ep1"][k][local[0]:local[-1] + 1]), \
+            assert torch.equal(got["ep"][k], got["ep1"][k][local[0] : local[-1] + 1]), (
                 f"rank {rank} {k}: EP=2 experts must equal experts {local} of the EP=1 layer"
+            )
             full = got["ep1"][k]
             for i in range(full.shape[0]):
                 for j in range(i):
@@ -136,29 +145,39 @@ def test_latent_load_accumulates_skips_padding_and_balances_globally(ep_check):
     ranks = ep_check("latent/balance")
     total = 0
     for rank, got in enumerate(ranks):
-        want = sum(loop_load(x, m, got["router"], got["bias_before"], got["top_k"])
-                   for x, m in zip(got["x"], got["padding_mask"]))
+        want = sum(
+            loop_load(x, m, got["router"], got["bias_before"], got["top_k"])
+            for x, m in zip(got["x"], got["padding_mask"])
+        )
         assert torch.equal(got["local_load"], want), f"rank {rank}: load {got['local_load']} vs loop {want}"
         assert got["after_pop"] is None, "pop_load must reset the count"
         assert got["found"] == ["LatentMoELayer"]
         total = total + want
     padded = sum(int(m.sum()) for m in ranks[0]["padding_mask"])
     assert padded > 0 and total.sum() == ranks[0]["top_k"] * sum(
-        x.shape[0] * x.shape[1] - int(m.sum()) for r in ranks for x, m in zip(r["x"], r["padding_mask"]))
+        x.shape[0] * x.shape[1] - int(m.sum()) for r in ranks for x, m in zip(r["x"], r["padding_mask"])
+    )
     want_bias = ranks[0]["bias_before"] + ranks[0]["rate"] * torch.sign(total.mean() - total)
     for rank, got in enumerate(ranks):
         assert torch.equal(got["global_load"], total), f"rank {rank}: the load must be summed over the ranks"
         assert rel_err_plain(got["bias_after"], want_bias) < 1e-6, f"rank {rank}: bias {got['bias_after']}"
 
 
-@pytest.mark.parametrize("field, value, instead", [
-    ("moe_aux_loss_coeff", 0.01, "bias_update_rate"), ("moe_z_loss_coeff", 0.001, "z-loss"),
-    ("moe_router_padding_for_quantization", True, "padding"), ("moe_router_padding_for_fp8", True, "padding"),
-    ("moe_router_force_load_balancing", True, "e_score_correction_bias"),
-    ("moe_router_num_groups", 2, "MoEConfig.num_groups"), ("moe_router_group_topk", 1, "MoEConfig.topk_groups"),
-    ("moe_router_topk_scaling_factor", 2.0, "MoEConfig.routed_scaling_factor"),
-    ("moe_router_enable_expert_bias", True, "e_score_correction_bias"), ("moe_input_jitter_eps", 0.01, "jitter"),
-])
+@pytest.mark.parametrize(
+    "field, value, instead",
+    [
+        ("moe_aux_loss_coeff", 0.01, "bias_update_rate"),
+        ("moe_z_loss_coeff", 0.001, "z-loss"),
+        ("moe_router_padding_for_quantization", True, "padding"),
+        ("moe_router_padding_for_fp8", True, "padding"),
+        ("moe_router_force_load_balancing", True, "e_score_correction_bias"),
+        ("moe_router_num_groups", 2, "MoEConfig.num_groups"),
+        ("moe_router_group_topk", 1, "MoEConfig.topk_groups"),
+        ("moe_router_topk_scaling_factor", 2.0, "MoEConfig.routed_scaling_factor"),
+        ("moe_router_enable_expert_bias", True, "e_score_correction_bias"),
+        ("moe_input_jitter_eps", 0.01, "jitter"),
+    ],
+)
 def test_unread_megatron_router_options_are_refused(field, value, instead):
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -25,12 +25,18 @@ from moe_plugin.testing.launch import run_distributed
 
 TOL = 1e-5
 WORKERS = Path(__file__).with_name("model_workers.py")
-LORA = dict(r=4, alpha=8, target_modules=["q_proj", "k_proj", "gate"],
-            target_parameters=["experts.w1", "experts.w2", "experts.w3"])
-SCENARIOS = {"mixed": ({}, ("avoid", 1)),
-             "one_expert": (dict(num_experts_per_token=1, moe_renormalize=False), ("force", 6)),
-             # top_k (4) above the experts per rank at EP=4 (2), group-limited: 4 groups of 2, best 2 eligible
-             "grouped": (dict(num_experts_per_token=4, num_expert_group=4, topk_group=2), None)}
+LORA = dict(
+    r=4,
+    alpha=8,
+    target_modules=["q_proj", "k_proj", "gate"],
+    target_parameters=["experts.w1", "experts.w2", "experts.w3"],
+)
+SCENARIOS = {
+    "mixed": ({}, ("avoid", 1)),
+    "one_expert": (dict(num_experts_per_token=1, moe_renormalize=False), ("force", 6)),
+    # top_k (4) above the experts per rank at EP=4 (2), group-limited: 4 groups of 2, best 2 eligible
+    "grouped": (dict(num_experts_per_token=4, num_expert_group=4, topk_group=2), None),
+}
 WORLD2_SCENARIOS, WORLD4_SCENARIOS = ["mixed", "one_expert"], ["mixed", "grouped"]
 BATCH, SEQ, WORLD_MAX = 2, 16, 4
 PACKED_CU = torch.tensor([0, 5, 11, 16])
@@ -80,8 +86,10 @@ def case(tmp_path_factory):
         model = build_reference(scenario)
         model.save_pretrained(root / scenario, max_shard_size="100KB")
         adapters = add_reference_lora(model)
-        torch.save({"lora": LORA, "adapters": adapters, "batches": batches, "packed": packed,
-                    "packed_cu_seqlens": PACKED_CU}, root / scenario / "setup.pt")
+        torch.save(
+            {"lora": LORA, "adapters": adapters, "batches": batches, "packed": packed, "packed_cu_seqlens": PACKED_CU},
+            root / scenario / "setup.pt",
+        )
         models[scenario] = model
     save_k3_checkpoint(build_reference("mixed", seed=3, use_dsa_indexer=False), root / "k3", max_shard_size="100KB")
     k3 = {}
@@ -92,8 +100,10 @@ def case(tmp_path_factory):
     (root / "broken" / "k3").mkdir(parents=True)
     save_file(k3, str(root / "broken" / "k3" / "model.safetensors"))
     state = {k: v.detach().clone().contiguous() for k, v in build_reference("mixed").state_dict().items()}
-    for name, broken in (("missing", {k: v for k, v in state.items() if k != "model.norm.weight"}),
-                         ("unexpected", state | {"model.layers.9.self_attn.q_proj.weight": torch.zeros(1)})):
+    for name, broken in (
+        ("missing", {k: v for k, v in state.items() if k != "model.norm.weight"}),
+        ("unexpected", state | {"model.layers.9.self_attn.q_proj.weight": torch.zeros(1)}),
+    ):
         (root / "broken" / name).mkdir()
         save_file(broken, str(root / "broken" / name / "model.safetensors"))
     return {"root": root, "models": models, "batches": batches, "packed": packed}
@@ -106,14 +116,24 @@ def _reference(model, batches):
     out = model(input_ids=tokens)
     loss = causal_lm_loss(out.logits, tokens)
     loss.backward()
-    grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-             for n, p in model.named_parameters() if ".lora_" in n}
+    grads = {
+        n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        for n, p in model.named_parameters()
+        if ".lora_" in n
+    }
     return {"logits": out.logits.detach().split(BATCH), "loss": loss.detach(), "grads": grads}
 
 
 def _launch(case, world, layouts, scenarios, extras):
-    results = run_distributed(f"{WORKERS}:run_model_checks", world_size=world, timeout_s=400,
-                              case_dir=str(case["root"]), layouts=layouts, scenarios=scenarios, extras=extras)
+    results = run_distributed(
+        f"{WORKERS}:run_model_checks",
+        world_size=world,
+        timeout_s=400,
+        case_dir=str(case["root"]),
+        layouts=layouts,
+        scenarios=scenarios,
+        extras=extras,
+    )
     for rank, result in enumerate(results):
         for name, got in result.items():
             if "error" in got:
@@ -160,8 +180,10 @@ def test_ep1_matches_hf_logits_and_lora_grads(world2, scenario):
     assert _rel(mean_loss, ref["loss"]) <= TOL
 
 
-@pytest.mark.parametrize("world, ep, scenario", [(2, 2, "mixed"), (2, 2, "one_expert"), (4, 2, "mixed"),
-                                                 (4, 4, "mixed"), (4, 2, "grouped"), (4, 4, "grouped")])
+@pytest.mark.parametrize(
+    "world, ep, scenario",
+    [(2, 2, "mixed"), (2, 2, "one_expert"), (4, 2, "mixed"), (4, 4, "mixed"), (4, 2, "grouped"), (4, 4, "grouped")],
+)
 def test_expert_parallel_matches_ep1_and_hf(world2, world4, world, ep, scenario):
     results, refs = world2 if world == 2 else world4
     ref = refs[scenario]
@@ -234,8 +256,9 @@ def test_dispatcher_moves_latent_width_tokens_through_the_model(world2):
 
 def test_schedule_of_attention_and_mlp_kinds(world2):
     got = world2[0][0]["mixed/ep2"]["layer_types"]
-    assert got == [("KDASelfAttention", "DenseMLP")] + [("KDASelfAttention", "LatentMoELayer")] * 2 + \
-        [("GatedDSASelfAttention", "LatentMoELayer")]
+    assert got == [("KDASelfAttention", "DenseMLP")] + [("KDASelfAttention", "LatentMoELayer")] * 2 + [
+        ("GatedDSASelfAttention", "LatentMoELayer")
+    ]
 
 
 def test_rank_reads_only_its_own_experts(case, world2, world4):
@@ -282,8 +305,10 @@ def test_packed_sequences_match_hf_cu_seqlens(case, world2):
 
 def test_load_errors_name_the_checkpoint_problem(world2):
     got = world2[0][0]["mixed/ep2"]["load_errors"]
-    assert got["missing"].startswith("checkpoint: 1 tensors of the model are missing") and "model.norm.weight" in \
-        got["missing"], got
+    assert (
+        got["missing"].startswith("checkpoint: 1 tensors of the model are missing")
+        and "model.norm.weight" in got["missing"]
+    ), got
     assert got["unexpected"].startswith("checkpoint: 1 tensors the model does not have"), got
     assert got["unexpected_not_strict"] is None, "strict=False must load past extra tensors"
 

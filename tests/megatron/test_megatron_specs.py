@@ -15,8 +15,13 @@ from moe_plugin.layers.kda import KDAAttention
 from moe_plugin.layers.mlp import GLUMLP
 from moe_plugin.layers.stacked_experts import StackedExperts
 from moe_plugin.megatron import specs
-from moe_plugin.megatron.adapters import (DenseMLP, GatedDSASelfAttention, KDASelfAttention, MegatronRMSNorm,
-                                          packed_cu_seqlens)
+from moe_plugin.megatron.adapters import (
+    DenseMLP,
+    GatedDSASelfAttention,
+    KDASelfAttention,
+    MegatronRMSNorm,
+    packed_cu_seqlens,
+)
 from moe_plugin.megatron.attn_res_block import AttnResTransformerLayer
 from moe_plugin.megatron.latent_moe import LatentMoELayer
 from moe_plugin.megatron.recompute_layer import CheckpointedTransformerLayer
@@ -38,17 +43,22 @@ def rel(a, b):
 
 
 def test_block_spec_follows_the_schedule():
-    config = model_config(num_hidden_layers=5, layer_types=["kda", "mla", "kda", "kda", "mla"],
-                          first_k_dense_replace=2)
+    config = model_config(num_hidden_layers=5, layer_types=["kda", "mla", "kda", "kda", "mla"], first_k_dense_replace=2)
     block = specs.decoder_block_spec(config)
     assert block.layer_norm is MegatronRMSNorm and len(block.layer_specs) == 5
     attention = [s.submodules.self_attention.module for s in block.layer_specs]
     mlp = [s.submodules.mlp.module for s in block.layer_specs]
     # megatron's layer with this project's activation checkpointing (megatron/recompute_layer.py)
-    assert all(s.module is CheckpointedTransformerLayer and issubclass(s.module, TransformerLayer)
-               for s in block.layer_specs)
-    assert attention == [KDASelfAttention, GatedDSASelfAttention, KDASelfAttention, KDASelfAttention,
-                         GatedDSASelfAttention]
+    assert all(
+        s.module is CheckpointedTransformerLayer and issubclass(s.module, TransformerLayer) for s in block.layer_specs
+    )
+    assert attention == [
+        KDASelfAttention,
+        GatedDSASelfAttention,
+        KDASelfAttention,
+        KDASelfAttention,
+        GatedDSASelfAttention,
+    ]
     assert mlp == [DenseMLP, DenseMLP, LatentMoELayer, LatentMoELayer, LatentMoELayer]
     assert block.layer_specs[0].submodules.mlp.params["intermediate_size"] == config.dense_intermediate_size
     assert block.layer_specs[4].submodules.self_attention.params["mla"] is config.mla
@@ -58,10 +68,12 @@ def test_attn_res_block_spec_uses_the_attn_res_layer_with_the_same_submodules():
     plain = specs.decoder_block_spec(model_config())
     config = model_config(attn_res=True, attn_res_block_size=3)
     block = specs.decoder_block_spec(config, indexer_loss=True)
-    assert all(s.module is AttnResTransformerLayer and s.params == {"attn_res_block_size": 3}
-               for s in block.layer_specs)
-    assert [s.submodules for s in block.layer_specs] == [s.submodules for s in plain.layer_specs[:3]] + \
-        [block.layer_specs[3].submodules]
+    assert all(
+        s.module is AttnResTransformerLayer and s.params == {"attn_res_block_size": 3} for s in block.layer_specs
+    )
+    assert [s.submodules for s in block.layer_specs] == [s.submodules for s in plain.layer_specs[:3]] + [
+        block.layer_specs[3].submodules
+    ]
     assert block.layer_specs[3].submodules.self_attention.params["indexer_loss"] is True
     assert plain.layer_specs[3].submodules.self_attention.params["indexer_loss"] is False
 
@@ -74,22 +86,36 @@ def test_transformer_config_has_no_positions_dropout_or_fusions():
     assert tc.num_moe_experts == 8 and tc.moe_router_topk == 2
 
 
-@pytest.mark.parametrize("call, field", [
-    (lambda: AttnResTransformerLayer(specs.transformer_config(model_config()), None, attn_res_block_size=0),
-     "attn_res_block_size"),
-    (lambda: specs.decoder_layer_spec(model_config(), 4), "layer_idx"),
-    (lambda: specs.kda_attention_spec(model_config().mla), "kda"),
-    (lambda: specs.gated_dsa_attention_spec(model_config().kda), "mla"),
-    (lambda: specs.moe_mlp_spec(model_config().kda), "moe"),
-    (lambda: specs.decoder_block_spec({"num_layers": 4}), "config"),
-    (lambda: specs.dense_mlp_spec(model_config(first_k_dense_replace=0, intermediate_size=0)),
-     "ModelConfig.dense_intermediate_size"),
-    (lambda: specs.transformer_config(model_config(), tensor_model_parallel_size=2),
-     "TransformerConfig.tensor_model_parallel_size"),
-    (lambda: specs.transformer_config(model_config(), layernorm_epsilon=1e-6), "TransformerConfig.layernorm_epsilon"),
-    (lambda: specs.transformer_config(model_config(), bias_dropout_fusion=True),
-     "TransformerConfig.bias_dropout_fusion"),
-])
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (
+            lambda: AttnResTransformerLayer(specs.transformer_config(model_config()), None, attn_res_block_size=0),
+            "attn_res_block_size",
+        ),
+        (lambda: specs.decoder_layer_spec(model_config(), 4), "layer_idx"),
+        (lambda: specs.kda_attention_spec(model_config().mla), "kda"),
+        (lambda: specs.gated_dsa_attention_spec(model_config().kda), "mla"),
+        (lambda: specs.moe_mlp_spec(model_config().kda), "moe"),
+        (lambda: specs.decoder_block_spec({"num_layers": 4}), "config"),
+        (
+            lambda: specs.dense_mlp_spec(model_config(first_k_dense_replace=0, intermediate_size=0)),
+            "ModelConfig.dense_intermediate_size",
+        ),
+        (
+            lambda: specs.transformer_config(model_config(), tensor_model_parallel_size=2),
+            "TransformerConfig.tensor_model_parallel_size",
+        ),
+        (
+            lambda: specs.transformer_config(model_config(), layernorm_epsilon=1e-6),
+            "TransformerConfig.layernorm_epsilon",
+        ),
+        (
+            lambda: specs.transformer_config(model_config(), bias_dropout_fusion=True),
+            "TransformerConfig.bias_dropout_fusion",
+        ),
+    ],
+)
 def test_preconditions_name_the_field(call, field):
     with pytest.raises(ValueError, match=f"^{field}"):
         call()
@@ -99,13 +125,19 @@ def _packed(cu, **kw):
     return PackedSeqParams(qkv_format=kw.pop("qkv_format", "thd"), cu_seqlens_q=cu, cu_seqlens_kv=cu, **kw)
 
 
-@pytest.mark.parametrize("params, batch, field", [
-    (_packed(torch.tensor([0, 3, 8])), 2, "packed_seq_params"),
-    (_packed(torch.tensor([0, 3, 8]), qkv_format="sbhd"), 1, "packed_seq_params.qkv_format"),
-    (_packed(torch.tensor([0, 3, 8]), cu_seqlens_q_padded=torch.tensor([0, 4, 8])), 1,
-     "packed_seq_params.cu_seqlens_q_padded"),
-    (PackedSeqParams(qkv_format="thd"), 1, "packed_seq_params.cu_seqlens_q"),
-])
+@pytest.mark.parametrize(
+    "params, batch, field",
+    [
+        (_packed(torch.tensor([0, 3, 8])), 2, "packed_seq_params"),
+        (_packed(torch.tensor([0, 3, 8]), qkv_format="sbhd"), 1, "packed_seq_params.qkv_format"),
+        (
+            _packed(torch.tensor([0, 3, 8]), cu_seqlens_q_padded=torch.tensor([0, 4, 8])),
+            1,
+            "packed_seq_params.cu_seqlens_q_padded",
+        ),
+        (PackedSeqParams(qkv_format="thd"), 1, "packed_seq_params.cu_seqlens_q"),
+    ],
+)
 def test_packed_seq_params_checks(params, batch, field):
     with pytest.raises(ValueError, match=f"^{field}"):
         packed_cu_seqlens(params, batch)
@@ -145,8 +177,11 @@ def test_dense_mlp_adapter_equals_the_glu_mlp():
 
 def test_name_table_round_trips_every_hf_tensor():
     config = model_config()
-    names = list(MoEPluginForCausalLM(preset_config("tiny", attn_res=False, vision_config=None,
-                                                    image_token_id=None)).state_dict())
+    names = list(
+        MoEPluginForCausalLM(
+            preset_config("tiny", attn_res=False, vision_config=None, image_token_id=None)
+        ).state_dict()
+    )
     assert len({hf for hf, _, _ in NAME_TABLE}) == len(NAME_TABLE)
     for name in names:
         mg = hf_to_megatron_name(name, config)

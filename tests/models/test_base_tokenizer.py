@@ -66,8 +66,11 @@ def test_subword_chat_tokens(subword):
 
 
 def test_config_image_token_out_of_range_is_refused(subword):
-    with pytest.raises(ValueError, match=r"^config.json: image_token_id must be a token id below the tokenizer's "
-                                         r"240 tokens, got 259"):
+    with pytest.raises(
+        ValueError,
+        match=r"^config.json: image_token_id must be a token id below the tokenizer's "
+        r"240 tokens, got 259",
+    ):
         chat_tokens(subword, {"image_token_id": 259})  # the byte base's id does not fit this vocabulary
 
 
@@ -95,8 +98,11 @@ def test_build_is_deterministic_and_the_shipped_copy_is_current(tmp_path):
 def test_directory_without_tokenizer_is_refused(tmp_path):
     # a config.json alone would get this model type's byte tokenizer from AutoTokenizer, silently
     shutil.copy(BYTE_BASE / "config.json", tmp_path / "config.json")
-    with pytest.raises(ValueError, match=r"^model.from_pretrained: .* holds no tokenizer \(none of "
-                                         r"tokenizer_config.json, .*\); copy the base's tokenizer files"):
+    with pytest.raises(
+        ValueError,
+        match=r"^model.from_pretrained: .* holds no tokenizer \(none of "
+        r"tokenizer_config.json, .*\); copy the base's tokenizer files",
+    ):
         load_base_tokenizer(str(tmp_path))
 
 
@@ -118,8 +124,11 @@ def test_broken_tokenizer_files_are_refused_naming_the_path(tmp_path):
 
 def test_auto_map_in_config_json_is_refused_without_trust(tmp_path):
     base = copy_subword(tmp_path / "base", model_type="kimi_k3", auto_map={"AutoConfig": "configuration_k3.K3Config"})
-    with pytest.raises(ValueError, match=r"^model.trust_remote_code: .*config.json maps to code shipped in the "
-                                         r"directory \(configuration_k3.K3Config\).*set model.trust_remote_code"):
+    with pytest.raises(
+        ValueError,
+        match=r"^model.trust_remote_code: .*config.json maps to code shipped in the "
+        r"directory \(configuration_k3.K3Config\).*set model.trust_remote_code",
+    ):
         load_base_tokenizer(str(base))
 
 
@@ -146,12 +155,20 @@ print(json.dumps(result))
 def test_remote_code_tokenizer_refused_without_trust_and_loaded_with_it(tmp_path):
     # a fresh process, so that no earlier import of the fixture's module can hide one made here
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    out = subprocess.run([sys.executable, "-c", _REMOTE_CHECK, str(REMOTE)], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", _REMOTE_CHECK, str(REMOTE)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["refused"].startswith(f"model.trust_remote_code: {REMOTE}/tokenizer_config.json maps to code "
-                                        f"shipped in the directory (tokenization_tiny.TinyRemoteTokenizer)")
+    assert result["refused"].startswith(
+        f"model.trust_remote_code: {REMOTE}/tokenizer_config.json maps to code "
+        f"shipped in the directory (tokenization_tiny.TinyRemoteTokenizer)"
+    )
     assert "\n" not in result["refused"]
     assert result["imported_before"] == [] and result["copied_before"] == []
     assert result["cls"] == "TinyRemoteTokenizer" and len(result["imported_after"]) == 1

@@ -13,8 +13,9 @@ from moe_plugin.models.presets import tiny
 
 def test_default_schedule_is_three_kda_to_one_full_attention():
     config = MoEPluginConfig(num_hidden_layers=8)
-    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"] + \
-        ["linear_attention"] * 3 + ["full_attention"]
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"
+    ]
 
 
 def test_k3_preset_schedule_and_sizes():
@@ -32,9 +33,19 @@ def test_config_round_trips_through_auto_config(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert type(loaded) is MoEPluginConfig
-    for key in ("layer_types", "use_dsa_indexer", "index_topk", "hidden_act", "attn_res", "num_experts",
-                "routed_expert_hidden_size", "num_shared_experts", "first_k_dense_replace", "linear_attn_config",
-                "vision_config"):
+    for key in (
+        "layer_types",
+        "use_dsa_indexer",
+        "index_topk",
+        "hidden_act",
+        "attn_res",
+        "num_experts",
+        "routed_expert_hidden_size",
+        "num_shared_experts",
+        "first_k_dense_replace",
+        "linear_attn_config",
+        "vision_config",
+    ):
         assert getattr(loaded, key) == getattr(config, key), key
 
 
@@ -42,49 +53,80 @@ def _layer(model, i):
     return model.model.layers[i]
 
 
-@pytest.mark.parametrize("overrides, check", [
-    (dict(layer_types=["kda", "mla", "kda", "mla"]),
-     lambda m: [type(layer.self_attn) for layer in m.model.layers] == [KDAAttention, GatedMLAAttention] * 2),
-    (dict(use_dsa_indexer=False), lambda m: _layer(m, 3).self_attn.indexer is None),
-    (dict(use_dsa_indexer=True, index_topk=5),
-     lambda m: _layer(m, 3).self_attn.indexer is not None and _layer(m, 3).self_attn.config.index_topk == 5),
-    (dict(hidden_act="swiglu"), lambda m: _layer(m, 1).block_sparse_moe.experts.activation == "swiglu"
-     and _layer(m, 0).mlp.activation == "swiglu"),
-    (dict(attn_res=False), lambda m: not hasattr(_layer(m, 0), "mlp_res_proj")
-     and not hasattr(m.model, "output_attn_res_proj")),
-    (dict(attn_res=True), lambda m: hasattr(_layer(m, 0), "mlp_res_proj") and hasattr(m.model, "output_attn_res_proj")),
-    (dict(num_experts=6, num_experts_per_token=3),
-     lambda m: _layer(m, 1).block_sparse_moe.experts.w1.shape[0] == 6 and _layer(m, 1).block_sparse_moe.top_k == 3),
-    (dict(routed_expert_hidden_size=None),
-     lambda m: not hasattr(_layer(m, 1).block_sparse_moe, "routed_expert_down_proj")
-     and _layer(m, 1).block_sparse_moe.experts.w1.shape[2] == 64),
-    (dict(routed_expert_hidden_size=16), lambda m: _layer(m, 1).block_sparse_moe.experts.w1.shape[2] == 16),
-    (dict(num_shared_experts=0), lambda m: not hasattr(_layer(m, 1).block_sparse_moe, "shared_experts")),
-    (dict(num_shared_experts=2), lambda m: _layer(m, 1).block_sparse_moe.shared_experts.up_proj.out_features == 64),
-    (dict(first_k_dense_replace=2),
-     lambda m: [hasattr(layer, "mlp") for layer in m.model.layers] == [True, True, False, False]),
-    (dict(first_k_dense_replace=0), lambda m: all(hasattr(layer, "block_sparse_moe") for layer in m.model.layers)),
-])
+@pytest.mark.parametrize(
+    "overrides, check",
+    [
+        (
+            dict(layer_types=["kda", "mla", "kda", "mla"]),
+            lambda m: [type(layer.self_attn) for layer in m.model.layers] == [KDAAttention, GatedMLAAttention] * 2,
+        ),
+        (dict(use_dsa_indexer=False), lambda m: _layer(m, 3).self_attn.indexer is None),
+        (
+            dict(use_dsa_indexer=True, index_topk=5),
+            lambda m: _layer(m, 3).self_attn.indexer is not None and _layer(m, 3).self_attn.config.index_topk == 5,
+        ),
+        (
+            dict(hidden_act="swiglu"),
+            lambda m: (
+                _layer(m, 1).block_sparse_moe.experts.activation == "swiglu" and _layer(m, 0).mlp.activation == "swiglu"
+            ),
+        ),
+        (
+            dict(attn_res=False),
+            lambda m: not hasattr(_layer(m, 0), "mlp_res_proj") and not hasattr(m.model, "output_attn_res_proj"),
+        ),
+        (
+            dict(attn_res=True),
+            lambda m: hasattr(_layer(m, 0), "mlp_res_proj") and hasattr(m.model, "output_attn_res_proj"),
+        ),
+        (
+            dict(num_experts=6, num_experts_per_token=3),
+            lambda m: (
+                _layer(m, 1).block_sparse_moe.experts.w1.shape[0] == 6 and _layer(m, 1).block_sparse_moe.top_k == 3
+            ),
+        ),
+        (
+            dict(routed_expert_hidden_size=None),
+            lambda m: (
+                not hasattr(_layer(m, 1).block_sparse_moe, "routed_expert_down_proj")
+                and _layer(m, 1).block_sparse_moe.experts.w1.shape[2] == 64
+            ),
+        ),
+        (dict(routed_expert_hidden_size=16), lambda m: _layer(m, 1).block_sparse_moe.experts.w1.shape[2] == 16),
+        (dict(num_shared_experts=0), lambda m: not hasattr(_layer(m, 1).block_sparse_moe, "shared_experts")),
+        (dict(num_shared_experts=2), lambda m: _layer(m, 1).block_sparse_moe.shared_experts.up_proj.out_features == 64),
+        (
+            dict(first_k_dense_replace=2),
+            lambda m: [hasattr(layer, "mlp") for layer in m.model.layers] == [True, True, False, False],
+        ),
+        (dict(first_k_dense_replace=0), lambda m: all(hasattr(layer, "block_sparse_moe") for layer in m.model.layers)),
+    ],
+)
 def test_model_follows_config(overrides, check):
     model = MoEPluginForCausalLM(moe_plugin.preset_config("tiny", **overrides))
     assert check(model)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (dict(vision_config=dict(hidden_size=30, num_layers=1, num_heads=4, intermediate_size=8)),
-     "vision_config.num_heads"),
-    (dict(linear_attn_config=dict(num_heads=3, head_dim=None)), "linear_attn_config.num_heads"),
-    (dict(num_experts_per_token=9), "num_experts_per_token"),
-    (dict(num_expert_group=3), "num_expert_group"),
-    (dict(hidden_size=-64), "hidden_size"),
-    (dict(moe_intermediate_size=-1), "moe_intermediate_size"),
-    (dict(q_lora_rank=0), "q_lora_rank"),
-    (dict(linear_attn_config=dict(num_heads=-2)), "linear_attn_config.num_heads"),
-    (dict(num_hidden_layers=3), "layer_types"),
-    (dict(first_k_dense_replace=9), "first_k_dense_replace"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(vocab_size=100), "image_token_id"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (
+            dict(vision_config=dict(hidden_size=30, num_layers=1, num_heads=4, intermediate_size=8)),
+            "vision_config.num_heads",
+        ),
+        (dict(linear_attn_config=dict(num_heads=3, head_dim=None)), "linear_attn_config.num_heads"),
+        (dict(num_experts_per_token=9), "num_experts_per_token"),
+        (dict(num_expert_group=3), "num_expert_group"),
+        (dict(hidden_size=-64), "hidden_size"),
+        (dict(moe_intermediate_size=-1), "moe_intermediate_size"),
+        (dict(q_lora_rank=0), "q_lora_rank"),
+        (dict(linear_attn_config=dict(num_heads=-2)), "linear_attn_config.num_heads"),
+        (dict(num_hidden_layers=3), "layer_types"),
+        (dict(first_k_dense_replace=9), "first_k_dense_replace"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(vocab_size=100), "image_token_id"),
+    ],
+)
 def test_config_that_cannot_work_fails_when_built(overrides, key):
     with pytest.raises(ValueError, match=rf"^{key} \("):
         MoEPluginConfig(**tiny(**overrides))

@@ -20,13 +20,21 @@ def record_input_lengths(model):
     """Forward pre-hook recording the [B, T] shape of every input_ids the model is called with."""
     shapes = []
     handle = model.register_forward_pre_hook(
-        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
     return shapes, handle
 
 
 def greedy(model, use_cache, **inputs):
-    out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=use_cache,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    out = model.generate(
+        **inputs,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        use_cache=use_cache,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     return out.sequences, torch.stack(out.logits, dim=1)  # raw logits (scores hold -inf)
 
 
@@ -46,11 +54,14 @@ def check_cached_equals_recomputed(model, **inputs):
     assert shapes[1:] == [(prompt.shape[0], 1)] * (NEW_TOKENS - 1)
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(),  # the indexer's top-k (64) covers every key: dense
-    dict(index_topk=8, attn_res=False),  # sparse selection from the cached index keys; the plain residual
-    dict(use_dsa_indexer=False, hidden_act="swiglu", routed_expert_hidden_size=None),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),  # the indexer's top-k (64) covers every key: dense
+        dict(index_topk=8, attn_res=False),  # sparse selection from the cached index keys; the plain residual
+        dict(use_dsa_indexer=False, hidden_act="swiglu", routed_expert_hidden_size=None),
+    ],
+)
 def test_text_generate_with_cache_equals_recompute(overrides):
     torch.manual_seed(0)
     model = MoEPluginForCausalLM(moe_plugin.preset_config("tiny", **overrides)).eval()
@@ -95,7 +106,7 @@ def test_image_text_generate_from_processor_output(vl_model, processor):
     assert int((inputs["input_ids"] == vl_model.config.image_token_id).sum()) == 6
     check_cached_equals_recomputed(vl_model, **inputs)
     generated, _ = greedy(vl_model, True, **inputs)
-    assert not (generated[:, inputs["input_ids"].shape[1]:] == vl_model.config.image_token_id).any()
+    assert not (generated[:, inputs["input_ids"].shape[1] :] == vl_model.config.image_token_id).any()
     # the image matters: another image changes what the model predicts
     other = processor(text, images=[image(56, 84, 1)])
     _, scores = greedy(vl_model, True, **inputs)
@@ -124,8 +135,12 @@ def test_beam_search_with_cache_equals_recompute():
     torch.manual_seed(4)
     model = MoEPluginForCausalLM(moe_plugin.preset_config("tiny", index_topk=8)).eval()
     prompt = torch.randint(3, 256, (2, 10))
-    beams = [model.generate(prompt, max_new_tokens=NEW_TOKENS, num_beams=3, do_sample=False, use_cache=use_cache,
-                            pad_token_id=0) for use_cache in (True, False)]
+    beams = [
+        model.generate(
+            prompt, max_new_tokens=NEW_TOKENS, num_beams=3, do_sample=False, use_cache=use_cache, pad_token_id=0
+        )
+        for use_cache in (True, False)
+    ]
     assert torch.equal(beams[0], beams[1])
 
 
@@ -135,15 +150,18 @@ def left_pad(prompts, pad_id=0):
     ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
-        ids[row, length - len(p):] = p
-        mask[row, length - len(p):] = 1
+        ids[row, length - len(p) :] = p
+        mask[row, length - len(p) :] = 1
     return ids, mask
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(index_topk=8),  # top-k smaller than the prompts: sparse selection must skip the pad keys
-    dict(use_dsa_indexer=False, attn_res=False),  # dense MLA attention
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(index_topk=8),  # top-k smaller than the prompts: sparse selection must skip the pad keys
+        dict(use_dsa_indexer=False, attn_res=False),  # dense MLA attention
+    ],
+)
 def test_left_padded_batch_generates_each_prompt_as_alone(overrides):
     torch.manual_seed(5)
     model = MoEPluginForCausalLM(moe_plugin.preset_config("tiny", **overrides)).eval()
@@ -153,7 +171,7 @@ def test_left_padded_batch_generates_each_prompt_as_alone(overrides):
     batched, batched_scores = greedy(model, True, input_ids=ids, attention_mask=mask)
     for row, prompt in enumerate(prompts):
         alone, alone_scores = greedy(model, True, input_ids=prompt[None])
-        assert torch.equal(batched[row, ids.shape[1]:], alone[0, len(prompt):]), row
+        assert torch.equal(batched[row, ids.shape[1] :], alone[0, len(prompt) :]), row
         assert rel(batched_scores[row], alone_scores[0]) < 1e-5, row
         with torch.no_grad():
             last = model(input_ids=prompt[None]).logits[0, -1]
@@ -180,9 +198,15 @@ def test_left_padded_image_text_generate_as_alone(vl_model, processor):
     texts = ["<|image|> what is it?", "a much longer question without an image but many words in it"]
     alone = [processor(texts[0], images=[image(28, 28, 4)]), processor(texts[1])]
     ids, mask = left_pad([a["input_ids"][0] for a in alone], pad_id=0)
-    batched, batched_scores = greedy(vl_model, True, input_ids=ids, attention_mask=mask,
-                                     pixel_patches=alone[0]["pixel_patches"], grid_hw=alone[0]["grid_hw"])
+    batched, batched_scores = greedy(
+        vl_model,
+        True,
+        input_ids=ids,
+        attention_mask=mask,
+        pixel_patches=alone[0]["pixel_patches"],
+        grid_hw=alone[0]["grid_hw"],
+    )
     for row, inputs in enumerate(alone):
         tokens, scores = greedy(vl_model, True, **inputs)
-        assert torch.equal(batched[row, ids.shape[1]:], tokens[0, inputs["input_ids"].shape[1]:]), row
+        assert torch.equal(batched[row, ids.shape[1] :], tokens[0, inputs["input_ids"].shape[1] :]), row
         assert rel(batched_scores[row], scores[0]) < 1e-5, row

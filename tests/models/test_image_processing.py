@@ -32,7 +32,9 @@ def test_patches_follow_layout_and_normalisation():
     assert grid.tolist() == [[4, 6]] and patches.dtype == torch.float32 and patches.shape == (24, 3 * 14 * 14)
     normalised = (image.astype(np.float64) / 255.0 - np.array(mean)) / np.array(std)  # [H, W, C]
     for i, (r, c) in enumerate(patch_positions(grid, 2).tolist()):
-        block = normalised[r * 14:(r + 1) * 14, c * 14:(c + 1) * 14, :].transpose(2, 0, 1).reshape(-1)  # (C, ph, pw)
+        block = (
+            normalised[r * 14 : (r + 1) * 14, c * 14 : (c + 1) * 14, :].transpose(2, 0, 1).reshape(-1)
+        )  # (C, ph, pw)
         np.testing.assert_allclose(patches[i].numpy(), block, rtol=1e-5, atol=1e-5)
 
 

@@ -31,11 +31,14 @@ def test_without_images_the_embeddings_are_returned_as_they_are():
     assert scatter_image_tokens(embeds, torch.tensor([[1, 2, 3]]), IMAGE, _encode, None, None) is embeds
 
 
-@pytest.mark.parametrize("patches, grid, field", [
-    (None, None, "pixel_patches: input_ids hold 3 image placeholders but no image"),
-    (torch.zeros(3, 3), None, "grid_hw: is required with pixel_patches"),
-    (torch.zeros(2, 3), torch.tensor([[1, 2]]), "input_ids: 3 image placeholders for 2 image tokens"),
-])
+@pytest.mark.parametrize(
+    "patches, grid, field",
+    [
+        (None, None, "pixel_patches: input_ids hold 3 image placeholders but no image"),
+        (torch.zeros(3, 3), None, "grid_hw: is required with pixel_patches"),
+        (torch.zeros(2, 3), torch.tensor([[1, 2]]), "input_ids: 3 image placeholders for 2 image tokens"),
+    ],
+)
 def test_input_errors_name_the_input(patches, grid, field):
     with pytest.raises(ValueError, match="^" + field):
         scatter_image_tokens(torch.zeros(2, 4, 3), IDS, IMAGE, _encode, patches, grid)
@@ -52,8 +55,12 @@ def test_megatron_model_places_them_on_its_sequence_first_embeddings():
         return pixel_patches * 10.0
 
     vision = SimpleNamespace(merge_size=1, patch_dim=3)  # the blank image: one patch row of 3 zeros
-    model = SimpleNamespace(embedding=lambda input_ids, position_ids: table[input_ids].transpose(0, 1),
-                            image_token_id=IMAGE, encode_images=encode, vision=vision)
+    model = SimpleNamespace(
+        embedding=lambda input_ids, position_ids: table[input_ids].transpose(0, 1),
+        image_token_id=IMAGE,
+        encode_images=encode,
+        vision=vision,
+    )
     patches = torch.arange(9.0).view(3, 3)
     got = MultimodalGPTModel.embed_with_images(model, IDS, patches, torch.tensor([[1, 3]]))
     want = scatter_image_tokens(table[IDS], IDS, IMAGE, _encode, patches, torch.tensor([[1, 3]]))

@@ -17,9 +17,29 @@ from moe_plugin.models import MoEPluginForCausalLM
 SEED_TARGETS = ["q_proj", "k_proj", "gate"]
 EXPERT_PARAMETERS = ["block_sparse_moe.experts.w1", "block_sparse_moe.experts.w2", "block_sparse_moe.experts.w3"]
 # every nn.Linear name of docs/architecture.md 7 (KDA, MLA, indexer, MoE, dense MLP)
-SECTION_7_LINEARS = ["q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj",
-                     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "wq_b", "wk", "weights_proj",
-                     "gate", "routed_expert_down_proj", "routed_expert_up_proj", "gate_proj", "up_proj", "down_proj"]
+SECTION_7_LINEARS = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "f_a_proj",
+    "f_b_proj",
+    "b_proj",
+    "g_proj",
+    "o_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "wq_b",
+    "wk",
+    "weights_proj",
+    "gate",
+    "routed_expert_down_proj",
+    "routed_expert_up_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+]
 RANK, ALPHA = 4, 8
 
 
@@ -41,8 +61,13 @@ def ids():
 
 def adapt(base, modules, parameters=()):
     # init_lora_weights=False: B is random too, so the adapters change the outputs from the first step
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=modules, target_parameters=list(parameters) or None,
-                        init_lora_weights=False)
+    config = LoraConfig(
+        r=RANK,
+        lora_alpha=ALPHA,
+        target_modules=modules,
+        target_parameters=list(parameters) or None,
+        init_lora_weights=False,
+    )
     torch.manual_seed(5)
     return get_peft_model(copy.deepcopy(base), config).eval()
 
@@ -70,7 +95,7 @@ def hand_merged(base, adapted):
             num_experts = weight.shape[0]
             with torch.no_grad():
                 for e in range(num_experts):
-                    a_e = a[e * RANK:(e + 1) * RANK]
+                    a_e = a[e * RANK : (e + 1) * RANK]
                     b_e = b[:, e::num_experts]
                     weight[e] += scale * b_e @ a_e
             module, name = module.base_layer, name + ".base_layer"
@@ -123,6 +148,7 @@ def test_adapters_save_and_load_with_plain_peft(base, ids, tmp_path):
     model = adapt(base, SEED_TARGETS, EXPERT_PARAMETERS)
     model.save_pretrained(tmp_path)
     from safetensors import safe_open
+
     with safe_open(str(tmp_path / "adapter_model.safetensors"), "pt") as f:
         names = list(f.keys())
     expert_adapters = [n for n in names if ".experts." in n and "layers.1." in n]

@@ -72,18 +72,26 @@ def test_forward_returns_its_own_cache(tiny_model):
 
 def test_mismatched_checkpoint_names_the_tensors(tiny_model, tmp_path):
     tiny_model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.block_sparse_moe\.gate\.weight \(checkpoint \(8, 64\), "
-                                         r"model \(4, 64\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.1\.block_sparse_moe\.gate\.weight \(checkpoint \(8, 64\), "
+        r"model \(4, 64\)\)",
+    ):
         MoEPluginForCausalLM.from_pretrained(tmp_path, num_experts=4, num_experts_per_token=2)
     with pytest.raises(ValueError, match=r"missing from the checkpoint: model\.layers\.4\.input_layernorm\.weight"):
         MoEPluginForCausalLM.from_pretrained(tmp_path, num_hidden_layers=5, layer_types=None)
-    with pytest.raises(ValueError, match=r"with other shapes: model\.layers\.0\.self_attn\.A_log "
-                                         r"\(checkpoint \(2,\), model \(3,\)\)"):
-        MoEPluginForCausalLM.from_pretrained(tmp_path, linear_attn_config=dict(
-            tiny_model.config.linear_attn_config, num_heads=3))
+    with pytest.raises(
+        ValueError,
+        match=r"with other shapes: model\.layers\.0\.self_attn\.A_log "
+        r"\(checkpoint \(2,\), model \(3,\)\)",
+    ):
+        MoEPluginForCausalLM.from_pretrained(
+            tmp_path, linear_attn_config=dict(tiny_model.config.linear_attn_config, num_heads=3)
+        )
     # strict=False keeps transformers' own behaviour: reinitialise what does not fit
-    model = MoEPluginForCausalLM.from_pretrained(tmp_path, num_experts=4, num_experts_per_token=2, strict=False,
-                                                 ignore_mismatched_sizes=True)
+    model = MoEPluginForCausalLM.from_pretrained(
+        tmp_path, num_experts=4, num_experts_per_token=2, strict=False, ignore_mismatched_sizes=True
+    )
     assert model.model.layers[1].block_sparse_moe.experts.w1.shape[0] == 4
 
 
@@ -134,7 +142,7 @@ def test_padded_batch_equals_each_row_alone(tiny_model, side):
     ids = torch.randint(0, 384, (len(lengths), width))
     mask = torch.zeros_like(ids)
     for row, n in enumerate(lengths):
-        mask[row, width - n:] = 1 if side == "left" else 0
+        mask[row, width - n :] = 1 if side == "left" else 0
         if side == "right":
             mask[row, :n] = 1
     with torch.no_grad():
@@ -216,7 +224,7 @@ def _check_fresh_init(model):
         bound = 1.0 / 2.0  # conv kernel 4
         assert (attn.q_conv1d.weight.abs() <= bound).all() and attn.q_conv1d.weight.std() > 0.1
     experts = model.model.layers[1].block_sparse_moe.experts
-    assert (experts.w1.abs() <= 32 ** -0.5 + 1e-6).all() and experts.w1.std() > 0.05  # fan_in 32
+    assert (experts.w1.abs() <= 32**-0.5 + 1e-6).all() and experts.w1.std() > 0.05  # fan_in 32
 
 
 def test_initialize_weights_after_materialising_from_meta():
@@ -230,8 +238,9 @@ def test_initialize_weights_after_materialising_from_meta():
     _check_fresh_init(model.language_model)
     pos = model.vision_tower.pos_embed
     assert abs(pos.std().item() - 0.02) < 0.002
-    assert torch.equal(model.language_model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias,
-                       torch.zeros(8))
+    assert torch.equal(
+        model.language_model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias, torch.zeros(8)
+    )
 
 
 def test_missing_tensors_are_initialised_and_loaded_ones_kept(tiny_model, tmp_path):
@@ -239,8 +248,11 @@ def test_missing_tensors_are_initialised_and_loaded_ones_kept(tiny_model, tmp_pa
 
     tiny_model.save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
-    dropped = ("model.layers.0.self_attn.A_log", "model.layers.0.self_attn.q_conv1d.weight",
-               "model.layers.1.block_sparse_moe.experts.w1")
+    dropped = (
+        "model.layers.0.self_attn.A_log",
+        "model.layers.0.self_attn.q_conv1d.weight",
+        "model.layers.1.block_sparse_moe.experts.w1",
+    )
     for name in dropped:
         del state[name]
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
@@ -253,21 +265,36 @@ def test_missing_tensors_are_initialised_and_loaded_ones_kept(tiny_model, tmp_pa
     assert not torch.equal(model.model.layers[0].self_attn.A_log, tiny_model.model.layers[0].self_attn.A_log)
 
 
-@pytest.mark.parametrize("kwargs, pattern", [
-    (dict(input_ids=torch.randint(0, 384, (5,))), r"^input_ids: expected 2 dimensions"),
-    (dict(input_ids=torch.tensor([[1, 2, 384]])), r"^input_ids: expected token ids in \[0, 384\)"),
-    (dict(input_ids=torch.tensor([[1, -1, 3]])), r"^input_ids: expected token ids in \[0, 384\)"),
-    (dict(input_ids=torch.ones(1, 3)), r"^input_ids: expected an int32/int64 tensor"),
-    (dict(inputs_embeds=torch.randn(1, 3, 32)), r"^inputs_embeds: expected shape"),
-    (dict(input_ids=torch.ones(2, 6, dtype=torch.long), attention_mask=torch.ones(2, 5)),
-     r"^attention_mask: expected shape \[2, 6\]"),
-    (dict(input_ids=torch.ones(2, 6, dtype=torch.long), labels=torch.ones(2, 5, dtype=torch.long)),
-     r"^labels: expected shape \[2, 6\]"),
-    (dict(input_ids=torch.ones(2, 6, dtype=torch.long), labels=torch.full((2, 6), 384)),
-     r"^labels: expected token ids \(or -100 to ignore\) in \[0, 384\)"),
-    (dict(input_ids=torch.ones(2, 6, dtype=torch.long), labels=torch.ones(2, 6, dtype=torch.long),
-          logits_to_keep=1), r"^logits_to_keep: the loss needs the logits of every position"),
-])
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(input_ids=torch.randint(0, 384, (5,))), r"^input_ids: expected 2 dimensions"),
+        (dict(input_ids=torch.tensor([[1, 2, 384]])), r"^input_ids: expected token ids in \[0, 384\)"),
+        (dict(input_ids=torch.tensor([[1, -1, 3]])), r"^input_ids: expected token ids in \[0, 384\)"),
+        (dict(input_ids=torch.ones(1, 3)), r"^input_ids: expected an int32/int64 tensor"),
+        (dict(inputs_embeds=torch.randn(1, 3, 32)), r"^inputs_embeds: expected shape"),
+        (
+            dict(input_ids=torch.ones(2, 6, dtype=torch.long), attention_mask=torch.ones(2, 5)),
+            r"^attention_mask: expected shape \[2, 6\]",
+        ),
+        (
+            dict(input_ids=torch.ones(2, 6, dtype=torch.long), labels=torch.ones(2, 5, dtype=torch.long)),
+            r"^labels: expected shape \[2, 6\]",
+        ),
+        (
+            dict(input_ids=torch.ones(2, 6, dtype=torch.long), labels=torch.full((2, 6), 384)),
+            r"^labels: expected token ids \(or -100 to ignore\) in \[0, 384\)",
+        ),
+        (
+            dict(
+                input_ids=torch.ones(2, 6, dtype=torch.long),
+                labels=torch.ones(2, 6, dtype=torch.long),
+                logits_to_keep=1,
+            ),
+            r"^logits_to_keep: the loss needs the logits of every position",
+        ),
+    ],
+)
 def test_bad_inputs_name_the_argument(tiny_model, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         tiny_model(**kwargs)

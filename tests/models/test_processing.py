@@ -47,12 +47,15 @@ def test_chat_template_to_model_inputs(processor):
     assert out["input_ids"][0, 0].item() == processor.tokenizer.bos_token_id
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": [{"type": "video"}]}],
-    [{"role": "user", "content": [{"type": "text"}]}],
-    [{"content": "no role"}],
-    ["not a dict"],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": [{"type": "video"}]}],
+        [{"role": "user", "content": [{"type": "text"}]}],
+        [{"content": "no role"}],
+        ["not a dict"],
+    ],
+)
 def test_bad_messages_raise(processor, messages):
     with pytest.raises(ValueError, match="messages"):
         processor.apply_chat_template(messages)
@@ -60,8 +63,7 @@ def test_bad_messages_raise(processor, messages):
 
 def test_vision_encoder_gives_one_row_per_placeholder(processor):
     torch.manual_seed(0)
-    cfg = VisionConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_grid=8,
-                       out_hidden_size=16)
+    cfg = VisionConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_grid=8, out_hidden_size=16)
     out = processor(["<|image|> x <|image|>"], images=[image(56, 84), image(84, 28, 1)])
     features = VisionEncoder(cfg)(out["pixel_patches"], out["grid_hw"])
     assert features.shape == (int((out["input_ids"] == processor.image_token_id).sum()), 16)

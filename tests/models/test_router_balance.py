@@ -87,8 +87,9 @@ def test_each_layer_term_equals_the_formula_per_document(adapted):
     weight_of = {0: 2 / 18, 1: 5 / 18, 2: 0.0, 3: 11 / 18}
     assert out.balance_loss.shape == (len(seen),) == (3,)
     for (layer, logits), got in zip(seen, out.balance_loss):
-        want = _formula(logits.detach(), layer.router.e_score_correction_bias, layer.moe_config.top_k, doc_of,
-                        weight_of)
+        want = _formula(
+            logits.detach(), layer.router.e_score_correction_bias, layer.moe_config.top_k, doc_of, weight_of
+        )
         assert float(got.detach()) == pytest.approx(want, rel=1e-5)
     with torch.no_grad():
         adapted.get_base_model().router_aux_loss_coeff = 0.0
@@ -127,8 +128,11 @@ def test_padded_rows_equal_the_packed_documents(adapted):
     ids = torch.stack([a, torch.cat([b, torch.full((3,), pad)])])
     mask = torch.stack([torch.ones(9, dtype=torch.long), torch.tensor([1] * 6 + [0, 0, 0])])
     padded = adapted(input_ids=ids, attention_mask=mask, labels=ids.clone())
-    packed = adapted(input_ids=torch.cat([a, b]).unsqueeze(0), labels=torch.cat([a, b]).unsqueeze(0),
-                     cu_seqlens=torch.tensor([0, 9, 15]))
+    packed = adapted(
+        input_ids=torch.cat([a, b]).unsqueeze(0),
+        labels=torch.cat([a, b]).unsqueeze(0),
+        cu_seqlens=torch.tensor([0, 9, 15]),
+    )
     assert torch.allclose(padded.balance_loss, packed.balance_loss, rtol=1e-5, atol=1e-7)
 
 

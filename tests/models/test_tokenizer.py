@@ -39,8 +39,13 @@ def test_round_trip_arbitrary_utf8(tok):
 def test_special_tokens_are_single_ids_and_round_trip(tok):
     text = "<|im_start|>user\nhé <|image|><|image|> 🙂<|im_end|>"
     ids = tok.encode(text)
-    want = ([tok.convert_tokens_to_ids("<|im_start|>")] + list("user\nhé ".encode()) + [tok.image_token_id] * 2
-            + list(" 🙂".encode()) + [tok.convert_tokens_to_ids("<|im_end|>")])
+    want = (
+        [tok.convert_tokens_to_ids("<|im_start|>")]
+        + list("user\nhé ".encode())
+        + [tok.image_token_id] * 2
+        + list(" 🙂".encode())
+        + [tok.convert_tokens_to_ids("<|im_end|>")]
+    )
     assert ids == want
     assert tok.decode(ids) == text
     assert tok.decode(ids, skip_special_tokens=True) == "user\nhé  🙂"
@@ -53,13 +58,17 @@ def test_padding_and_attention_mask(tok):
 
 
 def test_chat_template(tok):
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
-                {"role": "assistant", "content": "A cat."}]
-    want = ("<|bos|>"
-            "<|im_start|>system\nBe brief.<|im_end|>\n"
-            "<|im_start|>user\n<|image|>What is this?<|im_end|>\n"
-            "<|im_start|>assistant\nA cat.<|im_end|>\n")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": "A cat."},
+    ]
+    want = (
+        "<|bos|>"
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n<|image|>What is this?<|im_end|>\n"
+        "<|im_start|>assistant\nA cat.<|im_end|>\n"
+    )
     assert tok.apply_chat_template(messages, tokenize=False) == want
     prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")

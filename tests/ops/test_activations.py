@@ -16,8 +16,13 @@ def test_situ_matches_formula_and_saturates():
     want = (4 * torch.tanh(a.double() / 4) * torch.sigmoid(a.double())) * (25 * torch.tanh(b.double() / 25))
     assert rel(situ_glu(a, b), want) < 1e-6
     assert situ_glu(a, b).abs().max() <= 4 * 25  # both factors are soft-capped
-    assert rel(situ_glu(a, b, beta=2.0, linear_beta=5.0),
-               (2 * torch.tanh(a / 2) * torch.sigmoid(a)) * (5 * torch.tanh(b / 5))) < 1e-6
+    assert (
+        rel(
+            situ_glu(a, b, beta=2.0, linear_beta=5.0),
+            (2 * torch.tanh(a / 2) * torch.sigmoid(a)) * (5 * torch.tanh(b / 5)),
+        )
+        < 1e-6
+    )
 
 
 def test_situ_bf16_computed_in_fp32():
@@ -54,13 +59,16 @@ def test_glu_packed_matches_glu_with_gradients(kind):
     assert rel(x.grad, x2.grad) < 1e-5
 
 
-@pytest.mark.parametrize("call,name", [
-    (lambda: glu("gelu", torch.zeros(3), torch.zeros(3)), "activation"),
-    (lambda: glu_packed("relu", torch.zeros(4)), "activation"),
-    (lambda: glu_packed("situ", torch.zeros(3)), "gate_up"),
-    (lambda: situ_glu(torch.zeros(3), torch.zeros(4)), "up"),
-    (lambda: swiglu(torch.zeros(3, dtype=torch.long), torch.zeros(3)), "gate"),
-])
+@pytest.mark.parametrize(
+    "call,name",
+    [
+        (lambda: glu("gelu", torch.zeros(3), torch.zeros(3)), "activation"),
+        (lambda: glu_packed("relu", torch.zeros(4)), "activation"),
+        (lambda: glu_packed("situ", torch.zeros(3)), "gate_up"),
+        (lambda: situ_glu(torch.zeros(3), torch.zeros(4)), "up"),
+        (lambda: swiglu(torch.zeros(3, dtype=torch.long), torch.zeros(3)), "gate"),
+    ],
+)
 def test_bad_input_names_the_argument(call, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         call()

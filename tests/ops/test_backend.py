@@ -20,8 +20,10 @@ def test_packed_experts_take_the_torch_path_on_every_device(monkeypatch):
     for fmt in ("mxfp4", "int4"):
         assert backend.PACKED_DEQUANT_KERNELS[fmt] is None
         assert backend.packed_dequant_kernel(fmt, packed, scale) is None
-    assert torch.equal(dequantize_experts("mxfp4", packed, scale, 64, torch.float32),
-                       decode("mxfp4", packed, scale, 64, reference=True))
+    assert torch.equal(
+        dequantize_experts("mxfp4", packed, scale, 64, torch.float32),
+        decode("mxfp4", packed, scale, 64, reference=True),
+    )
     assert imported == []  # no kernel module is looked for
     with pytest.raises(ValueError, match=r"^format: unknown packed format 'nvfp4'"):
         backend.packed_dequant_kernel("nvfp4", packed)

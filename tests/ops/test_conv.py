@@ -24,7 +24,7 @@ def loop_conv(x, weight, bias, activation, history):
             acc = acc + bias
         out.append(F.silu(acc) if activation == "silu" else acc)
     y = torch.stack(out) if out else x.new_zeros(0, x.shape[1])
-    return y, seq[seq.shape[0] - (W - 1):]
+    return y, seq[seq.shape[0] - (W - 1) :]
 
 
 @pytest.mark.parametrize("W", [4, 2, 1])
@@ -79,8 +79,8 @@ def test_gradients_flow_to_inputs_weight_and_state():
     bias = torch.randn(3, dtype=torch.float64, requires_grad=True)
     h0 = torch.randn(1, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda *a: causal_conv1d(a[0], a[1], a[2], initial_state=a[3], output_final_state=True),
-        (x, weight, bias, h0))
+        lambda *a: causal_conv1d(a[0], a[1], a[2], initial_state=a[3], output_final_state=True), (x, weight, bias, h0)
+    )
 
 
 def test_bad_input_names_the_argument():

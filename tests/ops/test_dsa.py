@@ -5,9 +5,16 @@ import math
 import pytest
 import torch
 
-from moe_plugin.ops.dsa import (attention_target, dense_causal_attention, dense_causal_attention_reference,
-                                indexer_kl_loss, indexer_scores, indexer_topk, sparse_attention,
-                                sparse_attention_reference)
+from moe_plugin.ops.dsa import (
+    attention_target,
+    dense_causal_attention,
+    dense_causal_attention_reference,
+    indexer_kl_loss,
+    indexer_scores,
+    indexer_topk,
+    sparse_attention,
+    sparse_attention_reference,
+)
 
 DTYPES = [torch.float32, torch.float64]
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -27,8 +34,11 @@ def qkv(B=2, T=19, S=None, H=3, D=8, Dv=5, dtype=torch.float64, seed=0, grad=Fal
 def index_inputs(B=2, T=19, S=None, Hi=4, Di=6, dtype=torch.float64, seed=1):
     g = torch.Generator().manual_seed(seed)
     S = T if S is None else S
-    return (torch.randn(B, T, Hi, Di, generator=g, dtype=dtype), torch.randn(B, S, Di, generator=g, dtype=dtype),
-            torch.randn(B, T, Hi, generator=g, dtype=dtype))
+    return (
+        torch.randn(B, T, Hi, Di, generator=g, dtype=dtype),
+        torch.randn(B, S, Di, generator=g, dtype=dtype),
+        torch.randn(B, T, Hi, generator=g, dtype=dtype),
+    )
 
 
 def visible(t, s, offset=0, cu=None):
@@ -64,6 +74,7 @@ def selection(indices):
 
 
 # ---- sparse attention -------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sparse_with_k_at_least_T_equals_dense_causal(dtype):
@@ -127,8 +138,7 @@ def test_gradients_equal_autograd_through_reference():
         assert rel(a, b) < 1e-12
     assert torch.autograd.gradcheck(lambda *t: sparse_attention(*t, indices, 0.6, block_size=4), (q, k, v))
     assert torch.autograd.gradcheck(lambda *t: dense_causal_attention(*t, 0.6, block_size=4), (q, k, v))
-    assert torch.autograd.gradcheck(lambda *t: dense_causal_attention(*t, 0.6, block_size=4, key_chunk=3),
-                                    (q, k, v))
+    assert torch.autograd.gradcheck(lambda *t: dense_causal_attention(*t, 0.6, block_size=4, key_chunk=3), (q, k, v))
 
 
 def test_saves_only_inputs_output_and_lse():
@@ -156,6 +166,7 @@ def test_dense_causal_with_offset_and_packing(dtype):
 
 
 # ---- indexer ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_indexer_scores_equal_loop(dtype):
@@ -193,8 +204,9 @@ def test_topk_respects_causality_and_packing():
     for offset, S, cus in ((0, 14, cu), (4, 14, cu), (6, 20, None)):
         qi, ki, w = index_inputs(B=1, T=14 - offset if cus else 14, S=S, dtype=torch.float32)
         T = qi.shape[1]
-        out = indexer_topk(qi, ki, w, 3, cu_seqlens=torch.tensor(cus) if cus else None, query_offset=offset,
-                           block_size=4)
+        out = indexer_topk(
+            qi, ki, w, 3, cu_seqlens=torch.tensor(cus) if cus else None, query_offset=offset, block_size=4
+        )
         for t in range(T):
             chosen = [int(s) for s in out[0, t] if s >= 0]
             n_visible = sum(visible(t, s, offset, cus) for s in range(S))
@@ -203,6 +215,7 @@ def test_topk_respects_causality_and_packing():
 
 
 # ---- indexer loss -----------------------------------------------------------------------------------------
+
 
 def direct_kl(scores, target, keep=None):
     """KL(p || softmax(I)) per query written out, over `keep` keys (renormalised), averaged over queries."""
@@ -222,11 +235,13 @@ def test_attention_target_is_head_summed_normalised_softmax(dtype):
     q, k, _ = qkv(B=1, T=6, dtype=dtype)
     out = attention_target(q, k, 0.4)
     for t in range(6):
-        heads = [torch.softmax(torch.stack([q[0, t, h] @ k[0, s, h] * 0.4 for s in range(t + 1)]), 0)
-                 for h in range(q.shape[2])]
+        heads = [
+            torch.softmax(torch.stack([q[0, t, h] @ k[0, s, h] * 0.4 for s in range(t + 1)]), 0)
+            for h in range(q.shape[2])
+        ]
         want = sum(heads) / len(heads)
-        assert rel(out[0, t, :t + 1], want) < TOL[dtype]
-        assert torch.all(out[0, t, t + 1:] == 0)
+        assert rel(out[0, t, : t + 1], want) < TOL[dtype]
+        assert torch.all(out[0, t, t + 1 :] == 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -255,6 +270,7 @@ def test_kl_loss_zero_when_distributions_match_and_gradient_finite():
 
 # ---- bad input --------------------------------------------------------------------------------------------
 
+
 def test_bad_inputs_name_the_argument():
     q, k, v = qkv(B=1, T=6, dtype=torch.float32)
     qi, ki, w = index_inputs(B=1, T=6, dtype=torch.float32)
@@ -264,13 +280,14 @@ def test_bad_inputs_name_the_argument():
         (r"^k:", lambda: sparse_attention(q, k[:, :, :2], v, idx, 0.1)),  # head mismatch
         (r"^k:", lambda: sparse_attention(q, k[..., :3], v, idx, 0.1)),  # dim mismatch
         (r"^v:", lambda: sparse_attention(q, k, v[:, :4], idx, 0.1)),
-        (r"^dtype mismatch: q=torch.float32, k=torch.float64,",
-         lambda: sparse_attention(q, k.double(), v, idx, 0.1)),
+        (r"^dtype mismatch: q=torch.float32, k=torch.float64,", lambda: sparse_attention(q, k.double(), v, idx, 0.1)),
         (r"^scale:", lambda: sparse_attention(q, k, v, idx, -1.0)),
         (r"^indices: expected an int32/int64", lambda: sparse_attention(q, k, v, idx.float(), 0.1)),
         (r"^indices: expected key positions", lambda: sparse_attention(q, k, v, idx + 10, 0.1)),
-        (r"^indices: .* selects a key twice",
-         lambda: sparse_attention(q, k, v, torch.zeros(1, 6, 2, dtype=torch.long), 0.1)),
+        (
+            r"^indices: .* selects a key twice",
+            lambda: sparse_attention(q, k, v, torch.zeros(1, 6, 2, dtype=torch.long), 0.1),
+        ),
         (r"^block_size:", lambda: sparse_attention(q, k, v, idx, 0.1, block_size=0)),
         (r"^key_chunk:", lambda: dense_causal_attention(q, k, v, 0.1, key_chunk=0)),
         (r"^topk:", lambda: indexer_topk(qi, ki, w, 0)),
@@ -278,10 +295,13 @@ def test_bad_inputs_name_the_argument():
         (r"^q_index:", lambda: indexer_topk(qi[0], ki, w, 2)),
         (r"^k_index:", lambda: indexer_topk(qi, ki[..., :2], w, 2)),
         (r"^weights:", lambda: indexer_scores(qi, ki, w[..., :1])),
-        (r"^dtype mismatch: q_index=torch.float32, k_index=torch.float64,",
-         lambda: indexer_scores(qi, ki.double(), w)),
-        (r"^cu_seqlens:", lambda: indexer_scores(qi.expand(2, -1, -1, -1), ki.expand(2, -1, -1), w.expand(2, -1, -1),
-                                                 cu_seqlens=torch.tensor([0, 6]))),
+        (r"^dtype mismatch: q_index=torch.float32, k_index=torch.float64,", lambda: indexer_scores(qi, ki.double(), w)),
+        (
+            r"^cu_seqlens:",
+            lambda: indexer_scores(
+                qi.expand(2, -1, -1, -1), ki.expand(2, -1, -1), w.expand(2, -1, -1), cu_seqlens=torch.tensor([0, 6])
+            ),
+        ),
         (r"^cu_seqlens:", lambda: dense_causal_attention(q, k, v, 0.1, cu_seqlens=torch.tensor([0, 2, 5]))),
         (r"^query_offset:", lambda: dense_causal_attention(q, k, v, 0.1, query_offset=-1)),
         (r"^attn_probs:", lambda: indexer_kl_loss(torch.zeros(1, 6, 6), torch.zeros(1, 6, 5))),
@@ -307,6 +327,7 @@ def test_indexer_scores_gradients_equal_the_plain_formula():
 
 # ---- optional key mask (left-padded batches) ---------------------------------------------------------------
 
+
 def key_mask(B=2, S=19, seed=2):
     """A random bool [B, S] mask with at least one real key per row."""
     mask = torch.rand(B, S, generator=torch.Generator().manual_seed(seed)) > 0.4
@@ -320,8 +341,10 @@ def test_dense_causal_with_key_mask_equals_loop(offset):
     mask = key_mask()
     allowed = lambda b, t, s: visible(t, s, offset) and bool(mask[b, s])  # noqa: E731
     want = loop_attention(q, k, v, 0.3, allowed)
-    for out in (dense_causal_attention(q, k, v, 0.3, query_offset=offset, key_mask=mask, block_size=4, key_chunk=5),
-                dense_causal_attention_reference(q, k, v, 0.3, query_offset=offset, key_mask=mask)):
+    for out in (
+        dense_causal_attention(q, k, v, 0.3, query_offset=offset, key_mask=mask, block_size=4, key_chunk=5),
+        dense_causal_attention_reference(q, k, v, 0.3, query_offset=offset, key_mask=mask),
+    ):
         assert rel(out, want) <= 1e-12
 
 

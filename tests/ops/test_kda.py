@@ -33,11 +33,13 @@ def make_inputs(B=2, T=100, H=3, K=16, V=8, dtype=torch.float64, g=None, seed=0,
 
 def mixed_decay(strong):
     """Half the channels at ``strong``, the rest mild; whole tokens strong now and then."""
+
     def build(shape, gen):
         mild = -0.1 * torch.rand(shape, generator=gen, dtype=torch.float64)
         channel = torch.rand(shape[-1], generator=gen) < 0.5
         token = torch.rand(shape[:-1], generator=gen).unsqueeze(-1) < 0.2
         return torch.where(channel | token, torch.full(shape, float(strong), dtype=torch.float64), mild)
+
     return build
 
 
@@ -100,10 +102,10 @@ def test_packed_sequences_equal_each_alone(fn):
     o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, **kwargs)
     for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         part = [x[:, a:b] for x in (q, k, v, g, beta)]
-        o_i, s_i = naive_recurrent_kda(*part, initial_state=h0[i:i + 1], output_final_state=True)
+        o_i, s_i = naive_recurrent_kda(*part, initial_state=h0[i : i + 1], output_final_state=True)
         if b > a:
             assert rel(o[:, a:b], o_i) <= 1e-10
-        assert rel(s[i:i + 1], s_i) <= 1e-10
+        assert rel(s[i : i + 1], s_i) <= 1e-10
 
 
 def test_packed_without_initial_state():
@@ -176,6 +178,7 @@ def test_intra_chunk_scores_on_every_path(dtype):
 
 # --- transformers' independent torch implementation -------------------------------------------------------
 
+
 def _transformers_fns():
     mod = importlib.import_module("transformers.models.kimi_linear.modeling_kimi_linear")
     return inspect.unwrap(mod.recurrent_kimi_delta_attention), inspect.unwrap(mod.chunk_kimi_delta_attention)
@@ -189,13 +192,23 @@ def test_equals_transformers(which):
     if which == "recurrent":
         o_ref, s_ref = recurrent(raw_q, raw_k, v, g, beta, h0.clone(), True, use_qk_l2norm_in_kernel=True)
     else:
-        o_ref, s_ref = chunk(raw_q, raw_k, v, g, beta, chunk_size=32, initial_state=h0.clone(),
-                             output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o_ref, s_ref = chunk(
+            raw_q,
+            raw_k,
+            v,
+            g,
+            beta,
+            chunk_size=32,
+            initial_state=h0.clone(),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
     o, s = chunk_kda(l2norm(raw_q), l2norm(raw_k), v, g, beta, initial_state=h0, output_final_state=True)
     assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
 
 
 # --- kernel choice ----------------------------------------------------------------------------------------
+
 
 def test_gpu_kernel_used_when_on_cuda(monkeypatch):
     calls = {}
@@ -206,14 +219,15 @@ def test_gpu_kernel_used_when_on_cuda(monkeypatch):
 
     looked_up = []
     monkeypatch.setattr(backend, "on_cuda", lambda *tensors: True)
-    monkeypatch.setattr(backend, "_import_attr", lambda module, attr: looked_up.append((module, attr))
-                        or fake_kernel)
+    monkeypatch.setattr(backend, "_import_attr", lambda module, attr: looked_up.append((module, attr)) or fake_kernel)
     monkeypatch.delenv("MOE_PLUGIN_DISABLE_KERNELS", raising=False)
     q, k, v, g, beta, h0 = make_inputs(B=1, T=9)
     cu = torch.tensor([0, 4, 9])
     h0 = h0.expand(2, -1, -1, -1)
-    assert chunk_kda(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True,
-                     cu_seqlens=cu) == ("o", "state")
+    assert chunk_kda(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True, cu_seqlens=cu) == (
+        "o",
+        "state",
+    )
     assert looked_up == [("fla.ops.kda", "chunk_kda")]
     assert calls["q"] is q and calls["k"] is k and calls["v"] is v and calls["g"] is g and calls["beta"] is beta
     assert calls["scale"] == 0.5 and calls["initial_state"] is h0 and calls["output_final_state"] is True
@@ -242,6 +256,7 @@ def test_gpu_kernel_never_chosen_on_cpu(monkeypatch):
 
 
 # --- gates and l2norm ------------------------------------------------------------------------------------
+
 
 def test_gates_and_l2norm_match_elementwise_formulas():
     B, T, H, K = 1, 2, 2, 3
@@ -279,6 +294,7 @@ def test_gate_bad_input():
 
 
 # --- bad input -------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fn", [chunk_kda, naive_recurrent_kda])
 def test_bad_input_names_the_argument(fn):

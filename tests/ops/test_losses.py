@@ -59,8 +59,7 @@ def test_training_loss_matches_the_written_out_sum(packed, num_items):
     kl = indexer_kl_loss(scores, target)
     balance = torch.tensor([1.25, 0.75, 1.5])
     loss = training_loss(logits, labels, cu, num_items, kl, 0.3, balance, 0.1)
-    expected = (ce_reference(logits.float(), labels, cu, num_items) + 0.3 * kl_reference(scores, target)
-                + 0.1 * 3.5)
+    expected = ce_reference(logits.float(), labels, cu, num_items) + 0.3 * kl_reference(scores, target) + 0.1 * 3.5
     assert loss.dtype == torch.float32 and loss.shape == ()
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     assert kl.item() == pytest.approx(kl_reference(scores, target), rel=1e-5)
@@ -74,8 +73,9 @@ def test_absent_terms_leave_the_token_loss_bitwise():
     assert torch.equal(training_loss(logits, labels, indexer_loss_coeff=5.0, balance_coeff=5.0), bare)
     # the composition is the plain sum, in this order: what both faces computed before it had one owner
     kl, balance = torch.tensor(0.37), torch.tensor([0.9, 1.1])
-    assert torch.equal(training_loss(logits, labels, None, None, kl, 0.2, balance, 0.05),
-                       bare + 0.2 * kl + 0.05 * balance.sum())
+    assert torch.equal(
+        training_loss(logits, labels, None, None, kl, 0.2, balance, 0.05), bare + 0.2 * kl + 0.05 * balance.sum()
+    )
 
 
 def test_balance_terms_only_when_every_layer_recorded_one():

@@ -5,9 +5,21 @@ import math
 import pytest
 import torch
 
-from moe_plugin.ops.moe import (document_balance, document_balance_reference, document_weights, expert_load,
-                                grouped_glu, grouped_glu_reference, moe_forward, permute, quantile_balance_bias, route,
-                                sequence_aux_loss, unpermute, update_bias_sign)
+from moe_plugin.ops.moe import (
+    document_balance,
+    document_balance_reference,
+    document_weights,
+    expert_load,
+    grouped_glu,
+    grouped_glu_reference,
+    moe_forward,
+    permute,
+    quantile_balance_bias,
+    route,
+    sequence_aux_loss,
+    unpermute,
+    update_bias_sign,
+)
 from moe_plugin.ops.moe.experts import _grouped_mm_supported
 
 
@@ -26,7 +38,7 @@ def choose_loop(logits_t, top_k, bias, num_groups=1, topk_groups=1):
     s = [1 / (1 + math.exp(-v)) for v in logits_t.tolist()]
     c = [si + (bias[i].item() if bias is not None else 0.0) for i, si in enumerate(s)]
     per = len(s) // num_groups
-    group_score = [sum(sorted(c[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(num_groups)]
+    group_score = [sum(sorted(c[g * per : (g + 1) * per], reverse=True)[:2]) for g in range(num_groups)]
     groups = sorted(range(num_groups), key=lambda g: -group_score[g])[:topk_groups]
     eligible = [i for g in groups for i in range(g * per, (g + 1) * per)]
     return sorted(eligible, key=lambda i: -c[i])[:top_k], s
@@ -47,8 +59,10 @@ def moe_loop(x, router_w, bias, w1, w3, w2, top_k, kind):
 
 def make_experts(e, f, d, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=g, dtype=dtype) / math.sqrt(shape[2])
-            for shape in ((e, f, d), (e, f, d), (e, d, f))]
+    return [
+        torch.randn(*shape, generator=g, dtype=dtype) / math.sqrt(shape[2])
+        for shape in ((e, f, d), (e, f, d), (e, d, f))
+    ]
 
 
 ROUTINGS = {
@@ -84,8 +98,9 @@ def test_route_equals_loop(groups, renormalize, scaling):
     torch.manual_seed(1)
     n, e, top_k = 20, 16, 3
     logits, bias = torch.randn(n, e), torch.randn(e) * 0.3
-    weights, indices, scores = route(logits, top_k, bias=bias, renormalize=renormalize, scaling=scaling,
-                                     num_groups=groups[0], topk_groups=groups[1])
+    weights, indices, scores = route(
+        logits, top_k, bias=bias, renormalize=renormalize, scaling=scaling, num_groups=groups[0], topk_groups=groups[1]
+    )
     assert weights.dtype == torch.float32 and indices.dtype == torch.int64 and scores.dtype == torch.float32
     assert rel(scores, torch.sigmoid(logits)) < 1e-7
     for t in range(n):
@@ -150,8 +165,13 @@ def test_grouped_glu_equals_reference_with_gradients(kind):
     assert rel(y, y_ref) < 1e-6
     # the reference itself against per-row math
     starts = [0] + torch.cumsum(tpe, 0).tolist()
-    row = torch.stack([ws[2][i] @ act_formula(kind, ws[0][i] @ x[r], ws[1][i] @ x[r])
-                       for i in range(e) for r in range(starts[i], starts[i + 1])])
+    row = torch.stack(
+        [
+            ws[2][i] @ act_formula(kind, ws[0][i] @ x[r], ws[1][i] @ x[r])
+            for i in range(e)
+            for r in range(starts[i], starts[i + 1])
+        ]
+    )
     assert rel(y_ref, row) < 1e-6
     g = torch.randn_like(y)
     grads = torch.autograd.grad(y, [x] + ws, g)
@@ -167,8 +187,12 @@ def test_grouped_glu_unaligned_width_falls_back_correctly():
     x = torch.randn(5, 6)
     ws = make_experts(3, 5, 6, seed=3)  # 5 and 6 floats are not 16-byte strides: no grouped matmul
     assert not _grouped_mm_supported(x, ws[2])
-    row = torch.stack([ws[2][i] @ act_formula("situ", ws[0][i] @ x[r], ws[1][i] @ x[r])
-                       for i, r in [(0, 0), (0, 1), (2, 2), (2, 3), (2, 4)]])
+    row = torch.stack(
+        [
+            ws[2][i] @ act_formula("situ", ws[0][i] @ x[r], ws[1][i] @ x[r])
+            for i, r in [(0, 0), (0, 1), (2, 2), (2, 3), (2, 4)]
+        ]
+    )
     assert rel(grouped_glu(x, tpe, *ws, "situ"), row) < 1e-6
 
 
@@ -213,8 +237,7 @@ def test_quantile_balance_definition_and_balance():
     # definition, as a loop
     q = (m * k) // e
     cut = [sorted((scores[t] + bias).tolist(), reverse=True)[k] for t in range(m)]
-    want = torch.tensor([-sorted([scores[t, i].item() - cut[t] for t in range(m)], reverse=True)[q]
-                         for i in range(e)])
+    want = torch.tensor([-sorted([scores[t, i].item() - cut[t] for t in range(m)], reverse=True)[q] for i in range(e)])
     assert rel(new, want - want.mean()) < 1e-6
     assert abs(new.mean().item()) < 1e-6
     assert imbalance(logits, new, k) < 0.3 * imbalance(logits, bias, k)
@@ -237,40 +260,55 @@ def test_sequence_aux_loss_equals_formula():
     assert scores.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("call,name", [
-    (lambda: route(torch.randn(4, 8), 9), "top_k"),
-    (lambda: route(torch.randn(8), 2), "logits"),
-    (lambda: route(torch.randn(4, 8), 2, bias=torch.zeros(7)), "bias"),
-    (lambda: route(torch.randn(4, 8), 2, num_groups=3), "num_groups"),
-    (lambda: route(torch.randn(4, 8), 2, num_groups=2, topk_groups=3), "topk_groups"),
-    (lambda: route(torch.randn(4, 8), 5, num_groups=4, topk_groups=1), "top_k"),
-    (lambda: permute(torch.randn(4, 8), torch.zeros(4, dtype=torch.long), 3), "indices"),
-    (lambda: permute(torch.randn(4, 8), torch.full((4, 2), 3), 3), "indices"),
-    (lambda: unpermute(torch.randn(8, 5), torch.arange(8), torch.rand(3, 2)), "weights"),
-    (lambda: grouped_glu(torch.randn(7, 8), torch.tensor([3, 3]), *make_experts(2, 4, 8)), "tokens_per_expert"),
-    (lambda: grouped_glu(torch.randn(6, 8), torch.tensor([3, 3, 0]), *make_experts(2, 4, 8)), "tokens_per_expert"),
-    (lambda: grouped_glu(torch.randn(6, 8), torch.tensor([3, 3]), *make_experts(2, 4, 8)[:2],
-                         torch.randn(2, 8, 5)), "w2"),
-    (lambda: grouped_glu(torch.randn(6, 8), torch.tensor([3, 3]), make_experts(2, 4, 8)[0],
-                         torch.randn(2, 5, 8), make_experts(2, 4, 8)[2]), "w3"),
-    (lambda: grouped_glu(torch.randn(6, 7), torch.tensor([3, 3]), *make_experts(2, 4, 8)), "w1"),
-    (lambda: grouped_glu(torch.randn(6, 8), torch.tensor([3, 3]), *make_experts(2, 4, 8), "gelu"), "activation"),
-    (lambda: quantile_balance_bias(torch.rand(5, 4), torch.zeros(4), 4), "top_k"),
-    (lambda: quantile_balance_bias(torch.rand(5, 4), torch.zeros(3), 2), "bias"),
-    (lambda: update_bias_sign(torch.zeros(4), torch.ones(3), 0.1), "load"),
-    (lambda: sequence_aux_loss(torch.rand(2, 3, 4), torch.zeros(2, 4, 1, dtype=torch.long), 0.1), "indices"),
-    (lambda: expert_load(torch.tensor([[0, 5]]), 3), "indices"),
-    (lambda: expert_load(torch.tensor([[0, -1]]), 3), "indices"),
-    (lambda: expert_load(torch.tensor([[0.0, 1.0]]), 3), "indices"),
-    (lambda: sequence_aux_loss(torch.rand(2, 3, 4), torch.full((2, 3, 1), 4), 0.1), "indices"),
-    (lambda: sequence_aux_loss(torch.rand(2, 3, 4), torch.full((2, 3, 1), -1), 0.1), "indices"),
-    (lambda: sequence_aux_loss(torch.rand(2, 3, 4), torch.zeros(2, 3, 1), 0.1), "indices"),
-    (lambda: unpermute(torch.randn(8, 5), torch.arange(8) + 1, torch.rand(4, 2)), "order"),
-    (lambda: unpermute(torch.randn(8, 5), torch.arange(8.0), torch.rand(4, 2)), "order"),
-    (lambda: update_bias_sign(torch.zeros(4), torch.ones(4), "a"), "rate"),
-    (lambda: update_bias_sign(torch.zeros(4), torch.ones(4), -0.1), "rate"),
-    (lambda: moe_forward(torch.randn(4, 8), torch.randn(5, 8), *make_experts(4, 6, 8), 2), "router_weight"),
-])
+@pytest.mark.parametrize(
+    "call,name",
+    [
+        (lambda: route(torch.randn(4, 8), 9), "top_k"),
+        (lambda: route(torch.randn(8), 2), "logits"),
+        (lambda: route(torch.randn(4, 8), 2, bias=torch.zeros(7)), "bias"),
+        (lambda: route(torch.randn(4, 8), 2, num_groups=3), "num_groups"),
+        (lambda: route(torch.randn(4, 8), 2, num_groups=2, topk_groups=3), "topk_groups"),
+        (lambda: route(torch.randn(4, 8), 5, num_groups=4, topk_groups=1), "top_k"),
+        (lambda: permute(torch.randn(4, 8), torch.zeros(4, dtype=torch.long), 3), "indices"),
+        (lambda: permute(torch.randn(4, 8), torch.full((4, 2), 3), 3), "indices"),
+        (lambda: unpermute(torch.randn(8, 5), torch.arange(8), torch.rand(3, 2)), "weights"),
+        (lambda: grouped_glu(torch.randn(7, 8), torch.tensor([3, 3]), *make_experts(2, 4, 8)), "tokens_per_expert"),
+        (lambda: grouped_glu(torch.randn(6, 8), torch.tensor([3, 3, 0]), *make_experts(2, 4, 8)), "tokens_per_expert"),
+        (
+            lambda: grouped_glu(
+                torch.randn(6, 8), torch.tensor([3, 3]), *make_experts(2, 4, 8)[:2], torch.randn(2, 8, 5)
+            ),
+            "w2",
+        ),
+        (
+            lambda: grouped_glu(
+                torch.randn(6, 8),
+                torch.tensor([3, 3]),
+                make_experts(2, 4, 8)[0],
+                torch.randn(2, 5, 8),
+                make_experts(2, 4, 8)[2],
+            ),
+            "w3",
+        ),
+        (lambda: grouped_glu(torch.randn(6, 7), torch.tensor([3, 3]), *make_experts(2, 4, 8)), "w1"),
+        (lambda: grouped_glu(torch.randn(6, 8), torch.tensor([3, 3]), *make_experts(2, 4, 8), "gelu"), "activation"),
+        (lambda: quantile_balance_bias(torch.rand(5, 4), torch.zeros(4), 4), "top_k"),
+        (lambda: quantile_balance_bias(torch.rand(5, 4), torch.zeros(3), 2), "bias"),
+        (lambda: update_bias_sign(torch.zeros(4), torch.ones(3), 0.1), "load"),
+        (lambda: sequence_aux_loss(torch.rand(2, 3, 4), torch.zeros(2, 4, 1, dtype=torch.long), 0.1), "indices"),
+        (lambda: expert_load(torch.tensor([[0, 5]]), 3), "indices"),
+        (lambda: expert_load(torch.tensor([[0, -1]]), 3), "indices"),
+        (lambda: expert_load(torch.tensor([[0.0, 1.0]]), 3), "indices"),
+        (lambda: sequence_aux_loss(torch.rand(2, 3, 4), torch.full((2, 3, 1), 4), 0.1), "indices"),
+        (lambda: sequence_aux_loss(torch.rand(2, 3, 4), torch.full((2, 3, 1), -1), 0.1), "indices"),
+        (lambda: sequence_aux_loss(torch.rand(2, 3, 4), torch.zeros(2, 3, 1), 0.1), "indices"),
+        (lambda: unpermute(torch.randn(8, 5), torch.arange(8) + 1, torch.rand(4, 2)), "order"),
+        (lambda: unpermute(torch.randn(8, 5), torch.arange(8.0), torch.rand(4, 2)), "order"),
+        (lambda: update_bias_sign(torch.zeros(4), torch.ones(4), "a"), "rate"),
+        (lambda: update_bias_sign(torch.zeros(4), torch.ones(4), -0.1), "rate"),
+        (lambda: moe_forward(torch.randn(4, 8), torch.randn(5, 8), *make_experts(4, 6, 8), 2), "router_weight"),
+    ],
+)
 def test_bad_input_names_the_argument(call, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         call()
@@ -337,12 +375,17 @@ def test_document_weights_count_the_scored_labels_of_each_document():
     assert rows.tolist() == [0, 0, 0, 1, 1, 1] and weights.tolist() == pytest.approx([2 / 3, 1 / 3])
 
 
-@pytest.mark.parametrize("call,name", [
-    (lambda: document_balance(torch.rand(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.tensor([0, 1, 2]), 2),
-     "doc_ids"),
-    (lambda: document_balance(torch.rand(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.zeros(2), 1), "doc_ids"),
-    (lambda: document_weights(torch.zeros(1, 4, dtype=torch.long), torch.tensor([0, 2, 3])), "cu_seqlens"),
-])
+@pytest.mark.parametrize(
+    "call,name",
+    [
+        (
+            lambda: document_balance(torch.rand(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.tensor([0, 1, 2]), 2),
+            "doc_ids",
+        ),
+        (lambda: document_balance(torch.rand(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.zeros(2), 1), "doc_ids"),
+        (lambda: document_weights(torch.zeros(1, 4, dtype=torch.long), torch.tensor([0, 2, 3])), "cu_seqlens"),
+    ],
+)
 def test_document_balance_refuses_bad_arguments(call, name):
     with pytest.raises(ValueError, match=name):
         call()

@@ -11,17 +11,29 @@ from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-from moe_plugin.ops.quant import (check_packed, decode, decode_int4, decode_int4_reference, decode_mxfp4,
-                                  decode_mxfp4_reference, encode, grouped_lora, grouped_lora_reference,
-                                  packed_grouped_linear, packed_grouped_linear_reference)
+from moe_plugin.ops.quant import (
+    check_packed,
+    decode,
+    decode_int4,
+    decode_int4_reference,
+    decode_mxfp4,
+    decode_mxfp4_reference,
+    encode,
+    grouped_lora,
+    grouped_lora_reference,
+    packed_grouped_linear,
+    packed_grouped_linear_reference,
+)
 
 WIDTHS = [64, 48, 10, 2]  # multiples of the group of 32, and not
 
 
 def _ct_mxfp4(packed, scale, n):
     m = packed.shape[0]
-    return unpack_fp4_from_uint8(packed, m, n, torch.float32) * \
-        decompress_mx_scale(scale).float().repeat_interleave(32, 1)[:, :n]
+    return (
+        unpack_fp4_from_uint8(packed, m, n, torch.float32)
+        * decompress_mx_scale(scale).float().repeat_interleave(32, 1)[:, :n]
+    )
 
 
 @pytest.mark.parametrize("n", WIDTHS)
@@ -41,7 +53,7 @@ def test_mxfp4_decoding_equals_compressed_tensors_exactly(n):
 @pytest.mark.parametrize("n", WIDTHS + [7, 33])
 def test_int4_decoding_equals_compressed_tensors_exactly(n):
     g = torch.Generator().manual_seed(n)
-    packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (9, -(-n // 8)), dtype=torch.int32, generator=g)
+    packed = torch.randint(-(2**31), 2**31 - 1, (9, -(-n // 8)), dtype=torch.int32, generator=g)
     scale = torch.randn(9, -(-n // 32), generator=g).to(torch.bfloat16)
     ours = decode_int4(packed, scale, n)
     ref = unpack_from_int32(packed, 4, torch.Size((9, n))).float() * scale.float().repeat_interleave(32, 1)[:, :n]
@@ -96,8 +108,9 @@ def test_grouped_lora_equals_the_loop():
     counts = torch.tensor([2, 0, 5])
     x = torch.randn(7, 32, generator=g)
     a, b = torch.randn(3, 4, 32, generator=g), torch.randn(3, 16, 4, generator=g)
-    assert torch.allclose(grouped_lora(x, counts, a, b, 2.0), grouped_lora_reference(x, counts, a, b, 2.0),
-                          rtol=1e-5, atol=1e-6)
+    assert torch.allclose(
+        grouped_lora(x, counts, a, b, 2.0), grouped_lora_reference(x, counts, a, b, 2.0), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_bad_packed_inputs_name_the_tensor():

@@ -8,8 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_plugin.ops.quant import (E2M1, decode, encode, grid_codes, group_scales, groups, round_to_grid,
-                                  round_to_grid_reference, scale_values, stored_scales)
+from moe_plugin.ops.quant import (
+    E2M1,
+    decode,
+    encode,
+    grid_codes,
+    group_scales,
+    groups,
+    round_to_grid,
+    round_to_grid_reference,
+    scale_values,
+    stored_scales,
+)
 
 FORMATS = ("mxfp4", "int4")
 TOP = {"mxfp4": 6.0, "int4": 7.0}  # the largest magnitude the encoder's scale maps a group's maximum near
@@ -28,7 +38,7 @@ def _weights(fmt: str, seed: int, shape=(2, 3, 70)) -> torch.Tensor:
     halves = torch.tensor(HALVES[fmt])
     row = halves[torch.randint(0, len(halves), (32,), generator=g)] * torch.sign(torch.randn(32, generator=g))
     row[0] = TOP[fmt]
-    w[1, 2, :32] = row * 2.0 ** k
+    w[1, 2, :32] = row * 2.0**k
     return w
 
 
@@ -40,8 +50,9 @@ def test_the_encoders_scale_is_group_scales_and_its_values_round_to_grid(fmt, se
     amax = groups(w).abs().amax(-1)  # [2, 3, 3]
     scale = scale_values(fmt, scales)
     assert torch.equal(scale, group_scales(fmt, amax))
-    assert torch.equal(scales.view(torch.uint8) if fmt == "int4" else scales,
-                       stored_scales(fmt, amax).view(torch.uint8))
+    assert torch.equal(
+        scales.view(torch.uint8) if fmt == "int4" else scales, stored_scales(fmt, amax).view(torch.uint8)
+    )
     got = decode(fmt, codes, scales, w.shape[-1], torch.float32)
     grid = round_to_grid(fmt, w, scale)
     assert torch.equal(got, grid)
@@ -75,7 +86,7 @@ def test_ties_and_saturation_follow_the_documented_rules(fmt):
 
 
 def test_the_mxfp4_scale_is_the_power_of_two_below_amax_over_4_and_never_0xff():
-    amax = torch.tensor([0.0, 1e-45, 2.0 ** -130, 1.0, 4.0, 6.0, 7.99, 8.0, 3e38, float("inf")])
+    amax = torch.tensor([0.0, 1e-45, 2.0**-130, 1.0, 4.0, 6.0, 7.99, 8.0, 3e38, float("inf")])
     stored = stored_scales("mxfp4", amax)
     assert stored.tolist() == [0, 0, 0, 125, 127, 127, 127, 128, 252, 254]
     assert torch.equal(scale_values("mxfp4", stored), torch.ldexp(torch.ones(10), stored.int() - 127))
@@ -91,7 +102,10 @@ def test_grid_codes_are_the_e2m1_codes_with_the_sign_bit():
 
 
 def test_an_unknown_format_is_named():
-    for rule in (lambda: stored_scales("nvfp4", torch.ones(1)), lambda: scale_values("nvfp4", torch.ones(1)),
-                 lambda: grid_codes("nvfp4", torch.ones(1, 32), torch.ones(1))):
+    for rule in (
+        lambda: stored_scales("nvfp4", torch.ones(1)),
+        lambda: scale_values("nvfp4", torch.ones(1)),
+        lambda: grid_codes("nvfp4", torch.ones(1, 32), torch.ones(1)),
+    ):
         with pytest.raises(ValueError, match=r"^format: unknown packed format 'nvfp4'"):
             rule()

@@ -30,7 +30,12 @@ def run() -> dict:
         ds_comm.allgather_fn(gathered, torch.full((2,), float(rank)))
         megatron_gathered = torch.zeros(2 * world)
         mappings.dist_all_gather_func(megatron_gathered, torch.full((2,), float(rank)))
-    return {"scattered": scattered, "gathered": gathered, "megatron_gathered": megatron_gathered,
-            "warnings": [str(w.message) for w in caught if issubclass(w.category, FutureWarning)],
-            "megatron_aliases": [getattr(mappings, name).__name__ for name in
-                                 ("dist_all_gather_func", "dist_reduce_scatter_func")]}
+    return {
+        "scattered": scattered,
+        "gathered": gathered,
+        "megatron_gathered": megatron_gathered,
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, FutureWarning)],
+        "megatron_aliases": [
+            getattr(mappings, name).__name__ for name in ("dist_all_gather_func", "dist_reduce_scatter_func")
+        ],
+    }

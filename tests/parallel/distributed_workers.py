@@ -14,10 +14,15 @@ def start_megatron_and_draw(seed: int) -> dict:
 
     initialize_megatron(expert_model_parallel_size=2, seed=seed)
     group = dist.distributed_c10d._get_default_group()
-    return {"draw": torch.rand(4), "ep_rank": parallel_state.get_expert_model_parallel_rank(),
-            "patches": cpu_patches_applied(), "cuda": torch.cuda.is_available(), "device": prepared_device(),
-            "backend": dist.get_backend(),
-            "group_timeout_s": group._get_backend(torch.device("cpu")).options._timeout.total_seconds()}
+    return {
+        "draw": torch.rand(4),
+        "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+        "patches": cpu_patches_applied(),
+        "cuda": torch.cuda.is_available(),
+        "device": prepared_device(),
+        "backend": dist.get_backend(),
+        "group_timeout_s": group._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
+    }
 
 
 def start_layout() -> dict:
@@ -28,8 +33,13 @@ def start_layout() -> dict:
     from moe_plugin.parallel.layout import ParallelLayout, started_layout
 
     layout = ParallelLayout(world=2, expert=2).start(seed=1)
-    out = {"dp_rank": layout.dp_rank, "ep_rank": layout.ep_rank, "data": layout.data,
-           "expert_data": layout.expert_data, "started_is_it": started_layout() is layout}
+    out = {
+        "dp_rank": layout.dp_rank,
+        "ep_rank": layout.ep_rank,
+        "data": layout.data,
+        "expert_data": layout.expert_data,
+        "started_is_it": started_layout() is layout,
+    }
     try:
         ParallelLayout(world=2, expert=1)._check_megatron()
         out["mismatch"] = None

@@ -23,5 +23,10 @@ def reduce_marked_gradients() -> dict:
     dense.grad = dense.detach().clone()
     expert.grad = expert.detach().clone()
     counts = reduce_gradients([dense, expert, idle_expert, frozen], data_parallel, own)
-    return {"dense": dense.grad, "expert": expert.grad, "idle": idle_expert.grad, "frozen": frozen.grad,
-            "counts": vars(counts)}
+    return {
+        "dense": dense.grad,
+        "expert": expert.grad,
+        "idle": idle_expert.grad,
+        "frozen": frozen.grad,
+        "counts": vars(counts),
+    }

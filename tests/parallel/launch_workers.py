@@ -17,11 +17,18 @@ def report(offset: int = 0) -> dict:
     total = torch.tensor([float(dist.get_rank() + offset)])
     dist.all_reduce(total)
     group = dist.distributed_c10d._get_default_group()
-    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": total.item(),
-            "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
-            "tensor": torch.full((2,), float(dist.get_rank())), "backend": dist.get_backend(),
-            "cuda": torch.cuda.is_available(), "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "group_timeout_s": group._get_backend(torch.device("cpu")).options._timeout.total_seconds()}
+    return {
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "sum": total.item(),
+        "threads": torch.get_num_threads(),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "tensor": torch.full((2,), float(dist.get_rank())),
+        "backend": dist.get_backend(),
+        "cuda": torch.cuda.is_available(),
+        "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "group_timeout_s": group._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
+    }
 
 
 def fail_on(rank: int) -> None:

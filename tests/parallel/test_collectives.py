@@ -12,7 +12,7 @@ def test_collectives_give_the_same_results_without_deprecation_warnings():
     # rank r contributes arange(4) + r: the sums are 2 * arange(4) + 1, rank r keeps its half
     total = 2 * torch.arange(4.0) + 1
     for rank, got in enumerate(ranks):
-        assert torch.equal(got["scattered"], total[2 * rank:2 * rank + 2])
+        assert torch.equal(got["scattered"], total[2 * rank : 2 * rank + 2])
         assert torch.equal(got["gathered"], torch.tensor([0.0, 0.0, 1.0, 1.0]))
         assert torch.equal(got["megatron_gathered"], torch.tensor([0.0, 0.0, 1.0, 1.0]))
         assert got["warnings"] == [], got["warnings"]

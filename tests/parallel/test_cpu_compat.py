@@ -34,8 +34,11 @@ def _upstream_state():
     ds_torch = importlib.import_module("deepspeed.comm.torch")  # deepspeed.comm.torch as an attribute is torch itself
 
     dispatcher = importlib.import_module(DISPATCHER)
-    return ({name: importlib.import_module(name).torch for name in MODULES}, dispatcher.maybe_move_tensor_to_cpu,
-            ds_torch.build_shm_op)
+    return (
+        {name: importlib.import_module(name).torch for name in MODULES},
+        dispatcher.maybe_move_tensor_to_cpu,
+        ds_torch.build_shm_op,
+    )
 
 
 def test_refused_where_cuda_is_usable(clean, monkeypatch):
@@ -81,13 +84,16 @@ def _compiled_wrapper_dropped(monkeypatch):
     monkeypatch.setattr(router, "_apply_expert_bias", lambda self, routing_map: None)
 
 
-@pytest.mark.parametrize("patch, module, attr", [
-    ("token_dispatcher.maybe_move_tensor_to_cpu", DISPATCHER, "maybe_move_tensor_to_cpu"),
-    ("torch.cuda@megatron.core.tensor_parallel.utils", "megatron.core.tensor_parallel.utils", "torch"),
-    ("random.cuda_rng_state", "megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
-    ("transformer.utils.get_default_causal_mask", "megatron.core.fusions.fused_softmax", "get_default_causal_mask"),
-    ("deepspeed.comm.torch.build_shm_op", "deepspeed.comm.torch", "build_shm_op"),
-])
+@pytest.mark.parametrize(
+    "patch, module, attr",
+    [
+        ("token_dispatcher.maybe_move_tensor_to_cpu", DISPATCHER, "maybe_move_tensor_to_cpu"),
+        ("torch.cuda@megatron.core.tensor_parallel.utils", "megatron.core.tensor_parallel.utils", "torch"),
+        ("random.cuda_rng_state", "megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+        ("transformer.utils.get_default_causal_mask", "megatron.core.fusions.fused_softmax", "get_default_causal_mask"),
+        ("deepspeed.comm.torch.build_shm_op", "deepspeed.comm.torch", "build_shm_op"),
+    ],
+)
 def test_a_missing_target_is_named_and_nothing_stays_patched(clean, monkeypatch, patch, module, attr):
     monkeypatch.delattr(importlib.import_module(module), attr)
     with pytest.raises(RuntimeError) as info:
@@ -97,14 +103,18 @@ def test_a_missing_target_is_named_and_nothing_stays_patched(clean, monkeypatch,
     assert f"CPU patch {patch!r}" in message and f"{module}.{attr} does not exist" in message, message
     assert f"{distribution} {importlib.metadata.version(distribution)}" in message, message
     assert cpu_compat.cpu_patches_applied() == []
-    assert all(importlib.import_module(name).torch is torch for name in MODULES if name != module), \
+    assert all(importlib.import_module(name).torch is torch for name in MODULES if name != module), (
         "the patches applied before the failure must be undone"
+    )
 
 
 def test_an_uncompiled_router_is_a_missing_target(clean, monkeypatch):
     _compiled_wrapper_dropped(monkeypatch)
-    with pytest.raises(RuntimeError, match=r"'router.TopKRouter._apply_expert_bias'.*"
-                                           r"router\.TopKRouter\._apply_expert_bias\._torchdynamo_orig_callable"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"'router.TopKRouter._apply_expert_bias'.*"
+        r"router\.TopKRouter\._apply_expert_bias\._torchdynamo_orig_callable",
+    ):
         cpu_compat.apply_cpu_patches()
 
 
@@ -156,8 +166,7 @@ def test_deepspeed_starts_on_gloo_without_building_an_op(monkeypatch, tmp_path):
     extensions = tmp_path / "torch_extensions"  # where a JIT build of the shm op would land
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # as on a GPU runner: a gloo run hides it
-    results = run_distributed(f"{WORKERS}:deepspeed_all_reduce", world_size=2, timeout_s=200,
-                              init_process_group=False)
+    results = run_distributed(f"{WORKERS}:deepspeed_all_reduce", world_size=2, timeout_s=200, init_process_group=False)
     for rank, r in enumerate(results):
         assert r["applied"] == list(cpu_compat.CPU_PATCH_NAMES), f"rank {rank}: the launcher must prepare the CPU"
         assert r["device"] == "cpu" and r["cuda"] is False

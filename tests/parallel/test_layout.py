@@ -14,8 +14,11 @@ def test_sizes_are_derived_and_checked_when_built():
     layout = ParallelLayout(world=8, expert=4)
     assert (layout.data, layout.expert_data, layout.tensor) == (8, 2, 1)
     assert ParallelLayout(world=8, expert=2, tensor=2).expert_data == 2
-    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: expert x tensor parallel size \(3 x 1\) "
-                                         r"must divide the world size 4; launch a multiple of 3 processes"):
+    with pytest.raises(
+        ValueError,
+        match=r"^parallel\.expert_parallel_size: expert x tensor parallel size \(3 x 1\) "
+        r"must divide the world size 4; launch a multiple of 3 processes",
+    ):
         ParallelLayout(world=4, expert=3)
     with pytest.raises(ValueError, match=r"^world size \(WORLD_SIZE\): must be a positive integer, got 0"):
         ParallelLayout(world=0)
@@ -43,7 +46,9 @@ def test_start_gives_the_ranks_groups_and_tags_of_the_layout():
     for rank, r in enumerate(results):
         assert (r["dp_rank"], r["ep_rank"], r["data"], r["expert_data"]) == (rank, rank, 2, 1)
         assert r["started_is_it"] and r["stopped"]
-        assert r["mismatch"] == ("megatron's expert-parallel size is 2, the layout's 1: megatron-core's parallel "
-                                 "state was started for another layout")
+        assert r["mismatch"] == (
+            "megatron's expert-parallel size is 2, the layout's 1: megatron-core's parallel "
+            "state was started for another layout"
+        )
         # an expert parameter is partitioned within its expert-data-parallel group: at EP 2 on 2 ranks, itself
         assert r["tagged"] == 1 and r["tag_group"] == [rank] and not r["plain_tagged"]

@@ -68,10 +68,13 @@ def test_unknown_device(unprepared):
         prepare_device("gpu")
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"expert_model_parallel_size": 0}, "expert_model_parallel_size"),
-    ({"tensor_model_parallel_size": 1.5}, "tensor_model_parallel_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"expert_model_parallel_size": 0}, "expert_model_parallel_size"),
+        ({"tensor_model_parallel_size": 1.5}, "tensor_model_parallel_size"),
+    ],
+)
 def test_bad_parallel_sizes(kwargs, name):
     with pytest.raises(ValueError, match=name):
         initialize_megatron(**kwargs)
@@ -92,13 +95,16 @@ def test_missing_torchrun_env(monkeypatch):
         init_distributed("cpu")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"device": "cpu", "backend": "mpi"}, "backend: expected 'gloo' or 'nccl'"),
-    ({"device": "cpu", "backend": "nccl"}, "backend: 'nccl' runs on GPUs only"),
-    ({"device": "cpu", "timeout_s": 0}, "timeout_s"),
-    ({"device": "tpu"}, "device: expected one of"),
-    ({}, "device: not given and prepare_device"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"device": "cpu", "backend": "mpi"}, "backend: expected 'gloo' or 'nccl'"),
+        ({"device": "cpu", "backend": "nccl"}, "backend: 'nccl' runs on GPUs only"),
+        ({"device": "cpu", "timeout_s": 0}, "timeout_s"),
+        ({"device": "tpu"}, "device: expected one of"),
+        ({}, "device: not given and prepare_device"),
+    ],
+)
 def test_bad_device_backend_and_timeout(monkeypatch, unprepared, kwargs, match):
     for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
         monkeypatch.setenv(var, value)
@@ -108,8 +114,9 @@ def test_bad_device_backend_and_timeout(monkeypatch, unprepared, kwargs, match):
 
 
 def test_ranks_started_by_initialize_megatron_share_the_seeded_generator():
-    results = run_distributed(f"{WORKERS}:start_megatron_and_draw", world_size=2, timeout_s=200,
-                              init_process_group=False, seed=7)
+    results = run_distributed(
+        f"{WORKERS}:start_megatron_and_draw", world_size=2, timeout_s=200, init_process_group=False, seed=7
+    )
     torch.manual_seed(7)
     expected = torch.rand(4)
     for rank, r in enumerate(results):

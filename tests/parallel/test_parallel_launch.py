@@ -57,8 +57,9 @@ def test_a_failing_rank_raises_with_its_traceback_and_every_output():
     message = str(info.value)
     assert message.startswith("rank 1 exited"), "the rank that raised first must be reported first"
     assert "ValueError: deliberate failure on rank 1" in message
-    assert "rank 0 was still running" in message and "rank 0 started" in message, \
+    assert "rank 0 was still running" in message and "rank 0 started" in message, (
         "the other ranks' state and output must be in the report"
+    )
 
 
 def test_a_rank_stuck_in_a_collective_fails_with_its_traceback():
@@ -92,23 +93,29 @@ def test_a_start_up_that_never_ends_is_bounded(monkeypatch):
     assert "rank 0 was still starting up" in str(info.value)
 
 
-@pytest.mark.parametrize("path, match", [
-    ("no_colon_here", "worker_fn_path"),
-    (f"{WORKERS}:missing_function", "missing_function"),
-    ("/no/such/file.py:f", "no such file"),
-])
+@pytest.mark.parametrize(
+    "path, match",
+    [
+        ("no_colon_here", "worker_fn_path"),
+        (f"{WORKERS}:missing_function", "missing_function"),
+        ("/no/such/file.py:f", "no such file"),
+    ],
+)
 def test_bad_worker_path(path, match):
     with pytest.raises(ValueError, match=match):
         resolve_function(path)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"world_size": 0}, "world_size"),
-    ({"world_size": 2, "backend": "mpi"}, "backend"),
-    ({"world_size": 2, "timeout_s": 10, "process_group_timeout_s": 10}, "process_group_timeout_s"),
-    ({"world_size": 2, "process_group_timeout_s": 0}, "process_group_timeout_s"),
-    ({"world_size": 2, "startup_timeout_s": 0}, "startup_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"world_size": 0}, "world_size"),
+        ({"world_size": 2, "backend": "mpi"}, "backend"),
+        ({"world_size": 2, "timeout_s": 10, "process_group_timeout_s": 10}, "process_group_timeout_s"),
+        ({"world_size": 2, "process_group_timeout_s": 0}, "process_group_timeout_s"),
+        ({"world_size": 2, "startup_timeout_s": 0}, "startup_timeout_s"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         run_distributed(f"{WORKERS}:report", **kwargs)

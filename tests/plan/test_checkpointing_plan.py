@@ -34,8 +34,9 @@ def test_meta_keeps_what_the_real_layer_keeps(mode):
         real_peak: list = []
         layer_saved_bytes(MC, index, lora, SHAPE, torch.float32, cands, "cpu", cu, mode=mode, peak=real_peak)
         with meta_forward(MetaDispatch(MC.moe.num_experts, 1.0)):
-            meta = sum(layer_saved_bytes(MC, index, lora, SHAPE, torch.float32, cands, cu_seqlens=cu,
-                                         mode=mode).values())
+            meta = sum(
+                layer_saved_bytes(MC, index, lora, SHAPE, torch.float32, cands, cu_seqlens=cu, mode=mode).values()
+            )
             peak: list = []
             layer_saved_bytes(MC, index, lora, SHAPE, torch.float32, cands, cu_seqlens=cu, mode=mode, peak=peak)
         assert meta == pytest.approx(real, rel=0.01), (index, meta, real)
@@ -59,9 +60,16 @@ def test_the_plan_follows_the_layers_table(monkeypatch):
 
 def test_plan_command_takes_the_modes_and_says_which_fits(tmp_path, capsys):
     recipe = tmp_path / "r.json"
-    recipe.write_text(json.dumps({"output_dir": str(tmp_path / "out"), "model": {"preset": "tiny"},
-                                  "schedule": {"activation_checkpointing": "selective", "micro_batch_size": 1},
-                                  "data": {"seq_len": 512}}))
+    recipe.write_text(
+        json.dumps(
+            {
+                "output_dir": str(tmp_path / "out"),
+                "model": {"preset": "tiny"},
+                "schedule": {"activation_checkpointing": "selective", "micro_batch_size": 1},
+                "data": {"seq_len": 512},
+            }
+        )
+    )
     plan_args = ["--recipe", str(recipe), "--devices", "1", "--from-checkpoint"]  # no whole-preset build peak
     assert main(plan_args + ["--json"]) == 0
     plan = json.loads(capsys.readouterr().out)

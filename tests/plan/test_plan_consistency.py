@@ -16,11 +16,29 @@ from moe_plugin.plan.planner import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, plan
 from moe_plugin.testing.plan_measure import layout_recipe
 from moe_plugin.recipe.schema import recipe_from_dict
 
-SMALL = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, layer_types=["kda", "mla"], attn_res=False,
-             num_experts=64, num_experts_per_token=4, moe_intermediate_size=32, routed_expert_hidden_size=32,
-             intermediate_size=64, use_dsa_indexer=False, first_k_dense_replace=0,
-             linear_attn_config=dict(num_heads=2, head_dim=16, short_conv_kernel_size=4, gate_lower_bound=-5.0,
-                                     gate_form="k3", gate_rank=8, chunk_size=16))
+SMALL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    layer_types=["kda", "mla"],
+    attn_res=False,
+    num_experts=64,
+    num_experts_per_token=4,
+    moe_intermediate_size=32,
+    routed_expert_hidden_size=32,
+    intermediate_size=64,
+    use_dsa_indexer=False,
+    first_k_dense_replace=0,
+    linear_attn_config=dict(
+        num_heads=2,
+        head_dim=16,
+        short_conv_kernel_size=4,
+        gate_lower_bound=-5.0,
+        gate_form="k3",
+        gate_rank=8,
+        chunk_size=16,
+    ),
+)
 
 
 def _zero3_recipe():
@@ -102,9 +120,20 @@ def test_the_seed_plan_takes_under_a_minute_of_cpu():
     """The full-size K3 plan as the README runs it (knobs, the device-count search): the child's CPU time,
     not wall time, so a loaded machine does not change the verdict."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run([sys.executable, "-m", "moe_plugin.plan.command", "--recipe",
-                           "recipes/k3_seed_layout.json", "--device-memory", "141GB"],
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_plugin.plan.command",
+            "--recipe",
+            "recipes/k3_seed_layout.json",
+            "--device-memory",
+            "141GB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert done.returncode == 0, done.stderr

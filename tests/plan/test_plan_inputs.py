@@ -18,8 +18,12 @@ from moe_plugin.plan.planner import plan_recipe
 from moe_plugin.training.data.pipeline import Example, pack_examples
 from moe_plugin.recipe.schema import recipe_from_dict
 
-TINY = {"output_dir": "outputs/never", "model": {"preset": "tiny"}, "lora": {"r": 8},
-        "data": {"kind": "arithmetic", "num_documents": 200, "seq_len": 256, "eval_fraction": 0.0}}
+TINY = {
+    "output_dir": "outputs/never",
+    "model": {"preset": "tiny"},
+    "lora": {"r": 8},
+    "data": {"kind": "arithmetic", "num_documents": 200, "seq_len": 256, "eval_fraction": 0.0},
+}
 
 
 @pytest.fixture
@@ -38,22 +42,41 @@ def _error_line(capsys, argv):
     return lines[0]
 
 
-@pytest.mark.parametrize("flag, value, largest", [
-    ("--device-memory", "inf", "100TB"), ("--device-memory", "nan", "141GB"), ("--device-memory", "101TB", "100TB"),
-    ("--device-memory", "-3GB", "141GB"), ("--seq-len", "1000000000", "16,777,216"), ("--seq-len", "1", "16,777,216"),
-    ("--micro-batch", str(10 ** 30), "65,536"), ("--micro-batch", "0", "65,536"), ("--devices", "65537", "65,536"),
-    ("--devices", "-1", "65,536"), ("--images", "1000000", "4,096"), ("--image-size", "100000", "8,192"),
-    ("--capacity", "inf", "128"), ("--capacity", "nan", "128"), ("--capacity", "1e300", "128"),
-    ("--capacity", "0.5", "128")])
+@pytest.mark.parametrize(
+    "flag, value, largest",
+    [
+        ("--device-memory", "inf", "100TB"),
+        ("--device-memory", "nan", "141GB"),
+        ("--device-memory", "101TB", "100TB"),
+        ("--device-memory", "-3GB", "141GB"),
+        ("--seq-len", "1000000000", "16,777,216"),
+        ("--seq-len", "1", "16,777,216"),
+        ("--micro-batch", str(10**30), "65,536"),
+        ("--micro-batch", "0", "65,536"),
+        ("--devices", "65537", "65,536"),
+        ("--devices", "-1", "65,536"),
+        ("--images", "1000000", "4,096"),
+        ("--image-size", "100000", "8,192"),
+        ("--capacity", "inf", "128"),
+        ("--capacity", "nan", "128"),
+        ("--capacity", "1e300", "128"),
+        ("--capacity", "0.5", "128"),
+    ],
+)
 def test_an_absurd_size_is_one_line_naming_the_flag_and_the_largest(capsys, recipe_file, flag, value, largest):
     line = _error_line(capsys, ["--recipe", recipe_file, f"{flag}={value}"])  # "=": a value may start with "-"
     assert line.startswith(f"moe-plugin plan: error: {flag}: ") and largest in line
 
 
-@pytest.mark.parametrize("argv, named", [(["--recipe", "no/such.json"], "--recipe: 'no/such.json'"),
-                                         (["--recipe", "{r}", "--seq-len", "many"], "argument --seq-len"),
-                                         (["--recipe", "{r}", "--bogus"], "unrecognized arguments: --bogus"),
-                                         ([], "required: --recipe")])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--recipe", "no/such.json"], "--recipe: 'no/such.json'"),
+        (["--recipe", "{r}", "--seq-len", "many"], "argument --seq-len"),
+        (["--recipe", "{r}", "--bogus"], "unrecognized arguments: --bogus"),
+        ([], "required: --recipe"),
+    ],
+)
 def test_a_bad_command_line_is_one_line(capsys, recipe_file, argv, named):
     line = _error_line(capsys, [a.replace("{r}", recipe_file) for a in argv])
     assert named in line
@@ -63,14 +86,19 @@ def test_debug_shows_the_traceback(capsys, recipe_file):
     assert command.main(["--recipe", recipe_file, "--seq-len", "1", "--debug"]) == 2
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and err.splitlines()[-1].startswith(
-        "moe-plugin plan: error: --seq-len:")
+        "moe-plugin plan: error: --seq-len:"
+    )
 
 
-@pytest.mark.parametrize("section, key, value, field, limit", [
-    ("data", "seq_len", 10 ** 9, "data.seq_len", "seq_len"),
-    ("schedule", "micro_batch_size", 10 ** 6, "schedule.micro_batch_size", "micro_batch"),
-    ("schedule", "gradient_accumulation_steps", 10 ** 6, "schedule.gradient_accumulation_steps", "grad_accum"),
-    ("data", "num_documents", 10 ** 8, "data.num_documents", "num_documents")])
+@pytest.mark.parametrize(
+    "section, key, value, field, limit",
+    [
+        ("data", "seq_len", 10**9, "data.seq_len", "seq_len"),
+        ("schedule", "micro_batch_size", 10**6, "schedule.micro_batch_size", "micro_batch"),
+        ("schedule", "gradient_accumulation_steps", 10**6, "schedule.gradient_accumulation_steps", "grad_accum"),
+        ("data", "num_documents", 10**8, "data.num_documents", "num_documents"),
+    ],
+)
 def test_the_recipes_own_absurd_sizes_are_refused_by_name(section, key, value, field, limit):
     values = json.loads(json.dumps(TINY))
     values.setdefault(section, {})[key] = value

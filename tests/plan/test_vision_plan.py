@@ -13,8 +13,9 @@ from moe_plugin.plan.vision import image_grid, vision_activation_bytes
 from moe_plugin.testing.plan_measure import layout_recipe
 from moe_plugin.recipe.schema import LoraSection, recipe_from_dict
 
-VISION = VisionConfig(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512, out_hidden_size=64,
-                      max_grid=64)
+VISION = VisionConfig(
+    hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512, out_hidden_size=64, max_grid=64
+)
 
 
 @pytest.mark.parametrize("targets", [["q_proj", "k_proj", "gate"], ["qkv", "proj", "fc1"]])
@@ -56,8 +57,7 @@ def test_plan_adds_the_vision_tower_and_names_bad_picture_counts():
     text = plan_recipe(recipe, devices=1)
     assert text.layout.images == 0 and "vision" not in text.memory.activations_by_segment
     with_images = plan_recipe(recipe, devices=1, images=2, image_size=224)
-    saved, working, _ = vision_activation_bytes(
-        recipe_vision(recipe), recipe.lora, 2, 224, torch.float32)
+    saved, working, _ = vision_activation_bytes(recipe_vision(recipe), recipe.lora, 2, 224, torch.float32)
     assert with_images.memory.activations_by_segment["vision"] == saved
     assert with_images.counts["vision"]["parameters"] > 0 and text.counts["vision"]["parameters"] == 0
     assert with_images.memory.peak >= text.memory.peak

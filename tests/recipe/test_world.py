@@ -28,13 +28,19 @@ def test_check_layout():
     with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: 2 does not divide the world size 3"):
         check_layout(_layout(2), world_size=3, num_experts=8)
     check_layout(_layout(2, "hf"), world_size=2, num_experts=8)  # the Hugging Face face has expert parallelism
-    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: is 2, but the Hugging Face backend's "
-                                         r"expert parallelism takes dense experts and the base's are 'mxfp4'; use "
-                                         r"parallel\.backend \"megatron\""):
+    with pytest.raises(
+        ValueError,
+        match=r"^parallel\.expert_parallel_size: is 2, but the Hugging Face backend's "
+        r"expert parallelism takes dense experts and the base's are 'mxfp4'; use "
+        r"parallel\.backend \"megatron\"",
+    ):
         check_layout(_layout(2, "hf"), world_size=2, num_experts=8, expert_format="mxfp4")
     full = recipe_from_dict(_with(parallel={"expert_parallel_size": 2, "backend": "hf"}, lora=None))
-    with pytest.raises(ValueError, match=r"^parallel\.expert_parallel_size: is 2, but full training \(\"lora\": "
-                                         r"null\) on the Hugging Face backend runs without expert parallelism"):
+    with pytest.raises(
+        ValueError,
+        match=r"^parallel\.expert_parallel_size: is 2, but full training \(\"lora\": "
+        r"null\) on the Hugging Face backend runs without expert parallelism",
+    ):
         check_layout(full, world_size=2, num_experts=8)
 
 

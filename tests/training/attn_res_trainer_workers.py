@@ -31,11 +31,15 @@ def run(recipes: list) -> dict:
 
             trainer.backend.loss = recording_loss
             results[name] = {
-                **steps_with_gradients(trainer), "grad_norms": list(trainer.result.grad_norms), "indexer_kl": kls,
-                "attn_res_partitions": {n: (int(p.ds_tensor.numel()), int(p.ds_numel))
-                                        for n, p in module.named_parameters()
-                                        if ("_res_proj" in n or "_res_norm" in n) and hasattr(p, "ds_tensor")},
-                "attn_res_count": sum(1 for n, _ in module.named_parameters()
-                                      if "_res_proj" in n or "_res_norm" in n)}
+                **steps_with_gradients(trainer),
+                "grad_norms": list(trainer.result.grad_norms),
+                "indexer_kl": kls,
+                "attn_res_partitions": {
+                    n: (int(p.ds_tensor.numel()), int(p.ds_numel))
+                    for n, p in module.named_parameters()
+                    if ("_res_proj" in n or "_res_norm" in n) and hasattr(p, "ds_tensor")
+                },
+                "attn_res_count": sum(1 for n, _ in module.named_parameters() if "_res_proj" in n or "_res_norm" in n),
+            }
         dist.barrier()
     return results

@@ -19,6 +19,7 @@ def shard_values(step: int, rank: int) -> torch.Tensor:
 
 def writer(step: int, rank: int, seen: list, return_files: bool):
     """As DeepSpeed's save_checkpoint and the trainer write: a shard per rank, and the trainer state on rank 0."""
+
     def write(staging):
         seen.append(staging)
         os.makedirs(os.path.join(staging, "global_step"), exist_ok=True)
@@ -29,6 +30,7 @@ def writer(step: int, rank: int, seen: list, return_files: bool):
                 f.write(f'{{"step": {step}}}')
             files.append(os.path.join(staging, "trainer_state.json"))  # absolute paths are accepted too
         return files if return_files else None
+
     return write
 
 
@@ -38,8 +40,10 @@ def save_twice_then_fail(root: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     manager = CheckpointManager(root, rank, world, dist.barrier, keep=2)
     seen = []
-    paths = [manager.save(10, writer(10, rank, seen, return_files=False)),
-             manager.save(20, writer(20, rank, seen, return_files=True))]
+    paths = [
+        manager.save(10, writer(10, rank, seen, return_files=False)),
+        manager.save(20, writer(20, rank, seen, return_files=True)),
+    ]
 
     def fail_on_rank_1(staging):
         writer(30, rank, seen, return_files=False)(staging)

@@ -27,8 +27,9 @@ def _logits(trainer, micro) -> torch.Tensor:
 
         cu = micro.cu_seqlens
         longest = int((cu[1:] - cu[:-1]).max())
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                                 max_seqlen_kv=longest)
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
         return module(micro.input_ids, None, None, packed_seq_params=params, **images).float()
 
 
@@ -41,8 +42,12 @@ def run_recipes(recipes: list) -> list:
         recipe = recipe_from_dict(copy.deepcopy(recipe_dict))
         with Trainer(recipe) as trainer:
             micro = copy.deepcopy(trainer.stream).next_step(trainer.layout.dp_rank)[0][0]
-            result = {"model": type(trainer.engine.module).__name__, "has_images": micro.pixel_patches is not None,
-                      "input_ids": micro.input_ids, "logits": _logits(trainer, micro)}
+            result = {
+                "model": type(trainer.engine.module).__name__,
+                "has_images": micro.pixel_patches is not None,
+                "input_ids": micro.input_ids,
+                "logits": _logits(trainer, micro),
+            }
             if hasattr(trainer.engine.module, "get_base_model"):
                 result["model"] = type(trainer.engine.module.get_base_model()).__name__
             result.update(steps_with_gradients(trainer), grad_norms=list(trainer.result.grad_norms))

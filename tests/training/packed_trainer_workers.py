@@ -29,8 +29,9 @@ def _logits(trainer, ids: torch.Tensor) -> torch.Tensor:
     if trainer.backend.name == "hf":
         with torch.no_grad():
             return trainer.engine.module(input_ids=ids, cu_seqlens=cu.long()).logits.detach().float().clone()
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=ids.numel(),
-                             max_seqlen_kv=ids.numel())
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=ids.numel(), max_seqlen_kv=ids.numel()
+    )
     module = trainer.engine.module
     with torch.no_grad():
         return module(ids, None, None, packed_seq_params=params).detach().float().clone()
@@ -43,8 +44,11 @@ def _resident(module) -> dict:
         for name, p in m.named_parameters(recurse=False):
             local = p.ds_tensor if hasattr(p, "ds_tensor") else p.data
             full = getattr(p, "ds_numel", p.numel())
-            out[f"{m.first_expert}:{id(m)}:{name}"] = (local.numel() * local.element_size(),
-                                                      full * p.element_size(), str(p.dtype))
+            out[f"{m.first_expert}:{id(m)}:{name}"] = (
+                local.numel() * local.element_size(),
+                full * p.element_size(),
+                str(p.dtype),
+            )
     return out
 
 
@@ -69,8 +73,11 @@ def run_packed(scenarios: list) -> dict:
         recipe = recipe_from_dict(copy.deepcopy(scenario["recipe"]))
         with Trainer(recipe) as trainer:
             module = trainer.engine.module
-            result = {"logits": _logits(trainer, torch.tensor(scenario["ids"]).view(1, -1)),
-                      "resident": _resident(module), "packed": _gathered_packed(trainer)}
+            result = {
+                "logits": _logits(trainer, torch.tensor(scenario["ids"]).view(1, -1)),
+                "resident": _resident(module),
+                "packed": _gathered_packed(trainer),
+            }
             grads = {}
             calls, hooks = _count_router_calls(trainer)  # after the logits' forward: the step's calls only
             result["loss"] = trainer.train_step(on_gradients=lambda grads=grads: grads.update(_full_grads(trainer)))

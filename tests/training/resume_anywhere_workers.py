@@ -30,8 +30,11 @@ def train_capturing(recipe_dict: dict) -> dict:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         result = vars(train(recipe_from_dict(copy.deepcopy(recipe_dict))))
-    return {"losses": result["losses"], "resumed_from": result["resumed_from"],
-            "printed": out.getvalue() + err.getvalue()}
+    return {
+        "losses": result["losses"],
+        "resumed_from": result["resumed_from"],
+        "printed": out.getvalue() + err.getvalue(),
+    }
 
 
 def run(calls: list) -> list:

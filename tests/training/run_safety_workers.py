@@ -39,6 +39,7 @@ def plant(checkpoint: str, relative: str, sentinel: str) -> None:
 
 # helpers of the one-process cases
 
+
 def fake_base(path: Path, values: float) -> None:
     from safetensors.torch import save_file
 
@@ -52,8 +53,11 @@ def payload_file(path: Path, sentinel: Path) -> None:
 
 
 def digests(directory) -> dict:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(directory).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(directory).rglob("*"))
+        if p.is_file()
+    }
 
 
 def save_base(path: Path, seed: int) -> None:
@@ -100,13 +104,18 @@ def zero3_cases(recipe: dict, sentinel_dir: str) -> dict:
     train(recipe_from_dict(copy.deepcopy(recipe)))
     engine = os.path.join(root, "checkpoints", "step-00000001", "engine")
     files = sorted(os.listdir(engine))
-    planted = {"optim1": "engine/zero_pp_rank_1_mp_rank_00_optim_states.pt",
-               "model0": "engine/zero_pp_rank_0_mp_rank_00_model_states.pt"}
+    planted = {
+        "optim1": "engine/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "model0": "engine/zero_pp_rank_0_mp_rank_00_model_states.pt",
+    }
     if rank == 0:
         for name, relative in planted.items():
             shutil.copytree(root, f"{root}-{name}")
-            plant(os.path.join(f"{root}-{name}", "checkpoints", "step-00000001"), relative,
-                  os.path.join(sentinel_dir, name))
+            plant(
+                os.path.join(f"{root}-{name}", "checkpoints", "step-00000001"),
+                relative,
+                os.path.join(sentinel_dir, name),
+            )
     dist.barrier()
     errors = {name: _error({**recipe, "output_dir": f"{root}-{name}"}) for name in planted}
     seen, restore = _record_loads()
@@ -116,5 +125,11 @@ def zero3_cases(recipe: dict, sentinel_dir: str) -> dict:
         result = train(recipe_from_dict(longer))
     finally:
         restore()
-    return {"files": files, "errors": errors, "planted": planted, "loads": seen, "losses": result.losses,
-            "resumed_from": result.resumed_from}
+    return {
+        "files": files,
+        "errors": errors,
+        "planted": planted,
+        "loads": seen,
+        "losses": result.losses,
+        "resumed_from": result.resumed_from,
+    }

@@ -101,8 +101,12 @@ def _greedy_reference(model, processor, question, max_new_tokens, eos):
 def test_answer_is_greedy_and_stops_at_end_of_sequence():
     model, processor = _tiny_model(), MoEProcessor()
     record, _ = task_records("shape", 1, seed=5)[0]
-    question = Question([{"role": "user", "content": [{"type": "image"}, record["messages"][0]["content"][1]]}],
-                        [_image(record)], "circle", "test")
+    question = Question(
+        [{"role": "user", "content": [{"type": "image"}, record["messages"][0]["content"][1]]}],
+        [_image(record)],
+        "circle",
+        "test",
+    )
     model.generation_config.eos_token_id = None
     text, tokens = _greedy_reference(model, processor, question, 6, eos=())
     assert answer(model, processor, question, max_new_tokens=6) == text
@@ -111,15 +115,26 @@ def test_answer_is_greedy_and_stops_at_end_of_sequence():
     model.generation_config.eos_token_id = stop
     short, short_tokens = _greedy_reference(model, processor, question, 6, eos=(stop,))
     assert len(short_tokens) == 3 and answer(model, processor, question, max_new_tokens=6) == short
-    correct, given = accuracy(model, processor, [question, Question(question.messages, question.images, short,
-                                                                    "test")], max_new_tokens=6)
+    correct, given = accuracy(
+        model, processor, [question, Question(question.messages, question.images, short, "test")], max_new_tokens=6
+    )
     assert given == [short, short] and correct == (1 if short != "circle" else 2)
 
 
 def test_read_questions_names_a_record_without_a_final_answer(tmp_path):
     path = tmp_path / "held.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
-                                             {"role": "user", "content": "more?"}]}) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": "more?"},
+                ]
+            }
+        )
+        + "\n"
+    )
     with pytest.raises(ValueError, match=r"eval\.answers\.path: line 1 of .*held\.jsonl.*assistant's answer"):
         read_questions(str(path))
     path.write_text("")
@@ -130,8 +145,9 @@ def test_read_questions_names_a_record_without_a_final_answer(tmp_path):
 def test_recipe_answers_section_names_its_problems(tmp_path):
     base = {"output_dir": str(tmp_path / "out"), "model": {"preset": "tiny"}}
     with pytest.raises(ValueError) as err:
-        recipe_from_dict({**base, "eval": {"answers": {"path": str(tmp_path / "none.jsonl"), "max_new_tokens": 0,
-                                                       "limt": 3}}})
+        recipe_from_dict(
+            {**base, "eval": {"answers": {"path": str(tmp_path / "none.jsonl"), "max_new_tokens": 0, "limt": 3}}}
+        )
     text = str(err.value)
     assert "eval.answers.max_new_tokens: must be > 0" in text
     assert "eval.answers.limt: unknown key" in text and "did you mean 'limit'" in text

@@ -28,13 +28,18 @@ STEPS = 3
 MAX_NORM = 0.05
 TOKENS = 2 * 48  # a step's global batch: 2 rows of seq_len 48, at most that many label tokens
 CHAIN = chain_length(TOKENS, layers=4, width=128, vocab=384)  # the tiny preset: hidden 64, MLP 128
-LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate", "wq_b", "wk", "weights_proj"],
-        "target_parameters": ["experts.w1"]}
+LORA = {
+    "r": 4,
+    "alpha": 8,
+    "target_modules": ["q_proj", "k_proj", "gate", "wq_b", "wk", "weights_proj"],
+    "target_parameters": ["experts.w1"],
+}
 
 
 def _checkpoint(path) -> str:
-    config = preset_config("tiny", vision_config=None, image_token_id=None, attn_res_block_size=3, index_topk=8,
-                           indexer_loss_coeff=0.5)
+    config = preset_config(
+        "tiny", vision_config=None, image_token_id=None, attn_res_block_size=3, index_topk=8, indexer_loss_coeff=0.5
+    )
     torch.manual_seed(0)
     model = MoEPluginForCausalLM(config)
     with torch.no_grad():
@@ -54,14 +59,23 @@ def _checkpoint(path) -> str:
 
 def _recipe(output_dir, world: int, model: dict) -> dict:
     return {
-        "output_dir": str(output_dir), "seed": 5, "deepspeed": ZERO3 if world > 1 else None, "model": model,
+        "output_dir": str(output_dir),
+        "seed": 5,
+        "deepspeed": ZERO3 if world > 1 else None,
+        "model": model,
         "lora": LORA,
         "data": {"kind": "arithmetic", "operation": "+", "num_documents": 200, "seq_len": 48, "eval_fraction": 0.05},
         "parallel": {"backend": "hf", "expert_parallel_size": 1},
         # micro-batch 2 in one process is the concatenation of the 2 ranks' micro-batches of 1
-        "schedule": {"steps": STEPS, "micro_batch_size": 2 // world, "lr": LR, "clip_grad_norm": MAX_NORM,
-                     "warmup_steps": 0},
-        "eval": {"every": 0, "batches": 1}, "checkpoint": {"every": 0, "keep": 1},
+        "schedule": {
+            "steps": STEPS,
+            "micro_batch_size": 2 // world,
+            "lr": LR,
+            "clip_grad_norm": MAX_NORM,
+            "warmup_steps": 0,
+        },
+        "eval": {"every": 0, "batches": 1},
+        "checkpoint": {"every": 0, "keep": 1},
         "logging": {"every": 1, "progress_bar": False},
     }
 
@@ -69,12 +83,16 @@ def _recipe(output_dir, world: int, model: dict) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("attn_res_trainer")
-    bases = {"checkpoint": {"from_pretrained": _checkpoint(tmp / "base")},
-             "preset": {"preset": "tiny", "overrides": {"index_topk": 8, "indexer_loss_coeff": 0.5}}}
-    one = run_distributed(WORKER, world_size=1, timeout_s=900,
-                          recipes=[(k, _recipe(tmp / f"{k}-w1", 1, m)) for k, m in bases.items()])
-    two = run_distributed(WORKER, world_size=2, timeout_s=900,
-                          recipes=[(k, _recipe(tmp / f"{k}-w2", 2, m)) for k, m in bases.items()])
+    bases = {
+        "checkpoint": {"from_pretrained": _checkpoint(tmp / "base")},
+        "preset": {"preset": "tiny", "overrides": {"index_topk": 8, "indexer_loss_coeff": 0.5}},
+    }
+    one = run_distributed(
+        WORKER, world_size=1, timeout_s=900, recipes=[(k, _recipe(tmp / f"{k}-w1", 1, m)) for k, m in bases.items()]
+    )
+    two = run_distributed(
+        WORKER, world_size=2, timeout_s=900, recipes=[(k, _recipe(tmp / f"{k}-w2", 2, m)) for k, m in bases.items()]
+    )
     return one[0], two
 
 
@@ -84,15 +102,17 @@ def test_attn_res_under_zero3_on_2_processes_equals_one_process(runs, base):
     fp32 bounds of tests/tolerances.py."""
     one, two = runs
     ref = one[base]
-    assert len(ref["losses"]) == STEPS and all(kl is not None and kl > 0 for kl in ref["indexer_kl"]), \
+    assert len(ref["losses"]) == STEPS and all(kl is not None and kl > 0 for kl in ref["indexer_kl"]), (
         "premise: the indexer's KL term is in every loss"
+    )
     assert min(ref["grad_norms"]) > MAX_NORM, "premise: clipping is active on every step"
     for rank, got in enumerate(two):
         got = got[base]
         failures = check_run(ref, got, tokens=TOKENS, chain=CHAIN, lr=LR, max_norm=MAX_NORM)
         assert not failures, (rank, failures[:8])
-        assert any(float(v.abs().max()) > 0 for n, v in got["grads"].items() if ".indexer." in n), \
+        assert any(float(v.abs().max()) > 0 for n, v in got["grads"].items() if ".indexer." in n), (
             "the indexer's adapters learn from the KL term"
+        )
 
 
 def test_attn_res_weights_are_partitioned_over_both_ranks(runs):

@@ -13,17 +13,27 @@ IMAGE = {"byte": "<|image|>", "subword": "<|media_pad|>"}
 USER = {"role": "user", "content": "What is 37 - 12?"}
 CONVERSATIONS = {
     "one turn": [USER, {"role": "assistant", "content": "25"}],
-    "several turns": [USER, {"role": "assistant", "content": "25"},
-                      {"role": "user", "content": "And 9 + 4?"}, {"role": "assistant", "content": "It is 13."},
-                      {"role": "user", "content": "What color is the shape?"},
-                      {"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
-    "system turn": [{"role": "system", "content": "Answer with one word."}, USER,
-                    {"role": "assistant", "content": "25"}, {"role": "user", "content": "Which shape is this?"},
-                    {"role": "assistant", "content": "circle"}],
-    "image": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color is the shape?"}]},
-              {"role": "assistant", "content": "blue"},
-              {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image"}]},
-              {"role": "assistant", "content": "yellow"}],
+    "several turns": [
+        USER,
+        {"role": "assistant", "content": "25"},
+        {"role": "user", "content": "And 9 + 4?"},
+        {"role": "assistant", "content": "It is 13."},
+        {"role": "user", "content": "What color is the shape?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+    ],
+    "system turn": [
+        {"role": "system", "content": "Answer with one word."},
+        USER,
+        {"role": "assistant", "content": "25"},
+        {"role": "user", "content": "Which shape is this?"},
+        {"role": "assistant", "content": "circle"},
+    ],
+    "image": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color is the shape?"}]},
+        {"role": "assistant", "content": "blue"},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image"}]},
+        {"role": "assistant", "content": "yellow"},
+    ],
 }
 
 
@@ -33,8 +43,9 @@ def base(request):
 
 
 def render(tok, messages, add_generation_prompt=False):
-    return list(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        return_dict=True)["input_ids"])
+    return list(
+        tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, return_dict=True)["input_ids"]
+    )
 
 
 def answer_text(message):
@@ -52,7 +63,7 @@ def expected_labels(tok, messages):
         if message["role"] == "assistant":
             start = len(render(tok, messages[:i], add_generation_prompt=True))
             answer = tok.encode(answer_text(message), add_special_tokens=False) + [im_end]
-            labels[start:start + len(answer)] = answer
+            labels[start : start + len(answer)] = answer
     return ids, labels
 
 
@@ -66,8 +77,9 @@ def test_ids_and_labels_equal_the_templates_rendering(base, name):
     trained = [t for t in labels if t != IGNORE]
     answers = [answer_text(m) for m in messages if m["role"] == "assistant"]
     assert tok.decode(trained) == "".join(a + "<|im_end|>" for a in answers)
-    assert [t for t in ids if t == tok.convert_tokens_to_ids(IMAGE[kind])] == \
-        [tok.convert_tokens_to_ids(IMAGE[kind])] * (2 if name == "image" else 0)
+    assert [t for t in ids if t == tok.convert_tokens_to_ids(IMAGE[kind])] == [
+        tok.convert_tokens_to_ids(IMAGE[kind])
+    ] * (2 if name == "image" else 0)
 
 
 def test_subword_ids_are_not_byte_ids():
@@ -133,8 +145,11 @@ def test_turn_without_end_of_turn_is_refused():
     tok = load_base_tokenizer(str(BASES["subword"]))
     tokens = chat_tokens(tok)
     tok.chat_template = tok.chat_template.replace("{{ '<|im_end|>' }}", "{{ '\\n' }}")
-    with pytest.raises(ValueError, match=r"^c.jsonl:1: messages\[1\] does not end with the template's end-of-turn "
-                                         r"tokens '<\|im_end\|>'"):
+    with pytest.raises(
+        ValueError,
+        match=r"^c.jsonl:1: messages\[1\] does not end with the template's end-of-turn "
+        r"tokens '<\|im_end\|>'",
+    ):
         tokenize_chat(tok, CONVERSATIONS["one turn"], where="c.jsonl:1", tokens=tokens)
     with pytest.raises(ValueError, match=r"^model.from_pretrained: the chat template writes no special token after"):
         chat_tokens(tok)
@@ -156,6 +171,6 @@ def test_expand_image_tokens(base):
     assert [t for t in big_ids if t != image_id] == [t for t in ids if t != image_id]
     assert [t for t in big_labels if t != IGNORE] == [t for t in labels if t != IGNORE]
     first = big_ids.index(image_id)
-    assert big_ids[first:first + 4] == [image_id] * 4 and big_ids[first + 4] != image_id
+    assert big_ids[first : first + 4] == [image_id] * 4 and big_ids[first + 4] != image_id
     with pytest.raises(ValueError, match=r"^d.jsonl:9: the conversation holds 2 image placeholders but 1 images"):
         expand_image_tokens(ids, labels, image_id, [4], where="d.jsonl:9")

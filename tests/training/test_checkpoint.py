@@ -25,6 +25,7 @@ def _writer(step: int, files=("model.pt", "trainer_state.json")):
     def write(staging):
         for i, name in enumerate(files):
             Path(staging, name).write_bytes(f"{name} of step {step}".encode() * (i + 1))
+
     return write
 
 
@@ -77,8 +78,9 @@ def test_corrupted_and_partial_checkpoints_are_not_latest_and_are_cleaned(tmp_pa
     removed = manager.clean_leftovers()
     # what killed saves leave goes; a checkpoint changed after it was saved (its marker no longer matches, or
     # cannot be read) stays as it is: it is skipped, never removed
-    assert removed == sorted(str(root / n) for n in ("step-00000040", ".staging-step-00000060",
-                                                    ".pruning-step-00000005"))
+    assert removed == sorted(
+        str(root / n) for n in ("step-00000040", ".staging-step-00000060", ".pruning-step-00000005")
+    )
     damaged = ["step-00000020", "step-00000030", "step-00000050"]
     assert sorted(os.listdir(root)) == sorted(foreign + ["step-00000010"] + damaged)
     assert [p.split("/")[-2] for p in manager.damaged()] == damaged[::-1]
@@ -119,12 +121,15 @@ def test_a_step_not_after_the_latest_is_refused(tmp_path):
     assert os.listdir(tmp_path) == ["step-00000005"]
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"rank": 2, "world_size": 2, "all_ok": bool}, r"CheckpointManager\.rank"),
-    ({"rank": 0, "world_size": 0}, r"CheckpointManager\.world_size"),
-    ({"rank": 0, "world_size": 1, "keep": 0}, r"CheckpointManager\.keep"),
-    ({"rank": 0, "world_size": 2}, r"CheckpointManager\.all_ok: world_size is 2 but torch.distributed"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"rank": 2, "world_size": 2, "all_ok": bool}, r"CheckpointManager\.rank"),
+        ({"rank": 0, "world_size": 0}, r"CheckpointManager\.world_size"),
+        ({"rank": 0, "world_size": 1, "keep": 0}, r"CheckpointManager\.keep"),
+        ({"rank": 0, "world_size": 2}, r"CheckpointManager\.all_ok: world_size is 2 but torch.distributed"),
+    ],
+)
 def test_bad_arguments_name_the_field(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}"):
         CheckpointManager(tmp_path, barrier=lambda: None, **kwargs)
@@ -135,10 +140,15 @@ def test_bad_arguments_name_the_field(tmp_path, kwargs, field):
 # step-10 and step-20 with keep=2.
 KILL_POINTS = [
     ("while writing", None, None, None, 20, [".staging-step-00000030"]),
-    ("after writing COMPLETE", "replace", lambda s, d: d.endswith(COMPLETE), "after", 20,
-     [".staging-step-00000030"]),
-    ("before the publishing rename", "rename", lambda s, d: d.endswith("step-00000030"), "before", 20,
-     [".staging-step-00000030"]),
+    ("after writing COMPLETE", "replace", lambda s, d: d.endswith(COMPLETE), "after", 20, [".staging-step-00000030"]),
+    (
+        "before the publishing rename",
+        "rename",
+        lambda s, d: d.endswith("step-00000030"),
+        "before",
+        20,
+        [".staging-step-00000030"],
+    ),
     ("after the publishing rename", "rename", lambda s, d: d.endswith("step-00000030"), "after", 30, []),
     ("while pruning", "rename", lambda s, d: ".pruning-" in d, "after", 30, [".pruning-step-00000010"]),
 ]
@@ -165,12 +175,14 @@ def test_sigkill_of_rank_0_at_each_step_of_a_save(tmp_path, point):
                     real(src, dst, *args, **kwargs)
                     if die:
                         os.kill(os.getpid(), signal.SIGKILL)
+
                 setattr(os, function, hooked)
 
             def write(staging):
                 _writer(30)(staging)
                 if function is None:
                     os.kill(os.getpid(), signal.SIGKILL)
+
             manager.save(30, write)
         finally:
             os._exit(3)  # reached only if the kill did not happen
@@ -189,8 +201,9 @@ def _shard(directory, rank):
 
 def test_two_ranks_save_into_one_directory_and_a_failure_raises_on_both(tmp_path):
     root = tmp_path / "checkpoints"
-    results = run_distributed(f"{WORKERS}:save_twice_then_fail", world_size=2, timeout_s=240,
-                              init_process_group=True, root=str(root))
+    results = run_distributed(
+        f"{WORKERS}:save_twice_then_fail", world_size=2, timeout_s=240, init_process_group=True, root=str(root)
+    )
     paths = [str(root / "step-00000010"), str(root / "step-00000020")]
     assert [r["paths"] for r in results] == [paths, paths]
     staging = [str(root / f".staging-step-000000{s}") for s in (10, 20, 30)]
@@ -206,8 +219,10 @@ def test_two_ranks_save_into_one_directory_and_a_failure_raises_on_both(tmp_path
             assert shard["step"] == step
             assert torch.equal(shard["values"], torch.arange(8, dtype=torch.float32) + 100 * step + rank)
     assert results[1]["failure"] == "OSError: disk full on rank 1"
-    assert results[0]["failure"].startswith("RuntimeError: checkpoint step-00000030: writing failed: another "
-                                            "rank failed while writing; no checkpoint was published")
+    assert results[0]["failure"].startswith(
+        "RuntimeError: checkpoint step-00000030: writing failed: another "
+        "rank failed while writing; no checkpoint was published"
+    )
     assert [r["latest"] for r in results] == [(20, paths[1])] * 2
     assert sorted(os.listdir(root)) == ["step-00000010", "step-00000020"], "the failed save's staging is gone"
 
@@ -218,8 +233,7 @@ def test_rank_1_killed_while_writing_leaves_the_previous_checkpoint(tmp_path):
     previous.save(20, _writer(20))
     before = _digests(root / "step-00000020")
     with pytest.raises(RuntimeError, match=r"rank 1 exited with code -9"):
-        run_distributed(f"{WORKERS}:save_and_die", world_size=2, timeout_s=240, init_process_group=True,
-                        root=str(root))
+        run_distributed(f"{WORKERS}:save_and_die", world_size=2, timeout_s=240, init_process_group=True, root=str(root))
     assert (root / ".staging-step-00000030" / "global_step").is_dir(), "the killed save got as far as writing"
     assert previous.latest() == (20, str(root / "step-00000020"))
     assert _digests(root / "step-00000020") == before

@@ -13,16 +13,28 @@ import torch
 from moe_plugin.models import MoEPluginForCausalLM, preset_config
 from moe_plugin.ops.losses import causal_lm_loss
 from moe_plugin.models.tokenizer import ByteTokenizer
-from moe_plugin.training.data.pipeline import (Example, StepBatches, arithmetic_documents, arithmetic_examples,
-                                               chat_example, eval_batches, label_token_count, load_examples,
-                                               pack_examples, sft_examples, text_examples)
+from moe_plugin.training.data.pipeline import (
+    Example,
+    StepBatches,
+    arithmetic_documents,
+    arithmetic_examples,
+    chat_example,
+    eval_batches,
+    label_token_count,
+    load_examples,
+    pack_examples,
+    sft_examples,
+    text_examples,
+)
 
 BOS, EOS, PAD, IM_START, IM_END = 257, 258, 256, 260, 261
-TWO_TURNS = [{"role": "system", "content": "Be brief."},
-             {"role": "user", "content": "Hi"},
-             {"role": "assistant", "content": "Hello!"},
-             {"role": "user", "content": [{"type": "text", "text": "2+2"}, {"type": "text", "text": "?"}]},
-             {"role": "assistant", "content": [{"type": "text", "text": "4"}]}]
+TWO_TURNS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": [{"type": "text", "text": "2+2"}, {"type": "text", "text": "?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "4"}]},
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +48,9 @@ def write_jsonl(path, records):
 
 
 def chat(i):
-    return {"messages": [{"role": "user", "content": f"What is {i} + 1?"},
-                         {"role": "assistant", "content": f"{i + 1}."}]}
+    return {
+        "messages": [{"role": "user", "content": f"What is {i} + 1?"}, {"role": "assistant", "content": f"{i + 1}."}]
+    }
 
 
 def test_two_turn_chat_layout_and_mask_exact(tok):
@@ -70,18 +83,28 @@ def test_sft_file_reads_chats_and_skips_empty_lines(tmp_path, tok):
 
 BAD_CHATS = [
     ('{"messages": [', "invalid JSON"),
-    ('[1, 2]', "must be a JSON object"),
+    ("[1, 2]", "must be a JSON object"),
     ({"text": "no messages"}, "non-empty 'messages' list"),
     ({"messages": [{"role": "user"}]}, "messages[0] needs both 'role' and 'content'"),
     ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role must be one of"),
     ({"messages": [{"role": "user", "content": "only a question"}]}, "has no assistant turn"),
-    ({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]},
-     "messages[0].content must be a string or a list"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image"}]},
-                   {"role": "assistant", "content": "x"}]},
-     "the conversation holds 1 <|image|> placeholders but 0 images"),
-    ({"messages": [{"role": "user", "content": [{"type": "video"}]}, {"role": "assistant", "content": "x"}]},
-     "messages[0].content[0] must be"),
+    (
+        {"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]},
+        "messages[0].content must be a string or a list",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image"}]},
+                {"role": "assistant", "content": "x"},
+            ]
+        },
+        "the conversation holds 1 <|image|> placeholders but 0 images",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "video"}]}, {"role": "assistant", "content": "x"}]},
+        "messages[0].content[0] must be",
+    ),
 ]
 
 
@@ -97,8 +120,9 @@ def test_bad_chat_lines_name_file_and_line(tmp_path, tok, bad, fragment):
 
 def test_bad_text_line_names_file_and_line(tmp_path, tok):
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "fine"}, {"body": "no text field"}])
-    with pytest.raises(ValueError, match=re.escape(f"data.path: line 2 of {path}: needs an object with a string "
-                                                   f"field 'text'")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"data.path: line 2 of {path}: needs an object with a string field 'text'")
+    ):
         text_examples(path, tok)
 
 
@@ -124,6 +148,7 @@ def test_text_and_arithmetic_examples_train_every_token(tmp_path, tok):
 
 def test_datasets_formats_match_jsonl(tmp_path, tok):
     import datasets
+
     records = [chat(1), {"messages": TWO_TURNS[:3]}, chat(2)]
     want = sft_examples(write_jsonl(tmp_path / "chats.jsonl", records), tok)
     json_path = tmp_path / "chats.json"
@@ -131,14 +156,17 @@ def test_datasets_formats_match_jsonl(tmp_path, tok):
     assert sft_examples(str(json_path), tok) == want
     # one column type for all rows: datasets turns the string "2." into 2.0 next to a list content
     json_path.write_text(json.dumps(records + [{"messages": TWO_TURNS}]))
-    with pytest.raises(ValueError, match=re.escape(f"data.path: row 1 of {json_path}: messages[1].content must "
-                                                   f"be a string")) as err:
+    with pytest.raises(
+        ValueError, match=re.escape(f"data.path: row 1 of {json_path}: messages[1].content must be a string")
+    ) as err:
         sft_examples(str(json_path), tok)
     assert "same content form (all strings or all lists)" in str(err.value)
     parquet_path = str(tmp_path / "docs.parquet")
     datasets.Dataset.from_list([{"text": "one"}, {"text": "two"}]).to_parquet(parquet_path)
     assert [tok.decode(e.input_ids) for e in text_examples(parquet_path, tok)] == [
-        "<|bos|>one<|eos|>", "<|bos|>two<|eos|>"]
+        "<|bos|>one<|eos|>",
+        "<|bos|>two<|eos|>",
+    ]
     csv_path = tmp_path / "docs.csv"
     csv_path.write_text("text,other\nfine,1\n,2\n")  # the empty cell reads as None
     with pytest.raises(ValueError, match=re.escape(f"data.path: row 2 of {csv_path}: needs an object")):
@@ -156,9 +184,15 @@ def test_first_fit_packing_layout():
     rows = pack_examples(examples, seq_len=8)
     # first fit in order: 5 opens row 0, 6 opens row 1, 3 fills row 0, 2 fills row 1, 4 opens row 2
     assert [r.input_ids.tolist() for r in rows] == [
-        [0, 1, 2, 3, 4, 20, 21, 22], [10, 11, 12, 13, 14, 15, 30, 31], [40, 41, 42, 43, PAD, PAD, PAD, PAD]]
+        [0, 1, 2, 3, 4, 20, 21, 22],
+        [10, 11, 12, 13, 14, 15, 30, 31],
+        [40, 41, 42, 43, PAD, PAD, PAD, PAD],
+    ]
     assert [r.labels.tolist() for r in rows] == [
-        [-100, 1, 2, 3, 4, -100, 21, 22], [-100, 11, 12, 13, 14, 15, -100, 31], [-100, 41, 42, 43] + [-100] * 4]
+        [-100, 1, 2, 3, 4, -100, 21, 22],
+        [-100, 11, 12, 13, 14, 15, -100, 31],
+        [-100, 41, 42, 43] + [-100] * 4,
+    ]
     assert [r.cu_seqlens.tolist() for r in rows] == [[0, 5, 8], [0, 6, 8], [0, 4, 8]]
     unpacked = pack_examples(examples[:2], seq_len=8, pack=False)
     assert [r.cu_seqlens.tolist() for r in unpacked] == [[0, 5, 8], [0, 6, 8]]
@@ -178,8 +212,11 @@ def shifted_count(examples):
 
 
 def mixed_examples(tok):
-    return ([chat_example(TWO_TURNS, tok)] + arithmetic_examples(5, seed=1, operation="-", tokenizer=tok)
-            + [chat_example(chat(i)["messages"], tok) for i in (7, 12)])
+    return (
+        [chat_example(TWO_TURNS, tok)]
+        + arithmetic_examples(5, seed=1, operation="-", tokenizer=tok)
+        + [chat_example(chat(i)["messages"], tok) for i in (7, 12)]
+    )
 
 
 def test_packed_rows_give_the_loss_of_each_example_alone(tok):
@@ -191,13 +228,20 @@ def test_packed_rows_give_the_loss_of_each_example_alone(tok):
     total = shifted_count(examples)
     assert sum(label_token_count(r.labels, r.cu_seqlens) for r in rows) == total
     with torch.no_grad():
-        alone = sum(model(input_ids=torch.tensor([e.input_ids]), labels=torch.tensor([e.labels]),
-                          num_items_in_batch=total).loss for e in examples)
-        packed = sum(model(input_ids=r.input_ids[None], labels=r.labels[None], cu_seqlens=r.cu_seqlens,
-                           num_items_in_batch=total).loss for r in rows)
+        alone = sum(
+            model(input_ids=torch.tensor([e.input_ids]), labels=torch.tensor([e.labels]), num_items_in_batch=total).loss
+            for e in examples
+        )
+        packed = sum(
+            model(
+                input_ids=r.input_ids[None], labels=r.labels[None], cu_seqlens=r.cu_seqlens, num_items_in_batch=total
+            ).loss
+            for r in rows
+        )
         (batch,) = eval_batches(rows, micro_batch_size=len(rows))
-        one_row = model(input_ids=batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens,
-                        num_items_in_batch=total).loss
+        one_row = model(
+            input_ids=batch.input_ids, labels=batch.labels, cu_seqlens=batch.cu_seqlens, num_items_in_batch=total
+        ).loss
     assert abs(float(packed) - float(alone)) < 1e-5
     assert abs(float(one_row) - float(alone)) < 1e-5
 
@@ -285,19 +329,26 @@ def test_held_out_split_is_stable_when_unrelated_lines_are_added(tmp_path, tok):
 
 
 def test_arithmetic_split_holds_out_about_the_fraction(tok):
-    train, held = load_examples(section(kind="arithmetic", num_documents=2000, eval_fraction=0.1), seed=4,
-                                tokenizer=tok)
+    train, held = load_examples(
+        section(kind="arithmetic", num_documents=2000, eval_fraction=0.1), seed=4, tokenizer=tok
+    )
     assert 150 <= len(held) <= 250 and len(train) + len(held) == 2000
     assert not {tuple(e.input_ids) for e in held} & {tuple(e.input_ids) for e in train}
 
 
-@pytest.mark.parametrize("fields,match", [
-    (dict(kind="images"), r"data\.kind: must be 'arithmetic', 'sft' or 'text', got 'images'"),
-    (dict(kind="text", path=None), r"data\.path: is required when data\.kind is 'text'"),
-    (dict(kind="arithmetic", num_documents=10, eval_fraction=0.7), r"data\.eval_fraction: must be a number in"),
-    (dict(kind="arithmetic", num_documents=1, eval_fraction=0.01), r"data\.eval_fraction: .* selects none"),
-    (dict(kind="arithmetic", num_documents=0), r"data\.num_documents: must be positive to generate examples, got 0"),
-])
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        (dict(kind="images"), r"data\.kind: must be 'arithmetic', 'sft' or 'text', got 'images'"),
+        (dict(kind="text", path=None), r"data\.path: is required when data\.kind is 'text'"),
+        (dict(kind="arithmetic", num_documents=10, eval_fraction=0.7), r"data\.eval_fraction: must be a number in"),
+        (dict(kind="arithmetic", num_documents=1, eval_fraction=0.01), r"data\.eval_fraction: .* selects none"),
+        (
+            dict(kind="arithmetic", num_documents=0),
+            r"data\.num_documents: must be positive to generate examples, got 0",
+        ),
+    ],
+)
 def test_load_examples_errors_name_the_field(tok, fields, match):
     with pytest.raises(ValueError, match=match):
         load_examples(section(**fields), seed=0, tokenizer=tok)

@@ -27,8 +27,14 @@ def test_config_parses_once_merged(path, tmp_path):
     # a config may pin the global batch (train_batch_size = micro x accumulation x world: the layout it is for);
     # DeepSpeedConfig checks the batch against this one process, so give the one process all of it
     micro, accumulation = (raw["train_batch_size"], 1) if "train_batch_size" in raw else (3, 2)
-    recipe = recipe_from_dict({"output_dir": str(tmp_path / "run"), "deepspeed": path, "model": {"preset": "tiny"},
-                               "schedule": {"micro_batch_size": micro, "gradient_accumulation_steps": accumulation}})
+    recipe = recipe_from_dict(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "deepspeed": path,
+            "model": {"preset": "tiny"},
+            "schedule": {"micro_batch_size": micro, "gradient_accumulation_steps": accumulation},
+        }
+    )
     merged = deepspeed_config(recipe, world_size=1)
     config = DeepSpeedConfig(merged)
     assert config.train_micro_batch_size_per_gpu == micro and config.gradient_accumulation_steps == accumulation

@@ -13,10 +13,46 @@ from tests.training.run_safety_workers import fake_base
 
 # the loss and gradient norm of lr 1e6 on recipes/bases/tiny-arith (measured with this trainer): the loss rises
 # 2.8x while the clipped norm collapses to ~2e-7, so a NaN-only check never fires
-LR_1E6_LOSSES = [1.652, 3.969, 4.595, 4.715, 4.548, 4.803, 4.93, 4.74, 4.63, 4.634, 4.847, 4.601, 4.352, 4.356,
-                 4.661, 4.603, 4.5, 4.6]
-LR_1E30_LOSSES = [1.652, 2.933, 2.979, 3.061, 2.93, 3.31, 3.351, 3.19, 2.934, 3.158, 3.232, 2.896, 2.683, 2.737,
-                  3.099, 3.138, 3.047, 3.229]
+LR_1E6_LOSSES = [
+    1.652,
+    3.969,
+    4.595,
+    4.715,
+    4.548,
+    4.803,
+    4.93,
+    4.74,
+    4.63,
+    4.634,
+    4.847,
+    4.601,
+    4.352,
+    4.356,
+    4.661,
+    4.603,
+    4.5,
+    4.6,
+]
+LR_1E30_LOSSES = [
+    1.652,
+    2.933,
+    2.979,
+    3.061,
+    2.93,
+    3.31,
+    3.351,
+    3.19,
+    2.934,
+    3.158,
+    3.232,
+    2.896,
+    2.683,
+    2.737,
+    3.099,
+    3.138,
+    3.047,
+    3.229,
+]
 
 
 def _drive(guard, losses, norm=1e-7):
@@ -37,7 +73,7 @@ def test_the_default_divergence_rule_warns_once_then_stops(losses):
 
 
 def test_a_healthy_run_and_warn_only():
-    falling = [2.0 * 0.97 ** i + 0.1 * (i % 2) for i in range(40)]
+    falling = [2.0 * 0.97**i + 0.1 * (i % 2) for i in range(40)]
     warnings = []
     _drive(StepGuard(None, warnings.append), falling)
     assert warnings == []
@@ -45,8 +81,9 @@ def test_a_healthy_run_and_warn_only():
     assert len(warnings) == 1
 
 
-@pytest.mark.parametrize("loss,norm,named", [(float("nan"), 1.0, "the loss is nan"),
-                                             (2.0, float("inf"), "the gradient norm is inf")])
+@pytest.mark.parametrize(
+    "loss,norm,named", [(float("nan"), 1.0, "the loss is nan"), (2.0, float("inf"), "the gradient norm is inf")]
+)
 def test_a_non_finite_step_stops_naming_the_step(loss, norm, named):
     guard = StepGuard(None, print)
     guard.check(1, [2.0], 1.0, None)
@@ -62,15 +99,18 @@ def test_inputs_are_fingerprinted_and_every_change_is_named(tmp_path):
     recipe = {"model": {"from_pretrained": str(base)}, "data": {"kind": "text", "path": str(data)}}
     recorded = fingerprint_inputs(recipe, str(base))
     assert recorded["base"]["path"] == str(base.resolve()) and set(recorded["base"]["files"]) == {
-        "config.json", "model.safetensors"}
+        "config.json",
+        "model.safetensors",
+    }
     check_inputs(recorded, fingerprint_inputs(recipe, str(base)), override_flag="--allow-changed-inputs")
 
     def refused(**expect):
         with pytest.raises(ValueError) as caught:
             check_inputs(recorded, fingerprint_inputs(recipe, str(base)), override_flag="--allow-changed-inputs")
         message = str(caught.value)
-        assert "\n" not in message and message.endswith("pass --allow-changed-inputs to go on with the inputs as "
-                                                        "they are now"), message
+        assert "\n" not in message and message.endswith(
+            "pass --allow-changed-inputs to go on with the inputs as they are now"
+        ), message
         for text in expect.values():
             assert text in message, message
 
@@ -85,11 +125,15 @@ def test_inputs_are_fingerprinted_and_every_change_is_named(tmp_path):
     (base / "config.json").write_text(json.dumps({"model_type": "moe_plugin", "hidden_size": 16}))
     refused(base=f"the base at {base}: its config.json changed")
     preset = {"model": {"preset": "tiny", "overrides": {}}, "data": {"kind": "arithmetic"}}
-    with pytest.raises(ValueError, match="the base: was preset 'tiny' with overrides {}, now preset 'tiny' with "
-                                         'overrides {"num_experts": 4}'):
-        check_inputs(fingerprint_inputs(preset, None),
-                     fingerprint_inputs({**preset, "model": {"preset": "tiny", "overrides": {"num_experts": 4}}},
-                                        None), override_flag="--x")
+    with pytest.raises(
+        ValueError,
+        match="the base: was preset 'tiny' with overrides {}, now preset 'tiny' with overrides {\"num_experts\": 4}",
+    ):
+        check_inputs(
+            fingerprint_inputs(preset, None),
+            fingerprint_inputs({**preset, "model": {"preset": "tiny", "overrides": {"num_experts": 4}}}, None),
+            override_flag="--x",
+        )
 
 
 def test_the_inputs_record_is_read_or_named(tmp_path):

@@ -65,23 +65,35 @@ def pictures(tmp_path):
 
 def test_jsonl_round_trip_gives_the_token_layout_mask_and_patches(tmp_path, tok, pictures):
     records = [
-        {"messages": [_user({"type": "image", "image": "pics/small.png"}, _text("Color?")),
-                      {"role": "assistant", "content": "red"}]},
-        {"messages": [{"role": "user", "content": "A <|image|> and B"}, _user({"type": "image"}, _text("?")),
-                      {"role": "assistant", "content": "ok"}],
-         "images": [pictures["wide_url"], "pics/small.png"]},
+        {
+            "messages": [
+                _user({"type": "image", "image": "pics/small.png"}, _text("Color?")),
+                {"role": "assistant", "content": "red"},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "A <|image|> and B"},
+                _user({"type": "image"}, _text("?")),
+                {"role": "assistant", "content": "ok"},
+            ],
+            "images": [pictures["wide_url"], "pics/small.png"],
+        },
     ]
     first, second = sft_examples(_write(tmp_path / "chat.jsonl", records), tok)
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    assert first.input_ids == enc("<|bos|><|im_start|>user\n" + "<|image|>" * 4 + "Color?<|im_end|>\n"
-                                  "<|im_start|>assistant\nred<|im_end|>\n")
+    assert first.input_ids == enc(
+        "<|bos|><|im_start|>user\n" + "<|image|>" * 4 + "Color?<|im_end|>\n<|im_start|>assistant\nred<|im_end|>\n"
+    )
     prompt = len(enc("<|bos|><|im_start|>user\n" + "<|image|>" * 4 + "Color?<|im_end|>\n<|im_start|>assistant\n"))
     trained = [i for i, label in enumerate(first.labels) if label != -100]
     assert trained == list(range(prompt, prompt + 4))  # "red" and its <|im_end|>, nothing else
     assert tok.decode([first.input_ids[i] for i in trained]) == "red<|im_end|>"
-    assert second.input_ids == enc("<|bos|><|im_start|>user\nA " + "<|image|>" * 8 + " and B<|im_end|>\n"
-                                   "<|im_start|>user\n" + "<|image|>" * 4 + "?<|im_end|>\n"
-                                   "<|im_start|>assistant\nok<|im_end|>\n")
+    assert second.input_ids == enc(
+        "<|bos|><|im_start|>user\nA " + "<|image|>" * 8 + " and B<|im_end|>\n"
+        "<|im_start|>user\n" + "<|image|>" * 4 + "?<|im_end|>\n"
+        "<|im_start|>assistant\nok<|im_end|>\n"
+    )
     assert tok.decode([t for t in second.labels if t != -100]) == "ok<|im_end|>"
     expected = ImageProcessor()([pictures["wide"], pictures["small"]])
     assert second.images.grid_hw.tolist() == [[4, 8], [4, 4]]
@@ -93,8 +105,9 @@ def test_collator_carries_each_rows_images_in_order(tmp_path, tok, pictures):
     records = [r for r, _, _ in shapes_records(str(tmp_path), 5, seed=3)]
     for i, r in enumerate(records):  # distinct tokens, so each example can be found in its row
         r["messages"][1]["content"] += f" #{i}"
-    records.insert(2, {"messages": [{"role": "user", "content": "no picture"},
-                                    {"role": "assistant", "content": "fine"}]})
+    records.insert(
+        2, {"messages": [{"role": "user", "content": "no picture"}, {"role": "assistant", "content": "fine"}]}
+    )
     examples = sft_examples(_write(tmp_path / "train.jsonl", records), tok)
     rows = pack_examples(examples, 128)
     assert len(rows) == 3 and all(len(r.cu_seqlens) == 4 for r in rows)  # two examples and the padding each
@@ -124,18 +137,28 @@ def _chat(*items, images=None, answer="x"):
 
 
 BAD = [
-    (_chat({"type": "image", "image": "pics/absent.png"}), r"image 'pics/absent\.png' not found \(looked for .*"
-     r"pics/absent\.png\); image paths are relative to the data file's folder"),
+    (
+        _chat({"type": "image", "image": "pics/absent.png"}),
+        r"image 'pics/absent\.png' not found \(looked for .*"
+        r"pics/absent\.png\); image paths are relative to the data file's folder",
+    ),
     (_chat({"type": "image", "image": "notes.png"}), r"image 'notes\.png' cannot be read as an image"),
     (_chat({"type": "image", "image": "data:image/png;base64,@@@"}), r"has invalid base64 data"),
     (_chat({"type": "image", "image": "data:image/png,abc"}), r"is a data URL without base64 data"),
     (_chat(_text("look: <|image|>")), r"the conversation holds 1 <\|image\|> placeholders but 0 images"),
-    (_chat(_text("<|image|>"), images=["pics/small.png", "pics/small.png"]),
-     r"holds 1 <\|image\|> placeholders but 2 images; give exactly one image per placeholder"),
-    (_chat({"type": "image", "image": "pics/small.png"}, _text("<|image|>")), r"holds 2 <\|image\|> placeholders "
-     r"but 1 images"),
-    (_chat({"type": "image", "image": "pics/small.png"}, images=["pics/small.png"]),
-     r"names images both inline .* and in an 'images' list; use one of the two"),
+    (
+        _chat(_text("<|image|>"), images=["pics/small.png", "pics/small.png"]),
+        r"holds 1 <\|image\|> placeholders but 2 images; give exactly one image per placeholder",
+    ),
+    (
+        _chat({"type": "image", "image": "pics/small.png"}, _text("<|image|>")),
+        r"holds 2 <\|image\|> placeholders "
+        r"but 1 images",
+    ),
+    (
+        _chat({"type": "image", "image": "pics/small.png"}, images=["pics/small.png"]),
+        r"names images both inline .* and in an 'images' list; use one of the two",
+    ),
     (_chat({"type": "image"}, images="pics/small.png"), r"'images' must be a list of image paths"),
     (_chat({"type": "image", "image": 5}), r"messages\[0\]\.content\[0\]: 'image' must be an image path"),
     (_chat({"type": "image", "image": "pics/tiny.png"}), r"an image of 8x8 pixels is too small"),
@@ -159,9 +182,14 @@ def test_an_image_example_longer_than_seq_len_is_refused_not_cut(tmp_path, tok, 
     path = _write(tmp_path / "chat.jsonl", [_chat({"type": "image", "image": "pics/small.png"})])
     examples = sft_examples(path, tok)
     n = len(examples[0].input_ids)
-    with pytest.raises(ValueError, match=re.escape(f"data.seq_len: line 1 of {path} holds images and is {n} tokens "
-                                                   f"long, more than data.seq_len (16); raise data.seq_len to at "
-                                                   f"least {n}")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"data.seq_len: line 1 of {path} holds images and is {n} tokens "
+            f"long, more than data.seq_len (16); raise data.seq_len to at "
+            f"least {n}"
+        ),
+    ):
         pack_examples(examples, 16)
 
 
@@ -180,16 +208,20 @@ def _total_loss(model, rows, micro_batch_size):
     items = sum(label_token_count(b.labels, b.cu_seqlens) for b in batches)
     total = 0.0
     for b in batches:
-        out = model(input_ids=b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens, num_items_in_batch=items,
-                    **b.image_inputs("cpu"))
+        out = model(
+            input_ids=b.input_ids,
+            labels=b.labels,
+            cu_seqlens=b.cu_seqlens,
+            num_items_in_batch=items,
+            **b.image_inputs("cpu"),
+        )
         total = total + out.loss
     return total
 
 
 def test_packing_and_padding_do_not_change_the_loss(tmp_path, tok):
     records = [r for r, _, _ in shapes_records(str(tmp_path), 5, seed=7)]
-    records.append({"messages": [{"role": "user", "content": "text only"},
-                                 {"role": "assistant", "content": "yes"}]})
+    records.append({"messages": [{"role": "user", "content": "text only"}, {"role": "assistant", "content": "yes"}]})
     examples = sft_examples(_write(tmp_path / "train.jsonl", records), tok)
     torch.manual_seed(0)
     model = ImageTextTrainingModel(preset_config("tiny", attn_res=False)).eval()

@@ -16,9 +16,15 @@ from moe_plugin.recipe.schema import LoggingSection, RecipeError, recipe_from_di
 
 def test_console_prints_the_summaries_and_leaves_out_distributions_and_per_layer_keys():
     stream = io.StringIO()
-    ConsoleLogger(progress_bar=False, stream=stream).log(3, {
-        "train/loss": 1.25, "moe/routing_drift": 0.125, "moe/layer1/load_cv": 0.5,
-        "moe/layer1/load": Distribution((1.0, 1.0))})
+    ConsoleLogger(progress_bar=False, stream=stream).log(
+        3,
+        {
+            "train/loss": 1.25,
+            "moe/routing_drift": 0.125,
+            "moe/layer1/load_cv": 0.5,
+            "moe/layer1/load": Distribution((1.0, 1.0)),
+        },
+    )
     assert stream.getvalue() == "step     3  loss 1.25  moe/routing_drift 0.125\n"
 
 
@@ -42,8 +48,14 @@ def test_plot_logger_writes_the_png_and_hands_it_on(tmp_path):
     plot = LoadPlotLogger(str(tmp_path / "expert_load.png"), [sink])
     logger = MultiLogger([plot, sink])
     for step in (1, 2, 5):
-        logger.log(step, {"moe/layer1/load": Distribution((0.0, 2.0, 1.0, 1.0)),
-                          "moe/layer3/load": Distribution((1.0,) * 4), "train/loss": 1.0})
+        logger.log(
+            step,
+            {
+                "moe/layer1/load": Distribution((0.0, 2.0, 1.0, 1.0)),
+                "moe/layer3/load": Distribution((1.0,) * 4),
+                "train/loss": 1.0,
+            },
+        )
     logger.close()
     assert plot.history["layer1"][2] == (5, (0.0, 2.0, 1.0, 1.0))
     assert sink.images == [(5, "moe/expert_load_plot", str(tmp_path / "expert_load.png"))]
@@ -74,8 +86,12 @@ def test_offline_wandb_run_holds_scalars_histograms_and_the_image(tmp_path):
     from moe_plugin.training.metrics.wandb_logger import WandbLogger
     from tests.training.wandb_records import offline_history
 
-    logger = make_logger(0, LoggingSection(progress_bar=False, wandb={"project": "p", "name": "n"}),
-                         str(tmp_path / "run"), config={"seed": 3})
+    logger = make_logger(
+        0,
+        LoggingSection(progress_bar=False, wandb={"project": "p", "name": "n"}),
+        str(tmp_path / "run"),
+        config={"seed": 3},
+    )
     (tracker,) = [sink for sink in logger.loggers if isinstance(sink, WandbLogger)]
     logger.log(1, {"train/loss": 2.5, "moe/layer1/load": Distribution(tuple(float(i) for i in range(100)))})
     logger.log(2, {"train/loss": 2.0, "moe/layer1/load": Distribution((1.0,) * 100)})

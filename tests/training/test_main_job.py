@@ -51,15 +51,27 @@ def _answers_in_plain_peft(model, held_out: str, limit: int):
         inputs = processor(text, images=question.images)
         out = model.generate(**inputs, do_sample=False, max_new_tokens=16)
         assert out[0, -1].item() in model.generation_config.eos_token_id  # it stopped at end of sequence
-        answer = out[0, inputs["input_ids"].shape[1]:]
+        answer = out[0, inputs["input_ids"].shape[1] :]
         given.append(processor.tokenizer.decode(answer, skip_special_tokens=True).strip())
     return given
 
 
 def test_main_job_raises_held_out_accuracy_with_balanced_experts(tmp_path, monkeypatch):
-    out = launch([os.path.join(BIN, "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()),
-                  "--module", "moe_plugin.train", "--recipe", _main_job(tmp_path)],
-                 env_extra={"WANDB_MODE": "offline"}, timeout=1500)  # no network, whatever the machine's setting
+    out = launch(
+        [
+            os.path.join(BIN, "deepspeed"),
+            "--num_accelerators",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "moe_plugin.train",
+            "--recipe",
+            _main_job(tmp_path),
+        ],
+        env_extra={"WANDB_MODE": "offline"},
+        timeout=1500,
+    )  # no network, whatever the machine's setting
     assert "expert parallel 2, ZeRO stage 3" in out
     for collective in ("reduce_scatter_tensor", "all_gather_into_tensor"):
         assert f"`torch.distributed.{collective}` is deprecated" not in out
@@ -73,8 +85,13 @@ def test_main_job_raises_held_out_accuracy_with_balanced_experts(tmp_path, monke
     assert len(layers) == 3 and all(final[k] <= 1.5 for k in layers), {k: final[k] for k in layers}
     assert final["moe/dead_experts"] == 0 and final["moe/load_max_over_mean"] <= 1.5
     assert 0 < final["moe/aux_loss"] and final["moe/rank_load_max_over_mean"] >= 1.0
-    chance = float(re.search(r"chance level: ([0-9.]+) \(always the most common of 4 answers, "
-                             rf"{HELD_OUT} held-out examples\)", out).group(1))
+    chance = float(
+        re.search(
+            r"chance level: ([0-9.]+) \(always the most common of 4 answers, "
+            rf"{HELD_OUT} held-out examples\)",
+            out,
+        ).group(1)
+    )
     before, after = map(float, re.search(r"held-out accuracy: before ([0-9.]+) after ([0-9.]+)", out).groups())
     assert after >= 0.9 and after - before >= 0.3 and after > chance + 0.3, (chance, before, after)
 

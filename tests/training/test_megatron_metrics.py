@@ -20,15 +20,22 @@ STEPS = 2
 
 def _recipe(output_dir, backend: str, world: int, ep: int) -> dict:
     return {
-        "output_dir": str(output_dir), "seed": 4, "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
+        "output_dir": str(output_dir),
+        "seed": 4,
+        "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
         "model": {"preset": "tiny", "overrides": {"index_topk": 8, "indexer_loss_coeff": 0.5}},
         # the indexer's projections carry adapters, so it trains and its KL enters the loss
-        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate", "wq_b", "wk", "weights_proj"],
-                 "target_parameters": ["experts.w1"]},
+        "lora": {
+            "r": 4,
+            "alpha": 8,
+            "target_modules": ["q_proj", "k_proj", "gate", "wq_b", "wk", "weights_proj"],
+            "target_parameters": ["experts.w1"],
+        },
         "data": {"kind": "arithmetic", "operation": "+", "num_documents": 60, "seq_len": 48, "eval_fraction": 0.05},
         "parallel": {"backend": backend, "expert_parallel_size": ep},
         "schedule": {"steps": STEPS, "micro_batch_size": 2 // world, "lr": 1e-3, "warmup_steps": 0},
-        "eval": {"every": 0, "batches": 1}, "checkpoint": {"every": 0, "keep": 1},
+        "eval": {"every": 0, "batches": 1},
+        "checkpoint": {"every": 0, "keep": 1},
         "logging": {"every": 1, "progress_bar": False, "wandb": {"mode": "disabled"}},
     }
 
@@ -49,8 +56,9 @@ def _counts(line: str):
 def test_megatron_logs_the_indexer_kl_of_its_loss(runs):
     _, ranks = runs
     for rank in ranks:
-        assert len(rank["kls"]) == STEPS and all(kl is not None and kl > 0 for kl in rank["kls"]), \
+        assert len(rank["kls"]) == STEPS and all(kl is not None and kl > 0 for kl in rank["kls"]), (
             "premise: the indexer's KL is in every training loss"
+        )
     for step in range(1, STEPS + 1):
         # one micro-batch a rank a step: the logged value is the mean over both ranks' micro-batches
         expected = sum(rank["kls"][step - 1] for rank in ranks) / len(ranks)

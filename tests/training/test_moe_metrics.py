@@ -49,8 +49,12 @@ def test_rank_load_is_the_busiest_ranks_copies_over_its_balanced_share():
     # EP 2: rank 0 holds experts 0-1, rank 1 experts 2-3; layer1's ranks take 4 and 12 copies of 16
     assert rank_loads(loads, 2).tolist() == [[0.5, 1.5], [1.0, 1.0], [0.0, 0.0]]
     got = rank_load_metrics(loads, 2, ["layer1", "layer2", "layer3"])
-    assert got == {"moe/layer1/rank_load_max_over_mean": 1.5, "moe/layer2/rank_load_max_over_mean": 1.0,
-                   "moe/layer3/rank_load_max_over_mean": 0.0, "moe/rank_load_max_over_mean": 1.5}
+    assert got == {
+        "moe/layer1/rank_load_max_over_mean": 1.5,
+        "moe/layer2/rank_load_max_over_mean": 1.0,
+        "moe/layer3/rank_load_max_over_mean": 0.0,
+        "moe/rank_load_max_over_mean": 1.5,
+    }
     assert rank_load_metrics(loads, 4)["moe/rank_load_max_over_mean"] == 3.0  # one expert per rank
     assert rank_load_metrics(loads, 1)["moe/rank_load_max_over_mean"] == 1.0
     with pytest.raises(ValueError, match="ep_size"):
@@ -120,10 +124,16 @@ def test_routing_drift_equals_both_routers_recomputed_from_their_inputs():
     inputs, calls = {}, {}
     handles = []
     for label, layer in labelled:
-        handles.append(layer.gate.register_forward_pre_hook(
-            lambda m, a, label=label: inputs.setdefault(label, []).append(a[0].detach().clone())))
-        handles.append(layer.gate.base_layer.register_forward_hook(
-            lambda m, a, o, label=label: calls.__setitem__(label, calls.get(label, 0) + 1)))
+        handles.append(
+            layer.gate.register_forward_pre_hook(
+                lambda m, a, label=label: inputs.setdefault(label, []).append(a[0].detach().clone())
+            )
+        )
+        handles.append(
+            layer.gate.base_layer.register_forward_hook(
+                lambda m, a, o, label=label: calls.__setitem__(label, calls.get(label, 0) + 1)
+            )
+        )
     metrics = MoEMetrics(model)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -168,12 +178,16 @@ def test_indexer_kl_is_the_models_own_when_the_indexer_trains():
 
 
 def _recipe(tmp_path, name: str, experts: int, mode: str = "offline") -> dict:
-    return {"output_dir": str(tmp_path / name), "seed": 0,
-            "model": {"preset": "tiny", "overrides": {"num_experts": experts}},
-            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "gate"]},
-            "data": {"kind": "arithmetic", "operation": "-", "num_documents": 120, "seq_len": 64},
-            "parallel": {"backend": "hf"}, "schedule": {"steps": 3, "micro_batch_size": 2, "lr": 1e-2},
-            "logging": {"every": 1, "progress_bar": False, "wandb": {"mode": mode}}}
+    return {
+        "output_dir": str(tmp_path / name),
+        "seed": 0,
+        "model": {"preset": "tiny", "overrides": {"num_experts": experts}},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "gate"]},
+        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 120, "seq_len": 64},
+        "parallel": {"backend": "hf"},
+        "schedule": {"steps": 3, "micro_batch_size": 2, "lr": 1e-2},
+        "logging": {"every": 1, "progress_bar": False, "wandb": {"mode": mode}},
+    }
 
 
 def test_recipe_trainer_writes_an_offline_wandb_run_and_the_load_plot(tmp_path):
@@ -201,6 +215,15 @@ def test_recipe_trainer_writes_an_offline_wandb_run_and_the_load_plot(tmp_path):
         assert len(histogram["values"]) == 32 and sum(histogram["values"]) == experts
         assert any(row.get("moe/expert_load_plot", {}).get("_type") == "image-file" for row in rows)
     assert keys[8] == keys[32]
-    assert {"moe/layer1/load", "moe/layer1/dead_experts", "moe/layer1/routing_drift", "moe/routing_drift",
-            "train/tokens_per_s", "eval/loss", "moe/rank_load_max_over_mean", "moe/layer1/rank_load_max_over_mean",
-            "moe/aux_loss", "moe/layer1/aux_loss"} <= keys[8]  # an adapter on gate: the balance term is on
+    assert {
+        "moe/layer1/load",
+        "moe/layer1/dead_experts",
+        "moe/layer1/routing_drift",
+        "moe/routing_drift",
+        "train/tokens_per_s",
+        "eval/loss",
+        "moe/rank_load_max_over_mean",
+        "moe/layer1/rank_load_max_over_mean",
+        "moe/aux_loss",
+        "moe/layer1/aux_loss",
+    } <= keys[8]  # an adapter on gate: the balance term is on

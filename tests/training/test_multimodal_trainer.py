@@ -30,8 +30,12 @@ TEXT_LAYERS, VISION_LAYERS, WIDTH = 4, 2, 128  # the tiny preset: the widest of 
 CHAIN = chain_length(TOKENS, layers=TEXT_LAYERS + VISION_LAYERS, width=WIDTH, vocab=384)
 # one forward pass, reordered: the text layers and the tower's, over the widest contraction
 LOGITS_REL = chain_rel(chain_length(0, TEXT_LAYERS + VISION_LAYERS, WIDTH, 0))
-TEXT_ONLY = {"messages": [{"role": "user", "content": "Say the alphabet twice, please."},
-                          {"role": "assistant", "content": "abcdefghijklmnopqrstuvwxyz abcdefghijklmnopqrstuvwxyz"}]}
+TEXT_ONLY = {
+    "messages": [
+        {"role": "user", "content": "Say the alphabet twice, please."},
+        {"role": "assistant", "content": "abcdefghijklmnopqrstuvwxyz abcdefghijklmnopqrstuvwxyz"},
+    ]
+}
 
 
 def _base(path):
@@ -57,15 +61,28 @@ def _data(tmp):
 
 def _recipe(tmp, name, base, data, backend, world, ep, checkpointing="off"):
     return {
-        "output_dir": str(tmp / name), "seed": 3, "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
+        "output_dir": str(tmp / name),
+        "seed": 3,
+        "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
         "model": {"from_pretrained": str(base)},
-        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate", "qkv", "linear_1"],
-                 "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]},
+        "lora": {
+            "r": 4,
+            "alpha": 8,
+            "target_modules": ["q_proj", "k_proj", "gate", "qkv", "linear_1"],
+            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
+        },
         "data": {"kind": "sft", "path": data, "seq_len": SEQ, "eval_fraction": 0.0},
         "parallel": {"backend": backend, "expert_parallel_size": ep},
-        "schedule": {"steps": 2, "micro_batch_size": 4 // world, "lr": LR, "clip_grad_norm": MAX_NORM,
-                     "warmup_steps": 0, "activation_checkpointing": checkpointing},
-        "eval": {"every": 0, "batches": 1}, "checkpoint": {"every": 0, "keep": 1},
+        "schedule": {
+            "steps": 2,
+            "micro_batch_size": 4 // world,
+            "lr": LR,
+            "clip_grad_norm": MAX_NORM,
+            "warmup_steps": 0,
+            "activation_checkpointing": checkpointing,
+        },
+        "eval": {"every": 0, "batches": 1},
+        "checkpoint": {"every": 0, "keep": 1},
         "logging": {"every": 1, "progress_bar": False},
     }
 
@@ -78,13 +95,23 @@ def runs(tmp_path_factory):
     data = _data(tmp)
     # activation checkpointing: each run again with "selective" and "full" (compared with these in test_recompute_*)
     layouts = {"hf": ("hf", 1, 1), "mg1": ("megatron", 1, 1), "mg4": ("megatron", 4, 2), "hf4": ("hf", 4, 1)}
-    names = {world: [f"{n}{s}" for n, layout in layouts.items() if layout[1] == world
-                     for s in ("", "-selective", "-full")]
-             for world in (1, 4)}
+    names = {
+        world: [f"{n}{s}" for n, layout in layouts.items() if layout[1] == world for s in ("", "-selective", "-full")]
+        for world in (1, 4)
+    }
 
     def recipes(world):
-        return [_recipe(tmp, name, base, data, *layouts[name.split("-")[0]],
-                        checkpointing=name.split("-")[1] if "-" in name else "off") for name in names[world]]
+        return [
+            _recipe(
+                tmp,
+                name,
+                base,
+                data,
+                *layouts[name.split("-")[0]],
+                checkpointing=name.split("-")[1] if "-" in name else "off",
+            )
+            for name in names[world]
+        ]
 
     one = run_distributed(WORKER, world_size=1, timeout_s=900, recipes=recipes(1))[0]
     four = run_distributed(WORKER, world_size=4, timeout_s=1500, recipes=recipes(4))
@@ -105,17 +132,21 @@ def _hf_names(state: dict) -> dict:
 
 def _named(run: dict) -> dict:
     """What check_run reads of a run, under one naming."""
-    return {"losses": run["losses"], "grad_norms": run["grad_norms"],
-            "step_grads": [_hf_names(g) for g in run["step_grads"]],
-            "adapters": [_hf_names(a) for a in run["adapters"]]}
+    return {
+        "losses": run["losses"],
+        "grad_norms": run["grad_norms"],
+        "step_grads": [_hf_names(g) for g in run["step_grads"]],
+        "adapters": [_hf_names(a) for a in run["adapters"]],
+    }
 
 
 def _check_against(ref, got, rank=None):
     assert len(got["losses"]) == len(ref["losses"]) == 2
     ref_grads = _hf_names(ref["grads"])
     vision = [n for n in ref_grads if "vision_tower" in n or "mm_projector" in n]
-    assert vision and all(float(ref_grads[n].abs().max()) > 0 for n in vision if "lora_B" in n), \
+    assert vision and all(float(ref_grads[n].abs().max()) > 0 for n in vision if "lora_B" in n), (
         "premise: the vision tower's and projector's adapters learn"
+    )
     failures = check_run(_named(ref), _named(got), tokens=TOKENS, chain=CHAIN, lr=LR, max_norm=MAX_NORM)
     assert not failures, (rank, failures[:8])
 

@@ -19,17 +19,37 @@ ZERO3 = "ds_configs/zero3_lora.json"
 IDS = [(7 * i + 3) % 384 for i in range(48)]
 
 
-def _recipe(output_dir, base, world: int, ep: int, precision: str = "fp32", backend: str = "megatron",
-            checkpointing: str = "off") -> dict:
+def _recipe(
+    output_dir,
+    base,
+    world: int,
+    ep: int,
+    precision: str = "fp32",
+    backend: str = "megatron",
+    checkpointing: str = "off",
+) -> dict:
     return {
-        "output_dir": str(output_dir), "seed": 3, "deepspeed": ZERO3 if world > 1 else None,
+        "output_dir": str(output_dir),
+        "seed": 3,
+        "deepspeed": ZERO3 if world > 1 else None,
         "model": {"from_pretrained": str(base), "overrides": {}},
-        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"],
-                 "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]},
+        "lora": {
+            "r": 4,
+            "alpha": 8,
+            "target_modules": ["q_proj", "k_proj", "gate"],
+            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
+        },
         "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
         "parallel": {"backend": backend, "expert_parallel_size": ep if backend == "megatron" else 1},
-        "schedule": {"steps": 1, "micro_batch_size": 4 // world, "lr": 1e-2, "clip_grad_norm": None,
-                     "warmup_steps": 0, "precision": precision, "activation_checkpointing": checkpointing},
+        "schedule": {
+            "steps": 1,
+            "micro_batch_size": 4 // world,
+            "lr": 1e-2,
+            "clip_grad_norm": None,
+            "warmup_steps": 0,
+            "precision": precision,
+            "activation_checkpointing": checkpointing,
+        },
         "eval": {"every": 0, "batches": 1},
         "checkpoint": {"every": 0, "keep": 1},
         "logging": {"every": 1, "progress_bar": False},
@@ -40,16 +60,34 @@ CHECKPOINTED = [("megatron", "selective"), ("megatron", "full"), ("hf", "off"), 
 
 
 def _scenarios(tmp, bases: dict, world: int, ep: int) -> list:
-    out = [{"name": name, "ids": IDS, "recipe": _recipe(tmp / f"{name}-w{world}", base, world, ep)}
-           for name, base in bases.items()]
+    out = [
+        {"name": name, "ids": IDS, "recipe": _recipe(tmp / f"{name}-w{world}", base, world, ep)}
+        for name, base in bases.items()
+    ]
     # activation checkpointing over the packed base, both backends (hf: ZeRO-3 data parallel only)
     for backend, mode in CHECKPOINTED:
-        out.append({"name": f"mxfp4-{backend}-{mode}", "ids": IDS,
-                    "recipe": _recipe(tmp / f"mxfp4-{backend}-{mode}-w{world}", bases["mxfp4"], world, ep,
-                                      backend=backend, checkpointing=mode)})
+        out.append(
+            {
+                "name": f"mxfp4-{backend}-{mode}",
+                "ids": IDS,
+                "recipe": _recipe(
+                    tmp / f"mxfp4-{backend}-{mode}-w{world}",
+                    bases["mxfp4"],
+                    world,
+                    ep,
+                    backend=backend,
+                    checkpointing=mode,
+                ),
+            }
+        )
     if world > 1:  # DeepSpeed's bf16 engine over the packed base: the bytes must stay as stored
-        out.append({"name": "mxfp4-bf16", "ids": IDS,
-                    "recipe": _recipe(tmp / "mxfp4-bf16", bases["mxfp4"], world, ep, precision="bf16")})
+        out.append(
+            {
+                "name": "mxfp4-bf16",
+                "ids": IDS,
+                "recipe": _recipe(tmp / "mxfp4-bf16", bases["mxfp4"], world, ep, precision="bf16"),
+            }
+        )
     return out
 
 

@@ -10,7 +10,7 @@ import pytest
 from moe_plugin.models.configuration import MoEPluginConfig
 from moe_plugin.models.k3_config import config_to_k3
 from moe_plugin.models.presets import preset_config
-from moe_plugin.training.ds_config import ZERO3_SETTINGS, deepspeed_config
+from moe_plugin.training.ds_config import deepspeed_config
 from moe_plugin.recipe.schema import LoraSection, RecipeError, load_recipe, recipe_from_dict
 from moe_plugin.recipe.world import check_layout
 
@@ -34,7 +34,8 @@ def _problems(values):
 @pytest.mark.parametrize("steps, shown", [("10", "'10' (a str)"), (2.5, "2.5 (a float)"), (True, "true (a bool)")])
 def test_steps_must_be_an_integer(steps, shown):
     assert _problems(_with(schedule={"steps": steps})) == {
-        "schedule.steps": f"must be an integer, got {shown}; write a whole number without quotes, e.g. 60"}
+        "schedule.steps": f"must be an integer, got {shown}; write a whole number without quotes, e.g. 60"
+    }
 
 
 def test_a_float_field_takes_an_int_but_not_a_string_or_a_bool():
@@ -57,7 +58,8 @@ def test_lora_alpha_zero_says_the_adapter_would_do_nothing():
 
 def test_negative_weight_decay_is_refused():
     assert _problems(_with(schedule={"weight_decay": -0.1}))["schedule.weight_decay"].startswith(
-        "must be >= 0, got -0.1;")
+        "must be >= 0, got -0.1;"
+    )
 
 
 @pytest.mark.parametrize("section", ["data", "schedule", "lora", "model"])
@@ -71,7 +73,8 @@ def test_a_recipe_that_is_not_an_object():
 
 def test_target_modules_as_a_string():
     assert _problems(_with(lora={"target_modules": "q_proj"})) == {
-        "lora.target_modules": "must be a list, got 'q_proj' (a str); use a list, e.g. [\"q_proj\"]"}
+        "lora.target_modules": "must be a list, got 'q_proj' (a str); use a list, e.g. [\"q_proj\"]"
+    }
 
 
 def test_no_lora_target_at_all():
@@ -87,7 +90,8 @@ def test_lora_null_trains_every_parameter_and_absent_lora_takes_the_defaults():
 
 def test_unknown_preset():
     assert _problems(_with(model={"preset": "huge"})) == {
-        "model.preset": "unknown preset 'huge'; choose one of ['k3', 'tiny']"}
+        "model.preset": "unknown preset 'huge'; choose one of ['k3', 'tiny']"
+    }
 
 
 def test_both_preset_and_from_pretrained():
@@ -102,13 +106,15 @@ def test_neither_preset_nor_from_pretrained():
 def test_from_pretrained_directory_that_is_missing(tmp_path):
     missing = str(tmp_path / "nowhere")
     assert _problems(_with(model={"from_pretrained": missing}))["model.from_pretrained"].startswith(
-        f"{missing!r} does not exist")
+        f"{missing!r} does not exist"
+    )
 
 
 def test_from_pretrained_directory_without_config_json(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert _problems(_with(model={"from_pretrained": str(tmp_path)}))["model.from_pretrained"].startswith(
-        f"{str(tmp_path)!r} has no config.json")
+        f"{str(tmp_path)!r} has no config.json"
+    )
 
 
 def test_from_pretrained_adapter_directory_points_at_its_base(tmp_path):
@@ -159,11 +165,13 @@ def test_data_path_is_required_and_must_exist_for_files(tmp_path):
     assert _problems(_with(data={"kind": "sft"}))["data.path"].startswith("is required when data.kind is 'sft'")
     missing = str(tmp_path / "chat.jsonl")
     assert _problems(_with(data={"kind": "text", "path": missing}))["data.path"].startswith(
-        f"{missing!r} does not exist")
+        f"{missing!r} does not exist"
+    )
     (tmp_path / "chat.jsonl").write_text("")
     assert recipe_from_dict(_with(data={"kind": "sft", "path": missing})).data.path == missing
     assert _problems(_with(data={"kind": "literal"}))["data.kind"].startswith(
-        "must be one of \"arithmetic\", \"sft\", \"text\", got 'literal' (a str)")
+        'must be one of "arithmetic", "sft", "text", got \'literal\' (a str)'
+    )
 
 
 def test_output_dir_is_required_and_not_empty():
@@ -174,8 +182,21 @@ def test_output_dir_is_required_and_not_empty():
 def test_to_dict_round_trips_and_holds_every_section():
     recipe = recipe_from_dict(_with(schedule={"steps": 7}, lora=None))
     values = recipe.to_dict()
-    assert set(values) == {"output_dir", "seed", "deepspeed", "model", "lora", "data", "parallel", "schedule",
-                           "eval", "checkpoint", "logging", "guards", "router_balance"}
+    assert set(values) == {
+        "output_dir",
+        "seed",
+        "deepspeed",
+        "model",
+        "lora",
+        "data",
+        "parallel",
+        "schedule",
+        "eval",
+        "checkpoint",
+        "logging",
+        "guards",
+        "router_balance",
+    }
     assert values["schedule"]["steps"] == 7 and values["lora"] is None
     assert recipe_from_dict(json.loads(json.dumps(values))) == recipe
 
@@ -205,7 +226,10 @@ def test_model_sources_and_configs(tmp_path):
     assert hf.model.source_format() == "hf"
     built = hf.model.model_config()
     assert (built.moe.num_experts, built.moe.top_k, built.hidden_size) == (
-        saved["num_experts"], 1, saved["hidden_size"])
+        saved["num_experts"],
+        1,
+        saved["hidden_size"],
+    )
 
     (tmp_path / "config.json").write_text(json.dumps(config_to_k3(preset_config("tiny"))))
     k3 = recipe_from_dict(_with(model={"from_pretrained": str(tmp_path), "overrides": {"num_experts": 4}})).model
@@ -213,106 +237,6 @@ def test_model_sources_and_configs(tmp_path):
     expected = preset_config("tiny", vision_config=None, image_token_id=None, num_experts=4).to_model_config()
     assert k3.model_config() == expected
     assert type(k3).model_config["strict"] is True  # pydantic's settings are still there on the class
-
-
-# ---- the DeepSpeed config merge ----
-
-def _ds_recipe(tmp_path, ds=None, **sections):
-    values = _with(**sections)
-    if ds is not None:
-        (tmp_path / "ds.json").write_text(json.dumps(ds))
-        values["deepspeed"] = str(tmp_path / "ds.json")
-    return recipe_from_dict(values)
-
-
-def test_deepspeed_config_missing(tmp_path):
-    recipe = recipe_from_dict(_with(deepspeed=str(tmp_path / "nope.json")))
-    with pytest.raises(ValueError, match=f"^deepspeed: the DeepSpeed config '{tmp_path}/nope.json' does not exist"):
-        deepspeed_config(recipe, 1)
-
-
-def test_deepspeed_config_invalid_json_names_the_file(tmp_path):
-    (tmp_path / "ds.json").write_text("{\n  \"zero_optimization\": {\n}")
-    recipe = recipe_from_dict(_with(deepspeed=str(tmp_path / "ds.json")))
-    with pytest.raises(ValueError, match=f"^{tmp_path}/ds.json, line 3 column 2: not valid JSON"):
-        deepspeed_config(recipe, 1)
-
-
-@pytest.mark.parametrize("ep, world", [(1, 2), (2, 4)])
-def test_zero3_is_required_where_the_layout_needs_it(tmp_path, ep, world):
-    recipe = _ds_recipe(tmp_path, {"zero_optimization": {"stage": 2}}, parallel={"expert_parallel_size": ep})
-    with pytest.raises(ValueError, match=r"ds\.json: zero_optimization\.stage is 2, but .*; set \"zero_optimization\": "
-                                         r"\{\"stage\": 3"):
-        deepspeed_config(recipe, world)
-
-
-def test_no_zero3_needed_for_one_process_or_the_hf_backend(tmp_path):
-    assert deepspeed_config(_ds_recipe(tmp_path, {"zero_optimization": {"stage": 0}}), 1)["zero_optimization"] == {
-        "stage": 0}
-    hf = _ds_recipe(tmp_path, {"zero_optimization": {"stage": 2}}, parallel={"backend": "hf"})
-    assert deepspeed_config(hf, 2)["zero_optimization"]["stage"] == 2
-
-
-def test_a_micro_batch_conflict_names_both_places(tmp_path):
-    recipe = _ds_recipe(tmp_path, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}},
-                        schedule={"micro_batch_size": 4})
-    with pytest.raises(ValueError) as caught:
-        deepspeed_config(recipe, 2)
-    assert str(caught.value) == (f"schedule.micro_batch_size (4) and {tmp_path}/ds.json: "
-                                 "train_micro_batch_size_per_gpu (1) disagree; remove it from the DeepSpeed config "
-                                 "(the recipe fills it) or make them equal")
-
-
-def test_a_precision_conflict_is_not_hidden_by_true_equal_to_one(tmp_path):
-    recipe = _ds_recipe(tmp_path, {"bf16": {"enabled": True}})
-    with pytest.raises(ValueError, match=r"^schedule\.precision \('fp32'\) and .*: bf16\.enabled \(true\) disagree"):
-        deepspeed_config(recipe, 1)
-
-
-def test_auto_and_absent_values_are_filled_from_the_recipe(tmp_path):
-    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-          "train_batch_size": "auto", "bf16": {"enabled": "auto"},
-          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
-    recipe = _ds_recipe(tmp_path, ds, parallel={"expert_parallel_size": 2},
-                        schedule={"micro_batch_size": 3, "gradient_accumulation_steps": 5, "clip_grad_norm": 0.5,
-                                  "precision": "bf16"})
-    merged = deepspeed_config(recipe, 4)
-    assert merged["train_micro_batch_size_per_gpu"] == 3 and merged["gradient_accumulation_steps"] == 5
-    assert merged["train_batch_size"] == 3 * 5 * 4  # global batch: every rank of the world is data-parallel
-    assert merged["gradient_clipping"] == 0.5 and merged["bf16"] == {"enabled": True}
-    assert merged["fp16"] == {"enabled": False}
-    assert merged["zero_optimization"]["stage3_param_persistence_threshold"] == 100
-    no_clip = _ds_recipe(tmp_path, {}, schedule={"clip_grad_norm": None})
-    assert deepspeed_config(no_clip, 1)["gradient_clipping"] == 0.0
-
-
-@pytest.mark.parametrize("section", ["optimizer", "scheduler"])
-def test_optimizer_and_scheduler_sections_are_refused(tmp_path, section):
-    recipe = _ds_recipe(tmp_path, {section: {"type": "AdamW", "params": {}}})
-    with pytest.raises(ValueError, match=f"ds.json: {section}: the trainer passes its own torch AdamW .*remove the "
-                                         f"'{section}' section"):
-        deepspeed_config(recipe, 1)
-
-
-def test_fp16_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"ds\.json: fp16\.enabled: fp16 needs loss scaling"):
-        deepspeed_config(_ds_recipe(tmp_path, {"fp16": {"enabled": True}}), 1)
-
-
-def test_the_default_config(tmp_path):
-    assert deepspeed_config(recipe_from_dict(BASE), 1)["zero_optimization"] == {"stage": 0}
-    with open("ds_configs/zero3_lora.json") as f:
-        shipped = json.load(f)["zero_optimization"]
-    assert ZERO3_SETTINGS == shipped
-    assert deepspeed_config(recipe_from_dict(BASE), 2)["zero_optimization"] == shipped
-    ep2 = recipe_from_dict(_with(parallel={"expert_parallel_size": 2}))
-    assert deepspeed_config(ep2, 2)["zero_optimization"] == shipped
-
-
-def test_a_relative_deepspeed_path_resolves_against_base_dir(tmp_path):
-    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    recipe = recipe_from_dict(_with(deepspeed="ds.json"))
-    assert deepspeed_config(recipe, 2, base_dir=str(tmp_path))["zero_optimization"] == {"stage": 3}
 
 
 @pytest.fixture(scope="module")
@@ -341,8 +265,10 @@ def test_shipped_recipes_and_ds_configs_load_and_merge(recipe_path, ds_path, sub
     recipe = _shipped_recipe(recipe_path, subword_init)
     recipe.model.model_config()
     recipe.deepspeed = ds_path
-    ep, per_rank = recipe.parallel.expert_parallel_size, recipe.schedule.micro_batch_size * \
-        recipe.schedule.gradient_accumulation_steps
+    ep, per_rank = (
+        recipe.parallel.expert_parallel_size,
+        recipe.schedule.micro_batch_size * recipe.schedule.gradient_accumulation_steps,
+    )
     pinned = json.load(open(ds_path)).get("train_batch_size") if ds_path else None  # a config for one world
     worlds = [ep, 2 * ep, 4 * ep] if pinned is None else [pinned // per_rank]
     for world in worlds:
@@ -361,10 +287,16 @@ def test_shipped_recipes_and_ds_configs_load_and_merge(recipe_path, ds_path, sub
     assert parsed.gradient_accumulation_steps == recipe.schedule.gradient_accumulation_steps
 
 
-@pytest.mark.parametrize("section, key, value, largest", [
-    ("data", "seq_len", 10 ** 30, "16,777,216"), ("data", "num_documents", 10 ** 9, "1,000,000"),
-    ("schedule", "steps", 10 ** 20, "1,000,000,000"), ("schedule", "micro_batch_size", 10 ** 6, "65,536"),
-    ("schedule", "gradient_accumulation_steps", 10 ** 6, "65,536")])
+@pytest.mark.parametrize(
+    "section, key, value, largest",
+    [
+        ("data", "seq_len", 10**30, "16,777,216"),
+        ("data", "num_documents", 10**9, "1,000,000"),
+        ("schedule", "steps", 10**20, "1,000,000,000"),
+        ("schedule", "micro_batch_size", 10**6, "65,536"),
+        ("schedule", "gradient_accumulation_steps", 10**6, "65,536"),
+    ],
+)
 def test_absurd_sizes_are_refused_naming_the_field_and_the_largest(section, key, value, largest):
     """Before: seq_len 1e30 ended in an OverflowError traceback deep in the data pipeline, and steps 1e20 trained."""
     with pytest.raises(RecipeError) as caught:

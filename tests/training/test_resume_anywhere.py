@@ -51,42 +51,80 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
     whole, written1 = _at(tmp, "whole-w1", 1, 1), _at(tmp, "written-w1", 1, 1)
     # a constant schedule: a finished 2-step run, raised to 4 steps, equals one 4-step run
-    constant, finished = (_at(tmp, name, 1, 1, steps=n, decay="constant") for name, n in (("constant", 4),
-                                                                                      ("finished", 2)))
+    constant, finished = (
+        _at(tmp, name, 1, 1, steps=n, decay="constant") for name, n in (("constant", 4), ("finished", 2))
+    )
     longer = dict(copy.deepcopy(finished), schedule={**finished["schedule"], "steps": 4})
-    one = run_distributed(WORKER, world_size=1, timeout_s=900, calls=[
-        {"kind": "train", "recipe": whole}, {"kind": "stop", "recipe": written1, "steps": 2},
-        {"kind": "train", "recipe": constant}, {"kind": "train", "recipe": finished},
-        {"kind": "train", "recipe": longer}, {"kind": "train", "recipe": _full(_at(tmp, "full-w1", 1, 1))},
-        {"kind": "train", "recipe": _at(tmp, "hf-w1", 1, 1, backend="hf")}])[0]
+    one = run_distributed(
+        WORKER,
+        world_size=1,
+        timeout_s=900,
+        calls=[
+            {"kind": "train", "recipe": whole},
+            {"kind": "stop", "recipe": written1, "steps": 2},
+            {"kind": "train", "recipe": constant},
+            {"kind": "train", "recipe": finished},
+            {"kind": "train", "recipe": longer},
+            {"kind": "train", "recipe": _full(_at(tmp, "full-w1", 1, 1))},
+            {"kind": "train", "recipe": _at(tmp, "hf-w1", 1, 1, backend="hf")},
+        ],
+    )[0]
     written4, damaged4 = _at(tmp, "written-w4", 4, 2), _at(tmp, "damaged-w4", 4, 2)
     full4, hf4 = _full(_at(tmp, "full-w4", 4, 2)), _at(tmp, "hf-w4", 4, 2, backend="hf")
     from_one = _moved(written1, tmp, "from-w1-on-w4", 4, 2)
-    four = run_distributed(WORKER, world_size=4, timeout_s=1200, calls=[
-        {"kind": "stop", "recipe": written4, "steps": 2}, {"kind": "train", "recipe": from_one},
-        {"kind": "stop", "recipe": damaged4, "steps": 4, "saves": [2, 4]},
-        {"kind": "stop", "recipe": full4, "steps": 2}, {"kind": "stop", "recipe": hf4, "steps": 2}])[0]
+    four = run_distributed(
+        WORKER,
+        world_size=4,
+        timeout_s=1200,
+        calls=[
+            {"kind": "stop", "recipe": written4, "steps": 2},
+            {"kind": "train", "recipe": from_one},
+            {"kind": "stop", "recipe": damaged4, "steps": 4, "saves": [2, 4]},
+            {"kind": "stop", "recipe": full4, "steps": 2},
+            {"kind": "stop", "recipe": hf4, "steps": 2},
+        ],
+    )[0]
     on_two = _moved(written4, tmp, "from-w4-on-w2", 2, 1)
     truncated = _moved(damaged4, tmp, "damaged-w4-on-w2", 2, 1)
     cut = next((tmp / "damaged-w4-on-w2" / "checkpoints" / "step-00000004" / "engine").glob("zero_pp_rank_1_*optim*"))
     cut.write_bytes(cut.read_bytes()[:100])  # one rank's file of the newest checkpoint, cut short
     full_on_two = _moved(full4, tmp, "full-w4-on-w2", 2, 1)
-    two = run_distributed(WORKER, world_size=2, timeout_s=900, calls=[{"kind": "train", "recipe": on_two},
-                                                                      {"kind": "train", "recipe": truncated},
-                                                                      {"kind": "train", "recipe": full_on_two}])[0]
+    two = run_distributed(
+        WORKER,
+        world_size=2,
+        timeout_s=900,
+        calls=[
+            {"kind": "train", "recipe": on_two},
+            {"kind": "train", "recipe": truncated},
+            {"kind": "train", "recipe": full_on_two},
+        ],
+    )[0]
     on_one, hf_on_one = _moved(written4, tmp, "from-w4-on-w1", 1, 1), _moved(hf4, tmp, "hf-w4-on-w1", 1, 1)
-    one_b = run_distributed(WORKER, world_size=1, timeout_s=900, calls=[{"kind": "train", "recipe": on_one},
-                                                                        {"kind": "train", "recipe": hf_on_one}])[0]
-    resumed = {"4 processes EP 2 -> 2 processes EP 1": (two[0], on_two, "4 processes EP 2 on 2 processes EP 1"),
-               "4 processes EP 2 -> 1 process": (one_b[0], on_one, "4 processes EP 2 on 1 process EP 1"),
-               "1 process -> 4 processes EP 2": (four[1], from_one, "1 process EP 1 on 4 processes EP 2")}
-    return {"whole": (one[0], whole), "written4": four[0], "resumed": resumed, "truncated": (two[1], cut),
-            "longer": (one[2], one[3], one[4]), "full": (one[5], two[2]),
-            "hf": (one[6], one_b[1])}
+    one_b = run_distributed(
+        WORKER,
+        world_size=1,
+        timeout_s=900,
+        calls=[{"kind": "train", "recipe": on_one}, {"kind": "train", "recipe": hf_on_one}],
+    )[0]
+    resumed = {
+        "4 processes EP 2 -> 2 processes EP 1": (two[0], on_two, "4 processes EP 2 on 2 processes EP 1"),
+        "4 processes EP 2 -> 1 process": (one_b[0], on_one, "4 processes EP 2 on 1 process EP 1"),
+        "1 process -> 4 processes EP 2": (four[1], from_one, "1 process EP 1 on 4 processes EP 2"),
+    }
+    return {
+        "whole": (one[0], whole),
+        "written4": four[0],
+        "resumed": resumed,
+        "truncated": (two[1], cut),
+        "longer": (one[2], one[3], one[4]),
+        "full": (one[5], two[2]),
+        "hf": (one[6], one_b[1]),
+    }
 
 
-@pytest.mark.parametrize("which", ["4 processes EP 2 -> 2 processes EP 1", "4 processes EP 2 -> 1 process",
-                                   "1 process -> 4 processes EP 2"])
+@pytest.mark.parametrize(
+    "which", ["4 processes EP 2 -> 2 processes EP 1", "4 processes EP 2 -> 1 process", "1 process -> 4 processes EP 2"]
+)
 def test_a_checkpoint_resumes_at_another_layout(runs, which):
     whole, whole_recipe = runs["whole"]
     got, recipe, change = runs["resumed"][which]
@@ -123,9 +161,12 @@ def test_a_resume_that_changes_the_global_batch_is_refused_naming_the_field(runs
     from moe_plugin.recipe.schema import recipe_from_dict
     from moe_plugin.training.loop import train
 
-    with pytest.raises(ValueError, match=r"output_dir: schedule\.micro_batch_size x schedule\."
-                                         r"gradient_accumulation_steps x 1 processes is 2 rows a step, but "
-                                         r"checkpoint step 2 was written with 4 \(1 processes\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"output_dir: schedule\.micro_batch_size x schedule\."
+        r"gradient_accumulation_steps x 1 processes is 2 rows a step, but "
+        r"checkpoint step 2 was written with 4 \(1 processes\)",
+    ):
         train(recipe_from_dict(recipe))
 
 
@@ -157,14 +198,19 @@ def test_an_earlier_versions_checkpoint_is_refused_at_another_layout(tmp_path):
     step.mkdir()
     (step / "COMPLETE").write_text(json.dumps({"step": 2, "world_size": 4, "files": {}}))
     stored = {"parallel": {"expert_parallel_size": 2}}
-    same = {"parallel": {"expert_parallel_size": 2}, "schedule": {"micro_batch_size": 1,
-                                                                 "gradient_accumulation_steps": 1}}
+    same = {
+        "parallel": {"expert_parallel_size": 2},
+        "schedule": {"micro_batch_size": 1, "gradient_accumulation_steps": 1},
+    }
     check_resume_layout(same, (2, str(step)), 4, stored)
     other = copy.deepcopy(same)
     other["parallel"]["expert_parallel_size"] = 1
-    with pytest.raises(ValueError, match=rf"^output_dir: {step} was written by an earlier version of moe_plugin on 4 "
-                                         r"processes at parallel\.expert_parallel_size 2, and holds no layout-free "
-                                         r"state; resume it on 4 processes with parallel\.expert_parallel_size 2"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^output_dir: {step} was written by an earlier version of moe_plugin on 4 "
+        r"processes at parallel\.expert_parallel_size 2, and holds no layout-free "
+        r"state; resume it on 4 processes with parallel\.expert_parallel_size 2",
+    ):
         check_resume_layout(other, (2, str(step)), 2, stored)
 
 

@@ -21,11 +21,14 @@ def _problems(**sections):
     return dict(caught.value.problems)
 
 
-@pytest.mark.parametrize("targets, want", [
-    (["q_proj", "k_proj", "gate"], DEFAULT_ROUTER_AUX_LOSS_COEFF),  # the seed's targets
-    (["block_sparse_moe.gate"], DEFAULT_ROUTER_AUX_LOSS_COEFF),
-    (["q_proj", "gate_proj"], 0.0),  # the shared experts' gate_proj is not the router
-])
+@pytest.mark.parametrize(
+    "targets, want",
+    [
+        (["q_proj", "k_proj", "gate"], DEFAULT_ROUTER_AUX_LOSS_COEFF),  # the seed's targets
+        (["block_sparse_moe.gate"], DEFAULT_ROUTER_AUX_LOSS_COEFF),
+        (["q_proj", "gate_proj"], 0.0),  # the shared experts' gate_proj is not the router
+    ],
+)
 def test_the_default_is_on_when_a_lora_target_is_the_router(targets, want):
     assert _recipe(lora={"target_modules": targets}).router_aux_loss_coeff() == want
     assert DEFAULT_ROUTER_AUX_LOSS_COEFF > 0

@@ -12,9 +12,14 @@ import pytest
 
 from moe_plugin.training.run_dir import LOCK, MARKER, RunDirectory
 
-RECIPE = {"output_dir": "out", "model": {"preset": "tiny", "from_pretrained": None, "overrides": {}},
-          "data": {"kind": "arithmetic", "seq_len": 64}, "schedule": {"steps": 10, "lr": 0.003},
-          "eval": {"every": 0}, "logging": {"every": 10}}
+RECIPE = {
+    "output_dir": "out",
+    "model": {"preset": "tiny", "from_pretrained": None, "overrides": {}},
+    "data": {"kind": "arithmetic", "seq_len": 64},
+    "schedule": {"steps": 10, "lr": 0.003},
+    "eval": {"every": 0},
+    "logging": {"every": 10},
+}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOLDER = textwrap.dedent("""
     import json, sys
@@ -74,7 +79,7 @@ def test_a_non_empty_foreign_directory_is_left_untouched(tmp_path):
     before = _snapshot(tmp_path)
     message = _claim_refused(str(tmp_path))
     assert f"is a non-empty directory (thesis.tex) that is not a run of this project: it has no {MARKER}" in message
-    assert message.endswith("choose a new or empty directory, e.g. \"outputs/my_run\"")
+    assert message.endswith('choose a new or empty directory, e.g. "outputs/my_run"')
     assert _snapshot(tmp_path) == before
 
 
@@ -139,8 +144,14 @@ def _wait_for_line(stream, timeout_s):
 def test_another_process_holds_the_lock_until_it_dies(tmp_path):
     path = str(tmp_path / "run")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path, json.dumps(RECIPE)], cwd=REPO, env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, path, json.dumps(RECIPE)],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert _wait_for_line(holder.stdout, timeout_s=600) == "held\n"  # the package import is slow on a busy box
         assert f"another run (pid {holder.pid}) is using" in _claim_refused(path)
@@ -170,8 +181,11 @@ def test_an_output_dir_inside_or_around_an_input_is_refused(tmp_path, where):
     data_dir.mkdir()
     (base / "config.json").write_text("{}")
     (data_dir / "train.jsonl").write_text("{}\n")
-    recipe = {**RECIPE, "model": {"preset": None, "from_pretrained": str(base), "overrides": {}},
-              "data": {"path": str(data_dir / "train.jsonl")}}
+    recipe = {
+        **RECIPE,
+        "model": {"preset": None, "from_pretrained": str(base), "overrides": {}},
+        "data": {"path": str(data_dir / "train.jsonl")},
+    }
     before = {d: _snapshot(d) for d in (base, data_dir)}
     message = _claim_refused(str(tmp_path / where), recipe)
     label = "the data file data.path" if where == "data_dir" else "the base checkpoint model.from_pretrained"

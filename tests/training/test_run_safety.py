@@ -42,7 +42,7 @@ def test_a_run_that_never_trained_is_reusable_by_a_corrected_recipe(tmp_path):
         RunDirectory.claim(str(tmp_path), RECIPE)
 
 
-@pytest.mark.parametrize("text,named", [("{\n  \"seed\": ", "line 2: not valid JSON"), ("[1]", "holds list")])
+@pytest.mark.parametrize("text,named", [('{\n  "seed": ', "line 2: not valid JSON"), ("[1]", "holds list")])
 def test_a_corrupt_marker_is_named(tmp_path, text, named):
     (tmp_path / MARKER).write_text(text)
     with pytest.raises(ValueError, match=rf"^output_dir: {tmp_path / MARKER}(, |: ){named}") as caught:
@@ -55,8 +55,11 @@ def test_a_finished_run_without_a_usable_checkpoint_is_not_trained_over(tmp_path
         (tmp_path / "adapter").mkdir()
         (tmp_path / "losses.json").write_text("[3.0, 2.0, 1.0]")
         for latest in (None, 2):
-            with pytest.raises(ValueError, match=rf"^output_dir: .*\({tmp_path}/adapter, {tmp_path}/losses.json, "
-                                                 r"3 steps\).*would train over them"):
+            with pytest.raises(
+                ValueError,
+                match=rf"^output_dir: .*\({tmp_path}/adapter, {tmp_path}/losses.json, "
+                r"3 steps\).*would train over them",
+            ):
                 run.refuse_overwriting_outputs(latest)
         run.refuse_overwriting_outputs(3)  # its final checkpoint is there: resuming is harmless
 
@@ -75,9 +78,12 @@ def test_deepspeed_files_load_without_running_code(tmp_path):
     with safe_checkpoint_loading():
         loaded = TorchCheckpointEngine().load(str(good))
         assert loaded["zero_stage"] == ZeroStageEnum(3) and torch.equal(loaded["t"], torch.ones(2))
-        with pytest.raises(ValueError, match=rf"^{bad}: not a DeepSpeed checkpoint file that loads without running "
-                                             r"code \(Unsupported global: GLOBAL io.open\): it is damaged"
-                                             rf".*remove {tmp_path} to"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^{bad}: not a DeepSpeed checkpoint file that loads without running "
+            r"code \(Unsupported global: GLOBAL io.open\): it is damaged"
+            rf".*remove {tmp_path} to",
+        ):
             TorchCheckpointEngine().load(str(bad))
     assert TorchCheckpointEngine.load is original and not sentinel.exists()
     truncated = tmp_path / "truncated.pt"
@@ -92,8 +98,11 @@ def test_a_missing_deepspeed_internal_names_the_version(monkeypatch):
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     monkeypatch.delattr(TorchCheckpointEngine, "load")
-    with pytest.raises(RuntimeError, match=rf"^moe_plugin.compat.deepspeed: .*TorchCheckpointEngine.load is missing"
-                                           rf".* in deepspeed {deepspeed.__version__} \(tested with 0.19.8\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"^moe_plugin.compat.deepspeed: .*TorchCheckpointEngine.load is missing"
+        rf".* in deepspeed {deepspeed.__version__} \(tested with 0.19.8\)",
+    ):
         with safe_checkpoint_loading():
             pass
 
@@ -101,8 +110,12 @@ def test_a_missing_deepspeed_internal_names_the_version(monkeypatch):
 def test_trainer_state_is_json_and_safetensors_and_reads_back_exactly(tmp_path):
     random.seed(5)
     torch.manual_seed(5)
-    state = {"step": 3, "losses": [1 / 3, 2.5e-8, 7.0], "data": {"epoch": 0, "index": 4, "num_rows": 9, "seed": 1},
-             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+    state = {
+        "step": 3,
+        "losses": [1 / 3, 2.5e-8, 7.0],
+        "data": {"epoch": 0, "index": 4, "num_rows": 9, "seed": 1},
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+    }
     paths = write_trainer_state(str(tmp_path), 0, state)
     assert sorted(os.path.basename(p) for p in paths) == ["trainer_rng_rank0.safetensors", "trainer_state_rank0.json"]
     back = read_trainer_state(str(tmp_path), 0)
@@ -130,13 +143,19 @@ def test_a_changed_checkpoint_is_damaged_not_debris(tmp_path):
 
 # ---------------------------------------------------------------- one-process runs, in this process
 
+
 def _recipe(tmp: Path, name: str, **schedule) -> dict:
-    return {"output_dir": str(tmp / name), "seed": 2, "model": {"from_pretrained": str(tmp / "base")},
-            "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj"]},
-            "data": {"kind": "text", "path": str(tmp / "train.jsonl"), "seq_len": 32, "eval_fraction": 0.0},
-            "parallel": {"backend": "hf"},
-            "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-3, **schedule},
-            "checkpoint": {"every": 1, "keep": 3}, "logging": {"progress_bar": False, "wandb": {"mode": "disabled"}}}
+    return {
+        "output_dir": str(tmp / name),
+        "seed": 2,
+        "model": {"from_pretrained": str(tmp / "base")},
+        "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj"]},
+        "data": {"kind": "text", "path": str(tmp / "train.jsonl"), "seq_len": 32, "eval_fraction": 0.0},
+        "parallel": {"backend": "hf"},
+        "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-3, **schedule},
+        "checkpoint": {"every": 1, "keep": 3},
+        "logging": {"progress_bar": False, "wandb": {"mode": "disabled"}},
+    }
 
 
 def _train(recipe: dict, **kwargs):
@@ -158,8 +177,9 @@ def one(tmp_path_factory):
     """A 2-step run with a checkpoint per step, its inputs, and a fresh temporary directory for all runs."""
     tmp = tmp_path_factory.mktemp("safety")
     save_base(tmp / "base", 1)
-    (tmp / "train.jsonl").write_text("".join(json.dumps({"text": f"{a} - {b} = {a - b}"}) + "\n"
-                                             for a in range(20) for b in range(5)))
+    (tmp / "train.jsonl").write_text(
+        "".join(json.dumps({"text": f"{a} - {b} = {a - b}"}) + "\n" for a in range(20) for b in range(5))
+    )
     (tmp / "tmp").mkdir()
     saved = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"], tempfile.tempdir = str(tmp / "tmp"), str(tmp / "tmp")
@@ -201,8 +221,9 @@ def test_a_changed_data_file_is_refused_then_accepted_with_the_override(one):
     try:
         data.write_text(original.replace("0 - 0 = 0", "0 - 0 = 9"))
         message = _refused(recipe)
-        assert message.startswith(f"data file {data} (data.path): content changed (sha256 differs) since the run "
-                                  "recorded")
+        assert message.startswith(
+            f"data file {data} (data.path): content changed (sha256 differs) since the run recorded"
+        )
         assert "--allow-changed-inputs" in message and not (tmp / "data" / "checkpoints" / "step-00000003").exists()
         result = _train(recipe, allow_changed_inputs=True)
         assert result.resumed_from == 2 and len(result.losses) == 3
@@ -217,8 +238,9 @@ def test_a_replaced_base_is_refused_then_accepted_with_the_override(one):
     try:
         save_base(tmp / "base", 7)  # the same model trained otherwise, at the same path
         message = _refused(recipe)
-        assert message.startswith(f"the base at {(tmp / 'base').resolve()}: the tensor data of shard "
-                                  "model.safetensors changed")
+        assert message.startswith(
+            f"the base at {(tmp / 'base').resolve()}: the tensor data of shard model.safetensors changed"
+        )
         assert _train(recipe, allow_changed_inputs=True).resumed_from == 2
     finally:
         shutil.rmtree(tmp / "base")
@@ -227,8 +249,10 @@ def test_a_replaced_base_is_refused_then_accepted_with_the_override(one):
 
 def test_payloads_in_the_engine_file_and_an_old_trainer_state_do_not_run(one):
     tmp, _ = one
-    for name, relative in (("engine_payload", "engine/mp_rank_00_model_states.pt"),
-                           ("state_payload", "trainer_state_rank0.pt")):
+    for name, relative in (
+        ("engine_payload", "engine/mp_rank_00_model_states.pt"),
+        ("state_payload", "trainer_state_rank0.pt"),
+    ):
         recipe = _copy(tmp, name)
         checkpoint = tmp / name / "checkpoints" / "step-00000002"
         if relative.startswith("trainer"):  # the layout of an earlier version: no JSON state beside it
@@ -269,8 +293,10 @@ def test_a_finished_run_without_markers_is_refused_and_untouched(one):
         os.remove(marker)
     before = digests(tmp / "finished")
     message = _refused(recipe)
-    assert message.startswith(f"output_dir: '{tmp / 'finished'}' holds the outputs of a finished run "
-                              f"({tmp / 'finished' / 'adapter'}, {tmp / 'finished' / 'losses.json'}, 2 steps)")
+    assert message.startswith(
+        f"output_dir: '{tmp / 'finished'}' holds the outputs of a finished run "
+        f"({tmp / 'finished' / 'adapter'}, {tmp / 'finished' / 'losses.json'}, 2 steps)"
+    )
     assert digests(tmp / "finished") == before
     rerun = _copy(tmp, "finished_ok")  # with its checkpoints: started again, it rewrites nothing
     before = digests(tmp / "finished_ok")
@@ -298,12 +324,16 @@ def test_lr_1e6_warns_and_stops_on_divergence(one, capsys):
     from moe_plugin.recipe.schema import recipe_from_dict
 
     tmp, _ = one
-    recipe = {"output_dir": str(tmp / "lr1e6"), "seed": 1, "model": {"from_pretrained": "recipes/bases/tiny-arith"},
-              "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"]},
-              "data": {"kind": "arithmetic", "operation": "-", "num_documents": 200, "seq_len": 64},
-              "parallel": {"backend": "hf"}, "schedule": {"steps": 30, "micro_batch_size": 2, "lr": 1e6,
-                                                          "decay": "constant"},
-              "logging": {"every": 100, "progress_bar": False, "wandb": {"mode": "disabled"}}}
+    recipe = {
+        "output_dir": str(tmp / "lr1e6"),
+        "seed": 1,
+        "model": {"from_pretrained": "recipes/bases/tiny-arith"},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"]},
+        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 200, "seq_len": 64},
+        "parallel": {"backend": "hf"},
+        "schedule": {"steps": 30, "micro_batch_size": 2, "lr": 1e6, "decay": "constant"},
+        "logging": {"every": 100, "progress_bar": False, "wandb": {"mode": "disabled"}},
+    }
     cwd = os.getcwd()
     os.chdir(Path(__file__).parents[2])  # the recipe's base path is relative to the repository
     try:
@@ -338,32 +368,47 @@ def test_a_failed_first_start_leaves_output_dir_reusable(one):
 
 # ---------------------------------------------------------------- 2 processes: ZeRO-3's own files
 
+
 def test_payloads_in_zero3_files_do_not_run_and_every_load_is_weights_only(tmp_path):
     from moe_plugin.testing.launch import run_distributed
 
-    recipe = {"output_dir": str(tmp_path / "run"), "seed": 5, "deepspeed": "ds_configs/zero3_lora.json",
-              "model": {"preset": "tiny", "overrides": {"attn_res": False}},
-              "lora": {"r": 2, "alpha": 4, "target_parameters": ["experts.w1"]},
-              "data": {"num_documents": 100, "seq_len": 32},
-              "parallel": {"backend": "megatron", "expert_parallel_size": 2},
-              "schedule": {"steps": 1, "micro_batch_size": 1, "lr": 1e-2},
-              "checkpoint": {"every": 1}, "logging": {"progress_bar": False, "wandb": {"mode": "disabled"}}}
-    ranks = run_distributed("tests/training/run_safety_workers.py:zero3_cases", world_size=2, timeout_s=900,
-                            recipe=recipe, sentinel_dir=str(tmp_path))
+    recipe = {
+        "output_dir": str(tmp_path / "run"),
+        "seed": 5,
+        "deepspeed": "ds_configs/zero3_lora.json",
+        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
+        "lora": {"r": 2, "alpha": 4, "target_parameters": ["experts.w1"]},
+        "data": {"num_documents": 100, "seq_len": 32},
+        "parallel": {"backend": "megatron", "expert_parallel_size": 2},
+        "schedule": {"steps": 1, "micro_batch_size": 1, "lr": 1e-2},
+        "checkpoint": {"every": 1},
+        "logging": {"progress_bar": False, "wandb": {"mode": "disabled"}},
+    }
+    ranks = run_distributed(
+        "tests/training/run_safety_workers.py:zero3_cases",
+        world_size=2,
+        timeout_s=900,
+        recipe=recipe,
+        sentinel_dir=str(tmp_path),
+    )
     for name, relative in ranks[0]["planted"].items():
         planted = str(tmp_path / f"run-{name}" / "checkpoints" / "step-00000001" / relative)
         messages = [r["errors"][name] for r in ranks]
-        assert sum(m.startswith(f"ValueError: {planted}: not a DeepSpeed checkpoint file") for m in messages) == 1, \
+        assert sum(m.startswith(f"ValueError: {planted}: not a DeepSpeed checkpoint file") for m in messages) == 1, (
             messages
+        )
         assert all("another rank found a damaged file" in m or planted in m for m in messages)
         assert not (tmp_path / name).exists(), f"the payload in {relative} ran"
     engine = {os.path.join("engine", f) for f in ranks[0]["files"]}
-    assert {"engine/zero_pp_rank_1_mp_rank_00_optim_states.pt", "engine/zero_pp_rank_0_mp_rank_00_model_states.pt"} \
-        <= engine
+    assert {
+        "engine/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "engine/zero_pp_rank_0_mp_rank_00_model_states.pt",
+    } <= engine
     loaded = set()
     for r in ranks:
         assert r["resumed_from"] == 1 and len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
         assert all(weights_only is True for _, weights_only in r["loads"]), r["loads"]
-        loaded |= {os.path.relpath(path, str(tmp_path / "run" / "checkpoints" / "step-00000001"))
-                   for path, _ in r["loads"]}
+        loaded |= {
+            os.path.relpath(path, str(tmp_path / "run" / "checkpoints" / "step-00000001")) for path, _ in r["loads"]
+        }
     assert engine <= loaded, "every engine file of the checkpoint was read, and only with weights_only=True"

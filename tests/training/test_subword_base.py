@@ -25,14 +25,15 @@ def _heldout(recipe: dict):
 
 def _encode(tokenizer, messages):
     """(ids, labels) of one chat: labels on the assistant's answer and its end of turn only."""
+
     def ids(*args, **kwargs):
         out = tokenizer.apply_chat_template(*args, tokenize=True, **kwargs)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     full = ids(messages)
     prompt = ids(messages[:-1], add_generation_prompt=True)
-    assert full[:len(prompt)] == prompt
-    return torch.tensor([full]), torch.tensor([[-100] * len(prompt) + full[len(prompt):]])
+    assert full[: len(prompt)] == prompt
+    return torch.tensor([full]), torch.tensor([[-100] * len(prompt) + full[len(prompt) :]])
 
 
 @torch.no_grad()
@@ -51,12 +52,14 @@ def _heldout_loss(model, tokenizer, chats) -> float:
 def _answers(model, tokenizer, chats):
     out = []
     for messages in chats:
-        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
-                                               return_tensors="pt")
+        prompt = tokenizer.apply_chat_template(
+            messages[:-1], add_generation_prompt=True, tokenize=True, return_tensors="pt"
+        )
         prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
-        generated = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
-                                   do_sample=False)
-        out.append(tokenizer.decode(generated[0, prompt.shape[1]:], skip_special_tokens=True).strip())
+        generated = model.generate(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False
+        )
+        out.append(tokenizer.decode(generated[0, prompt.shape[1] :], skip_special_tokens=True).strip())
     return out
 
 
@@ -102,8 +105,9 @@ def test_lora_over_the_subword_base_learns_the_held_out_answers(tmp_path, monkey
     base = AutoModelForCausalLM.from_pretrained(str(BASE)).eval()
     before = _heldout_loss(base, tokenizer, chats)
     before_answers = _answers(base, tokenizer, chats)
-    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(BASE)),
-                                      str(tmp_path / "run" / "adapter")).eval()
+    tuned = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(BASE)), str(tmp_path / "run" / "adapter")
+    ).eval()
     after = _heldout_loss(tuned, tokenizer, chats)
     after_answers = _answers(tuned, tokenizer, chats)
 

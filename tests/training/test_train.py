@@ -75,8 +75,12 @@ def load_adapter(output_dir: str):
 
 
 def test_arithmetic_recipe_fine_tunes_the_shipped_text_base(tmp_path):
-    recipe = _recipe("recipes/tiny_lora_arith.json", output_dir=str(tmp_path / "lora"), schedule={"steps": 30},
-                     logging={"every": 10, "progress_bar": False})
+    recipe = _recipe(
+        "recipes/tiny_lora_arith.json",
+        output_dir=str(tmp_path / "lora"),
+        schedule={"steps": 30},
+        logging={"every": 10, "progress_bar": False},
+    )
     result = train(recipe_from_dict(recipe))
     assert len(result.losses) == 30 and _mean(result.losses[-5:]) < 0.8 * result.losses[0], result.losses
     with open(tmp_path / "lora" / "losses.json") as f:
@@ -87,10 +91,16 @@ def test_arithmetic_recipe_fine_tunes_the_shipped_text_base(tmp_path):
 def test_megatron_full_parameter_training_exports_a_hugging_face_model(tmp_path):
     from moe_plugin.models import MoEPluginForCausalLM
 
-    recipe = {"output_dir": str(tmp_path / "full"), "seed": 2,
-              "model": {"preset": "tiny", "overrides": {"attn_res": False}}, "lora": None,
-              "data": {"num_documents": 300, "seq_len": 64}, "parallel": {"backend": "megatron"},
-              "schedule": {"steps": 20, "lr": 3e-3}, "logging": {"progress_bar": False}}
+    recipe = {
+        "output_dir": str(tmp_path / "full"),
+        "seed": 2,
+        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
+        "lora": None,
+        "data": {"num_documents": 300, "seq_len": 64},
+        "parallel": {"backend": "megatron"},
+        "schedule": {"steps": 20, "lr": 3e-3},
+        "logging": {"progress_bar": False},
+    }
     result = train(recipe_from_dict(recipe))
     assert _mean(result.losses[-5:]) < 0.8 * result.losses[0], result.losses
     model = MoEPluginForCausalLM.from_pretrained(str(tmp_path / "full" / "model")).eval()
@@ -98,11 +108,16 @@ def test_megatron_full_parameter_training_exports_a_hugging_face_model(tmp_path)
 
 
 def test_megatron_lora_with_expert_adapters_loads_in_plain_peft(tmp_path):
-    recipe = {"output_dir": str(tmp_path / "lora"), "seed": 4,
-              "model": {"preset": "tiny", "overrides": {"attn_res": False}},
-              "lora": {"r": 4, "alpha": 8, "target_parameters": EXPERTS},
-              "data": {"num_documents": 300, "seq_len": 64}, "parallel": {"backend": "megatron"},
-              "schedule": {"steps": 8, "lr": 1e-2}, "logging": {"progress_bar": False}}
+    recipe = {
+        "output_dir": str(tmp_path / "lora"),
+        "seed": 4,
+        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
+        "lora": {"r": 4, "alpha": 8, "target_parameters": EXPERTS},
+        "data": {"num_documents": 300, "seq_len": 64},
+        "parallel": {"backend": "megatron"},
+        "schedule": {"steps": 8, "lr": 1e-2},
+        "logging": {"progress_bar": False},
+    }
     result = train(recipe_from_dict(recipe))
     model = load_adapter(str(tmp_path / "lora"))
     assert math.isclose(hf_eval_loss(model, recipe), result.eval_loss, rel_tol=1e-5)
@@ -110,12 +125,20 @@ def test_megatron_lora_with_expert_adapters_loads_in_plain_peft(tmp_path):
 
 def test_chat_sft_data(tmp_path):
     path = tmp_path / "chat.jsonl"
-    lines = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
-                           {"role": "assistant", "content": str(a + b)}]} for a in range(20) for b in range(10)]
+    lines = [
+        {"messages": [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": str(a + b)}]}
+        for a in range(20)
+        for b in range(10)
+    ]
     path.write_text("\n".join(json.dumps(line) for line in lines))
-    recipe = {"output_dir": str(tmp_path / "out"), "model": {"preset": "tiny", "overrides": {"attn_res": False}},
-              "data": {"kind": "sft", "path": str(path), "seq_len": 64}, "parallel": {"backend": "hf"},
-              "schedule": {"steps": 3}, "logging": {"progress_bar": False}}
+    recipe = {
+        "output_dir": str(tmp_path / "out"),
+        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
+        "data": {"kind": "sft", "path": str(path), "seq_len": 64},
+        "parallel": {"backend": "hf"},
+        "schedule": {"steps": 3},
+        "logging": {"progress_bar": False},
+    }
     result = train(recipe_from_dict(recipe))
     assert len(result.losses) == 3 and all(math.isfinite(x) for x in result.losses)
 
@@ -123,22 +146,49 @@ def test_chat_sft_data(tmp_path):
 def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
     """2 CPU processes, megatron EP=2 with ZeRO-3: the deepspeed launcher runs 2 steps, torchrun continues the
     same output_dir to 4 from its checkpoint, and the adapter reproduces the reported evaluation loss."""
-    recipe = {"output_dir": str(tmp_path / "run"), "seed": 5, "deepspeed": "ds_configs/zero3_lora.json",
-              "model": {"preset": "tiny", "overrides": {"attn_res": False}},
-              "lora": {"r": 4, "alpha": 8, "target_parameters": EXPERTS},
-              "data": {"num_documents": 300, "seq_len": 64},
-              "parallel": {"backend": "megatron", "expert_parallel_size": 2},
-              "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-2}, "logging": {"every": 1}}
+    recipe = {
+        "output_dir": str(tmp_path / "run"),
+        "seed": 5,
+        "deepspeed": "ds_configs/zero3_lora.json",
+        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
+        "lora": {"r": 4, "alpha": 8, "target_parameters": EXPERTS},
+        "data": {"num_documents": 300, "seq_len": 64},
+        "parallel": {"backend": "megatron", "expert_parallel_size": 2},
+        "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-2},
+        "logging": {"every": 1},
+    }
     first = tmp_path / "first.json"
     first.write_text(json.dumps(recipe))
-    out = launch([os.path.join(BIN, "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()),
-                   "--module", "moe_plugin.train", "--recipe", str(first)])
+    out = launch(
+        [
+            os.path.join(BIN, "deepspeed"),
+            "--num_accelerators",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "moe_plugin.train",
+            "--recipe",
+            str(first),
+        ]
+    )
     assert "expert parallel 2, ZeRO stage 3" in out
     recipe["schedule"]["steps"] = 4
     second = tmp_path / "second.json"
     second.write_text(json.dumps(recipe))
-    out = launch([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-                   "-m", "moe_plugin.train", "--recipe", str(second)])
+    out = launch(
+        [
+            os.path.join(BIN, "torchrun"),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "moe_plugin.train",
+            "--recipe",
+            str(second),
+        ]
+    )
     assert "resuming from the checkpoint at step 2" in out
     with open(tmp_path / "run" / "losses.json") as f:
         losses = json.load(f)

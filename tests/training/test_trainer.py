@@ -25,16 +25,27 @@ CHAIN = chain_length(TOKENS, layers=4, width=128, vocab=384)  # the tiny preset:
 
 def _recipe(output_dir, world: int, ep: int, steps: int = 3, model=None, backend="megatron", **schedule) -> dict:
     return {
-        "output_dir": str(output_dir), "seed": 3,
+        "output_dir": str(output_dir),
+        "seed": 3,
         "deepspeed": ZERO3 if world > 1 else None,
         "model": model or {"preset": "tiny", "overrides": {"attn_res": False}},
-        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"],
-                 "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]},
+        "lora": {
+            "r": 4,
+            "alpha": 8,
+            "target_modules": ["q_proj", "k_proj", "gate"],
+            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
+        },
         "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
         "parallel": {"backend": backend, "expert_parallel_size": ep},
         # micro-batch 4 in one process is the concatenation of the 4 ranks' micro-batches of 1
-        "schedule": {"steps": steps, "micro_batch_size": 4 // world, "lr": LR, "clip_grad_norm": MAX_NORM,
-                     "warmup_steps": 0, **schedule},
+        "schedule": {
+            "steps": steps,
+            "micro_batch_size": 4 // world,
+            "lr": LR,
+            "clip_grad_norm": MAX_NORM,
+            "warmup_steps": 0,
+            **schedule,
+        },
         "eval": {"every": 0, "batches": 1},
         "checkpoint": {"every": 0, "keep": 2},
         "logging": {"every": 1, "progress_bar": False},
@@ -62,22 +73,41 @@ def _checkpoints(tmp) -> dict:
     save_k3_checkpoint(model, tmp / "base_k3")
     for base in ("base_hf", "base_k3"):  # a base brings its tokenizer: these bases' ids are the byte tokenizer's
         ByteTokenizer().save_pretrained(tmp / base)
-    return {"hf_checkpoint": {"from_pretrained": str(tmp / "base_hf")},
-            "k3_checkpoint": {"from_pretrained": str(tmp / "base_k3")},
-            "hf_backend": {"from_pretrained": str(tmp / "base_hf")},
-            "hf_backend_ep": {"from_pretrained": str(tmp / "base_hf")}}
+    return {
+        "hf_checkpoint": {"from_pretrained": str(tmp / "base_hf")},
+        "k3_checkpoint": {"from_pretrained": str(tmp / "base_k3")},
+        "hf_backend": {"from_pretrained": str(tmp / "base_hf")},
+        "hf_backend_ep": {"from_pretrained": str(tmp / "base_hf")},
+    }
 
 
 def _scenarios(tmp, world: int, ep: int, bases: dict) -> list:
-    out = [{"name": routing, "routing": routing, "inspect": routing == "free",
-            "recipe": _recipe(tmp / f"{routing}-w{world}", world, ep)} for routing in ROUTINGS]
+    out = [
+        {
+            "name": routing,
+            "routing": routing,
+            "inspect": routing == "free",
+            "recipe": _recipe(tmp / f"{routing}-w{world}", world, ep),
+        }
+        for routing in ROUTINGS
+    ]
     strong = _recipe(tmp / f"{AUX}-w{world}", world, ep)
     strong["lora"]["router_balance"] = {"aux_loss_coeff": 1.0}
     out.append({"name": AUX, "recipe": strong})
     for name in CHECKPOINTS:
         backend = "hf" if name.startswith("hf_backend") else "megatron"
-        out.append({"name": name, "recipe": _recipe(tmp / f"{name}-w{world}", world, 1 if name == "hf_backend" else ep,
-                                                    model=bases[name], backend=backend)})
+        out.append(
+            {
+                "name": name,
+                "recipe": _recipe(
+                    tmp / f"{name}-w{world}",
+                    world,
+                    1 if name == "hf_backend" else ep,
+                    model=bases[name],
+                    backend=backend,
+                ),
+            }
+        )
     return out
 
 
@@ -96,11 +126,13 @@ def runs(tmp_path_factory):
     bases = _checkpoints(tmp)
     accumulation = {"name": "accumulation", "recipe": _recipe(tmp / "accumulation-w1", 1, 1)}
     accumulation["recipe"]["schedule"].update(micro_batch_size=1, gradient_accumulation_steps=4)
-    one = run_distributed(WORKER, world_size=1, timeout_s=900, recipes=[],
-                          scenarios=_scenarios(tmp, 1, 1, bases) + [accumulation])
+    one = run_distributed(
+        WORKER, world_size=1, timeout_s=900, recipes=[], scenarios=_scenarios(tmp, 1, 1, bases) + [accumulation]
+    )
     recipes, resume = _resume_recipes(tmp, 4, 2)
-    four = run_distributed(WORKER, world_size=4, timeout_s=1800, scenarios=_scenarios(tmp, 4, 2, bases),
-                           recipes=recipes, resume=resume)
+    four = run_distributed(
+        WORKER, world_size=4, timeout_s=1800, scenarios=_scenarios(tmp, 4, 2, bases), recipes=recipes, resume=resume
+    )
     return one[0], four
 
 
@@ -117,8 +149,7 @@ def test_ep2_zero3_on_4_processes_equals_one_process(runs, routing):
     ref = one["scenarios"][routing]
     assert len(ref["losses"]) == 3 and min(ref["grad_norms"]) > MAX_NORM  # clipping active on every step
     for rank, result in enumerate(four):
-        failures = check_run(ref, result["scenarios"][routing], tokens=TOKENS, chain=CHAIN, lr=LR,
-                             max_norm=MAX_NORM)
+        failures = check_run(ref, result["scenarios"][routing], tokens=TOKENS, chain=CHAIN, lr=LR, max_norm=MAX_NORM)
         assert not failures, (rank, failures[:8])
     if routing == "empty_expert":  # expert 0 got no token: its adapter gradient is exactly zero
         # (lora_B: lora_A's first-step gradient is zero for every expert, since lora_B starts at zero)
@@ -150,8 +181,9 @@ def test_the_balance_term_is_the_same_in_every_layout_and_on_both_backends(runs)
     ratio = 1.0 / DEFAULT_ROUTER_AUX_LOSS_COEFF
     assert strong["logged"][0]["moe/aux_loss"] == pytest.approx(ratio * free["logged"][0]["moe/aux_loss"], rel=1e-6)
     gate_grads = [n for n in strong["step_grads"][0] if ".gate.lora_B" in n]
-    assert gate_grads and all(not torch.allclose(strong["step_grads"][0][n], free["step_grads"][0][n])
-                              for n in gate_grads)
+    assert gate_grads and all(
+        not torch.allclose(strong["step_grads"][0][n], free["step_grads"][0][n]) for n in gate_grads
+    )
 
 
 def test_zero3_partitions_within_the_right_groups(runs):
@@ -171,7 +203,7 @@ def test_zero3_partitions_within_the_right_groups(runs):
         for layer, (first, w1) in got["experts"].items():
             ref_first, ref_w1 = ref_experts[layer]
             assert ref_first == 0 and first == (rank % 2) * w1.shape[0]  # EP groups are [0,1] and [2,3]
-            assert torch.equal(w1, ref_w1[first:first + w1.shape[0]]), (rank, layer)
+            assert torch.equal(w1, ref_w1[first : first + w1.shape[0]]), (rank, layer)
 
 
 def test_resume_gives_the_uninterrupted_losses_bitwise(runs):

@@ -65,8 +65,16 @@ def steps_with_gradients(trainer) -> dict:
     finally:
         for handle in handles:
             handle.remove()
-    return {"losses": losses, "step_grads": step_grads, "grads": step_grads[0], "adapters": adapters,
-            "adapter": adapters[-1], "router_calls": router_calls, "loads": loads, "logged": logged}
+    return {
+        "losses": losses,
+        "step_grads": step_grads,
+        "grads": step_grads[0],
+        "adapters": adapters,
+        "adapter": adapters[-1],
+        "router_calls": router_calls,
+        "loads": loads,
+        "logged": logged,
+    }
 
 
 def _count_router_calls(trainer):
@@ -112,8 +120,12 @@ def _partitions(trainer) -> dict:
     out = {}
     for name, p in trainer.engine.module.named_parameters():
         if hasattr(p, "ds_tensor"):
-            out[name] = (int(p.ds_tensor.numel()), int(p.ds_numel), getattr(p, "allreduce", True) is False,
-                         bool(p.requires_grad))
+            out[name] = (
+                int(p.ds_tensor.numel()),
+                int(p.ds_numel),
+                getattr(p, "allreduce", True) is False,
+                bool(p.requires_grad),
+            )
     return out
 
 

@@ -27,11 +27,11 @@ def _records(data: bytes) -> List[bytes]:
         if left < _HEADER:
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + _HEADER])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
         if kind == 0:  # zero padding to the end of the block
             pos += left
             continue
-        parts += data[pos + _HEADER:pos + _HEADER + length]
+        parts += data[pos + _HEADER : pos + _HEADER + length]
         pos += _HEADER + length
         if kind in (1, 4):
             records.append(parts)

@@ -57,7 +57,7 @@ def load(path):
 def shard_bytes(path):
     raw = (path / "model.safetensors").read_bytes()
     length = int.from_bytes(raw[:8], "little")
-    return raw, length, json.loads(raw[8:8 + length])
+    return raw, length, json.loads(raw[8 : 8 + length])
 
 
 def damaged(tmp_path, raw):
@@ -70,7 +70,7 @@ def damaged(tmp_path, raw):
 def with_header(raw, length, header):
     """``raw`` with its header replaced by ``header`` (JSON), its data bytes unchanged."""
     text = json.dumps(header).encode()
-    return len(text).to_bytes(8, "little") + text + raw[8 + length:]
+    return len(text).to_bytes(8, "little") + text + raw[8 + length :]
 
 
 def refused(path, file):
@@ -88,9 +88,11 @@ def test_a_truncated_file_is_named(base, tmp_path):
     path, file = damaged(tmp_path, raw[:-10])
     last = max(header.items(), key=lambda item: item[1]["data_offsets"][1] if item[0] != "__metadata__" else -1)[0]
     data = len(raw) - 10 - 8 - length
-    assert refused(path, file) == (f"path: {file}: damaged safetensors file: tensor {last!r} ends at data byte "
-                                   f"{data + 10} but the file holds only {data} data bytes (cut short, or a header "
-                                   f"that does not describe this file){FIX}")
+    assert refused(path, file) == (
+        f"path: {file}: damaged safetensors file: tensor {last!r} ends at data byte "
+        f"{data + 10} but the file holds only {data} data bytes (cut short, or a header "
+        f"that does not describe this file){FIX}"
+    )
     path, file = damaged(tmp_path / "tiny", raw[:5])
     assert "holds 5 bytes, fewer than the 8-byte header length" in refused(path, file)
 
@@ -113,15 +115,16 @@ def test_a_lying_header_is_named(base, tmp_path):
     raw, length, header = shard_bytes(base[0])
     beyond = json.loads(json.dumps(header))
     begin, end = beyond[NORM]["data_offsets"]
-    beyond[NORM]["data_offsets"] = [begin + 10 ** 9, end + 10 ** 9]
+    beyond[NORM]["data_offsets"] = [begin + 10**9, end + 10**9]
     path, file = damaged(tmp_path, with_header(raw, length, beyond))
-    assert f"tensor {NORM!r} ends at data byte {end + 10 ** 9} but the file holds only" in refused(path, file)
+    assert f"tensor {NORM!r} ends at data byte {end + 10**9} but the file holds only" in refused(path, file)
 
     wrong_size = json.loads(json.dumps(header))
     wrong_size[NORM]["shape"] = [wrong_size[NORM]["shape"][0] * 2]
     path, file = damaged(tmp_path / "size", with_header(raw, length, wrong_size))
-    assert f"tensor {NORM!r} (F32 [128]) needs 512 bytes but its data_offsets [{begin}, {end}] span 256" \
-        in refused(path, file)
+    assert f"tensor {NORM!r} (F32 [128]) needs 512 bytes but its data_offsets [{begin}, {end}] span 256" in refused(
+        path, file
+    )
 
     others = sorted((e["data_offsets"], n) for n, e in header.items() if n != "__metadata__" and n != NORM)
     overlap = json.loads(json.dumps(header))
@@ -138,8 +141,11 @@ def test_a_lying_header_is_named(base, tmp_path):
 def test_every_reader_of_a_shard_checks_its_header(base, tmp_path):
     raw, length, _ = shard_bytes(base[0])
     path, file = damaged(tmp_path, raw[:-10])
-    for read in (lambda: safetensors_weight_map(path), lambda: read_safetensors_header(file),
-                 lambda: stored_tensors({NORM: file})):
+    for read in (
+        lambda: safetensors_weight_map(path),
+        lambda: read_safetensors_header(file),
+        lambda: stored_tensors({NORM: file}),
+    ):
         with pytest.raises(ValueError, match=f"^path: {file}: damaged safetensors file: "):
             read()
     (path / "model.safetensors").rename(path / "shard-1.safetensors")
@@ -151,12 +157,14 @@ def test_every_reader_of_a_shard_checks_its_header(base, tmp_path):
 def test_a_good_header_is_read_as_written(base):
     header = read_safetensors_header(base[0] / "model.safetensors")
     assert "__metadata__" not in header
-    assert {n: (e["dtype"], e["shape"]) for n, e in header.items()} == \
-        {n: ("F32", list(t.shape)) for n, t in base[1].items()}
+    assert {n: (e["dtype"], e["shape"]) for n, e in header.items()} == {
+        n: ("F32", list(t.shape)) for n, t in base[1].items()
+    }
 
 
-@pytest.mark.parametrize("name,index,value", [(NORM, (7,), math.nan), (Q_PROJ, (3, 5), math.inf),
-                                              (EXPERTS, (5, 2, 1), -math.inf)])
+@pytest.mark.parametrize(
+    "name,index,value", [(NORM, (7,), math.nan), (Q_PROJ, (3, 5), math.inf), (EXPERTS, (5, 2, 1), -math.inf)]
+)
 def test_non_finite_weights_are_refused_naming_the_tensor(base, tmp_path, name, index, value):
     bad = base[1][name].clone()
     bad[index] = value
@@ -166,9 +174,11 @@ def test_non_finite_weights_are_refused_naming_the_tensor(base, tmp_path, name, 
     where = list(index[1:]) if name == EXPERTS else list(index)
     with pytest.raises(ValueError) as caught:
         load(path)
-    assert str(caught.value) == (f"path: {file}: tensor {name} holds 1 non-finite value(s) (NaN or inf, the first at "
-                                 f"index {[0, *where] if name == EXPERTS else where}), which would train to a NaN "
-                                 "loss; the checkpoint is damaged: re-download it or re-save it from a good copy")
+    assert str(caught.value) == (
+        f"path: {file}: tensor {name} holds 1 non-finite value(s) (NaN or inf, the first at "
+        f"index {[0, *where] if name == EXPERTS else where}), which would train to a NaN "
+        "loss; the checkpoint is damaged: re-download it or re-save it from a good copy"
+    )
 
 
 def test_the_trainer_backends_refuse_a_nan_base(base, tmp_path):
@@ -189,7 +199,8 @@ def test_a_model_loaded_elsewhere_is_checked_the_same_way(base):
         model.get_parameter(Q_PROJ)[1, 2] = math.inf
     assert message_of_check(lambda: check_module_finite(model, str(base[0]))) == (
         f"path: {base[0]}: tensor {Q_PROJ} holds 1 non-finite value(s) (NaN or inf, the first at index [1, 2]), which "
-        "would train to a NaN loss; the checkpoint is damaged: re-download it or re-save it from a good copy")
+        "would train to a NaN loss; the checkpoint is damaged: re-download it or re-save it from a good copy"
+    )
 
 
 def message_of_check(call):
@@ -204,9 +215,11 @@ def test_a_float_weight_stored_as_int32_is_refused(base, tmp_path):
     before = model.state_dict()[NORM].clone()
     with pytest.raises(ValueError) as caught:
         load_state(model, path, names="hf", config=model.config.to_model_config())
-    assert str(caught.value) == (f"path: {path}: 1 tensor(s) stored as int32 but the model's tensor is floating "
-                                 f"(float32): ['{NORM}']; re-save the checkpoint with its floating weights in "
-                                 "float32 (or correct config.json's dtype)")
+    assert str(caught.value) == (
+        f"path: {path}: 1 tensor(s) stored as int32 but the model's tensor is floating "
+        f"(float32): ['{NORM}']; re-save the checkpoint with its floating weights in "
+        "float32 (or correct config.json's dtype)"
+    )
     assert torch.equal(model.state_dict()[NORM], before)  # refused before anything was written
 
 
@@ -214,16 +227,19 @@ def test_a_dtype_other_than_the_configs_is_refused(base, tmp_path):
     path = copy_with(base, tmp_path, {Q_PROJ: base[1][Q_PROJ].to(torch.bfloat16)})
     with pytest.raises(ValueError) as caught:
         load(path)
-    assert str(caught.value) == (f"path: {path}: 1 tensor(s) stored as bfloat16 but the checkpoint's config.json "
-                                 f"says float32: ['{Q_PROJ}']; re-save the checkpoint with its floating weights in "
-                                 "float32 (or correct config.json's dtype)")
+    assert str(caught.value) == (
+        f"path: {path}: 1 tensor(s) stored as bfloat16 but the checkpoint's config.json "
+        f"says float32: ['{Q_PROJ}']; re-save the checkpoint with its floating weights in "
+        "float32 (or correct config.json's dtype)"
+    )
     lying = copy_with(base, tmp_path / "lying", config={"dtype": "bfloat16"})
     with pytest.raises(ValueError) as caught:
         load(lying)
     # every floating weight but the ones the model keeps fp32 (router, its bias, A_log, dt_bias)
     unkept = [n for n in base[1] if not n.endswith(("gate.weight", "e_score_correction_bias", "A_log", "dt_bias"))]
-    assert str(caught.value).startswith(f"path: {lying}: {len(unkept)} tensor(s) stored as float32 but the "
-                                        "checkpoint's config.json says bfloat16: [")
+    assert str(caught.value).startswith(
+        f"path: {lying}: {len(unkept)} tensor(s) stored as float32 but the checkpoint's config.json says bfloat16: ["
+    )
     assert ROUTER not in str(caught.value)
 
 
@@ -237,9 +253,13 @@ def test_a_bf16_base_with_its_fp32_tensors_loads(tmp_path):
     load_state(model, tmp_path, names="hf", config=model.config.to_model_config())
     assert torch.equal(model.state_dict()[ROUTER], saved.state_dict()[ROUTER])
     # the same exemption under the K2 family's MoE block name
-    assert dtype_problems([("model.layers.1.mlp.gate.weight", "f", "float32", torch.bfloat16),
-                           ("model.layers.1.mlp.gate_proj.weight", "f", "float32", torch.bfloat16)], "bfloat16") == \
-        {"stored as float32 but the checkpoint's config.json says bfloat16": ["model.layers.1.mlp.gate_proj.weight"]}
+    assert dtype_problems(
+        [
+            ("model.layers.1.mlp.gate.weight", "f", "float32", torch.bfloat16),
+            ("model.layers.1.mlp.gate_proj.weight", "f", "float32", torch.bfloat16),
+        ],
+        "bfloat16",
+    ) == {"stored as float32 but the checkpoint's config.json says bfloat16": ["model.layers.1.mlp.gate_proj.weight"]}
 
 
 @pytest.fixture(scope="module")
@@ -263,16 +283,19 @@ def packed_copy(packed, fmt, tmp_path, name, edit):
 def test_packed_scales_are_checked_by_what_they_decode_to(packed, tmp_path):
     mx = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"
     path = packed_copy(packed, "mxfp4", tmp_path, mx, lambda s: s.index_fill_(0, torch.tensor([0]), 0xFF))
-    with pytest.raises(ValueError, match=f"^path: .*: tensor {mx}: scale byte 0xFF \\(NaN in the MX specification\\) "
-                                         "at index \\[0, 0\\]"):
+    with pytest.raises(
+        ValueError,
+        match=f"^path: .*: tensor {mx}: scale byte 0xFF \\(NaN in the MX specification\\) at index \\[0, 0\\]",
+    ):
         load_k3_checkpoint(path)
 
     names = list(load_file(str(packed / "int4" / "model.safetensors")))
     int4 = next(n for n in names if n.endswith("experts.3.w2.weight_scale"))
 
     def bits(value):  # a bf16 scale with these 16 bits
-        return lambda s: s.index_fill_(0, torch.tensor([0]), torch.tensor(value, dtype=torch.int16).view(
-            torch.bfloat16).item())
+        return lambda s: s.index_fill_(
+            0, torch.tensor([0]), torch.tensor(value, dtype=torch.int16).view(torch.bfloat16).item()
+        )
 
     # 0x3CFF is a finite bf16 (about 0.031) whose low byte is 0xFF: no MXFP4 rule applies to INT4 scales
     load_k3_checkpoint(packed_copy(packed, "int4", tmp_path / "finite", int4, bits(0x3CFF)))

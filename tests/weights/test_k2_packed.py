@@ -33,8 +33,9 @@ WORKER = "tests/training/packed_trainer_workers.py:run_packed"
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("k2")
-    write_tiny_packed_checkpoint(tmp / "k2", "int4", seed=5, naming="k2", text_prefix=False,
-                                 dequantized_path=tmp / "fp32", attn_res=False)
+    write_tiny_packed_checkpoint(
+        tmp / "k2", "int4", seed=5, naming="k2", text_prefix=False, dequantized_path=tmp / "fp32", attn_res=False
+    )
     write_tiny_packed_checkpoint(tmp / "k2.5", "int4", seed=5, naming="k2", attn_res=False)
     write_tiny_packed_checkpoint(tmp / "k3", "int4", seed=5, attn_res=False)
     for base in ("k2", "fp32", "k2.5", "k3"):  # a base the trainer reads brings its tokenizer (byte ids here)
@@ -43,15 +44,23 @@ def checkpoints(tmp_path_factory):
 
 
 def test_k2_names():
-    assert k2_packed_name("model.layers.3.block_sparse_moe.experts.w2", 7) == \
-        "model.layers.3.mlp.experts.7.down_proj.weight_packed"
-    assert k2_packed_name("language_model.model.layers.3.block_sparse_moe.experts.w1_scale", 0) == \
-        "language_model.model.layers.3.mlp.experts.0.gate_proj.weight_scale"
+    assert (
+        k2_packed_name("model.layers.3.block_sparse_moe.experts.w2", 7)
+        == "model.layers.3.mlp.experts.7.down_proj.weight_packed"
+    )
+    assert (
+        k2_packed_name("language_model.model.layers.3.block_sparse_moe.experts.w1_scale", 0)
+        == "language_model.model.layers.3.mlp.experts.0.gate_proj.weight_scale"
+    )
     assert k2_block_name("model.layers.3.block_sparse_moe.gate.weight") == "model.layers.3.mlp.gate.weight"
     assert k2_block_name("model.layers.0.mlp.gate_proj.weight") == "model.layers.0.mlp.gate_proj.weight"
     assert expert_naming(["model.layers.3.mlp.experts.7.up_proj.weight_shape"]) == "k2"
-    assert expert_naming(["model.layers.3.block_sparse_moe.experts.7.w3.weight_packed",
-                          "model.layers.0.mlp.up_proj.weight"]) == "k3"
+    assert (
+        expert_naming(
+            ["model.layers.3.block_sparse_moe.experts.7.w3.weight_packed", "model.layers.0.mlp.up_proj.weight"]
+        )
+        == "k3"
+    )
     assert detect_layout(None, ["model.layers.3.mlp.experts.7.up_proj.weight_packed"]) == "k3"
 
 
@@ -59,8 +68,11 @@ def test_k2_names():
 def test_k2_named_checkpoint_loads_as_stored(checkpoints, name):
     stored = load_file(str(checkpoints / name / "model.safetensors"))
     prefix = "language_model." if name == "k2.5" else ""
-    assert f"{prefix}{ROUTED}.3.gate_proj.weight_packed" in stored and f"{prefix}model.layers.1.mlp.gate.weight" \
-        in stored and not any("block_sparse_moe" in k or ".w1." in k for k in stored)
+    assert (
+        f"{prefix}{ROUTED}.3.gate_proj.weight_packed" in stored
+        and f"{prefix}model.layers.1.mlp.gate.weight" in stored
+        and not any("block_sparse_moe" in k or ".w1." in k for k in stored)
+    )
     model, k3 = load_k3_checkpoint(checkpoints / name), load_k3_checkpoint(checkpoints / "k3")
     dense = load_k3_checkpoint(checkpoints / "fp32")
     ids = torch.tensor([[(11 * i + 2) % 384 for i in range(32)]])
@@ -75,8 +87,10 @@ def test_k2_named_checkpoint_loads_as_stored(checkpoints, name):
             assert torch.equal(getattr(experts, kind)[e], stored[f"{base}.weight_packed"])  # bytes as stored
             assert torch.equal(getattr(experts, f"{kind}_scale")[e], stored[f"{base}.weight_scale"].view(torch.uint8))
             shape = torch.Size(stored[f"{base}.weight_shape"].tolist())
-            theirs = unpack_from_int32(stored[f"{base}.weight_packed"], 4, shape).float() * \
-                stored[f"{base}.weight_scale"].float().repeat_interleave(32, 1)[:, :shape[1]]
+            theirs = (
+                unpack_from_int32(stored[f"{base}.weight_packed"], 4, shape).float()
+                * stored[f"{base}.weight_scale"].float().repeat_interleave(32, 1)[:, : shape[1]]
+            )
             ours = decode("int4", getattr(experts, kind)[e], getattr(experts, f"{kind}_scale")[e], shape[1])
             assert torch.equal(ours, theirs), base
 
@@ -92,14 +106,19 @@ def _rewrite(src, dst, change):
 
 def test_weight_shape_that_differs_from_the_model_is_named(checkpoints, tmp_path):
     key = f"{ROUTED}.5.down_proj.weight_shape"
-    wrong = _rewrite(checkpoints / "k2", tmp_path / "wrong", lambda t: t.__setitem__(key, torch.tensor(
-        [32, 40], dtype=torch.int32)))
-    with pytest.raises(ValueError, match=key.replace(".", r"\.") + r": checkpoint weight_shape \[32, 40\], model "
-                       r"\[32, 32\] \(the logical \[out, in\] of one expert of model\.layers\.1\.block_sparse_moe"
-                       r"\.experts\.w2"):
+    wrong = _rewrite(
+        checkpoints / "k2", tmp_path / "wrong", lambda t: t.__setitem__(key, torch.tensor([32, 40], dtype=torch.int32))
+    )
+    with pytest.raises(
+        ValueError,
+        match=key.replace(".", r"\.") + r": checkpoint weight_shape \[32, 40\], model "
+        r"\[32, 32\] \(the logical \[out, in\] of one expert of model\.layers\.1\.block_sparse_moe"
+        r"\.experts\.w2",
+    ):
         load_k3_checkpoint(wrong)
-    odd = _rewrite(checkpoints / "k2", tmp_path / "odd", lambda t: t.__setitem__(key, torch.tensor(
-        [32, 32, 1], dtype=torch.int32)))
+    odd = _rewrite(
+        checkpoints / "k2", tmp_path / "odd", lambda t: t.__setitem__(key, torch.tensor([32, 32, 1], dtype=torch.int32))
+    )
     with pytest.raises(ValueError, match=key.replace(".", r"\.") + r": checkpoint \[3\] int32, expected int32 \[2\]"):
         load_k3_checkpoint(odd)
 
@@ -107,39 +126,58 @@ def test_weight_shape_that_differs_from_the_model_is_named(checkpoints, tmp_path
 def test_each_ep_rank_plans_only_its_experts(checkpoints, tmp_path):
     config = preset_config("tiny", expert_format="int4", attn_res=False).to_model_config()
     key = f"{ROUTED}.1.gate_proj.weight_shape"  # expert 1: rank 0's
-    broken = _rewrite(checkpoints / "k2", tmp_path / "broken", lambda t: t.__setitem__(key, torch.tensor(
-        [1, 1], dtype=torch.int32)))
+    broken = _rewrite(
+        checkpoints / "k2", tmp_path / "broken", lambda t: t.__setitem__(key, torch.tensor([1, 1], dtype=torch.int32))
+    )
     weight_map = {n: str(broken / "model.safetensors") for n in load_file(str(broken / "model.safetensors"))}
     stored = stored_tensors(weight_map)
     stack = "model.layers.1.block_sparse_moe.experts"
     for rank, (first, last) in enumerate([(0, 4), (4, 8)]):
-        targets = {f"{stack}.w1": Target((4, 32, 4), experts=(first, last), dtype="int32"),
-                   f"{stack}.w1_scale": Target((4, 32, 2), experts=(first, last), dtype="uint8")}
+        targets = {
+            f"{stack}.w1": Target((4, 32, 4), experts=(first, last), dtype="int32"),
+            f"{stack}.w1_scale": Target((4, 32, 2), experts=(first, last), dtype="uint8"),
+        }
 
         def call(targets=targets):
             return plan_reads(targets, weight_map, names="hf", config=config, layout="k3", strict=False, stored=stored)
+
         if rank == 0:
             with pytest.raises(ValueError, match=key.replace(".", r"\.")):
                 call()
             continue
         plan = call()  # rank 1 neither reads nor checks expert 1's record
-        assert [r.name for r in plan.reads[f"{stack}.w1"]] == [f"{ROUTED}.{e}.gate_proj.weight_packed"
-                                                                for e in range(4, 8)]
-        assert [r.name for r in plan.reads[f"{stack}.w1_scale"]] == [f"{ROUTED}.{e}.gate_proj.weight_scale"
-                                                                      for e in range(4, 8)]
+        assert [r.name for r in plan.reads[f"{stack}.w1"]] == [
+            f"{ROUTED}.{e}.gate_proj.weight_packed" for e in range(4, 8)
+        ]
+        assert [r.name for r in plan.reads[f"{stack}.w1_scale"]] == [
+            f"{ROUTED}.{e}.gate_proj.weight_scale" for e in range(4, 8)
+        ]
 
 
 def _recipe(output_dir, base) -> dict:
     return {
-        "output_dir": str(output_dir), "seed": 3, "deepspeed": "ds_configs/zero3_lora.json",
+        "output_dir": str(output_dir),
+        "seed": 3,
+        "deepspeed": "ds_configs/zero3_lora.json",
         "model": {"from_pretrained": str(base), "overrides": {}},
-        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "gate"],
-                 "target_parameters": ["experts.w1", "experts.w2", "experts.w3"]},
+        "lora": {
+            "r": 4,
+            "alpha": 8,
+            "target_modules": ["q_proj", "gate"],
+            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
+        },
         "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
         "parallel": {"backend": "megatron", "expert_parallel_size": 2},
-        "schedule": {"steps": 1, "micro_batch_size": 2, "lr": 1e-2, "clip_grad_norm": None, "warmup_steps": 0,
-                     "precision": "fp32"},
-        "eval": {"every": 0, "batches": 1}, "checkpoint": {"every": 0, "keep": 1},
+        "schedule": {
+            "steps": 1,
+            "micro_batch_size": 2,
+            "lr": 1e-2,
+            "clip_grad_norm": None,
+            "warmup_steps": 0,
+            "precision": "fp32",
+        },
+        "eval": {"every": 0, "batches": 1},
+        "checkpoint": {"every": 0, "keep": 1},
         "logging": {"every": 1, "progress_bar": False},
     }
 
@@ -150,8 +188,10 @@ def _rel(a, b) -> float:
 
 def test_k2_checkpoint_at_ep2_zero3_holds_each_ranks_experts_and_equals_fp32(checkpoints, tmp_path):
     ids = [(7 * i + 3) % 384 for i in range(48)]
-    scenarios = [{"name": name, "ids": ids, "recipe": _recipe(tmp_path / name, checkpoints / src)}
-                 for name, src in (("k2.5", "k2.5"), ("fp32", "fp32"))]
+    scenarios = [
+        {"name": name, "ids": ids, "recipe": _recipe(tmp_path / name, checkpoints / src)}
+        for name, src in (("k2.5", "k2.5"), ("fp32", "fp32"))
+    ]
     results = run_distributed(WORKER, world_size=2, timeout_s=1500, scenarios=scenarios)
     stored = load_file(str(checkpoints / "k2.5" / "model.safetensors"))
     for rank, result in enumerate(results):

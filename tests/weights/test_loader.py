@@ -32,8 +32,10 @@ class ReadTracker:
         nbytes = value.numel() * value.element_size()
         self.alive += 1
         self.alive_bytes += nbytes
-        self.max_alive, self.max_alive_bytes = max(self.max_alive, self.alive), max(self.max_alive_bytes,
-                                                                                    self.alive_bytes)
+        self.max_alive, self.max_alive_bytes = (
+            max(self.max_alive, self.alive),
+            max(self.max_alive_bytes, self.alive_bytes),
+        )
         self.reads.append((name, value.numel()))
         weakref.finalize(value, self._release, nbytes)
         return value

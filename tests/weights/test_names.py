@@ -8,24 +8,31 @@ from moe_plugin.weights import names
 
 
 def model_config(**overrides):
-    return preset_config("tiny", attn_res=False, vision_config=None, image_token_id=None,
-                         **overrides).to_model_config()
+    return preset_config("tiny", attn_res=False, vision_config=None, image_token_id=None, **overrides).to_model_config()
 
 
 def test_every_hf_tensor_round_trips_through_megatron_names():
     config = model_config()
-    hf_names = list(MoEPluginForCausalLM(preset_config("tiny", attn_res=False, vision_config=None,
-                                                       image_token_id=None)).state_dict())
+    hf_names = list(
+        MoEPluginForCausalLM(
+            preset_config("tiny", attn_res=False, vision_config=None, image_token_id=None)
+        ).state_dict()
+    )
     for name in hf_names:
         assert names.megatron_to_hf_name(names.hf_to_megatron_name(name, config), config) == name
     assert names.hf_to_megatron_name("model.layers.2.block_sparse_moe.experts.w2") == "decoder.layers.2.mlp.experts.w2"
-    assert names.hf_to_megatron_name("model.layers.0.post_attention_layernorm.weight") == \
-        "decoder.layers.0.pre_mlp_layernorm.weight"
+    assert (
+        names.hf_to_megatron_name("model.layers.0.post_attention_layernorm.weight")
+        == "decoder.layers.0.pre_mlp_layernorm.weight"
+    )
     # layer 0 is dense in the tiny preset: its mlp is "mlp", the others' "block_sparse_moe"
-    assert names.megatron_to_hf_name("decoder.layers.0.mlp.up_proj.weight", config) == \
-        "model.layers.0.mlp.up_proj.weight"
-    assert names.megatron_to_hf_name("decoder.layers.1.mlp.gate.weight", config) == \
-        "model.layers.1.block_sparse_moe.gate.weight"
+    assert (
+        names.megatron_to_hf_name("decoder.layers.0.mlp.up_proj.weight", config) == "model.layers.0.mlp.up_proj.weight"
+    )
+    assert (
+        names.megatron_to_hf_name("decoder.layers.1.mlp.gate.weight", config)
+        == "model.layers.1.block_sparse_moe.gate.weight"
+    )
     with pytest.raises(ValueError, match=r"^name: 'decoder\.rotary_pos_emb\.inv_freq' matches no megatron prefix"):
         names.megatron_to_hf_name("decoder.rotary_pos_emb.inv_freq", config)
     with pytest.raises(ValueError, match="^config: must be a ModelConfig"):
@@ -46,13 +53,19 @@ def test_expert_names():
     assert names.expert_layer("decoder.layers.12.mlp.experts.w1") == 12
     assert names.is_stacked_expert("model.layers.1.block_sparse_moe.experts.w2")
     assert not names.is_stacked_expert("model.layers.1.block_sparse_moe.shared_experts.up_proj.weight")
-    assert names.k3_expert_name("model.layers.1.block_sparse_moe.experts.w2", 7) == \
-        "model.layers.1.block_sparse_moe.experts.7.w2.weight"
-    assert names.parse_k3_expert("language_model.model.layers.3.block_sparse_moe.experts.11.w1.weight") == \
-        ("language_model.model.layers.3.block_sparse_moe.experts.w1", 11)
+    assert (
+        names.k3_expert_name("model.layers.1.block_sparse_moe.experts.w2", 7)
+        == "model.layers.1.block_sparse_moe.experts.7.w2.weight"
+    )
+    assert names.parse_k3_expert("language_model.model.layers.3.block_sparse_moe.experts.11.w1.weight") == (
+        "language_model.model.layers.3.block_sparse_moe.experts.w1",
+        11,
+    )
     assert names.parse_k3_expert("model.layers.3.block_sparse_moe.experts.w1") is None
     assert names.k3_tensor_names("model.layers.1.block_sparse_moe.experts.w3", (8, 32, 32), range(2, 4)) == [
-        "model.layers.1.block_sparse_moe.experts.2.w3.weight", "model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+        "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+        "model.layers.1.block_sparse_moe.experts.3.w3.weight",
+    ]
     assert names.k3_tensor_names("model.norm.weight", (64,)) == ["model.norm.weight"]
 
 
@@ -100,7 +113,14 @@ def test_k3_tensor_conversions_both_ways():
 
 
 def test_quantised_tensors_are_found_by_name_or_dtype():
-    found = names.quantised_tensors({"a.experts.0.w1.weight_packed": "uint8", "a.experts.0.w1.weight_scale": "float32",
-                                     "b.weight": "float8_e8m0fnu", "c.weight_blocks": "bfloat16",
-                                     "d.weight": "bfloat16", "e.weight": "float32"})
+    found = names.quantised_tensors(
+        {
+            "a.experts.0.w1.weight_packed": "uint8",
+            "a.experts.0.w1.weight_scale": "float32",
+            "b.weight": "float8_e8m0fnu",
+            "c.weight_blocks": "bfloat16",
+            "d.weight": "bfloat16",
+            "e.weight": "float32",
+        }
+    )
     assert found == ["a.experts.0.w1.weight_packed", "a.experts.0.w1.weight_scale", "b.weight", "c.weight_blocks"]

@@ -24,11 +24,13 @@ PREFIX = "language_model."
 
 def _model(fmt: str) -> MoEPluginForCausalLM:
     torch.manual_seed(7)
-    model = MoEPluginForCausalLM(preset_config("tiny", expert_format=fmt, attn_res=False, vision_config=None,
-                                               image_token_id=None))
+    model = MoEPluginForCausalLM(
+        preset_config("tiny", expert_format=fmt, attn_res=False, vision_config=None, image_token_id=None)
+    )
     if fmt == "int4":  # bf16 0x3CFF (about 0.031) is a finite scale whose low byte is 0xFF
         scale = dict(model.named_buffers(), **dict(model.named_parameters()))[
-            "model.layers.1.block_sparse_moe.experts.w2_scale"]
+            "model.layers.1.block_sparse_moe.experts.w2_scale"
+        ]
         with torch.no_grad():
             scale[3, 0, :2] = torch.tensor([0xFF, 0x3C], dtype=torch.uint8)
     return model
@@ -37,15 +39,20 @@ def _model(fmt: str) -> MoEPluginForCausalLM:
 def _stacks(model):
     """``{...experts.w1: (PackedStack, codes, scales)}`` of ``model``'s packed stacks, as a layer keeps them."""
     state = model.state_dict()
-    return {f"{p}.{k}": (PackedStack(f"{p}.{k}", m.expert_format, tuple(shape)), state[f"{p}.{k}"],
-                         state[f"{p}.{k}_scale"])
-            for p, m in model.named_modules() if getattr(m, "is_packed", False)
-            for k, shape in m.logical_shapes.items()}
+    return {
+        f"{p}.{k}": (PackedStack(f"{p}.{k}", m.expert_format, tuple(shape)), state[f"{p}.{k}"], state[f"{p}.{k}_scale"])
+        for p, m in model.named_modules()
+        if getattr(m, "is_packed", False)
+        for k, shape in m.logical_shapes.items()
+    }
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                                                     b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def _assert_loads_back(model, path):
@@ -104,8 +111,9 @@ def test_the_writers_names_order_and_copies():
     bf16 = per_expert_tensors(f"{head}.w2", "int4", codes, scales.view(torch.bfloat16), (2, 4, 64))
     assert all(_same_bytes(a, b) for (_, a), (_, b) in zip(bf16, got))  # bf16 scales as they are
     k2 = per_expert_tensors(f"{head}.w1", "int4", codes, scales, (2, 4, 64), naming="k2")
-    assert [n for n, _ in k2][:3] == [f"model.layers.1.mlp.experts.0.gate_proj.weight_{k}"
-                                      for k in ("packed", "scale", "shape")]
+    assert [n for n, _ in k2][:3] == [
+        f"model.layers.1.mlp.experts.0.gate_proj.weight_{k}" for k in ("packed", "scale", "shape")
+    ]
     mx_codes, mx_scales = encode("mxfp4", w)
     mx = per_expert_tensors(f"{head}.w1", "mxfp4", mx_codes, mx_scales, (2, 4, 64))
     assert [n for n, _ in mx] == [f"{head}.{e}.w1.weight_{k}" for e in range(2) for k in ("packed", "scale")]
@@ -117,8 +125,11 @@ def test_a_stack_the_loader_would_refuse_is_named():
     name = "model.layers.1.block_sparse_moe.experts.w1"
     bad = scales.clone()
     bad[1, 2, 0] = 0xFF
-    with pytest.raises(ValueError, match=rf"^{name}: scale byte 0xFF \(NaN in the MX specification\) at index "
-                                         r"\[1, 2, 0\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{name}: scale byte 0xFF \(NaN in the MX specification\) at index "
+        r"\[1, 2, 0\]",
+    ):
         per_expert_tensors(name, "mxfp4", codes, bad, (2, 4, 64))
     with pytest.raises(ValueError, match=rf"^{name}: packed values of a \[3, 4, 64\] stack must be \[3, 4, \.\.\.\]"):
         per_expert_tensors(name, "mxfp4", codes, scales, (3, 4, 64))

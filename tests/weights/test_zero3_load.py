@@ -21,9 +21,11 @@ def case(tmp_path_factory):
     plain.save_pretrained(root / "hf", max_shard_size="100KB")
     save_k3_checkpoint(plain, root / "k3", max_shard_size="100KB")
     state = {k: v.detach().clone().contiguous() for k, v in plain.state_dict().items()}
-    broken = {"missing": {k: v for k, v in state.items() if k != "model.norm.weight"},
-              "extra": state | {"model.layers.9.self_attn.q_proj.weight": torch.zeros(1)},
-              "misshapen": state | {"model.layers.0.self_attn.q_proj.weight": torch.zeros(60, 64)}}
+    broken = {
+        "missing": {k: v for k, v in state.items() if k != "model.norm.weight"},
+        "extra": state | {"model.layers.9.self_attn.q_proj.weight": torch.zeros(1)},
+        "misshapen": state | {"model.layers.0.self_attn.q_proj.weight": torch.zeros(60, 64)},
+    }
     for name, tensors in broken.items():
         (root / "broken" / name).mkdir(parents=True)
         save_file(tensors, str(root / "broken" / name / "model.safetensors"))
@@ -63,8 +65,9 @@ def test_strict_errors_name_the_tensor_under_zero3(case):
     for result in results:
         errors = result["errors"]
         assert errors["missing"].startswith("checkpoint: 1 tensors of the model are missing: ['model.norm.weight']")
-        assert errors["extra"].startswith("checkpoint: 1 tensors the model does not have: "
-                                          "['model.layers.9.self_attn.q_proj.weight']"), errors["extra"]
+        assert errors["extra"].startswith(
+            "checkpoint: 1 tensors the model does not have: ['model.layers.9.self_attn.q_proj.weight']"
+        ), errors["extra"]
         # the model side of the shape is ds_shape, not the empty placeholder's (0,)
         assert "model.layers.0.self_attn.q_proj.weight: checkpoint [60, 64], model [64, 64]" in errors["misshapen"]
         assert result["untouched_after_errors"], "a refused checkpoint must not write any partition"
@@ -76,5 +79,5 @@ def test_odd_sized_parameter_partition_and_padding(case):
         padding = result["padding"]
         assert torch.equal(padding["gathered"], padding["value"])
         start = 8 * result["rank"]  # 15 elements padded to 16: 8 per rank
-        want = torch.cat([padding["value"].reshape(-1), torch.zeros(1)])[start:start + 8]
+        want = torch.cat([padding["value"].reshape(-1), torch.zeros(1)])[start : start + 8]
         assert torch.equal(padding["partition"], want), (result["rank"], padding["partition"])

@@ -11,8 +11,10 @@ import os
 
 import torch
 
-DS_CONFIG = {"train_micro_batch_size_per_gpu": 1,
-             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
 # zero.Init gets no dtype: DeepSpeed 0.19.8 (Init._set_dtype) ignores an explicit dtype on an accelerator
 # without fp16 (the CPU one) and makes the parameters bf16; without one it takes fp32 from this config
 
@@ -85,9 +87,12 @@ def load_partitioned(case_dir: str) -> dict:
 
     probe = dict(params)["model.layers.0.self_attn.q_proj.weight"]
     probe.ds_tensor.fill_(0.25)  # no_init_weights leaves torch.empty's values, NaN among them
-    out["errors"] = {name: _error(lambda name=name: load_state(model, os.path.join(case_dir, "broken", name),
-                                                                names="hf", config=config))
-                     for name in ("missing", "extra", "misshapen")}
+    out["errors"] = {
+        name: _error(
+            lambda name=name: load_state(model, os.path.join(case_dir, "broken", name), names="hf", config=config)
+        )
+        for name in ("missing", "extra", "misshapen")
+    }
     out["untouched_after_errors"] = bool((probe.ds_tensor == 0.25).all())
 
     for source in ("hf", "k3"):

@@ -78,7 +78,7 @@ class _Chunk:
         offset = c0 - keys.lo
         self.cols = None
         if keys.pos is None:
-            self.valid = keys.allowed[:, offset:offset + self.width]
+            self.valid = keys.allowed[:, offset : offset + self.width]
         else:
             rel = keys.pos - offset
             self.valid = (rel >= 0) & (rel < self.width)
@@ -94,7 +94,7 @@ class _Chunk:
             return entries
         H, Bq, _ = entries.shape
         full = entries.new_zeros(H, Bq, self.width + 1)
-        return full.scatter_(2, self.cols.expand(H, -1, -1), entries)[..., :self.width]
+        return full.scatter_(2, self.cols.expand(H, -1, -1), entries)[..., : self.width]
 
     def scores(self, s: torch.Tensor) -> torch.Tensor:
         """The entries of the score chunk ``s`` (``[H, Bq, c]``), ``-inf`` where the query has no key."""
@@ -128,15 +128,18 @@ class _BlockedAttention(torch.autograd.Function):
                 lse_blk = q.new_full((H, t1 - t0, 1), -math.inf)
                 kept = None
                 for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), chunks):
-                    sc = ch.scores(torch.matmul(q_blk, k_t[:, c0:c0 + ch.width].transpose(1, 2)))
+                    sc = ch.scores(torch.matmul(q_blk, k_t[:, c0 : c0 + ch.width].transpose(1, 2)))
                     lse_blk = torch.logaddexp(lse_blk, torch.logsumexp(sc, -1, keepdim=True))
                     kept = sc if len(chunks) == 1 else None  # one chunk: no need to recompute it
                 shift = _finite_or(lse_blk, math.inf)  # a query that sees no key: probabilities 0
                 o = q.new_zeros(H, t1 - t0, v.shape[-1])
                 for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), chunks):
-                    sc = kept if kept is not None else ch.scores(
-                        torch.matmul(q_blk, k_t[:, c0:c0 + ch.width].transpose(1, 2)))
-                    o += torch.matmul(ch.place(sc.sub_(shift).exp_()), v_t[:, c0:c0 + ch.width])
+                    sc = (
+                        kept
+                        if kept is not None
+                        else ch.scores(torch.matmul(q_blk, k_t[:, c0 : c0 + ch.width].transpose(1, 2)))
+                    )
+                    o += torch.matmul(ch.place(sc.sub_(shift).exp_()), v_t[:, c0 : c0 + ch.width])
                 out[b, t0:t1] = o.transpose(0, 1)
                 lse[b, t0:t1] = lse_blk.squeeze(-1).transpose(0, 1)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -204,8 +207,15 @@ def _selection_plan(indices: torch.Tensor) -> KeyPlan:
     return plan
 
 
-def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float,
-                     block_size: int = DEFAULT_BLOCK, key_chunk: int = DEFAULT_KEY_CHUNK) -> torch.Tensor:
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    block_size: int = DEFAULT_BLOCK,
+    key_chunk: int = DEFAULT_KEY_CHUNK,
+) -> torch.Tensor:
     """Each query attends (softmax) over its selected keys only.
 
     q: ``[B, T, H, Dqk]``; k: ``[B, S, H, Dqk]``; v: ``[B, S, H, Dv]``; indices: ``[B, T, k]`` int key
@@ -222,10 +232,17 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     return _BlockedAttention.apply(q, k, v, float(scale), block_size, key_chunk, _selection_plan(indices))
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                           cu_seqlens: Optional[torch.Tensor] = None, query_offset: int = 0,
-                           block_size: int = DEFAULT_BLOCK, key_chunk: int = DEFAULT_KEY_CHUNK,
-                           key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def dense_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    query_offset: int = 0,
+    block_size: int = DEFAULT_BLOCK,
+    key_chunk: int = DEFAULT_KEY_CHUNK,
+    key_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Causal softmax attention (the indexer-off path), blocked like ``sparse_attention``.
 
     q: ``[B, T, H, Dqk]`` at positions ``query_offset + t``; k: ``[B, S, H, Dqk]``; v: ``[B, S, H, Dv]``;
@@ -250,8 +267,9 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return _BlockedAttention.apply(q, k, v, float(scale), block_size, key_chunk, plan)
 
 
-def sparse_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+def sparse_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Plain dense version of ``sparse_attention`` (``T x S`` scores masked to the selected keys), for tests."""
     check_attention_inputs(q, k, v, scale)
     B, T, _, _ = q.shape
@@ -263,10 +281,15 @@ def sparse_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return _masked_dense_attention(q, k, v, scale, allowed[..., :S])
 
 
-def dense_causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                                     cu_seqlens: Optional[torch.Tensor] = None,
-                                     query_offset: int = 0, key_mask: Optional[torch.Tensor] = None
-                                     ) -> torch.Tensor:
+def dense_causal_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    query_offset: int = 0,
+    key_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Plain dense version of ``dense_causal_attention`` (one ``T x S`` masked softmax), for tests."""
     check_attention_inputs(q, k, v, scale)
     B, T, _, _ = q.shape
@@ -277,8 +300,9 @@ def dense_causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.
     return _masked_dense_attention(q, k, v, scale, allowed)
 
 
-def _masked_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                            allowed: torch.Tensor) -> torch.Tensor:
+def _masked_dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, allowed: torch.Tensor
+) -> torch.Tensor:
     """Softmax over the keys ``allowed`` ``[B, T, S]`` marks; zeros for a query with none."""
     allowed = allowed[:, :, None, :]  # [B, T, 1, S]
     scores = torch.einsum("bthd,bshd->bths", q, k) * scale

@@ -29,9 +29,14 @@ def _check_indexer_inputs(q_index: torch.Tensor, k_index: torch.Tensor, weights:
     check_same_dtype(q_index=q_index, k_index=k_index, weights=weights)
 
 
-def indexer_scores(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor,
-                   cu_seqlens: Optional[torch.Tensor] = None, query_offset: int = 0,
-                   key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def indexer_scores(
+    q_index: torch.Tensor,
+    k_index: torch.Tensor,
+    weights: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    query_offset: int = 0,
+    key_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Dense index scores (the reference for ``indexer_topk``, and the input of the indexer loss).
 
     q_index: ``[B, T, H_I, D_I]``; k_index: ``[B, S, D_I]``; weights: ``[B, T, H_I]``;
@@ -79,10 +84,17 @@ class _WeightedReluScores(torch.autograd.Function):
 
 
 @torch.no_grad()
-def indexer_topk(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor, topk: int,
-                 cu_seqlens: Optional[torch.Tensor] = None, query_offset: int = 0,
-                 block_size: int = DEFAULT_QUERY_BLOCK, key_chunk: int = DEFAULT_KEY_CHUNK,
-                 key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def indexer_topk(
+    q_index: torch.Tensor,
+    k_index: torch.Tensor,
+    weights: torch.Tensor,
+    topk: int,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    query_offset: int = 0,
+    block_size: int = DEFAULT_QUERY_BLOCK,
+    key_chunk: int = DEFAULT_KEY_CHUNK,
+    key_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The ``topk`` visible keys of highest index score per query, scored one block of queries at a time.
 
     Shapes as ``indexer_scores`` (masked-out keys of ``key_mask`` are never selected). Ties at the k-th

@@ -19,8 +19,14 @@ from .masks import check_key_mask, check_positions, visible_keys
 
 
 @torch.no_grad()
-def attention_target(q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: Optional[torch.Tensor] = None,
-                     query_offset: int = 0, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attention_target(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    query_offset: int = 0,
+    key_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Dense causal attention probabilities summed over heads and L1-normalised per query.
 
     q: ``[B, T, H, D]``; k: ``[B, S, H, D]`` (detached: this is a target); key_mask: ``[B, S]`` bool, False =
@@ -40,8 +46,9 @@ def attention_target(q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens:
     return total / total.sum(-1, keepdim=True).clamp_min(torch.finfo(total.dtype).tiny)
 
 
-def indexer_kl_loss(index_scores: torch.Tensor, attn_probs: torch.Tensor,
-                    indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+def indexer_kl_loss(
+    index_scores: torch.Tensor, attn_probs: torch.Tensor, indices: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """``mean over the B*T queries of sum_s p[t,s] * (log p[t,s] - log softmax(I[t])_s)``, a scalar.
 
     index_scores: ``[B, T, S]`` (``-inf`` at invisible keys, e.g. from ``indexer_scores``); attn_probs:
@@ -68,6 +75,7 @@ def indexer_kl_loss(index_scores: torch.Tensor, attn_probs: torch.Tensor,
     log_q = torch.log_softmax(scores, dim=-1)
     positive = p > 0
     # where() on both sides keeps 0 * log 0 (and 0 * -inf at unselected keys) out of the value and the gradient.
-    terms = torch.where(positive, p * (torch.log(torch.where(positive, p, 1.0)) - torch.where(positive, log_q, 0.0)),
-                        0.0)
+    terms = torch.where(
+        positive, p * (torch.log(torch.where(positive, p, 1.0)) - torch.where(positive, log_q, 0.0)), 0.0
+    )
     return terms.sum(-1).mean()

@@ -16,15 +16,18 @@ import torch
 from ..checks import check_cu_seqlens, check_tensor
 
 
-def check_positions(query_offset: int, batch: int, num_queries: int, num_keys: int,
-                    cu_seqlens: Optional[torch.Tensor]) -> None:
+def check_positions(
+    query_offset: int, batch: int, num_queries: int, num_keys: int, cu_seqlens: Optional[torch.Tensor]
+) -> None:
     """Validate ``query_offset`` and cu_seqlens: ``[N+1]`` int offsets, 0 .. ``num_keys``, over the key positions."""
     if not isinstance(query_offset, int) or query_offset < 0:
         raise ValueError(f"query_offset: expected a non-negative int, got {query_offset!r}")
     check_cu_seqlens(cu_seqlens, batch, num_keys)
     if cu_seqlens is not None and query_offset + num_queries > num_keys:
-        raise ValueError(f"query_offset: with cu_seqlens the queries' positions (query_offset + T = "
-                         f"{query_offset + num_queries}) must lie inside the keys' 0 .. {num_keys}")
+        raise ValueError(
+            f"query_offset: with cu_seqlens the queries' positions (query_offset + T = "
+            f"{query_offset + num_queries}) must lie inside the keys' 0 .. {num_keys}"
+        )
 
 
 def key_segments(cu_seqlens: Optional[torch.Tensor], num_keys: int, device) -> Optional[torch.Tensor]:
@@ -35,8 +38,9 @@ def key_segments(cu_seqlens: Optional[torch.Tensor], num_keys: int, device) -> O
     return torch.bucketize(positions, cu_seqlens[1:].to(device=device, dtype=torch.int64), right=True)
 
 
-def visible_range(t0: int, t1: int, num_keys: int, query_offset: int,
-                  cu_seqlens: Optional[torch.Tensor]) -> Tuple[int, int]:
+def visible_range(
+    t0: int, t1: int, num_keys: int, query_offset: int, cu_seqlens: Optional[torch.Tensor]
+) -> Tuple[int, int]:
     """Smallest key span ``[lo, hi)`` holding every key visible to queries ``t0 .. t1-1`` (may be empty)."""
     hi = min(num_keys, query_offset + t1)
     lo = 0
@@ -46,8 +50,9 @@ def visible_range(t0: int, t1: int, num_keys: int, query_offset: int,
     return lo, hi
 
 
-def visible_mask(t0: int, t1: int, lo: int, hi: int, query_offset: int,
-                 segments: Optional[torch.Tensor], device) -> torch.Tensor:
+def visible_mask(
+    t0: int, t1: int, lo: int, hi: int, query_offset: int, segments: Optional[torch.Tensor], device
+) -> torch.Tensor:
     """``[t1-t0, hi-lo]`` bool: may query ``t`` (``t0 <= t < t1``) see key ``s`` (``lo <= s < hi``)?"""
     q_pos = torch.arange(t0, t1, device=device) + query_offset
     k_pos = torch.arange(lo, hi, device=device)
@@ -57,8 +62,9 @@ def visible_mask(t0: int, t1: int, lo: int, hi: int, query_offset: int,
     return mask
 
 
-def visible_keys(T: int, S: int, query_offset: int, cu_seqlens: Optional[torch.Tensor],
-                 key_mask: Optional[torch.Tensor], device) -> torch.Tensor:
+def visible_keys(
+    T: int, S: int, query_offset: int, cu_seqlens: Optional[torch.Tensor], key_mask: Optional[torch.Tensor], device
+) -> torch.Tensor:
     """``[T, S]`` (or ``[B, T, S]`` with key_mask ``[B, S]``) bool over a whole sequence: may query ``t`` see key
     ``s`` (causal, same packed sequence, and not padding)?"""
     mask = visible_mask(0, T, 0, S, query_offset, key_segments(cu_seqlens, S, device), device)

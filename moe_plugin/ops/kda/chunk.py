@@ -22,11 +22,20 @@ from moe_plugin.ops.kda.gate import l2norm
 from moe_plugin.ops.kda.inputs import check_kda_inputs, compute_dtype, sequence_bounds
 from moe_plugin.ops.kda.intra import intra_chunk_scores, unit_lower_inverse
 
-def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
-              output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
-              chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False
-              ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    chunk_size: int = 64,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Kimi Delta Attention in chunks; same arguments and results as ``naive_recurrent_kda``.
 
     Args:
@@ -47,9 +56,18 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     dims = check_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     kernel = gpu_kernel("fla.ops.kda", "chunk_kda", q, k, v, g, beta, initial_state)
     if kernel is not None:
-        return kernel(q=q, k=k, v=v, g=g, beta=beta, scale=dims.scale, initial_state=initial_state,
-                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return kernel(
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            scale=dims.scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        )
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
 
@@ -106,20 +124,27 @@ class _ChunkLayout:
     def from_chunks(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, H, N, C, V]`` -> ``[B, T, H, V]``."""
         x = x.flatten(2, 3).transpose(1, 2)
-        return x[:, :self.seq_len] if self.index is None else x.index_select(1, self.index)
+        return x[:, : self.seq_len] if self.index is None else x.index_select(1, self.index)
 
 
-def _chunk_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   segments: List[Tuple[int, int]], starts: List[torch.Tensor]
-                   ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+def _chunk_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    segments: List[Tuple[int, int]],
+    starts: List[torch.Tensor],
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """q, k, g ``[B,H,N,C,K]`` (q scaled); v ``[B,H,N,C,V]``; beta ``[B,H,N,C]``; one start state
     ``[B,H,K,V]`` per segment of chunks. Returns o ``[B,H,N,C,V]`` and each segment's final state."""
     K = k.shape[-1]
     # In fp64: exp(G_c - G_i) for nearby c, i needs the difference, which a long fp32 cumsum would blur.
     G = g.to(torch.float64).cumsum(-2)
     C = k.shape[-2]
-    scores = intra_chunk_scores(torch.stack([q, k], dim=-3).view(-1, 2, C, K), k.reshape(-1, C, K),
-                                G.reshape(-1, C, K)).view(*k.shape[:-2], 2, C, C)
+    scores = intra_chunk_scores(
+        torch.stack([q, k], dim=-3).view(-1, 2, C, K), k.reshape(-1, C, K), G.reshape(-1, C, K)
+    ).view(*k.shape[:-2], 2, C, C)
     scores_qk, scores_kk = scores[..., 0, :, :], scores[..., 1, :, :].tril(-1)
     decay_in = G.to(k.dtype).exp()
     rhs = beta.unsqueeze(-1) * torch.cat([k * decay_in, v], dim=-1)
@@ -144,4 +169,3 @@ def _chunk_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         finals.append(state.view(-1, *M.shape[1:2], *state.shape[1:]))
     S = torch.stack(entering, dim=1).view(*P.shape[:3], K, -1)  # [B,H,N,K,V], the state entering each chunk
     return P @ S + AU, finals
-

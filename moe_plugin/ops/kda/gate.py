@@ -18,8 +18,7 @@ def _gate_inputs(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     return x, A_log.to(dtype).exp().view(H, 1)
 
 
-def kda_gate_k3(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                lower_bound: float = -5.0) -> torch.Tensor:
+def kda_gate_k3(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float = -5.0) -> torch.Tensor:
     """K3's bounded gate ``lower_bound * sigmoid(exp(A_log) * (f + dt_bias))``, in ``(lower_bound, 0)``.
 
     f: ``[B,T,H,K]``; A_log: ``[H]``; dt_bias: ``[H*K]``. Returns ``[B,T,H,K]`` in fp32 (fp64 for fp64 f).

@@ -17,9 +17,16 @@ class KDADims(NamedTuple):
     scale: float
 
 
-def check_kda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     scale: Optional[float], initial_state: Optional[torch.Tensor],
-                     cu_seqlens: Optional[torch.Tensor]) -> KDADims:
+def check_kda_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float],
+    initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+) -> KDADims:
     """Validate q, k ``[B,T,H,K]``, v ``[B,T,H,V]``, g ``[B,T,H,K]``, beta ``[B,T,H]``, initial_state ``[N,H,K,V]``.
 
     q, k, v and beta must share a dtype; g and the state may be wider (the gate is computed in fp32).
@@ -37,7 +44,7 @@ def check_kda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(N, H, K, V), floating=True)
     if scale is None:
-        scale = K ** -0.5
+        scale = K**-0.5
     elif not isinstance(scale, (int, float)) or scale <= 0:
         raise ValueError(f"scale: expected a positive number, got {scale!r}")
     return KDADims(T, H, K, V, float(scale))

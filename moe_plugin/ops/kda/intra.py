@@ -64,8 +64,9 @@ def _split(rows: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor
     sub = C // n
     row_blocks = rows.view(M, R, n, sub, K)
     Gb = G.view(M, n, sub, K)
-    diag = intra_chunk_scores(row_blocks.transpose(1, 2).reshape(M * n, R, sub, K), k.reshape(M * n, sub, K),
-                              Gb.reshape(M * n, sub, K)).view(M, n, R, sub, sub)
+    diag = intra_chunk_scores(
+        row_blocks.transpose(1, 2).reshape(M * n, R, sub, K), k.reshape(M * n, sub, K), Gb.reshape(M * n, sub, K)
+    ).view(M, n, R, sub, sub)
     eye = torch.eye(n, dtype=rows.dtype, device=rows.device)[:, None, :, None]
     full = (diag.transpose(1, 2).unsqueeze(-2) * eye).reshape(M, R, C, C)
     if n == 1:

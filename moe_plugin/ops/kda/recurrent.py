@@ -10,10 +10,18 @@ from moe_plugin.ops.kda.gate import l2norm
 from moe_plugin.ops.kda.inputs import check_kda_inputs, compute_dtype, sequence_bounds
 
 
-def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
-                        output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
-                        use_qk_l2norm_in_kernel: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def naive_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Kimi Delta Attention one token at a time (docs/architecture.md 2.1); q and k arrive L2-normalised.
 
     Per head, with state S ``[K, V]``: S <- exp(g_t) * S (row-wise); S <- S + beta_t k_t (v_t - S^T k_t)^T;
@@ -50,8 +58,9 @@ def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     return o.to(v.dtype), final
 
 
-def _step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-          beta: torch.Tensor) -> torch.Tensor:
+def _step(
+    state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
     """One token. state ``[b,H,K,V]``; q, k, g ``[b,H,K]``; v ``[b,H,V]``; beta ``[b,H]`` -> new state."""
     state = state * g.exp().unsqueeze(-1)
     recalled = torch.einsum("bhk,bhkv->bhv", k, state)

@@ -52,8 +52,10 @@ def quantile_balance_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int) 
     m, n = scores.shape
     check_tensor("bias", bias, shape=(n,), floating=True)
     if not isinstance(top_k, int) or not 1 <= top_k < n:
-        raise ValueError(f"top_k: expected an integer in [1, num_experts - 1 = {n - 1}] "
-                         f"(the cutoff is the (k+1)-th score), got {top_k!r}")
+        raise ValueError(
+            f"top_k: expected an integer in [1, num_experts - 1 = {n - 1}] "
+            f"(the cutoff is the (k+1)-th score), got {top_k!r}"
+        )
     if m < 1:
         raise ValueError("scores: expected at least one token (m >= 1), got 0 rows")
     s = scores.float()
@@ -95,8 +97,9 @@ def sequence_aux_loss(scores: torch.Tensor, indices: torch.Tensor, alpha: float)
 # by the step's label-token count make the term a sum over the step's documents that every layout computes alike.
 
 
-def document_ids(cu_seqlens: Optional[torch.Tensor], batch: int, length: int,
-                 device: Optional[torch.device] = None) -> torch.Tensor:
+def document_ids(
+    cu_seqlens: Optional[torch.Tensor], batch: int, length: int, device: Optional[torch.device] = None
+) -> torch.Tensor:
     """The ``[batch * length]`` int64 document index of every token, in row-major order: the documents of a
     packed row (``cu_seqlens`` ``[D + 1]``, batch 1), or one document per row without it."""
     if cu_seqlens is None:
@@ -106,8 +109,9 @@ def document_ids(cu_seqlens: Optional[torch.Tensor], batch: int, length: int,
     return torch.bucketize(positions, cu_seqlens[1:].long(), right=True).to(device or cu_seqlens.device)
 
 
-def document_weights(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                     num_items: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def document_weights(
+    labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, num_items: Optional[float] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """labels ``[B, T]`` (unshifted, -100 = not scored, as ``causal_lm_loss`` takes them); cu_seqlens ``[D + 1]``
     (batch 1) or None (one document per row) -> (``doc_ids [B * T]`` int64, ``weights [D]`` fp32).
 
@@ -127,8 +131,7 @@ def document_weights(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = 
     return doc, counts / (total if total > 0 else 1.0)
 
 
-def document_balance(scores: torch.Tensor, indices: torch.Tensor, doc_ids: torch.Tensor, num_docs: int
-                     ) -> torch.Tensor:
+def document_balance(scores: torch.Tensor, indices: torch.Tensor, doc_ids: torch.Tensor, num_docs: int) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance ``sum_i f_i P_i`` of every document (no coefficient).
 
     scores: ``[N, E]`` unbiased sigmoid scores (``route``'s third output); indices: ``[N, k]`` chosen experts
@@ -159,8 +162,9 @@ def document_balance(scores: torch.Tensor, indices: torch.Tensor, doc_ids: torch
     return (f * (p / per_token)).sum(-1)
 
 
-def document_balance_reference(scores: torch.Tensor, indices: torch.Tensor, doc_ids: torch.Tensor,
-                               num_docs: int) -> torch.Tensor:
+def document_balance_reference(
+    scores: torch.Tensor, indices: torch.Tensor, doc_ids: torch.Tensor, num_docs: int
+) -> torch.Tensor:
     """``document_balance`` by a loop: ``sequence_aux_loss`` (alpha 1) on each document's counted tokens."""
     out = []
     for d in range(num_docs):

@@ -14,9 +14,16 @@ from ..activations import glu, glu_packed
 from ..checks import check_same_dtype, check_tensor
 
 
-def grouped_glu(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                w2: torch.Tensor, activation: str = "situ", beta: float = 4.0,
-                linear_beta: float = 25.0) -> torch.Tensor:
+def grouped_glu(
+    x_sorted: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str = "situ",
+    beta: float = 4.0,
+    linear_beta: float = 25.0,
+) -> torch.Tensor:
     """``w2_e act(w1_e x, w3_e x)`` for each row x of expert e's block.
 
     x_sorted: ``[M, Din]`` rows sorted by expert (``permute``'s output); tokens_per_expert: ``[E]`` block
@@ -34,9 +41,16 @@ def grouped_glu(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, w1: tor
     return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
 
 
-def grouped_glu_reference(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, w1: torch.Tensor,
-                          w3: torch.Tensor, w2: torch.Tensor, activation: str = "situ", beta: float = 4.0,
-                          linear_beta: float = 25.0) -> torch.Tensor:
+def grouped_glu_reference(
+    x_sorted: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str = "situ",
+    beta: float = 4.0,
+    linear_beta: float = 25.0,
+) -> torch.Tensor:
     """Same contract as ``grouped_glu``, as a plain loop over experts on their contiguous row blocks."""
     _check_expert_args(x_sorted, tokens_per_expert, w1, w3, w2)
     blocks = x_sorted.split(tokens_per_expert.tolist())
@@ -68,8 +82,9 @@ def _check_expert_args(x_sorted, tokens_per_expert, w1, w3, w2) -> None:
     check_tensor("w1", w1, ndim=3, floating=True)
     e, f, din = w1.shape
     if din != x_sorted.shape[1]:
-        raise ValueError(f"w1: expected [E, F, Din] with Din = x_sorted width ({x_sorted.shape[1]}), "
-                         f"got {tuple(w1.shape)}")
+        raise ValueError(
+            f"w1: expected [E, F, Din] with Din = x_sorted width ({x_sorted.shape[1]}), got {tuple(w1.shape)}"
+        )
     check_tensor("w3", w3, shape=(e, f, din), floating=True)
     check_tensor("w2", w2, shape=(e, din, f), floating=True)
     check_same_dtype(x_sorted=x_sorted, w1=w1, w3=w3, w2=w2)
@@ -78,5 +93,7 @@ def _check_expert_args(x_sorted, tokens_per_expert, w1, w3, w2) -> None:
         raise ValueError(f"tokens_per_expert: expected an int32/int64 tensor, got {tokens_per_expert.dtype}")
     total = int(tokens_per_expert.sum())
     if total != x_sorted.shape[0] or (e and int(tokens_per_expert.min()) < 0):
-        raise ValueError(f"tokens_per_expert: expected non-negative counts summing to x_sorted rows "
-                         f"({x_sorted.shape[0]}), got sum {total}")
+        raise ValueError(
+            f"tokens_per_expert: expected non-negative counts summing to x_sorted rows "
+            f"({x_sorted.shape[0]}), got sum {total}"
+        )

@@ -19,10 +19,22 @@ from .permute import permute, unpermute
 from .router import route
 
 
-def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                w2: torch.Tensor, top_k: int, bias: Optional[torch.Tensor] = None, activation: str = "situ",
-                renormalize: bool = True, scaling: float = 1.0, num_groups: int = 1, topk_groups: int = 1,
-                beta: float = 4.0, linear_beta: float = 25.0) -> Tuple[torch.Tensor, torch.Tensor]:
+def moe_forward(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    bias: Optional[torch.Tensor] = None,
+    activation: str = "situ",
+    renormalize: bool = True,
+    scaling: float = 1.0,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    beta: float = 4.0,
+    linear_beta: float = 25.0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Routed-expert output ``sum_k w_k E_k(x)`` per token (no shared experts, no latent projection).
 
     x: ``[N, D]``; router_weight: ``[E, D]`` (the router runs in fp32); bias: ``[E]`` selection bias;
@@ -33,11 +45,19 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, 
     check_tensor("router_weight", router_weight, shape=(None, x.shape[1]), floating=True)
     check_tensor("w1", w1, ndim=3, floating=True)
     if router_weight.shape[0] != w1.shape[0]:
-        raise ValueError(f"router_weight: expected one row per expert of w1 ({w1.shape[0]}), "
-                         f"got {router_weight.shape[0]} rows")
+        raise ValueError(
+            f"router_weight: expected one row per expert of w1 ({w1.shape[0]}), got {router_weight.shape[0]} rows"
+        )
     logits = F.linear(x.float(), router_weight.float())
-    weights, indices, _ = route(logits, top_k, bias=bias, renormalize=renormalize, scaling=scaling,
-                                num_groups=num_groups, topk_groups=topk_groups)
+    weights, indices, _ = route(
+        logits,
+        top_k,
+        bias=bias,
+        renormalize=renormalize,
+        scaling=scaling,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+    )
     x_sorted, tokens_per_expert, order = permute(x, indices, router_weight.shape[0])
     y_sorted = grouped_glu(x_sorted, tokens_per_expert, w1, w3, w2, activation, beta=beta, linear_beta=linear_beta)
     return unpermute(y_sorted, order, weights), tokens_per_expert

@@ -15,8 +15,9 @@ import torch
 from ..checks import check_ids, check_tensor
 
 
-def permute(x: torch.Tensor, indices: torch.Tensor, num_experts: int
-            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def permute(
+    x: torch.Tensor, indices: torch.Tensor, num_experts: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copy each token once per chosen expert and sort the copies by expert.
 
     x: ``[N, D]``; indices: ``[N, k]`` expert ids. Returns ``x_sorted [N*k, D]``, ``tokens_per_expert [E]``
@@ -49,8 +50,9 @@ def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     # Range only (one min/max): a repeated position is not caught; permute's order never has one.
     check_ids("order", order, 0, y_sorted.shape[0], "row positions")
     if weights.numel() != y_sorted.shape[0]:
-        raise ValueError(f"weights: expected N*k = y_sorted rows ({y_sorted.shape[0]}) entries, "
-                         f"got shape {tuple(weights.shape)}")
+        raise ValueError(
+            f"weights: expected N*k = y_sorted rows ({y_sorted.shape[0]}) entries, got shape {tuple(weights.shape)}"
+        )
     return _WeightedCombine.apply(y_sorted, order, weights)
 
 

@@ -9,9 +9,15 @@ import torch
 from ..checks import check_tensor
 
 
-def route(logits: torch.Tensor, top_k: int, bias: Optional[torch.Tensor] = None, renormalize: bool = True,
-          scaling: float = 1.0, num_groups: int = 1, topk_groups: int = 1
-          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    bias: Optional[torch.Tensor] = None,
+    renormalize: bool = True,
+    scaling: float = 1.0,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Choose ``top_k`` experts per token and their mixing weights.
 
     logits: ``[N, E]`` router outputs; bias: ``[E]`` selection bias (``e_score_correction_bias``).
@@ -36,8 +42,9 @@ def route(logits: torch.Tensor, top_k: int, bias: Optional[torch.Tensor] = None,
         raise ValueError(f"topk_groups: expected an integer in [1, num_groups={num_groups}], got {topk_groups!r}")
     per_group = num_experts // num_groups
     if top_k > topk_groups * per_group:
-        raise ValueError(f"top_k: expected at most topk_groups * experts per group ({topk_groups * per_group}), "
-                         f"got {top_k}")
+        raise ValueError(
+            f"top_k: expected at most topk_groups * experts per group ({topk_groups * per_group}), got {top_k}"
+        )
 
     scores = torch.sigmoid(logits.float())
     choice = scores if bias is None else scores + bias.float()

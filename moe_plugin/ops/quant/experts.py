@@ -24,16 +24,25 @@ from ..backend import packed_dequant_kernel
 from ..moe.experts import _grouped_mm_supported
 from .formats import decode, packed_spec
 
-__all__ = ["DEFAULT_GROUP_SIZE", "DECODE_SPLITS", "MIN_DECODE_CHUNK", "dequantize_experts", "packed_grouped_linear",
-           "packed_grouped_linear_reference", "grouped_lora", "grouped_lora_reference"]
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "DECODE_SPLITS",
+    "MIN_DECODE_CHUNK",
+    "dequantize_experts",
+    "packed_grouped_linear",
+    "packed_grouped_linear_reference",
+    "grouped_lora",
+    "grouped_lora_reference",
+]
 
 DEFAULT_GROUP_SIZE = 8  # experts dequantised together: one grouped matmul per group
 DECODE_SPLITS = 16  # a group is decoded in at most this many row slices (work memory ~ 1/16 of ~8 B a weight)
 MIN_DECODE_CHUNK = 1 << 16  # weights a slice holds at least, so small groups are not cut into tiny pieces
 
 
-def dequantize_experts(fmt: str, packed: torch.Tensor, scale: torch.Tensor, in_features: int,
-                       dtype: torch.dtype) -> torch.Tensor:
+def dequantize_experts(
+    fmt: str, packed: torch.Tensor, scale: torch.Tensor, in_features: int, dtype: torch.dtype
+) -> torch.Tensor:
     """packed ``[G, out, *]``, scale ``[G, out, ceil(in/32)]`` -> ``[G, out, in]`` of ``dtype``: a fused kernel
     where ``ops.backend.packed_dequant_kernel`` has one (none today), else the torch decoder, a slice of rows
     at a time into the one output tensor (see the module docstring)."""
@@ -44,7 +53,7 @@ def dequantize_experts(fmt: str, packed: torch.Tensor, scale: torch.Tensor, in_f
     out = torch.empty(rows_p.shape[0], in_features, dtype=dtype, device=packed.device)
     step = max(1, max(MIN_DECODE_CHUNK, -(-out.numel() // DECODE_SPLITS)) // max(in_features, 1))
     for r in range(0, rows_p.shape[0], step):
-        out[r:r + step] = decode(fmt, rows_p[r:r + step], rows_s[r:r + step], in_features, dtype)
+        out[r : r + step] = decode(fmt, rows_p[r : r + step], rows_s[r : r + step], in_features, dtype)
     return out.view(*packed.shape[:-1], in_features)
 
 
@@ -59,8 +68,16 @@ def _mm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor) -> torch.Tenso
     return torch.cat([b @ w for b, w in zip(blocks, w_t.unbind(0))])
 
 
-def _run_groups(x: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, fmt: str,
-                in_features: int, group_size: int, transpose: bool) -> torch.Tensor:
+def _run_groups(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str,
+    in_features: int,
+    group_size: int,
+    transpose: bool,
+) -> torch.Tensor:
     """Forward (``transpose``: ``x @ W^T``, out width = W's rows) or the input gradient (``x @ W``, width
     ``in_features``), one dequantised group of experts at a time."""
     width = packed.shape[1] if transpose else in_features
@@ -88,37 +105,53 @@ class _PackedGroupedLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         counts, packed, scale = ctx.saved_tensors
         fmt, in_features, group_size = ctx.meta
-        grad_x = _run_groups(grad_out.contiguous(), counts, packed, scale, fmt, in_features, group_size,
-                             transpose=False)
+        grad_x = _run_groups(
+            grad_out.contiguous(), counts, packed, scale, fmt, in_features, group_size, transpose=False
+        )
         return grad_x, None, None, None, None, None, None
 
 
-def packed_grouped_linear(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, packed: torch.Tensor,
-                          scale: torch.Tensor, fmt: str, in_features: int,
-                          group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+def packed_grouped_linear(
+    x_sorted: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str,
+    in_features: int,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> torch.Tensor:
     """``x_e @ W_e^T`` per expert block. x_sorted: ``[M, in]`` rows grouped by expert; tokens_per_expert:
     ``[E]``; packed/scale: ``[E, out, *]`` in ``fmt`` (``formats``). Returns ``[M, out]`` in x's dtype;
     differentiable in x only (the packed base is frozen)."""
     spec = packed_spec(fmt, in_features)
     if x_sorted.dim() != 2 or x_sorted.shape[1] != in_features or not x_sorted.is_floating_point():
-        raise ValueError(f"x_sorted: expected a floating [M, {in_features}] tensor, got {x_sorted.dtype} "
-                         f"{list(x_sorted.shape)}")
+        raise ValueError(
+            f"x_sorted: expected a floating [M, {in_features}] tensor, got {x_sorted.dtype} {list(x_sorted.shape)}"
+        )
     if packed.dim() != 3 or packed.shape[2] != spec.packed_cols:
-        raise ValueError(f"packed: expected [E, out, {spec.packed_cols}] for {fmt} with {in_features} inputs, "
-                         f"got {list(packed.shape)}")
+        raise ValueError(
+            f"packed: expected [E, out, {spec.packed_cols}] for {fmt} with {in_features} inputs, "
+            f"got {list(packed.shape)}"
+        )
     if tokens_per_expert.shape != (packed.shape[0],) or int(tokens_per_expert.sum()) != x_sorted.shape[0]:
-        raise ValueError(f"tokens_per_expert: expected [{packed.shape[0]}] counts summing to x_sorted rows "
-                         f"({x_sorted.shape[0]}), got {list(tokens_per_expert.shape)} summing to "
-                         f"{int(tokens_per_expert.sum())}")
+        raise ValueError(
+            f"tokens_per_expert: expected [{packed.shape[0]}] counts summing to x_sorted rows "
+            f"({x_sorted.shape[0]}), got {list(tokens_per_expert.shape)} summing to "
+            f"{int(tokens_per_expert.sum())}"
+        )
     if group_size < 1:
         raise ValueError(f"group_size: must be a positive number of experts, got {group_size}")
-    return _PackedGroupedLinear.apply(x_sorted, tokens_per_expert.cpu(), packed, scale, fmt, in_features,
-                                      group_size)
+    return _PackedGroupedLinear.apply(x_sorted, tokens_per_expert.cpu(), packed, scale, fmt, in_features, group_size)
 
 
-def packed_grouped_linear_reference(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor,
-                                    packed: torch.Tensor, scale: torch.Tensor, fmt: str,
-                                    in_features: int) -> torch.Tensor:
+def packed_grouped_linear_reference(
+    x_sorted: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str,
+    in_features: int,
+) -> torch.Tensor:
     """Same contract, plainly: every expert dequantised once by the reference decoder, then a loop."""
     w = decode(fmt, packed, scale, in_features, x_sorted.dtype, reference=True)
     blocks = x_sorted.split(tokens_per_expert.tolist())
@@ -126,8 +159,9 @@ def packed_grouped_linear_reference(x_sorted: torch.Tensor, tokens_per_expert: t
     return torch.cat(outs) if outs else x_sorted.new_zeros(0, packed.shape[1])
 
 
-def grouped_lora(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, lora_a: torch.Tensor,
-                 lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+def grouped_lora(
+    x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """``scaling * (x_e A_e^T) B_e^T`` per expert block: lora_a ``[E, r, in]``, lora_b ``[E, out, r]`` ->
     ``[M, out]`` (peft's stacked adapters, see ``moe_plugin.lora_packed``)."""
     counts = tokens_per_expert.cpu()
@@ -136,8 +170,9 @@ def grouped_lora(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, lora_a
     return _mm(xa, lora_b.to(x_sorted.dtype).contiguous().transpose(1, 2), counts) * scaling
 
 
-def grouped_lora_reference(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, lora_a: torch.Tensor,
-                           lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+def grouped_lora_reference(
+    x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """Same contract as ``grouped_lora``, as a loop over experts."""
     blocks = x_sorted.split(tokens_per_expert.tolist())
     outs = [scaling * (b @ a.t()) @ bb.t() for b, a, bb in zip(blocks, lora_a.unbind(0), lora_b.unbind(0))]

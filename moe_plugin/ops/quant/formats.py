@@ -24,10 +24,30 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["FORMATS", "GROUP", "PackedSpec", "packed_spec", "check_packed", "decode_mxfp4", "decode_mxfp4_reference",
-           "encode_mxfp4", "decode_int4", "decode_int4_reference", "encode_int4", "decode", "encode", "E2M1",
-           "INT4_VALUES", "groups", "stored_scales", "scale_values", "group_scales", "grid_codes", "round_to_grid",
-           "round_to_grid_reference"]
+__all__ = [
+    "FORMATS",
+    "GROUP",
+    "PackedSpec",
+    "packed_spec",
+    "check_packed",
+    "decode_mxfp4",
+    "decode_mxfp4_reference",
+    "encode_mxfp4",
+    "decode_int4",
+    "decode_int4_reference",
+    "encode_int4",
+    "decode",
+    "encode",
+    "E2M1",
+    "INT4_VALUES",
+    "groups",
+    "stored_scales",
+    "scale_values",
+    "group_scales",
+    "grid_codes",
+    "round_to_grid",
+    "round_to_grid_reference",
+]
 
 FORMATS = ("mxfp4", "int4")
 GROUP = 32  # inputs sharing one scale, both formats
@@ -58,16 +78,18 @@ def packed_spec(fmt: str, in_features: int, name: str = "format") -> PackedSpec:
     format or an odd MXFP4 width (two codes a byte, as compressed-tensors requires)."""
     if fmt == "mxfp4":
         if in_features % 2:
-            raise ValueError(f"{name}: MXFP4 packs two columns a byte, so the input width must be even, "
-                             f"got {in_features}")
+            raise ValueError(
+                f"{name}: MXFP4 packs two columns a byte, so the input width must be even, got {in_features}"
+            )
         return PackedSpec(fmt, in_features // 2, torch.uint8, -(-in_features // GROUP), torch.uint8)
     if fmt == "int4":
         return PackedSpec(fmt, -(-in_features // 8), torch.int32, 2 * -(-in_features // GROUP), torch.uint8)
     raise ValueError(f"{name}: unknown packed format {fmt!r}; expected one of {FORMATS}")
 
 
-def check_packed(name: str, fmt: str, packed: torch.Tensor, scale: torch.Tensor, in_features: int,
-                 values: bool = True) -> None:
+def check_packed(
+    name: str, fmt: str, packed: torch.Tensor, scale: torch.Tensor, in_features: int, values: bool = True
+) -> None:
     """ValueError naming ``name`` (e.g. the checkpoint tensor) unless ``packed``/``scale`` are a ``fmt`` weight
     of ``in_features`` columns; ``values``: also refuse the NaN scale byte 0xFF of MXFP4."""
     spec = packed_spec(fmt, in_features, name)
@@ -78,15 +100,21 @@ def check_packed(name: str, fmt: str, packed: torch.Tensor, scale: torch.Tensor,
     if scale.dtype == torch.bfloat16:
         spec = PackedSpec(fmt, spec.packed_cols, spec.packed_dtype, spec.scale_cols // 2, torch.bfloat16)
     if packed.shape[-1] != spec.packed_cols:
-        raise ValueError(f"{name}: {fmt} packed values of {in_features} columns must be [..., out, "
-                         f"{spec.packed_cols}], got {list(packed.shape)}")
+        raise ValueError(
+            f"{name}: {fmt} packed values of {in_features} columns must be [..., out, "
+            f"{spec.packed_cols}], got {list(packed.shape)}"
+        )
     if tuple(scale.shape) != (*packed.shape[:-1], spec.scale_cols):
-        raise ValueError(f"{name}: {fmt} scales must be [{', '.join(map(str, packed.shape[:-1]))}, "
-                         f"{spec.scale_cols}] (one per {GROUP} inputs), got {list(scale.shape)}")
+        raise ValueError(
+            f"{name}: {fmt} scales must be [{', '.join(map(str, packed.shape[:-1]))}, "
+            f"{spec.scale_cols}] (one per {GROUP} inputs), got {list(scale.shape)}"
+        )
     if values and fmt == "mxfp4" and scale.numel() and bool((scale == _NAN_SCALE).any()):
         where = (scale == _NAN_SCALE).nonzero()[0].tolist()
-        raise ValueError(f"{name}: scale byte 0xFF (NaN in the MX specification) at index {where}; the "
-                         "checkpoint is damaged or not MXFP4")
+        raise ValueError(
+            f"{name}: scale byte 0xFF (NaN in the MX specification) at index {where}; the "
+            "checkpoint is damaged or not MXFP4"
+        )
 
 
 def _pow2(scale: torch.Tensor) -> torch.Tensor:
@@ -115,8 +143,9 @@ def _apply_scale(w: torch.Tensor, s: torch.Tensor, in_features: int) -> torch.Te
     return w[..., :in_features] * _expand_groups(s, in_features)
 
 
-def decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def decode_mxfp4(
+    packed: torch.Tensor, scale: torch.Tensor, in_features: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """uint8 packed ``[..., out, in/2]``, uint8 scale ``[..., out, ceil(in/32)]`` -> ``[..., out, in]`` dtype.
 
     Decoded in fp32 (where every E2M1 value times a power of two is exact) and then cast once to ``dtype``:
@@ -125,8 +154,9 @@ def decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
     return _apply_scale(w, _pow2(scale), in_features).to(dtype)
 
 
-def decode_mxfp4_reference(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
-                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def decode_mxfp4_reference(
+    packed: torch.Tensor, scale: torch.Tensor, in_features: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The published formula, column by column: ``W[o, j] = LUT[nibble(j)] * 2 ** (scale[o, j // 32] - 127)``."""
     out = torch.empty(*packed.shape[:-1], in_features, dtype=torch.float64)
     p, s = packed.to(torch.int64), scale.to(torch.int64)
@@ -153,8 +183,9 @@ def _bf16_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale.contiguous().view(torch.bfloat16) if scale.dtype == torch.uint8 else scale.to(torch.bfloat16)
 
 
-def decode_int4(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def decode_int4(
+    packed: torch.Tensor, scale: torch.Tensor, in_features: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """int32 packed ``[..., out, ceil(in/8)]``, scale ``[..., out, ceil(in/32)]`` bf16 (or its uint8 bytes)
     -> ``[..., out, in]`` dtype; the product ``(code - 8) * scale`` is computed in fp32 (exact)."""
     nibbles = packed.contiguous().view(torch.uint8)  # little-endian: word byte b holds columns 2b, 2b + 1
@@ -163,8 +194,9 @@ def decode_int4(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
     return _apply_scale(w, _bf16_scale(scale).float(), in_features).to(dtype)
 
 
-def decode_int4_reference(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def decode_int4_reference(
+    packed: torch.Tensor, scale: torch.Tensor, in_features: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The published formula: ``q = ((packed[o, j // 8] >> 4 * (j % 8)) & 0xF) - 8``; ``W = q * scale[o, j // 32]``."""
     p = packed.to(torch.int64) & 0xFFFFFFFF
     s = _bf16_scale(scale).to(torch.float64)
@@ -185,12 +217,18 @@ def encode_int4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     words = -(-in_features // 8)
     q = torch.nn.functional.pad(q, (0, words * 8 - in_features), value=8).view(*w.shape[:-1], words, 8)
     packed = (q << (4 * torch.arange(8))).sum(-1)
-    packed = torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     return packed, scale
 
 
-def decode(fmt: str, packed: torch.Tensor, scale: torch.Tensor, in_features: int,
-           dtype: torch.dtype = torch.float32, reference: bool = False) -> torch.Tensor:
+def decode(
+    fmt: str,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    in_features: int,
+    dtype: torch.dtype = torch.float32,
+    reference: bool = False,
+) -> torch.Tensor:
     """Decode a ``fmt`` weight (see the module docstring) to ``[..., out, in]`` of ``dtype``."""
     packed_spec(fmt, in_features)
     if fmt == "mxfp4":
@@ -229,8 +267,9 @@ def stored_scales(fmt: str, amax: torch.Tensor) -> torch.Tensor:
     MXFP4 the uint8 E8M0 exponent of ``2 ** (floor(log2 amax) - 2)`` (E2M1's largest exponent is 2; a zero group
     gets the smallest, 2**-127; clamped to [-127, 127], 0xFF never), INT4 ``bf16(amax / 7)``."""
     if fmt == "mxfp4":
-        exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -127))) - 2,
-                          torch.full_like(amax, -127.0)).clamp(-127, 127)
+        exp = torch.where(
+            amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0**-127))) - 2, torch.full_like(amax, -127.0)
+        ).clamp(-127, 127)
         return (exp + 127).to(torch.uint8)
     if fmt == "int4":
         return (amax / 7).to(torch.bfloat16)
@@ -276,7 +315,7 @@ def round_to_grid(fmt: str, x: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     values = torch.tensor(_CODE_VALUES[fmt], device=x.device)
     s = scale.float()
     q = values[grid_codes(fmt, groups(x.float()), s)] * s.unsqueeze(-1)
-    return q.flatten(-2)[..., :x.shape[-1]]
+    return q.flatten(-2)[..., : x.shape[-1]]
 
 
 def round_to_grid_reference(fmt: str, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

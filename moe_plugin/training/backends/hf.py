@@ -86,9 +86,13 @@ class HFBackend(Backend):
         return model
 
     def loss(self, module: nn.Module, micro_batch, num_items: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        out = module(input_ids=micro_batch.input_ids.to(self.device), labels=micro_batch.labels.to(self.device),
-                     cu_seqlens=micro_batch.cu_seqlens.to(self.device), num_items_in_batch=num_items,
-                     **micro_batch.image_inputs(self.device))
+        out = module(
+            input_ids=micro_batch.input_ids.to(self.device),
+            labels=micro_batch.labels.to(self.device),
+            cu_seqlens=micro_batch.cu_seqlens.to(self.device),
+            num_items_in_batch=num_items,
+            **micro_batch.image_inputs(self.device),
+        )
         metrics = {} if out.indexer_loss is None else {"indexer_kl": out.indexer_loss.detach()}
         if out.balance_loss is not None:  # the model added coefficient x its sum to out.loss
             metrics["aux_loss"] = self.recipe.router_aux_loss_coeff() * out.balance_loss.detach()

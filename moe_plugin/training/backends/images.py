@@ -26,8 +26,12 @@ class ImageTextTrainingModel(MoEPluginForConditionalGeneration):
     under ZeRO-3 every data-parallel rank gathers and reduces the vision parameters in the same order. The
     values are those of the parent class; the names and checkpoints are the same."""
 
-    def embed(self, input_ids: torch.LongTensor, pixel_patches: Optional[torch.Tensor] = None,
-              grid_hw: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def embed(
+        self,
+        input_ids: torch.LongTensor,
+        pixel_patches: Optional[torch.Tensor] = None,
+        grid_hw: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Token embeddings ``[B, T, D]`` with the placeholders replaced (the parent's ``embed``)."""
         embeds = super().embed(input_ids, pixel_patches, grid_hw)
         if pixel_patches is not None:

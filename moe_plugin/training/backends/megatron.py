@@ -85,8 +85,9 @@ class MegatronBackend(Backend):
         inner = module.module if hasattr(module, "module") else module
         cu = micro_batch.cu_seqlens.to(self.device)
         longest = int((cu[1:] - cu[:-1]).max())
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                                 max_seqlen_kv=longest)
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
         ids, labels = micro_batch.input_ids.to(self.device), micro_batch.labels.to(self.device)
         coeff = self.recipe.router_aux_loss_coeff() if inner.training else 0.0
         balance = contextlib.nullcontext([])

@@ -18,12 +18,15 @@ from .records import IGNORE
 
 def _render(tokenizer, messages: List[dict], add_generation_prompt: bool, where: str, upto: int) -> List[int]:
     try:
-        out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                            return_dict=True)
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
+        )
     except Exception as e:  # a template's raise_exception or a Jinja error, on this record's content
         first = (str(e).strip().splitlines() or [""])[0]
-        raise ValueError(f"{where}: the chat template fails on messages[:{upto}] ({type(e).__name__}: {first}); "
-                         f"fix the record or the base's chat template") from e
+        raise ValueError(
+            f"{where}: the chat template fails on messages[:{upto}] ({type(e).__name__}: {first}); "
+            f"fix the record or the base's chat template"
+        ) from e
     return [int(t) for t in out["input_ids"]]
 
 
@@ -36,12 +39,20 @@ def _check(where: str, messages) -> None:
         if message["role"] != "assistant":
             continue
         content = message["content"]
-        text = content if isinstance(content, str) else "".join(
-            item.get("text", "") for item in content if isinstance(item, dict) and item.get("type") == "text") \
-            if isinstance(content, list) else None
+        text = (
+            content
+            if isinstance(content, str)
+            else "".join(
+                item.get("text", "") for item in content if isinstance(item, dict) and item.get("type") == "text"
+            )
+            if isinstance(content, list)
+            else None
+        )
         if text is None or not text.strip():
-            raise ValueError(f"{where}: messages[{i}] is an assistant turn with no text, so nothing would be "
-                             f"trained on it; give it the answer or drop the turn")
+            raise ValueError(
+                f"{where}: messages[{i}] is an assistant turn with no text, so nothing would be "
+                f"trained on it; give it the answer or drop the turn"
+            )
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: has no assistant turn, so nothing would be trained; add an assistant message")
 
@@ -50,13 +61,14 @@ def _end_of(span: List[int], end_of_turn: Sequence[int]) -> int:
     """The length of ``span`` through its last occurrence of ``end_of_turn``, or -1."""
     n = len(end_of_turn)
     for end in range(len(span), n - 1, -1):
-        if span[end - n:end] == list(end_of_turn):
+        if span[end - n : end] == list(end_of_turn):
             return end
     return -1
 
 
-def tokenize_chat(tokenizer, messages: Sequence[dict], *, where: str,
-                  tokens: Optional[ChatTokens] = None) -> Tuple[List[int], List[int]]:
+def tokenize_chat(
+    tokenizer, messages: Sequence[dict], *, where: str, tokens: Optional[ChatTokens] = None
+) -> Tuple[List[int], List[int]]:
     """``(input_ids, labels)`` of the conversation rendered by the tokenizer's chat template: labels are the
     ids on each assistant turn's content and its end-of-turn tokens, ``IGNORE`` elsewhere and on image
     placeholders. ``tokens`` (default: ``chat_tokens(tokenizer)``, two renderings; pass it when tokenizing
@@ -71,31 +83,38 @@ def tokenize_chat(tokenizer, messages: Sequence[dict], *, where: str,
         if message["role"] != "assistant":
             continue
         before = _render(tokenizer, messages[:i], True, where, i)
-        through = _render(tokenizer, messages[:i + 1], False, where, i + 1)
-        if ids[:len(before)] != before or ids[:len(through)] != through or len(through) <= len(before):
-            raise ValueError(f"{where}: the chat template does not render prompts as prefixes (messages[:{i}] with "
-                             f"the generation prompt, or messages[:{i + 1}], is not the start of the whole "
-                             f"conversation), so assistant turn {i} cannot be located; use a base whose template "
-                             f"renders each prompt as a prefix of the conversation")
-        end = _end_of(through[len(before):], tokens.end_of_turn)
+        through = _render(tokenizer, messages[: i + 1], False, where, i + 1)
+        if ids[: len(before)] != before or ids[: len(through)] != through or len(through) <= len(before):
+            raise ValueError(
+                f"{where}: the chat template does not render prompts as prefixes (messages[:{i}] with "
+                f"the generation prompt, or messages[:{i + 1}], is not the start of the whole "
+                f"conversation), so assistant turn {i} cannot be located; use a base whose template "
+                f"renders each prompt as a prefix of the conversation"
+            )
+        end = _end_of(through[len(before) :], tokens.end_of_turn)
         if end < 0:
-            raise ValueError(f"{where}: messages[{i}] does not end with the template's end-of-turn tokens "
-                             f"{tokenizer.decode(list(tokens.end_of_turn))!r}; remove them from the content if "
-                             f"it holds them, or fix the base's chat template")
-        labels[len(before):len(before) + end] = ids[len(before):len(before) + end]
+            raise ValueError(
+                f"{where}: messages[{i}] does not end with the template's end-of-turn tokens "
+                f"{tokenizer.decode(list(tokens.end_of_turn))!r}; remove them from the content if "
+                f"it holds them, or fix the base's chat template"
+            )
+        labels[len(before) : len(before) + end] = ids[len(before) : len(before) + end]
     if tokens.image_token_id is not None:
         labels = [IGNORE if t == tokens.image_token_id else label for t, label in zip(ids, labels)]
     return ids, labels
 
 
-def expand_image_tokens(input_ids: Sequence[int], labels: Sequence[int], image_token_id: int,
-                        tokens_per_image: Sequence[int], *, where: str) -> Tuple[List[int], List[int]]:
+def expand_image_tokens(
+    input_ids: Sequence[int], labels: Sequence[int], image_token_id: int, tokens_per_image: Sequence[int], *, where: str
+) -> Tuple[List[int], List[int]]:
     """Each placeholder ``image_token_id`` in order repeated to its image's count of tokens (labels
     ``IGNORE``); a count of placeholders other than ``len(tokens_per_image)`` is refused naming ``where``."""
     found = sum(1 for t in input_ids if t == image_token_id)
     if found != len(tokens_per_image):
-        raise ValueError(f"{where}: the conversation holds {found} image placeholders but {len(tokens_per_image)} "
-                         f"images were given; give exactly one image per image item")
+        raise ValueError(
+            f"{where}: the conversation holds {found} image placeholders but {len(tokens_per_image)} "
+            f"images were given; give exactly one image per image item"
+        )
     counts = iter(tokens_per_image)
     out_ids: List[int] = []
     out_labels: List[int] = []

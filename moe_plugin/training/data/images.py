@@ -43,7 +43,7 @@ class Images:
 
     def tokens_per_image(self, merge_size: int) -> List[int]:
         """Merged tokens of each image: ``h * w / merge_size**2``."""
-        return [int(h) * int(w) // merge_size ** 2 for h, w in self.grid_hw.tolist()]
+        return [int(h) * int(w) // merge_size**2 for h, w in self.grid_hw.tolist()]
 
 
 def concat_images(parts: Sequence[Optional[Images]]) -> Optional[Images]:
@@ -59,18 +59,27 @@ def image_sources(where: str, record: dict, inline: List[str]) -> List[str]:
     listed = record.get("images")
     if listed is None:
         return inline
-    require(isinstance(listed, list) and all(isinstance(s, str) and s for s in listed), "data.path",
-            f"{where}: 'images' must be a list of image paths or data:image/...;base64, URLs, got {listed!r:.80}")
-    require(not inline, "data.path", f"{where}: names images both inline (content items with 'image') and in an "
-            "'images' list; use one of the two")
+    require(
+        isinstance(listed, list) and all(isinstance(s, str) and s for s in listed),
+        "data.path",
+        f"{where}: 'images' must be a list of image paths or data:image/...;base64, URLs, got {listed!r:.80}",
+    )
+    require(
+        not inline,
+        "data.path",
+        f"{where}: names images both inline (content items with 'image') and in an 'images' list; use one of the two",
+    )
     return listed
 
 
 def inline_source(at: str, item: dict) -> Optional[str]:
     """The source of an inline image item (None for a bare ``{"type": "image"}`` placeholder)."""
     source = item.get("image")
-    require(source is None or (isinstance(source, str) and bool(source)), "data.path",
-            f"{at}: 'image' must be an image path or a data:image/...;base64, URL, got {source!r:.80}")
+    require(
+        source is None or (isinstance(source, str) and bool(source)),
+        "data.path",
+        f"{at}: 'image' must be an image path or a data:image/...;base64, URL, got {source!r:.80}",
+    )
     return source
 
 
@@ -83,18 +92,26 @@ def open_image(where: str, source: str, base_dir: str):
     shown = source if len(source) <= 60 else source[:57] + "..."
     if source.startswith(_DATA_URL):
         header, _, payload = source.partition(",")
-        require(header.endswith(";base64") and bool(payload), "data.path",
-                f"{where}: image {shown!r} is a data URL without base64 data; use data:image/png;base64,<data>")
+        require(
+            header.endswith(";base64") and bool(payload),
+            "data.path",
+            f"{where}: image {shown!r} is a data URL without base64 data; use data:image/png;base64,<data>",
+        )
         try:
             handle = io.BytesIO(base64.b64decode(payload, validate=True))
         except (binascii.Error, ValueError) as e:
-            raise ValueError(f"data.path: {where}: image {shown!r} has invalid base64 data ({e}); encode the "
-                             "image bytes with standard base64 (A-Z, a-z, 0-9, +, /, = padding, no line breaks)") \
-                from None
+            raise ValueError(
+                f"data.path: {where}: image {shown!r} has invalid base64 data ({e}); encode the "
+                "image bytes with standard base64 (A-Z, a-z, 0-9, +, /, = padding, no line breaks)"
+            ) from None
     else:
         path = source if os.path.isabs(source) else os.path.join(base_dir, source)
-        require(os.path.isfile(path), "data.path", f"{where}: image {shown!r} not found (looked for {path}); "
-                "image paths are relative to the data file's folder")
+        require(
+            os.path.isfile(path),
+            "data.path",
+            f"{where}: image {shown!r} not found (looked for {path}); "
+            "image paths are relative to the data file's folder",
+        )
         handle = path
     try:
         with warnings.catch_warnings():
@@ -103,14 +120,18 @@ def open_image(where: str, source: str, base_dir: str):
             image = Image.open(handle)
             image.load()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ValueError(f"data.path: {where}: image {shown!r} has {_pixels(e)} pixels, more than PIL's limit "
-                         f"PIL.Image.MAX_IMAGE_PIXELS = {Image.MAX_IMAGE_PIXELS} (a guard against decompression "
-                         "bombs); downscale the image, or raise PIL.Image.MAX_IMAGE_PIXELS before training if you "
-                         "trust the file") from None
+        raise ValueError(
+            f"data.path: {where}: image {shown!r} has {_pixels(e)} pixels, more than PIL's limit "
+            f"PIL.Image.MAX_IMAGE_PIXELS = {Image.MAX_IMAGE_PIXELS} (a guard against decompression "
+            "bombs); downscale the image, or raise PIL.Image.MAX_IMAGE_PIXELS before training if you "
+            "trust the file"
+        ) from None
     # what PIL's decoders raise for damaged bytes (UnidentifiedImageError is an OSError)
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, struct.error, OverflowError) as e:
-        raise ValueError(f"data.path: {where}: image {shown!r} cannot be read as an image ({type(e).__name__}: "
-                         f"{e}); give a PNG or JPEG file, or a data:image/...;base64, URL") from None
+        raise ValueError(
+            f"data.path: {where}: image {shown!r} cannot be read as an image ({type(e).__name__}: "
+            f"{e}); give a PNG or JPEG file, or a data:image/...;base64, URL"
+        ) from None
     return image
 
 

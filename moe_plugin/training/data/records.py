@@ -29,9 +29,11 @@ class Example:
     where: str = field(default="", compare=False)
 
     def __post_init__(self):
-        require(len(self.input_ids) == len(self.labels) > 0, "Example.labels",
-                f"must be as long as input_ids and non-empty, got {len(self.labels)} labels for "
-                f"{len(self.input_ids)} ids")
+        require(
+            len(self.input_ids) == len(self.labels) > 0,
+            "Example.labels",
+            f"must be as long as input_ids and non-empty, got {len(self.labels)} labels for {len(self.input_ids)} ids",
+        )
 
 
 def default_tokenizer(tokenizer):
@@ -40,6 +42,7 @@ def default_tokenizer(tokenizer):
     if tokenizer is not None:
         return tokenizer
     from ...models.tokenizer import ByteTokenizer  # imported late: transformers is slow to import
+
     return ByteTokenizer()
 
 
@@ -57,9 +60,11 @@ def read_records(path: str) -> Iterator[Tuple[str, object]]:
         for row_no, record in enumerate(_dataset_table(path, _DATASETS_BUILDERS[suffix]), 1):
             yield f"row {row_no} of {path}", record
         return
-    require(suffix == ".jsonl", "data.path",
-            f"{path}: unsupported file type {suffix!r}; use .jsonl (one JSON object per line), .json, .csv "
-            f"or .parquet")
+    require(
+        suffix == ".jsonl",
+        "data.path",
+        f"{path}: unsupported file type {suffix!r}; use .jsonl (one JSON object per line), .json, .csv or .parquet",
+    )
     with open(path, "rb") as f:  # bytes: a bad byte is named by its line and column, not by a stream offset
         for line_no, raw in enumerate(f, 1):
             where = f"line {line_no} of {path}"
@@ -69,11 +74,14 @@ def read_records(path: str) -> Iterator[Tuple[str, object]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"data.path: {where}: invalid JSON ({e.msg} at column {e.colno}); each line "
-                                 f"must be one JSON object") from None
+                raise ValueError(
+                    f"data.path: {where}: invalid JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
+                ) from None
             except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, deep nesting
-                raise ValueError(f"data.path: {where}: JSON this reader cannot take ({type(e).__name__}: "
-                                 f"{str(e).split(':')[0]}); write the value as a string or flatten it") from None
+                raise ValueError(
+                    f"data.path: {where}: JSON this reader cannot take ({type(e).__name__}: "
+                    f"{str(e).split(':')[0]}); write the value as a string or flatten it"
+                ) from None
             yield where, record
 
 
@@ -81,9 +89,11 @@ def _utf8(where: str, raw: bytes, first: bool) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        column = len(raw[:e.start].decode("utf-8")) + 1  # the bytes before the first bad one decode
-        raise ValueError(f"data.path: {where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {column}); "
-                         "save the file as UTF-8") from None
+        column = len(raw[: e.start].decode("utf-8")) + 1  # the bytes before the first bad one decode
+        raise ValueError(
+            f"data.path: {where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {column}); "
+            "save the file as UTF-8"
+        ) from None
     return text.removeprefix("\ufeff") if first else text  # a byte-order mark some editors write
 
 
@@ -95,9 +105,11 @@ def _dataset_table(path: str, builder: str):
     except Exception as e:  # datasets and its readers (pyarrow, pandas) raise many kinds for one bad file
         cause = e.__cause__ or e
         text = str(cause).strip().splitlines()
-        raise ValueError(f"data.path: {path}: cannot be read as {builder} ({type(cause).__name__}"
-                         f"{': ' + text[0][:200] if text else ''}); check that it is a valid {builder} file in "
-                         "UTF-8, or convert it to .jsonl") from None
+        raise ValueError(
+            f"data.path: {path}: cannot be read as {builder} ({type(cause).__name__}"
+            f"{': ' + text[0][:200] if text else ''}); check that it is a valid {builder} file in "
+            "UTF-8, or convert it to .jsonl"
+        ) from None
 
 
 def describe(value) -> str:

@@ -27,8 +27,16 @@ import torch
 from ...compat.peft import quiet_wrapping
 from ...config import require
 
-__all__ = ["Question", "read_questions", "answer", "accuracy", "chance_level", "load_adapted", "report_answers",
-           "loading_hint"]
+__all__ = [
+    "Question",
+    "read_questions",
+    "answer",
+    "accuracy",
+    "chance_level",
+    "load_adapted",
+    "report_answers",
+    "loading_hint",
+]
 
 
 @dataclass
@@ -53,10 +61,13 @@ def read_questions(path: str, limit: Optional[int] = None) -> List[Question]:
     for where, record in _records(path):
         messages, inline = _checked_messages(where, record)
         last = messages[-1]
-        require(last["role"] == "assistant" and isinstance(last["content"], str), "eval.answers.path",
-                f"{where}: the last message must be the assistant's answer as a string, got "
-                f"{last['role']!r} with {type(last['content']).__name__} content; end each record with "
-                '{"role": "assistant", "content": "<answer>"}')
+        require(
+            last["role"] == "assistant" and isinstance(last["content"], str),
+            "eval.answers.path",
+            f"{where}: the last message must be the assistant's answer as a string, got "
+            f"{last['role']!r} with {type(last['content']).__name__} content; end each record with "
+            '{"role": "assistant", "content": "<answer>"}',
+        )
         images = [open_image(where, s, base_dir) for s in image_sources(where, record, inline)]
         questions.append(Question(messages[:-1], images, last["content"].strip(), where))
         if limit is not None and len(questions) == limit:
@@ -74,14 +85,18 @@ def answer(model, processor, question: Question, max_new_tokens: int = 16, token
     from ..data.chat_template import expand_image_tokens
 
     tokenizer = getattr(processor, "tokenizer", processor)
-    ids = [int(t) for t in tokenizer.apply_chat_template(question.messages, add_generation_prompt=True,
-                                                         tokenize=True, return_dict=True)["input_ids"]]
+    ids = [
+        int(t)
+        for t in tokenizer.apply_chat_template(
+            question.messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+    ]
     inputs = {}
     if question.images:
         vision = processor.image_processor(question.images, return_tensors="pt")
         merge = processor.image_processor.merge_size
         image_id = tokens.image_token_id if tokens is not None else processor.image_token_id
-        counts = [int(h) * int(w) // merge ** 2 for h, w in vision["grid_hw"].tolist()]
+        counts = [int(h) * int(w) // merge**2 for h, w in vision["grid_hw"].tolist()]
         ids, _ = expand_image_tokens(ids, ids, image_id, counts, where=question.where)
         inputs = {"pixel_patches": vision["pixel_patches"], "grid_hw": vision["grid_hw"]}
     inputs["input_ids"] = torch.tensor([ids], dtype=torch.int64)
@@ -89,12 +104,13 @@ def answer(model, processor, question: Question, max_new_tokens: int = 16, token
     stops = {} if tokens is None else {"eos_token_id": list(tokens.stop_ids), "pad_token_id": tokens.pad_id}
     inputs = {k: v.to(model.device) for k, v in inputs.items()}
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **stops)
-    new = out[0, inputs["input_ids"].shape[1]:]
+    new = out[0, inputs["input_ids"].shape[1] :]
     return tokenizer.decode(new, skip_special_tokens=True).strip()
 
 
-def accuracy(model, processor, questions: Sequence[Question], max_new_tokens: int = 16,
-             tokens=None) -> Tuple[int, List[str]]:
+def accuracy(
+    model, processor, questions: Sequence[Question], max_new_tokens: int = 16, tokens=None
+) -> Tuple[int, List[str]]:
     """(exact answers, the answers given) over ``questions``."""
     given = [answer(model, processor, q, max_new_tokens, tokens) for q in questions]
     return sum(g == q.expected for g, q in zip(given, questions)), given
@@ -110,13 +126,15 @@ def chance_level(expected: Sequence[str]) -> float:
 def loading_hint(base: str, adapter: str, images: bool) -> str:
     """How a user loads the adapter with plain peft (``import moe_plugin`` registers the Auto classes)."""
     auto = "AutoModelForImageTextToText" if images else "AutoModelForCausalLM"
-    return (f"load it with plain peft:\n"
-            f"    import moe_plugin  # registers the Auto classes\n"
-            f"    from peft import PeftModel\n"
-            f"    from transformers import {auto}, AutoTokenizer\n"
-            f"    model = PeftModel.from_pretrained({auto}.from_pretrained({base!r}), {adapter!r})\n"
-            f"    tokenizer = AutoTokenizer.from_pretrained({adapter!r})  # the base's tokenizer and chat template"
-            + ("\n    processor = moe_plugin.MoEProcessor(tokenizer)  # its images" if images else ""))
+    return (
+        f"load it with plain peft:\n"
+        f"    import moe_plugin  # registers the Auto classes\n"
+        f"    from peft import PeftModel\n"
+        f"    from transformers import {auto}, AutoTokenizer\n"
+        f"    model = PeftModel.from_pretrained({auto}.from_pretrained({base!r}), {adapter!r})\n"
+        f"    tokenizer = AutoTokenizer.from_pretrained({adapter!r})  # the base's tokenizer and chat template"
+        + ("\n    processor = moe_plugin.MoEProcessor(tokenizer)  # its images" if images else "")
+    )
 
 
 def load_adapted(base: str, adapter: str, images: bool):
@@ -155,8 +173,7 @@ def _in_file_order(parts: List[List[str]], n: int) -> List[str]:
     return out
 
 
-def report_answers(section, output_dir: str, rank: int, world_size: int, device=None,
-                   resolved=None) -> Optional[dict]:
+def report_answers(section, output_dir: str, rank: int, world_size: int, device=None, resolved=None) -> Optional[dict]:
     """Held-out accuracy of the run in ``output_dir`` (collective: every rank calls it once the run's outputs
     are written): with an adapter, "before" (adapter disabled: the base) and "after"; for full training, the
     written model ("after" only). ``section`` is the recipe's ``eval.answers``. Returns the record written to
@@ -190,15 +207,24 @@ def report_answers(section, output_dir: str, rank: int, world_size: int, device=
     if rank != 0:
         return None
     n, expected = len(questions), [q.expected for q in questions]
-    record = {"examples": n, "chance": chance_level(expected), "after": float(counts[1]) / n,
-              "before": float(counts[0]) / n if adapter is not None else None,
-              "distinct_answers": sorted(set(expected)), "expected": expected,
-              "given_after": _in_file_order([p[1] for p in parts], n),
-              "given_before": _in_file_order([p[0] for p in parts], n) if adapter is not None else None,
-              "model": base, "adapter": adapter}
+    record = {
+        "examples": n,
+        "chance": chance_level(expected),
+        "after": float(counts[1]) / n,
+        "before": float(counts[0]) / n if adapter is not None else None,
+        "distinct_answers": sorted(set(expected)),
+        "expected": expected,
+        "given_after": _in_file_order([p[1] for p in parts], n),
+        "given_before": _in_file_order([p[0] for p in parts], n) if adapter is not None else None,
+        "model": base,
+        "adapter": adapter,
+    }
     write_json_atomic(os.path.join(output_dir, "answers.json"), record)
-    print(f"chance level: {record['chance']:.2f} (always the most common of {len(set(expected))} answers, "
-          f"{n} held-out examples)", flush=True)
+    print(
+        f"chance level: {record['chance']:.2f} (always the most common of {len(set(expected))} answers, "
+        f"{n} held-out examples)",
+        flush=True,
+    )
     if adapter is None:
         print(f"held-out accuracy: {record['after']:.2f} ({path_note(base)})", flush=True)
     else:

@@ -24,15 +24,17 @@ _LOAD_KEY = re.compile(r"^moe/(.+)/load$")
 _AUX_KEY = re.compile(r"^moe/(.+)/aux_loss$")
 
 
-def plot_expert_load(history: Dict[str, List[Tuple[int, Sequence[float]]]], path: str,
-                     aux: Optional[Dict[str, Dict[int, float]]] = None) -> str:
+def plot_expert_load(
+    history: Dict[str, List[Tuple[int, Sequence[float]]]], path: str, aux: Optional[Dict[str, Dict[int, float]]] = None
+) -> str:
     """history ``{layer label: [(step, shares [E]), ...]}`` -> ``path``, a PNG with one heat map per layer;
     aux ``{layer label: {step: balance term}}`` adds each layer's balance term as a line on a right-hand axis
     (at the logged steps it has). Written to a temporary name and renamed, so an interrupted run leaves no
     half-written picture."""
     if not history:
-        raise ValueError("history: no expert load was logged, so there is nothing to plot; log moe/<layer>/load "
-                         "distributions first")
+        raise ValueError(
+            "history: no expert load was logged, so there is nothing to plot; log moe/<layer>/load distributions first"
+        )
     import matplotlib
 
     matplotlib.use("Agg", force=False)  # files only: no display is needed or wanted
@@ -42,8 +44,9 @@ def plot_expert_load(history: Dict[str, List[Tuple[int, Sequence[float]]]], path
     labels = sorted(history, key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)])
     cols = min(len(labels), 4)
     rows = math.ceil(len(labels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols + 1.0, 3.2 * rows + 0.6), squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.0 * cols + 1.0, 3.2 * rows + 0.6), squeeze=False, layout="constrained"
+    )
     vmax = max(2.0, max(max(s) for entries in history.values() for _, s in entries))
     image = None
     for ax, label in zip(axes.flat, labels):
@@ -64,7 +67,7 @@ def plot_expert_load(history: Dict[str, List[Tuple[int, Sequence[float]]]], path
             twin.set_ylabel(f"balance term (moe/{label}/aux_loss)", color="#0277bd")
             twin.set_ylim(0.0, 1.25 * max(v for _, v in columns) or 1.0)
             ax.set_title(f"{label} (balance term {columns[-1][1]:.3g} at step {steps[columns[-1][0]]})")
-    for ax in list(axes.flat)[len(labels):]:
+    for ax in list(axes.flat)[len(labels) :]:
         ax.axis("off")
     fig.suptitle("expert load share per MoE layer (load / mean; 0 = dead)")
     fig.colorbar(image, ax=axes, shrink=0.8, location="left")

@@ -80,8 +80,9 @@ class ConsoleLogger(Logger):
         if self.progress_bar:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stderr)
+            self.bar = tqdm(
+                total=total_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr
+            )
 
     def step(self, step: int, loss: float, tokens_per_s: float) -> None:
         if self.bar is not None:
@@ -136,4 +137,3 @@ class MultiLogger(Logger):
     def close(self) -> None:
         for logger in self.loggers:
             logger.close()
-

@@ -41,8 +41,15 @@ from ...compat.deepspeed import full_numel
 from ...layers.moe import LatentMoEMixin, route_logits
 from .logger import Distribution, Value
 
-__all__ = ["OVERLOAD_FACTOR", "MoEMetrics", "global_parameter_counts", "load_metrics", "moe_layer_labels",
-           "rank_loads", "rank_load_metrics"]
+__all__ = [
+    "OVERLOAD_FACTOR",
+    "MoEMetrics",
+    "global_parameter_counts",
+    "load_metrics",
+    "moe_layer_labels",
+    "rank_loads",
+    "rank_load_metrics",
+]
 
 OVERLOAD_FACTOR = 2.0
 
@@ -59,8 +66,9 @@ def moe_layer_labels(model: nn.Module) -> List[Tuple[str, LatentMoEMixin]]:
     return out
 
 
-def load_metrics(loads: torch.Tensor, labels: Optional[List[str]] = None,
-                 overload_factor: float = OVERLOAD_FACTOR) -> Dict[str, Value]:
+def load_metrics(
+    loads: torch.Tensor, labels: Optional[List[str]] = None, overload_factor: float = OVERLOAD_FACTOR
+) -> Dict[str, Value]:
     """loads ``[L, E]`` token copies per expert of each MoE layer (summed over the ranks) -> the metrics:
     ``moe/<label>/{load_max_over_mean, load_min_over_mean, load_cv, dead_experts, overloaded_experts, load}`` per
     layer (``load`` a ``Distribution`` of the ``E`` shares load / mean) and, over all layers,
@@ -97,8 +105,10 @@ def rank_loads(loads: torch.Tensor, ep_size: int) -> torch.Tensor:
     ``local_expert_indices``): 1 everywhere is a balanced dispatch, 0 for a layer that routed nothing."""
     loads = loads.detach().double().cpu()
     if loads.dim() != 2 or not isinstance(ep_size, int) or ep_size < 1 or loads.shape[1] % ep_size:
-        raise ValueError(f"ep_size: expected a positive divisor of the {tuple(loads.shape)[-1:]} experts of loads "
-                         f"[layers, experts] {tuple(loads.shape)}, got {ep_size!r}")
+        raise ValueError(
+            f"ep_size: expected a positive divisor of the {tuple(loads.shape)[-1:]} experts of loads "
+            f"[layers, experts] {tuple(loads.shape)}, got {ep_size!r}"
+        )
     per_rank = loads.view(loads.shape[0], ep_size, -1).sum(-1)
     mean = per_rank.mean(-1, keepdim=True)
     return torch.where(mean > 0, per_rank / mean.clamp_min(1e-300), torch.zeros_like(per_rank))
@@ -114,8 +124,9 @@ def rank_load_metrics(loads: torch.Tensor, ep_size: int, labels: Optional[List[s
 
 def _rank_share_metrics(shares: torch.Tensor, labels: List[str]) -> Dict[str, Value]:
     """shares ``[L, ep]`` (``rank_loads``) -> the per-layer and worst-layer ``rank_load_max_over_mean``."""
-    out: Dict[str, Value] = {f"moe/{label}/rank_load_max_over_mean": float(row.max())
-                             for label, row in zip(labels, shares)}
+    out: Dict[str, Value] = {
+        f"moe/{label}/rank_load_max_over_mean": float(row.max()) for label, row in zip(labels, shares)
+    }
     out["moe/rank_load_max_over_mean"] = float(shares.max()) if shares.numel() else 0.0
     return out
 
@@ -133,8 +144,13 @@ class MoEMetrics:
     share is reported to ``warn`` once per (layer, rank). ``close()`` removes the hooks.
     """
 
-    def __init__(self, model: nn.Module, ep_size: int = 1, capacity_factor: Optional[float] = None,
-                 warn: Optional[Callable[[str], None]] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        ep_size: int = 1,
+        capacity_factor: Optional[float] = None,
+        warn: Optional[Callable[[str], None]] = None,
+    ):
         self.layers = moe_layer_labels(model)
         self.labels = [label for label, _ in self.layers]
         self.ep_size, self.capacity_factor = ep_size, capacity_factor
@@ -201,9 +217,10 @@ class MoEMetrics:
         if aux is not None:
             aux = aux.detach().double().cpu().reshape(-1)
             if aux.numel() != len(self.layers):
-                raise ValueError(f"aux_loss: expected one balance term per MoE layer ({len(self.layers)}), got "
-                                 f"{aux.numel()}")
-            self._sums[self._aux:self._aux + aux.numel()] += aux
+                raise ValueError(
+                    f"aux_loss: expected one balance term per MoE layer ({len(self.layers)}), got {aux.numel()}"
+                )
+            self._sums[self._aux : self._aux + aux.numel()] += aux
             self._sums[-3] += 1
 
     def add_step(self, loads: Optional[torch.Tensor]) -> None:
@@ -248,7 +265,7 @@ class MoEMetrics:
         if sums[-1] > 0:
             out["moe/indexer_kl"] = float(sums[-2] / sums[-1])
         if sums[-3] > 0:
-            terms = sums[self._aux:self._aux + len(self.layers)] / sums[-3]
+            terms = sums[self._aux : self._aux + len(self.layers)] / sums[-3]
             out.update({f"moe/{label}/aux_loss": float(t) for label, t in zip(self.labels, terms)})
             out["moe/aux_loss"] = float(terms.sum())
         return out
@@ -267,11 +284,13 @@ class MoEMetrics:
             for rank, share in enumerate(shares.tolist()):
                 if share > self.capacity_factor and (label, rank) not in self.warned:
                     self.warned.add((label, rank))
-                    self.warn(f"warning: moe/{label}: expert-parallel rank {rank} of {self.ep_size} received "
-                              f"{share:.2f}x its balanced share of the token copies, above parallel.capacity_factor "
-                              f"{self.capacity_factor:g} that moe-plugin plan sizes its all-to-all buffers and "
-                              "expert activations for; a planned layout may run out of memory (reported once per "
-                              "layer and rank; see docs/router-balance.md)")
+                    self.warn(
+                        f"warning: moe/{label}: expert-parallel rank {rank} of {self.ep_size} received "
+                        f"{share:.2f}x its balanced share of the token copies, above parallel.capacity_factor "
+                        f"{self.capacity_factor:g} that moe-plugin plan sizes its all-to-all buffers and "
+                        "expert activations for; a planned layout may run out of memory (reported once per "
+                        "layer and rank; see docs/router-balance.md)"
+                    )
         return out
 
     def _row_labels(self, loads: torch.Tensor) -> List[str]:

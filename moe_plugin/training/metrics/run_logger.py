@@ -16,8 +16,13 @@ from .wandb_logger import wandb_logger
 __all__ = ["make_logger"]
 
 
-def make_logger(rank: int, logging=True, output_dir: Optional[str] = None, config: Optional[dict] = None,
-                wandb_mode: Optional[str] = None) -> Logger:
+def make_logger(
+    rank: int,
+    logging=True,
+    output_dir: Optional[str] = None,
+    config: Optional[dict] = None,
+    wandb_mode: Optional[str] = None,
+) -> Logger:
     """Rank 0's logger; the other ranks get a ``NullLogger``.
 
     ``logging``: the recipe's ``LoggingSection`` (or, as before, just the progress-bar flag: console only).
@@ -35,5 +40,6 @@ def make_logger(rank: int, logging=True, output_dir: Optional[str] = None, confi
         return console
     tracker = wandb_logger(logging.wandb, output_dir, config, mode=wandb_mode)
     # the plot goes first: its close() hands the PNG to the console and to W&B before they close
-    return MultiLogger([LoadPlotLogger(os.path.join(output_dir, "expert_load.png"), [console, tracker]),
-                        console, tracker])
+    return MultiLogger(
+        [LoadPlotLogger(os.path.join(output_dir, "expert_load.png"), [console, tracker]), console, tracker]
+    )

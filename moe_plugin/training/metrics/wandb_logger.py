@@ -31,18 +31,28 @@ def sync_line(mode: str, run_dir: str, url: Optional[str] = None) -> str:
 class WandbLogger(Logger):
     """One W&B run: ``mode`` "offline" or "online", files under ``directory`` (``directory/wandb/...``)."""
 
-    def __init__(self, mode: str, project: str, name: Optional[str], directory: str,
-                 config: Optional[dict] = None, stream=None):
+    def __init__(
+        self, mode: str, project: str, name: Optional[str], directory: str, config: Optional[dict] = None, stream=None
+    ):
         if mode not in ("offline", "online"):
-            raise ValueError(f"logging.wandb.mode: a WandbLogger records offline or online, got {mode!r}; use "
-                             '"offline" (no network) or "online", or NullLogger for "disabled"')
+            raise ValueError(
+                f"logging.wandb.mode: a WandbLogger records offline or online, got {mode!r}; use "
+                '"offline" (no network) or "online", or NullLogger for "disabled"'
+            )
         import wandb
 
         os.makedirs(directory, exist_ok=True)
         # no console capture: the trainer's own lines and progress bar stay as they are
-        self.run = wandb.init(mode=mode, project=project, name=name, dir=directory, config=config or {},
-                              settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
-                                                      disable_git=True, save_code=False))
+        self.run = wandb.init(
+            mode=mode,
+            project=project,
+            name=name,
+            dir=directory,
+            config=config or {},
+            settings=wandb.Settings(
+                console="off", silent=True, x_disable_stats=True, disable_git=True, save_code=False
+            ),
+        )
         self._wandb, self.mode, self.stream = wandb, mode, stream
         self.url: Optional[str] = self.run.url if mode == "online" else None
         # this run's files (``<directory>/wandb/offline-run-<time>-<id>`` when offline)
