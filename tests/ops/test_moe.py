@@ -309,7 +309,9 @@ def test_sequence_aux_loss_equals_formula():
         (lambda: moe_forward(torch.randn(4, 8), torch.randn(5, 8), *make_experts(4, 6, 8), 2), "router_weight"),
     ],
 )
-def test_bad_input_names_the_argument(call, name):
+def test_bad_input_names_the_argument(call, name, monkeypatch):
+    # the id range checks (permute's, unpermute's) run only in debug mode, so it is on here
+    monkeypatch.setenv("MOE_PLUGIN_DEBUG_CHECKS", "1")
     with pytest.raises(ValueError, match=f"^{name}:"):
         call()
 

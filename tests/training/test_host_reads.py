@@ -1,0 +1,108 @@
+"""The host-read counter (moe_plugin/training/metrics/host_reads.py): it counts a planted read in the layer
+kind it happens in, counts nothing for pure tensor code, and measures the tiny model's layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import moe_plugin
+from moe_plugin.layers.norm import RMSNorm
+from moe_plugin.training.metrics.host_reads import KINDS, count_host_reads
+
+
+class _ReadingNorm(RMSNorm):
+    """An RMSNorm that reads its input's mean on the host (the planted read)."""
+
+    def forward(self, x):
+        self.seen = x.mean().item()
+        return super().forward(x)
+
+
+class _Net(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+def test_planted_item_counts_for_its_kind():
+    net = _Net(_ReadingNorm(8))
+    x = torch.randn(2, 8)
+    with count_host_reads(net) as counts:
+        net(x).sum().backward()
+        bool(x.sum() > 0)  # outside any module: the trainer's
+    per_kind = counts.per_kind()
+    assert set(per_kind) == set(KINDS)
+    assert per_kind["norm"] == 1 and per_kind["trainer"] == 1 and counts.total() == 2
+    assert counts.detail() == {("norm", "item"): 1, ("trainer", "__bool__"): 1}
+
+
+def test_data_dependent_shapes_count():
+    x = torch.tensor([0, 2, 1, 0])
+    with count_host_reads(nn.Identity()) as counts:
+        x.nonzero()
+        x[x > 0]
+        torch.repeat_interleave(x, x)
+        torch.repeat_interleave(x, 2)  # an int repeats: the shape is known, no read
+        x[torch.tensor([0, 1])]  # integer indexing: no read
+    assert counts.detail() == {
+        ("trainer", "bool_index"): 1,
+        ("trainer", "nonzero"): 1,
+        ("trainer", "repeat_interleave"): 1,
+    }
+
+
+def test_pure_tensor_code_counts_nothing():
+    net = _Net(RMSNorm(8))
+    with count_host_reads(net) as counts:
+        net(torch.randn(3, 8)).pow(2).mean().backward()
+    assert counts.total() == 0
+
+
+def test_hooks_are_removed():
+    net = _Net(_ReadingNorm(8))
+    with count_host_reads(net):
+        pass
+    assert not net._forward_pre_hooks and not net.norm._forward_hooks
+
+
+def test_tiny_model_reads_per_kind():
+    """Forward+backward of the tiny preset on CPU. The goal (issue 24) is 0 in KDA, MLA, DSA, norms, AttnRes;
+    these are the measured counts, each explained (sites from ``counts.by_site``)."""
+    torch.manual_seed(0)
+    model = moe_plugin.MoEPluginForCausalLM(moe_plugin.preset_config("tiny"))
+    ids = torch.randint(0, 256, (1, 64))
+    with count_host_reads(model) as counts:
+        model(input_ids=ids, labels=ids).loss.backward()
+    per_kind = counts.per_kind()
+    # none: the norms, AttnRes, the DSA indexer, the dense MLP, and the backward / trainer side
+    assert per_kind["norm"] == per_kind["attn_res"] == per_kind["dsa"] == per_kind["mlp"] == 0
+    assert per_kind["trainer"] == 0
+    # KDA: one ``bool(safe.all())`` per layer (ops/kda/intra.py picks the factorised form), 3 KDA layers
+    assert per_kind["kda"] == 3
+    # MLA: ops/dsa/attention.py's block loop reads (1 bool + 4 int) and check_ids' aminmax (2 calls x 2 ints)
+    assert per_kind["mla"] == 9
+    # MoE, 3 layers: per layer permute's bincount (ops/moe/permute.py; it reads the maximum on a GPU) and
+    # grouped_glu's tokens_per_expert sum and min checks (ops/moe/experts.py); permute's and unpermute's id
+    # range checks read nothing unless MOE_PLUGIN_DEBUG_CHECKS=1 (then 4 more per layer)
+    assert per_kind["moe"] == 3 * 3
+    # other: check_ids on the token ids and labels (models/inputs.py): aminmax then 2 ints, 3 calls
+    assert per_kind["other"] == 6
+
+
+def test_permute_id_range_checked_only_in_debug_mode(monkeypatch):
+    from moe_plugin.ops.moe.permute import permute
+
+    x, bad = torch.randn(4, 8), torch.full((4, 2), 3)
+    monkeypatch.delenv("MOE_PLUGIN_DEBUG_CHECKS", raising=False)
+    with count_host_reads(nn.Identity()) as counts:
+        permute(x, torch.zeros(4, 2, dtype=torch.long), 3)
+    assert counts.detail() == {("trainer", "bincount"): 1}  # no aminmax read
+    monkeypatch.setenv("MOE_PLUGIN_DEBUG_CHECKS", "1")
+    with pytest.raises(ValueError, match="^indices: expected expert ids in"):
+        permute(x, bad, 3)
