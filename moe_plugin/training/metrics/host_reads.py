@@ -96,16 +96,19 @@ def _read_name(func, args, kwargs):
 
 
 def _site() -> str:
-    """``path:line`` of the innermost caller in moe_plugin (or the innermost outside torch), to find a read."""
-    frame, fallback = sys._getframe(2), ""
+    """``path:line`` of the innermost caller outside torch (moe_plugin's path from the package, another
+    package's from its own name, e.g. ``deepspeed/...``), to find a read."""
+    frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
-        if "/moe_plugin/" in path and not path.endswith("host_reads.py"):
-            return f"{path.split('/moe_plugin/')[-1]}:{frame.f_lineno}"
-        if not fallback and "/torch/" not in path and not path.endswith("host_reads.py"):
-            fallback = f"{path.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        if "/torch/" not in path and not path.endswith("host_reads.py"):
+            for marker in ("/moe_plugin/", "/site-packages/"):
+                if marker in path:
+                    path = path.split(marker)[-1]
+                    break
+            return f"{path}:{frame.f_lineno}"
         frame = frame.f_back
-    return fallback
+    return "?"
 
 
 def module_kind(name: str, module: nn.Module, inside_moe: bool = False):
