@@ -68,7 +68,7 @@ def test_lora_over_the_subword_base_learns_the_held_out_answers(tmp_path, monkey
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moe_plugin.training import data as training_data
+    from moe_plugin.training.data import pipeline as training_data
     from moe_plugin.training.loop import train
     from moe_plugin.recipe.schema import recipe_from_dict
 
