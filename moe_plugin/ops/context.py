@@ -1,0 +1,97 @@
+"""One rank's contiguous slice of a packed row under context parallelism, as the ops and layers see it.
+
+A row of ``total`` tokens is cut into ``size`` equal contiguous slices; rank ``r`` holds global positions
+``[start, end)`` = ``[r L, (r+1) L)`` with ``L = total / size``. Contiguous slices (not megatron's zigzag) keep
+each KDA chunk's state exchange a chain over the ranks (docs/context-parallel.md).
+
+The ops never import ``torch.distributed``: the one collective they need comes in as ``gather``, a
+differentiable all-gather that ``moe_plugin.parallel.context_parallel`` builds over the context group.
+``gather(x)`` takes this rank's tensor (the same shape on every rank) and returns ``[size, *x.shape]`` in
+rank order; its backward sums the gradient of every rank's copy and hands each rank its own part.
+
+``offsets`` are the row's packed-document boundaries in global positions (flash-linear-attention's
+``cu_seqlens``, host ints, ``0 .. total``); ``(0, total)`` for a row that is one document.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
+
+import torch
+
+Gather = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ContextSlice:
+    rank: int
+    size: int
+    total: int
+    offsets: Tuple[int, ...]
+    gather: Gather = field(repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"ContextSlice.size: expected a positive int, got {self.size!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
+            raise ValueError(f"ContextSlice.rank: expected an int in [0, {self.size}), got {self.rank!r}")
+        if not isinstance(self.total, int) or self.total <= 0 or self.total % self.size:
+            raise ValueError(
+                f"ContextSlice.total: the row length must be a positive multiple of the context-parallel size "
+                f"{self.size}, got {self.total!r}; pad or pack rows to a multiple of it"
+            )
+        offsets = tuple(int(o) for o in self.offsets)
+        if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != self.total or list(offsets) != sorted(offsets):
+            raise ValueError(
+                f"ContextSlice.offsets: expected non-decreasing document boundaries from 0 to {self.total}, "
+                f"got {self.offsets!r}"
+            )
+        object.__setattr__(self, "offsets", offsets)
+
+    @property
+    def length(self) -> int:
+        """Tokens on each rank, ``L``."""
+        return self.total // self.size
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.length
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def document_start(self, position: int) -> int:
+        """Global position where the document holding global ``position`` begins."""
+        return self.offsets[bisect.bisect_right(self.offsets, position) - 1]
+
+    @property
+    def continues(self) -> bool:
+        """Whether this slice's first token belongs to a document that began on an earlier rank."""
+        return self.document_start(self.start) < self.start
+
+    def local_offsets(self) -> Tuple[int, ...]:
+        """The document boundaries inside this slice, local (``0 .. L``): a document cut by the slice's start
+        or end counts as a document of the slice."""
+        inside = [o - self.start for o in self.offsets if self.start < o < self.end]
+        return tuple([0, *inside, self.length])
+
+    def local_cu_seqlens(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """``local_offsets`` as ``cu_seqlens`` ``[N + 1]`` int64."""
+        return torch.tensor(self.local_offsets(), dtype=torch.int64, device=device)
+
+    def global_cu_seqlens(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """``offsets`` as ``cu_seqlens`` ``[D + 1]`` int64."""
+        return torch.tensor(self.offsets, dtype=torch.int64, device=device)
+
+    def gather_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Every rank's ``x`` (this rank's slice along ``dim``) joined in order along ``dim``: the whole row."""
+        return torch.cat(self.gather(x).unbind(0), dim=dim)
+
+    def take(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part ``[start, end)`` of a whole row ``x`` along ``dim``."""
+        if x.shape[dim] != self.total:
+            raise ValueError(f"take: expected {self.total} positions along dim {dim}, got shape {tuple(x.shape)}")
+        return x.narrow(dim, self.start, self.length)

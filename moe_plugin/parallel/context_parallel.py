@@ -1,0 +1,57 @@
+"""Context parallelism's collectives: the differentiable all-gather the ops take through ``ContextSlice``.
+
+Each rank of a context-parallel group holds one contiguous slice of every packed row
+(``moe_plugin.ops.context``). The layers exchange only what they must (docs/context-parallel.md): KDA's
+per-slice state and transition, the short convolutions' last kernel-1 inputs, MLA's compressed latent and
+the indexer's keys. All of it goes through ``all_gather`` below.
+
+Backward of an all-gather is a reduce-scatter; gloo has none, so the gradient of the stacked copies is
+all-reduced and each rank keeps its own part (the same numbers; NCCL's reduce-scatter would move less).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..ops.context import ContextSlice
+
+__all__ = ["all_gather", "context_slice"]
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``x`` (same shape on every rank of ``group``) -> ``[size, *x.shape]`` in group-rank order; backward
+    sums every rank's gradient of each copy and returns this rank's."""
+    if dist.get_world_size(group) == 1:
+        return x.unsqueeze(0)
+    return _AllGather.apply(x, group)
+
+
+def context_slice(total: int, offsets: Optional[Sequence[int]] = None, group=None) -> ContextSlice:
+    """This rank's ``ContextSlice`` of a row of ``total`` tokens with document ``offsets`` (host ints,
+    ``0 .. total``; None: one document), over the context-parallel ``group`` (None: the default group)."""
+    return ContextSlice(
+        rank=dist.get_rank(group),
+        size=dist.get_world_size(group),
+        total=int(total),
+        offsets=tuple(offsets) if offsets is not None else (0, int(total)),
+        gather=lambda x: all_gather(x, group),
+    )
