@@ -8,7 +8,7 @@ everything else unchanged.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -117,8 +117,8 @@ class LatentMoEMixin:
     # layers.recompute: the experts and what follows the combine may be recomputed; the routing never is
     recompute_mode = "off"
     recompute_checkpoint_fn = None
-    # set by ``balancing`` around a training forward: (doc_ids [N] int64, weights [D] fp32) of its tokens
-    _balance_documents: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    # set by ``balancing`` around a training forward: (doc_ids [N] int64, weights [D] fp32, combine) of its tokens
+    _balance_documents: Optional[Tuple[torch.Tensor, torch.Tensor, Optional[Callable]]] = None
     last_balance: Optional[torch.Tensor] = None
 
     def _build_latent_modules(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
@@ -165,7 +165,7 @@ class LatentMoEMixin:
         (made with the selection bias); padding_mask: ``[N]`` bool, True = padding, which does not count."""
         if self._balance_documents is None or not torch.is_grad_enabled():
             return
-        doc_ids, weights = self._balance_documents
+        doc_ids, weights, combine = self._balance_documents
         if doc_ids.numel() != scores.shape[0]:
             raise ValueError(
                 f"balancing: expected one document id per routed token ({scores.shape[0]}), got "
@@ -175,7 +175,7 @@ class LatentMoEMixin:
         if padding_mask is not None:
             doc_ids = doc_ids.masked_fill(padding_mask.reshape(-1).bool().to(scores.device), -1)
         weights = weights.to(scores.device)
-        value = (weights * document_balance(scores, indices, doc_ids, weights.numel())).sum()
+        value = (weights * document_balance(scores, indices, doc_ids, weights.numel(), combine)).sum()
         self.last_balance = value if self.last_balance is None else self.last_balance + value
 
     def pop_balance(self) -> Optional[torch.Tensor]:
@@ -294,7 +294,10 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
 
 @contextlib.contextmanager
 def balancing(
-    layers: Iterable[LatentMoEMixin], doc_ids: torch.Tensor, weights: torch.Tensor
+    layers: Iterable[LatentMoEMixin],
+    doc_ids: torch.Tensor,
+    weights: torch.Tensor,
+    combine: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> Iterator[List[LatentMoEMixin]]:
     """Within the block, every MoE layer of ``layers`` records the sequence-wise balance term of its training
     forwards (``LatentMoEMixin._record_balance``; read it with ``pop_balance``).
@@ -302,11 +305,13 @@ def balancing(
     doc_ids: ``[N]`` int64 document of each token in the order the layers route them (the flattened
     ``[B, T]`` of the Hugging Face layer, ``[S, B]`` of megatron's with B = 1: the same for packed rows),
     -1 for a token that does not count; weights: ``[D]`` fp32 (``ops.moe.document_weights``). A term left from
-    an earlier forward is dropped on entry, so what the block records is its own."""
+    an earlier forward is dropped on entry, so what the block records is its own. combine: under context
+    parallelism, sums the per-document statistics over the context ranks (``ops.moe.document_balance``); the
+    caller then divides ``weights`` by the context size, since every context rank adds the whole term."""
     layers = list(layers)
     for layer in layers:
         layer.last_balance = None
-        layer._balance_documents = (doc_ids, weights)
+        layer._balance_documents = (doc_ids, weights, combine)
     try:
         yield layers
     finally:

@@ -9,13 +9,16 @@ with megatron's constructor and call conventions added:
 * attention is called sequence-first, ``hidden_states [S, B, H]``, with megatron's keyword arguments, and
   returns megatron's ``(output [S, B, H], bias=None)``; our layers work on ``[B, T, D]``;
 * packed sequences arrive as ``PackedSeqParams`` (``qkv_format="thd"``, batch 1); ``cu_seqlens_q`` becomes our
-  ``cu_seqlens``.
+  ``cu_seqlens``. Under context parallelism they arrive as ``ContextPackedSeqParams``, whose ``context``
+  (``ops.context.ContextSlice``: this rank's slice of the row and its documents) the attention layers take
+  instead (docs/context-parallel.md).
 
 The MoE MLP is ``moe_plugin.megatron.latent_moe.LatentMoELayer``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -28,8 +31,10 @@ from ..layers.kda import KDAAttention
 from ..layers.mlp import GLUMLP
 from ..layers.norm import RMSNorm
 from ..layers.recompute import is_recomputing
+from ..ops.context import ContextSlice
 
 __all__ = [
+    "ContextPackedSeqParams",
     "MegatronRMSNorm",
     "KDASelfAttention",
     "GatedDSASelfAttention",
@@ -37,6 +42,14 @@ __all__ = [
     "packed_cu_seqlens",
     "indexer_loss_of",
 ]
+
+
+@dataclass
+class ContextPackedSeqParams(PackedSeqParams):
+    """megatron's packed-sequence description of this rank's slice (``cu_seqlens_q``: the slice's local
+    document boundaries) plus the ``ContextSlice`` the attention layers exchange over."""
+
+    context: Optional[ContextSlice] = None
 
 
 def packed_cu_seqlens(packed_seq_params: Optional[PackedSeqParams], batch: int) -> Optional[torch.Tensor]:
@@ -108,12 +121,19 @@ class _SequenceFirstAttention:
             "megatron inference contexts are not supported; decode with the Hugging Face model's cache",
         )
         x = hidden_states.transpose(0, 1)
+        context = getattr(packed_seq_params, "context", None)
+        if context is not None:  # the slice's documents come from the context, with their global offsets
+            return self._attend(x, None, context).transpose(0, 1), None
         cu_seqlens = packed_cu_seqlens(packed_seq_params, x.shape[0])
         out = self._attend(x, cu_seqlens)
         return out.transpose(0, 1), None
 
-    def _attend(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
-        """The single-device layer's forward on ``x [B, T, D]``."""
+    def _attend(
+        self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor], context: Optional[ContextSlice] = None
+    ) -> torch.Tensor:
+        """The single-device layer's forward on ``x [B, T, D]`` (this rank's slice ``[1, L, D]`` with a context)."""
+        if context is not None:
+            return super().forward(x, context=context)
         return super().forward(x, cu_seqlens=cu_seqlens)
 
 
@@ -166,11 +186,14 @@ class GatedDSASelfAttention(_SequenceFirstAttention, GatedMLAAttention):
             and any(p.requires_grad for p in self.indexer.parameters())
         )
 
-    def _attend(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+    def _attend(
+        self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor], context: Optional[ContextSlice] = None
+    ) -> torch.Tensor:
+        where = {"cu_seqlens": cu_seqlens} if context is None else {"context": context}
         if not self.wants_indexer_loss():
             self.indexer_loss = None
-            return GatedMLAAttention.forward(self, x, cu_seqlens=cu_seqlens)
-        out, loss = GatedMLAAttention.forward(self, x, cu_seqlens=cu_seqlens, return_indexer_loss=True)
+            return GatedMLAAttention.forward(self, x, **where)
+        out, loss = GatedMLAAttention.forward(self, x, return_indexer_loss=True, **where)
         if not is_recomputing():  # a backward's recompute (layers.recompute) redoes it; the loss was taken already
             self.indexer_loss = loss
         return out

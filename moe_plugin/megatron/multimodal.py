@@ -63,14 +63,31 @@ class MultimodalGPTModel(GPTModel):
         return self.mm_projector(self.patch_merger(self.vision_tower(pixel_patches, grid_hw)))
 
     def embed_with_images(
-        self, input_ids: torch.LongTensor, pixel_patches: Optional[torch.Tensor], grid_hw: Optional[torch.Tensor]
+        self,
+        input_ids: torch.LongTensor,
+        pixel_patches: Optional[torch.Tensor],
+        grid_hw: Optional[torch.Tensor],
+        image_tokens: Optional[slice] = None,
     ) -> torch.Tensor:
-        """megatron's token embeddings ``[T, B, D]`` with every placeholder replaced by an image token."""
+        """megatron's token embeddings ``[T, B, D]`` with every placeholder replaced by an image token.
+
+        image_tokens: under context parallelism ``input_ids`` are this rank's slice of the row and the images
+        are the whole row's (an image's tokens may be split across ranks); the slice's placeholders take the
+        row's image tokens ``image_tokens`` (those of the placeholders before the slice are skipped)."""
         embeds = self.embedding(input_ids=input_ids, position_ids=None)
+        encode, every = self.encode_images, []
+        if image_tokens is not None:
+
+            def encode(patches, grid):
+                every.append(self.encode_images(patches, grid))
+                return every[0][image_tokens]
+
         # the Hugging Face model's placement, on [B, T] (the order the processor expanded the placeholders in)
         merged = scatter_image_tokens(
-            embeds.transpose(0, 1), input_ids, self.image_token_id, self.encode_images, pixel_patches, grid_hw
+            embeds.transpose(0, 1), input_ids, self.image_token_id, encode, pixel_patches, grid_hw
         ).transpose(0, 1)
+        if every:  # a slice may hold none of the images' tokens: its vision gradients are zeros, not missing
+            merged = merged + every[0].float().sum().to(merged.dtype) * 0.0
         if pixel_patches is None:
             merged = merged + blank_image_tokens(self.encode_images, self.vision, embeds.device).to(embeds.dtype)
         return merged.contiguous()
@@ -84,10 +101,11 @@ class MultimodalGPTModel(GPTModel):
         *args: Any,
         pixel_patches: Optional[torch.Tensor] = None,
         grid_hw: Optional[torch.Tensor] = None,
+        image_tokens: Optional[slice] = None,
         **kwargs: Any,
     ):
         if decoder_input is None:
-            decoder_input = self.embed_with_images(input_ids, pixel_patches, grid_hw)
+            decoder_input = self.embed_with_images(input_ids, pixel_patches, grid_hw, image_tokens)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
 

@@ -16,7 +16,20 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["balance_terms", "causal_lm_loss", "training_loss"]
+from .context import ContextSlice
+
+__all__ = ["balance_terms", "causal_lm_loss", "next_token_targets", "training_loss"]
+
+
+def next_token_targets(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[B, T]``: what position t is scored against, ``labels[:, t + 1]``, and -100 where nothing is (each
+    document's last token and the row's last position)."""
+    targets = torch.full_like(labels, -100)
+    targets[:, :-1] = labels[:, 1:]
+    if cu_seqlens is not None:
+        ends = cu_seqlens[1:-1] - 1
+        targets[0, ends[(ends >= 0) & (ends < targets.shape[1])]] = -100
+    return targets
 
 
 def causal_lm_loss(
@@ -24,6 +37,7 @@ def causal_lm_loss(
     labels: torch.Tensor,
     cu_seqlens: Optional[torch.Tensor] = None,
     num_items_in_batch: Optional[float] = None,
+    context: Optional[ContextSlice] = None,
 ) -> torch.Tensor:
     """Next-token cross entropy (fp32), ignoring -100 and, for packed rows, predictions across documents.
 
@@ -32,7 +46,20 @@ def causal_lm_loss(
     the mean over the scored label tokens of this batch, or, with ``num_items_in_batch`` (the step's label-token
     count over all micro-batches and the engine's averaging factors, as the Hugging Face Trainer passes it), the
     sum divided by it. Returns a scalar fp32 tensor.
+
+    context: under context parallelism, ``logits`` ``[1, L, V]`` are this rank's slice while ``labels`` and
+    ``cu_seqlens`` are the whole row's (a slice's last token is scored against the next rank's first);
+    ``num_items_in_batch`` is required then, and the ranks' sums add up to the whole row's.
     """
+    if context is not None:
+        if num_items_in_batch is None:
+            raise ValueError(
+                "num_items_in_batch: required under context parallelism (each rank holds part of the row); "
+                "give the step's label-token count"
+            )
+        targets = context.take(next_token_targets(labels, cu_seqlens))
+        flat = logits.reshape(-1, logits.shape[-1]).float()
+        return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100, reduction="sum") / num_items_in_batch
     targets = labels[:, 1:].clone()
     if cu_seqlens is not None:
         ends = cu_seqlens[1:-1] - 1  # last token of each document but the final one
@@ -59,6 +86,7 @@ def training_loss(
     indexer_loss_coeff: float = 0.0,
     balance: Optional[torch.Tensor] = None,
     balance_coeff: float = 0.0,
+    context: Optional[ContextSlice] = None,
 ) -> torch.Tensor:
     """``causal_lm_loss + indexer_loss_coeff * indexer_loss + balance_coeff * balance.sum()``, a scalar fp32.
 
@@ -69,9 +97,10 @@ def training_loss(
     when no layer computed one (not training, or the indexer frozen): no term then. balance: ``[num_moe_layers]``
     (``balance_terms``), each layer's ``sum_d w_d L_d`` already weighted by the documents' scored labels over the
     same N as the token loss (``ops.moe.document_weights``), or None: no term. The terms are added in this order,
-    each only when present, so a model without DSA or balancing gets the bare token loss.
+    each only when present, so a model without DSA or balancing gets the bare token loss. context: as
+    ``causal_lm_loss`` takes it (the indexer and balance terms are then this rank's shares already).
     """
-    loss = causal_lm_loss(logits, labels, cu_seqlens, num_items_in_batch)
+    loss = causal_lm_loss(logits, labels, cu_seqlens, num_items_in_batch, context)
     if indexer_loss is not None:
         loss = loss + indexer_loss_coeff * indexer_loss
     if balance is not None:

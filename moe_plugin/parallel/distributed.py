@@ -151,11 +151,12 @@ def init_distributed(
 def initialize_megatron(
     expert_model_parallel_size: int = 1,
     tensor_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
     seed: Optional[int] = 1234,
     backend: Optional[str] = None,
     device: Optional[str] = None,
 ) -> None:
-    """Start torch.distributed (if needed) and megatron-core's parallel state with the given EP/TP sizes.
+    """Start torch.distributed (if needed) and megatron-core's parallel state with the given EP/TP/CP sizes.
 
     The process must be prepared for its device (``prepare_device``, or ``device`` here, which prepares it);
     on CPU that is what applies megatron-core's CPU stand-ins. ``backend`` goes to ``init_distributed``.
@@ -169,6 +170,7 @@ def initialize_megatron(
     for name, value in (
         ("expert_model_parallel_size", expert_model_parallel_size),
         ("tensor_model_parallel_size", tensor_model_parallel_size),
+        ("context_parallel_size", context_parallel_size),
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -192,8 +194,15 @@ def initialize_megatron(
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    if world % (context_parallel_size * tensor_model_parallel_size) != 0:
+        raise ValueError(
+            f"context_parallel_size: context x tensor parallel size ({context_parallel_size} x "
+            f"{tensor_model_parallel_size}) must divide the world size {world}"
+        )
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_model_parallel_size, expert_model_parallel_size=expert_model_parallel_size
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        context_parallel_size=context_parallel_size,
     )
     if seed is not None:
         # upstream seeds only the CUDA generator; on CPU the stand-in reseeds this same generator anyway

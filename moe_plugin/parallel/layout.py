@@ -8,14 +8,19 @@ and DeepSpeed's expert groups, and checks that both agree with the layout and wi
 owns the rule for the expert tags (``tag_expert_parameters``): which parameters ZeRO-3 partitions within the
 expert-data-parallel group, and when megatron's expert mark is removed instead.
 
-The sizes, with ``world = data x tensor`` and ``world = expert x expert_data x tensor``:
+The sizes, with ``world = data x context x tensor`` and ``world = expert x expert_data x tensor``:
 
-* ``data``: the data-parallel size, how many ranks read their own batches (every rank but tensor-parallel peers);
+* ``data``: the data-parallel size, how many ranks read their own batches (every rank but tensor- and
+  context-parallel peers);
+* ``context``: the context-parallel size, how many ranks split each packed row into contiguous slices
+  (docs/context-parallel.md); they read the same batches and, like data-parallel ranks, average their
+  gradients, so the engine averages over ``gradient_ranks = data x context``;
 * ``expert``: the expert-parallel size, how many ranks split each MoE layer's experts (all-to-all dispatch);
 * ``expert_data``: how many ranks hold the same experts; ZeRO-3 partitions an expert parameter, and reduces its
   gradient, within them.
 
-Context parallelism will be one more size here (docs/architecture.md).
+As megatron lays them out, the context-parallel groups are ``context`` consecutive ranks, and expert
+parallelism is carved from the data x context ranks: experts see the tokens of every context rank.
 
 Why the tags (docs/zero3-ep.md has DeepSpeed's source lines and what goes wrong without them): ZeRO-3
 partitions every parameter over its ``ds_process_group``, taken from ``ds_zero_partition_process_group`` when
@@ -62,12 +67,20 @@ class ParallelLayout:
     world: int
     expert: int = 1
     tensor: int = 1
+    context: int = 1
     started: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self):
         _positive("world size (WORLD_SIZE)", self.world)
         _positive("parallel.expert_parallel_size", self.expert)
         _positive("tensor_model_parallel_size", self.tensor)
+        _positive("parallel.context_parallel_size", self.context)
+        require(
+            self.world % (self.context * self.tensor) == 0,
+            "parallel.context_parallel_size",
+            f"context x tensor parallel size ({self.context} x {self.tensor}) must divide the world size "
+            f"{self.world}; launch a multiple of {self.context * self.tensor} processes",
+        )
         require(
             self.world % (self.expert * self.tensor) == 0,
             "parallel.expert_parallel_size",
@@ -78,11 +91,17 @@ class ParallelLayout:
     @classmethod
     def from_recipe(cls, parallel, world: int) -> "ParallelLayout":
         """The layout of a recipe's ``parallel`` section on ``world`` processes."""
-        return cls(world=world, expert=parallel.expert_parallel_size)
+        return cls(world=world, expert=parallel.expert_parallel_size, context=parallel.context_parallel_size)
 
     @property
     def data(self) -> int:
-        return self.world // self.tensor
+        return self.world // (self.tensor * self.context)
+
+    @property
+    def gradient_ranks(self) -> int:
+        """How many ranks the engine averages the dense gradients over: data x context (context-parallel
+        ranks hold different tokens of the same rows, as data-parallel ranks hold different rows)."""
+        return self.data * self.context
 
     @property
     def expert_data(self) -> int:
@@ -100,7 +119,11 @@ class ParallelLayout:
         from .distributed import initialize_megatron
 
         initialize_megatron(
-            expert_model_parallel_size=self.expert, tensor_model_parallel_size=self.tensor, seed=seed, device=device
+            expert_model_parallel_size=self.expert,
+            tensor_model_parallel_size=self.tensor,
+            context_parallel_size=self.context,
+            seed=seed,
+            device=device,
         )
         require(
             dist.get_world_size() == self.world,
@@ -125,6 +148,7 @@ class ParallelLayout:
             "expert": ps.get_expert_model_parallel_world_size(),
             "expert_data": ps.get_expert_data_parallel_world_size(),
             "tensor": ps.get_tensor_model_parallel_world_size(),
+            "context": ps.get_context_parallel_world_size(),
         }
         for name, size in theirs.items():
             if size != getattr(self, name):
@@ -160,6 +184,27 @@ class ParallelLayout:
         from megatron.core import parallel_state
 
         return parallel_state.get_data_parallel_rank()
+
+    @property
+    def context_rank(self) -> int:
+        """This process's context-parallel rank: which slice of every row it holds."""
+        if not self.started or self.context == 1:
+            return 0
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_rank()
+
+    def context_slice(self, total: int, offsets=None):
+        """This rank's ``ContextSlice`` of a row of ``total`` tokens with document ``offsets`` (host ints), over
+        the context-parallel group; None without context parallelism."""
+        if self.context == 1:
+            return None
+        require(self.started, "parallel.context_parallel_size", "needs the layout's groups started (start())")
+        from megatron.core import parallel_state
+
+        from .context_parallel import context_slice
+
+        return context_slice(total, offsets, parallel_state.get_context_parallel_group())
 
     @property
     def ep_rank(self) -> int:

@@ -164,6 +164,19 @@ class ParallelSection(_Section):
     capacity_factor: float = _field(
         1.25, f"use a factor from 1 (exact balance) to {LIMITS['capacity']:g}, e.g. 1.25", ge=1, le=LIMITS["capacity"]
     )
+    # ranks that split every packed row into contiguous slices (docs/context-parallel.md); megatron backend
+    context_parallel_size: int = _field(1, "use 1 (no context parallelism) or a divisor of the world size", ge=1)
+
+    def _problems(self) -> List[Problem]:
+        if self.context_parallel_size > 1 and self.backend != "megatron":
+            return [
+                (
+                    "context_parallel_size",
+                    f"is {self.context_parallel_size}, but context parallelism runs on the megatron backend; "
+                    'use parallel.backend "megatron" (or context_parallel_size 1)',
+                )
+            ]
+        return []
 
 
 class ScheduleSection(_Section):
@@ -308,6 +321,15 @@ class Recipe(_Section):
         problems: List[Problem] = []
         if not self.output_dir.strip():
             problems.append(("output_dir", 'is empty; give the directory this run writes to, e.g. "outputs/my_run"'))
+        cp = self.parallel.context_parallel_size
+        if self.data.seq_len % cp:
+            problems.append(
+                (
+                    "parallel.context_parallel_size",
+                    f"{cp} does not divide data.seq_len {self.data.seq_len}; every rank holds an equal slice of "
+                    f"each row: make seq_len a multiple of {cp}",
+                )
+            )
         if self.router_balance is not None and self.lora is not None:
             problems.append(
                 (

@@ -1,5 +1,5 @@
 """What a recipe asks of the processes it is launched on: the world size the launcher gives, and the recipe's
-expert-parallel layout checked against it and the model, before any process group exists."""
+expert- and context-parallel layout checked against it and the model, before any process group exists."""
 
 from __future__ import annotations
 
@@ -49,5 +49,12 @@ def check_layout(recipe: Recipe, world_size: int, num_experts: int, expert_forma
             f"{ep} does not divide the world size {world_size} (WORLD_SIZE); launch a multiple of "
             f"{ep} processes, or use one of {both}"
         )
-    if problems:
-        raise ValueError("\n".join(f"{field}: {problem}" for problem in problems))
+    lines = [f"{field}: {problem}" for problem in problems]
+    cp = recipe.parallel.context_parallel_size
+    if world_size % cp:
+        lines.append(
+            f"parallel.context_parallel_size: {cp} does not divide the world size {world_size} (WORLD_SIZE); "
+            f"launch a multiple of {cp} processes"
+        )
+    if lines:
+        raise ValueError("\n".join(lines))

@@ -101,8 +101,8 @@ def load_latest(
     except ValueError as e:
         error = e
     agree(error, f"another rank found a damaged file in {path} (its error names it)")
-    here = {"world": layout.world, "expert": layout.expert}
-    if written is not None and {k: written[k] for k in here} != here:
+    here = {"world": layout.world, "expert": layout.expert, "context": layout.context}
+    if written is not None and {k: written.get(k, 1) for k in here} != here:
         return step, path, _load_resharded(path, step, engine, rank, layout, r, written, say)
     try:  # engine.load_checkpoint runs collectives: its files are checked first, so that all ranks stop alike
         check_engine_files(os.path.join(path, ENGINE_TAG), rank, dist.get_world_size())
@@ -144,8 +144,8 @@ def _load_resharded(
     agree(error, f"another rank could not read the layout-free state of {path} (its error names the file)")
     if rank == 0:
         say(
-            f"resuming step {step} written at {_processes(written['world'])} EP {written['expert']} on "
-            f"{_processes(layout.world)} EP {layout.expert}"
+            f"resuming step {step} written at {_processes(written['world'])} EP {written['expert']}"
+            f"{_cp(written.get('context', 1))} on {_processes(layout.world)} EP {layout.expert}{_cp(layout.context)}"
         )
     try:
         restore_trainable(engine.module, engine.optimizer, engine.lr_scheduler, tensors, meta, layout, r)
@@ -157,3 +157,7 @@ def _load_resharded(
     engine.global_samples = step * written["global_batch"]
     set_rng_state(state["rng"])
     return state
+
+
+def _cp(size: int) -> str:
+    return f" CP {size}" if size > 1 else ""

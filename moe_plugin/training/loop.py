@@ -216,9 +216,10 @@ class Trainer:
         )
         source = recipe.model.from_pretrained or f"preset {recipe.model.preset}"
         stage, world = zero_stage(self.ds_config), dist.get_world_size()
+        cp = f", context parallel {self.layout.context}" if self.layout.context > 1 else ""
         return (
             f"model: {source} ({self.backend.name} backend, {world} process{'es' * (world != 1)}, expert "
-            f"parallel {self.layout.expert}, ZeRO stage {stage}): {n_total:,} parameters, {n_trainable:,} "
+            f"parallel {self.layout.expert}{cp}, ZeRO stage {stage}): {n_total:,} parameters, {n_trainable:,} "
             f"trainable ({what})"
         )
 
@@ -227,7 +228,7 @@ class Trainer:
         last backward of the step, before the engine's optimizer step (the reduced gradients are there)."""
         schedule, layout, engine = self.recipe.schedule, self.layout, self.engine
         micro_batches, label_tokens = self.stream.next_step(layout.dp_rank)
-        scale = step_scale(label_tokens, layout.data, schedule.gradient_accumulation_steps)
+        scale = step_scale(label_tokens, layout.gradient_ranks, schedule.gradient_accumulation_steps)
         local, norm = 0.0, None
         self.lr = self.optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves on in engine.step)
         for m, micro in enumerate(micro_batches):
@@ -241,7 +242,7 @@ class Trainer:
                     norm = local_grad_norm(engine.module)
             engine.step()
             local += float(loss.detach())
-        step_loss = global_sum(local, self.device) / (layout.data * schedule.gradient_accumulation_steps)
+        step_loss = global_sum(local, self.device) / (layout.gradient_ranks * schedule.gradient_accumulation_steps)
         if self.zero3:
             norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
@@ -349,7 +350,7 @@ class Trainer:
         for micro in mine:
             loss, _ = self.backend.loss(engine, micro, 1.0)
             total += float(loss)
-            count += label_token_count(micro.labels, micro.cu_seqlens)
+            count += label_token_count(micro.labels, micro.cu_seqlens) / layout.context  # each CP rank has the row
         engine.train()
         for layer in self.backend.moe_layers(engine.module):
             layer.reset_load()

@@ -275,12 +275,13 @@ def check_resume_layout(
             )
         return
     layout = read_trainable_meta(path)["layout"]
-    if layout["global_batch"] != micro * accumulation * world:
+    readers = world // (parallel.get("context_parallel_size") or 1)  # context-parallel ranks share rows
+    if layout["global_batch"] != micro * accumulation * readers:
         _refuse(
-            f"schedule.micro_batch_size x schedule.gradient_accumulation_steps x {world} processes is "
-            f"{micro * accumulation * world} rows a step, but checkpoint step {step} was written with "
+            f"schedule.micro_batch_size x schedule.gradient_accumulation_steps x {readers} data-parallel ranks is "
+            f"{micro * accumulation * readers} rows a step, but checkpoint step {step} was written with "
             f"{layout['global_batch']} ({layout['world']} processes); a resume keeps the global batch: make "
-            f"micro_batch_size x gradient_accumulation_steps {layout['global_batch'] / world:g}"
+            f"micro_batch_size x gradient_accumulation_steps {layout['global_batch'] / readers:g}"
         )
 
 

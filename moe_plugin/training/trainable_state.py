@@ -105,7 +105,13 @@ def layout_free_state(engine, layout, r: int, global_batch: int, buffers=()) -> 
         "adam_step": adam_step,
         "scheduler": engine.lr_scheduler.state_dict(),
         "buffers": list(buffers),
-        "layout": {"world": layout.world, "expert": layout.expert, "data": layout.data, "global_batch": global_batch},
+        "layout": {
+            "world": layout.world,
+            "expert": layout.expert,
+            "context": layout.context,
+            "data": layout.data,
+            "global_batch": global_batch,
+        },
     }
     return tensors, meta
 

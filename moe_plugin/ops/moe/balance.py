@@ -7,7 +7,7 @@ routes identically, so the quantile rule re-centres its result to mean 0.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -131,7 +131,13 @@ def document_weights(
     return doc, counts / (total if total > 0 else 1.0)
 
 
-def document_balance(scores: torch.Tensor, indices: torch.Tensor, doc_ids: torch.Tensor, num_docs: int) -> torch.Tensor:
+def document_balance(
+    scores: torch.Tensor,
+    indices: torch.Tensor,
+    doc_ids: torch.Tensor,
+    num_docs: int,
+    combine: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance ``sum_i f_i P_i`` of every document (no coefficient).
 
     scores: ``[N, E]`` unbiased sigmoid scores (``route``'s third output); indices: ``[N, k]`` chosen experts
@@ -140,6 +146,11 @@ def document_balance(scores: torch.Tensor, indices: torch.Tensor, doc_ids: torch
     ``P_i = mean_t s_ti / sum_j s_tj``. Returns ``[num_docs]`` fp32, 1 for a document whose experts are evenly
     used, 0 for an empty one; differentiable through the scores only. ``document_balance_reference`` is the
     same by a loop over documents.
+
+    combine: under context parallelism a document's tokens lie on several ranks; ``combine`` sums a
+    ``[num_docs, 2E + 1]`` tensor of per-document statistics (token count, expert counts, probability sums)
+    over them, differentiably (``ContextSlice.gather(x).sum(0)``), so every rank gets the whole documents'
+    terms.
     """
     check_tensor("scores", scores, ndim=2, floating=True)
     n, e = scores.shape
@@ -157,6 +168,9 @@ def document_balance(scores: torch.Tensor, indices: torch.Tensor, doc_ids: torch
     counts.index_add_(0, (doc.unsqueeze(1) * e + idx).reshape(-1), torch.ones(idx.numel(), device=s.device))
     share = s / s.sum(-1, keepdim=True).clamp_min(1e-30)  # the row's probabilities (a saturated row stays finite)
     p = torch.zeros(num_docs, e, device=s.device).index_add(0, doc, share)
+    if combine is not None:
+        stats = combine(torch.cat([tokens.unsqueeze(1), counts.view(num_docs, e), p], dim=1))
+        tokens, counts, p = stats[:, 0], stats[:, 1 : e + 1].reshape(-1), stats[:, e + 1 :]
     per_token = tokens.clamp_min(1.0).unsqueeze(1)
     f = counts.view(num_docs, e) * (e / k) / per_token
     return (f * (p / per_token)).sum(-1)

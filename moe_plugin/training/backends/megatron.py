@@ -1,12 +1,14 @@
 """The ``megatron`` backend: megatron-core's ``GPTModel`` from this project's specs, megatron's expert
 parallelism on its all-to-all dispatcher, sharded by DeepSpeed ZeRO-3 within the right groups.
 
-Process groups: megatron's ``parallel_state`` with ``parallel.expert_parallel_size``; its data-parallel group is
-the whole world (tensor, pipeline and context parallel sizes are 1), so every rank reads its own batches and
-the expert-parallel all-to-all exchanges tokens between them. DeepSpeed's expert groups are built from the same
-ranks and checked equal (``moe_plugin.parallel.layout.ParallelLayout.start``), and expert parallelism is
-applied, and the expert parameters tagged, by the one place that does it for every face
-(``parallel.expert_parallel.apply_expert_parallel``, ``ParallelLayout.tag_expert_parameters``).
+Process groups: megatron's ``parallel_state`` with ``parallel.expert_parallel_size`` and
+``parallel.context_parallel_size``; tensor and pipeline parallel sizes are 1. Every data-parallel rank reads its
+own batches; the ranks of a context-parallel group read the same ones and each runs its contiguous slice of the
+packed row (``loss``, docs/context-parallel.md); the expert-parallel all-to-all exchanges tokens between them.
+DeepSpeed's expert groups are built from the same ranks and checked equal
+(``moe_plugin.parallel.layout.ParallelLayout.start``), and expert parallelism is applied, and the expert
+parameters tagged, by the one place that does it for every face (``parallel.expert_parallel.apply_expert_parallel``,
+``ParallelLayout.tag_expert_parameters``).
 """
 
 from __future__ import annotations
@@ -78,25 +80,46 @@ class MegatronBackend(Backend):
         ``router_aux_loss_coeff`` times the MoE layers' per-document balance terms, composed by the one
         ``ops.losses.training_loss`` the Hugging Face model (``MoEPluginForCausalLM``) calls too, from the same
         documents and weights (``ops.moe.document_weights``)."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        from ...megatron.adapters import indexer_loss_of
+        from ...megatron.adapters import ContextPackedSeqParams, indexer_loss_of
 
         inner = module.module if hasattr(module, "module") else module
+        offsets = micro_batch.cu_seqlens.tolist()  # host ints from the data pipeline: no device read
         cu = micro_batch.cu_seqlens.to(self.device)
-        longest = int((cu[1:] - cu[:-1]).max())
-        params = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
-        )
         ids, labels = micro_batch.input_ids.to(self.device), micro_batch.labels.to(self.device)
+        images = micro_batch.image_inputs(self.device)
+        context = self.layout.context_slice(ids.shape[1], offsets)
+        mine = offsets if context is None else context.local_offsets()
+        longest = max(b - a for a, b in zip(mine[:-1], mine[1:]))
+        local_cu = cu if context is None else context.local_cu_seqlens(self.device)
+        params = ContextPackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=local_cu,
+            cu_seqlens_kv=local_cu,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+            context=context,
+        )
         coeff = self.recipe.router_aux_loss_coeff() if inner.training else 0.0
         balance = contextlib.nullcontext([])
         if coeff > 0:  # the packed row is [1, T]: megatron routes its [T, 1] tokens in the same order
-            balance = balancing(self.moe_layers(inner), *document_weights(labels, cu, num_items))
+            doc_ids, weights = document_weights(labels, cu, num_items)
+            combine = None
+            if context is not None:  # every context rank adds the whole documents' terms: a 1/CP share each
+                doc_ids, weights = context.take(doc_ids.view(1, -1)).reshape(-1), weights / context.size
+                combine = _summed_over(context)
+            balance = balancing(self.moe_layers(inner), doc_ids, weights, combine)
+        if context is not None:
+            if images:  # the image tokens of this slice's placeholders (the row's images are on every rank)
+                placeholders = (micro_batch.input_ids[0] == self.model_config.image_token_id).tolist()  # host
+                before = sum(placeholders[: context.start])
+                images["image_tokens"] = slice(before, before + sum(placeholders[context.start : context.end]))
+            ids = context.take(ids)
         with balance as layers:
-            logits = module(ids, None, None, packed_seq_params=params, **micro_batch.image_inputs(self.device))
+            logits = module(ids, None, None, packed_seq_params=params, **images)
         indexer_kl, terms = indexer_loss_of(inner), balance_terms([layer.pop_balance() for layer in layers])
-        loss = training_loss(logits, labels, cu, num_items, indexer_kl, self._indexer_loss_coeff(), terms, coeff)
+        loss = training_loss(
+            logits, labels, cu, num_items, indexer_kl, self._indexer_loss_coeff(), terms, coeff, context=context
+        )
         metrics = {}
         if indexer_kl is not None:
             metrics["indexer_kl"] = indexer_kl.detach()
@@ -138,3 +161,8 @@ def _image_model_names(module: nn.Module, state: Dict[str, torch.Tensor]) -> Dic
     if not isinstance(module, MultimodalGPTModel):
         return state
     return {k if k.startswith(VISION_PREFIXES) else "language_model." + k: v for k, v in state.items()}
+
+
+def _summed_over(context):
+    """``x`` summed over the context ranks, differentiably (the balance term's per-document statistics)."""
+    return lambda x: context.gather(x).sum(0)
