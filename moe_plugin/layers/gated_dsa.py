@@ -4,6 +4,12 @@ Module names are K3's / DeepSeek's (docs/architecture.md 7) so that checkpoints 
 embedding: the 64 "rope" channels of the query and of the shared key are used as they are (K3 has no positions
 outside KDA). With ``config.use_indexer`` each query attends only to the ``config.index_topk`` keys its
 indexer scores highest; the indexer sees detached inputs and learns only from its KL loss.
+
+Context parallelism (``forward(..., context=ContextSlice)``): each rank holds one contiguous slice of a packed
+row. Queries stay local; the only exchange is one all-gather of the compressed latent (``c_kv`` and ``k_rope``,
+the ``kv_a_proj_with_mqa`` output) together with the indexer's keys, so every rank sees every key up to the end
+of its slice (later keys are causally invisible and dropped). Attention, the top-k selection and the indexer
+loss then see exactly the keys they would on one process.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch import nn
 
 from ..config import MLAConfig
 from ..ops.checks import check_tensor
+from ..ops.context import ContextSlice
 from ..ops.dsa import (
     attention_target,
     dense_causal_attention,
@@ -74,6 +81,52 @@ def _key_mask(
     if cache is not None:
         cache.key_mask = mask
     return mask
+
+
+def _check_context(
+    context: ContextSlice,
+    hidden_states: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor],
+    cache: Optional[MLACache],
+    token_mask: Optional[torch.Tensor],
+) -> None:
+    for name, value in (("cu_seqlens", cu_seqlens), ("cache", cache), ("token_mask", token_mask)):
+        if value is not None:
+            raise ValueError(
+                f"{name}: cannot be combined with a context (context parallelism takes the row's documents "
+                f"from context.offsets, and has no cache or padding)"
+            )
+    B, T, _ = hidden_states.shape
+    if T != context.length:
+        raise ValueError(
+            f"hidden_states: with a context, expected this rank's slice of {context.length} tokens "
+            f"(a row of {context.total} over {context.size} ranks), got {T}"
+        )
+    if B != 1 and len(context.offsets) > 2:
+        raise ValueError(f"hidden_states: a context with packed documents needs batch size 1, got batch {B}")
+
+
+def _context_cu_seqlens(context: ContextSlice, device) -> Optional[torch.Tensor]:
+    """The row's document boundaries over the keys ``0 .. context.end`` (those past the end dropped), or None
+    when the row is one document (causality alone then decides)."""
+    if len(context.offsets) == 2:
+        return None
+    kept = [o for o in context.offsets if o < context.end] + [context.end]
+    return torch.tensor(kept, dtype=torch.int64, device=device)
+
+
+def _gather_keys(
+    context: ContextSlice, latent: torch.Tensor, index_keys: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Every rank's ``latent`` ``[B, L, C]`` (and ``index_keys`` ``[B, L, D_I]``) joined into the row's keys
+    ``0 .. context.end``, in one all-gather when their dtypes agree."""
+    end = context.end
+    if index_keys is None:
+        return context.gather_sequence(latent, dim=1)[:, :end], None
+    if index_keys.dtype != latent.dtype:
+        return context.gather_sequence(latent, dim=1)[:, :end], context.gather_sequence(index_keys, dim=1)[:, :end]
+    both = context.gather_sequence(torch.cat([latent, index_keys], dim=-1), dim=1)[:, :end]
+    return both.split([latent.shape[-1], index_keys.shape[-1]], dim=-1)
 
 
 class LightningIndexer(nn.Module):
@@ -141,6 +194,7 @@ class GatedMLAAttention(nn.Module):
         cache: Optional[MLACache] = None,
         return_indexer_loss: bool = False,
         token_mask: Optional[torch.Tensor] = None,
+        context: Optional[ContextSlice] = None,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """hidden_states ``[B, T, D]`` -> ``[B, T, D]``, or ``(out, indexer_loss)`` if ``return_indexer_loss``.
 
@@ -150,9 +204,18 @@ class GatedMLAAttention(nn.Module):
         before it (a pad of a left-padded row) gets zeros. There are no positions, so left padding changes
         nothing else for the real tokens. indexer_loss: scalar KL (``ops.dsa.indexer_kl_loss``) whose
         gradient reaches only the indexer; ``None`` without an indexer.
+
+        context: this rank's ``ContextSlice`` under context parallelism; hidden_states is then the rank's slice
+        ``[B, context.length, D]`` of the row (B 1 when it packs several documents) and cu_seqlens, cache and
+        token_mask must be None (the documents come from ``context.offsets``). The output is the slice's part
+        of the whole row's output. indexer_loss is then the mean over this rank's queries; the slices being
+        equal, the mean of it over the context ranks is the whole row's loss, so the caller averages it over
+        them (the trainer's gradient averaging over the context group does).
         """
         c = self.config
         check_tensor("hidden_states", hidden_states, shape=(None, None, c.hidden_size), floating=True)
+        if context is not None:
+            _check_context(context, hidden_states, cu_seqlens, cache, token_mask)
         if cu_seqlens is not None and cache is not None:
             raise ValueError("cu_seqlens: packed sequences cannot be combined with a cache")
         B, T, _ = hidden_states.shape
@@ -165,8 +228,19 @@ class GatedMLAAttention(nn.Module):
 
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(B, T, self.num_heads, c.qk_head_dim)
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_proj_with_mqa(x)
+        index_inputs = None
+        if self.indexer is not None:
+            index_inputs = self.indexer(x.detach(), q_latent.detach())
         offset = 0
+        if context is not None:  # keys: the whole row up to this slice's end; queries: this slice
+            need_index_keys = index_inputs is not None and (return_indexer_loss or not self.indexer_warmup)
+            latent, k_index = _gather_keys(context, latent, index_inputs[1] if need_index_keys else None)
+            if need_index_keys:
+                index_inputs = (index_inputs[0], k_index, index_inputs[2])
+            offset = context.start
+            cu_seqlens = _context_cu_seqlens(context, x.device)
+        c_kv, k_rope = latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         if cache is not None:
             offset = cache.length
             cache.c_kv = c_kv = _append(cache.c_kv, c_kv, "c_kv")
@@ -177,9 +251,9 @@ class GatedMLAAttention(nn.Module):
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, S, self.num_heads, c.qk_rope_head_dim)], dim=-1)
 
-        indices = index_inputs = None
-        if self.indexer is not None:
-            q_index, k_index, weights = self.indexer(x.detach(), q_latent.detach())
+        indices = None
+        if index_inputs is not None:
+            q_index, k_index, weights = index_inputs
             if cache is not None:
                 if offset and cache.index_keys is None:
                     raise ValueError("cache.index_keys: the cache was filled without an indexer")
