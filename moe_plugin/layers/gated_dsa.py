@@ -235,7 +235,12 @@ class GatedMLAAttention(nn.Module):
         offset = 0
         if context is not None:  # keys: the whole row up to this slice's end; queries: this slice
             need_index_keys = index_inputs is not None and (return_indexer_loss or not self.indexer_warmup)
-            latent, k_index = _gather_keys(context, latent, index_inputs[1] if need_index_keys else None)
+            # top-k alone takes no gradient: detached, the index keys' part of the gather's backward stays out
+            # of the indexer's parameters (None, as on one process, not zeros)
+            index_keys = None
+            if need_index_keys:
+                index_keys = index_inputs[1] if return_indexer_loss else index_inputs[1].detach()
+            latent, k_index = _gather_keys(context, latent, index_keys)
             if need_index_keys:
                 index_inputs = (index_inputs[0], k_index, index_inputs[2])
             offset = context.start

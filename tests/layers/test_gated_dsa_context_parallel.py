@@ -1,0 +1,137 @@
+"""GatedMLAAttention under context parallelism equals one process on the whole row.
+
+Each rank runs its contiguous slice of a packed row (gated_dsa_context_workers.py); the test process runs the
+whole row on one process with the same seed and compares: the output slices, the input gradient, every
+parameter gradient summed over the ranks, the indexer's top-k sets per query, and the indexer loss (the mean
+over the ranks of their local means). All cases of one world size run in one launch.
+
+Tolerance: fp32, norm-relative 1e-5. Both sides do the same math; only the order of sums differs (the slice's
+matmuls, the gradient sums over ranks), which for these sizes stays near ``tests.tolerances.chain_rel`` of a
+chain of a few hundred terms (about 1e-5; tests/tolerances.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_plugin.layers.gated_dsa import MLACache
+from moe_plugin.ops.context import ContextSlice
+from moe_plugin.testing.launch import resolve_function, run_distributed
+
+WORKERS = Path(__file__).with_name("gated_dsa_context_workers.py")
+REL = 1e-5
+TOTAL = 24
+
+# Document boundaries of the 24-token row (slices of 12 at CP 2, of 6 at CP 4):
+PACKED = (0, 2, 9, 12, 20, 24)  # [0, 2) and [20, 24) shorter than a slice, 12 a slice start, [2, 9) cut at CP 4
+CUT = (0, 5, 17, 24)  # [5, 17) cut by every slice boundary inside it
+SPANNING = (0, 1, 23, 24)  # one document across all ranks, packed between two short ones
+ONE = (0, TOTAL)  # the row is one document
+
+CASES = [
+    dict(name="dense_one_document", config=dict(use_indexer=False), offsets=ONE),
+    dict(name="dense_packed", config=dict(use_indexer=False), offsets=PACKED),
+    dict(name="dense_cut", config=dict(use_indexer=False, output_gate=False), offsets=CUT),
+    dict(name="sparse_packed", config=dict(index_topk=3), offsets=PACKED, loss=True),
+    dict(name="sparse_cut", config=dict(index_topk=4), offsets=CUT, loss=True),
+    dict(name="sparse_spanning", config=dict(index_topk=5), offsets=SPANNING, loss=True),
+    dict(name="sparse_one_document", config=dict(index_topk=3), offsets=ONE, loss=True, seed=3),
+    dict(name="sparse_without_loss", config=dict(index_topk=3), offsets=PACKED),
+    dict(name="warmup_packed", config=dict(index_topk=3), offsets=PACKED, warmup=True, loss=True),
+    dict(name="warmup_spanning", config=dict(index_topk=2), offsets=SPANNING, warmup=True, loss=True, seed=5),
+    dict(name="warmup_without_loss", config=dict(index_topk=3), offsets=CUT, warmup=True),
+]
+for _case in CASES:
+    _case["total"] = TOTAL
+
+
+def one_process(case):
+    return resolve_function(f"{WORKERS}:one_process")(case)
+
+
+def close(got, ref, what):
+    err = float((got - ref).norm())
+    assert err <= REL * float(ref.norm()), f"{what}: |diff| {err:.3g} vs |ref| {float(ref.norm()):.3g}"
+
+
+def topk_sets(indices):
+    """``[1, T, k]`` -> per query the sorted selected key positions (-1 = empty slot dropped)."""
+    return [sorted(i for i in q.tolist() if i >= 0) for q in indices[0]]
+
+
+def check(case, ranks):
+    name = case["name"]
+    ref = one_process(case)
+    assert [(r["start"], r["end"]) for r in ranks] == [
+        (i * TOTAL // len(ranks), (i + 1) * TOTAL // len(ranks)) for i in range(len(ranks))
+    ]
+    close(torch.cat([r["out"] for r in ranks], dim=1), ref["out"], f"{name} output")
+    close(torch.cat([r["x_grad"] for r in ranks], dim=1), ref["x_grad"], f"{name} input gradient")
+    for param, grad in ref["grads"].items():
+        got = [r["grads"][param] for r in ranks]
+        if grad is None:  # e.g. the indexer without its loss: no gradient, on every rank
+            assert all(g is None for g in got), f"{name} {param}: a gradient where one process has none"
+            continue
+        assert all(g is not None for g in got), f"{name} {param}: a rank without gradient"
+        close(torch.stack(got).sum(0), grad, f"{name} gradient of {param}")
+    indexer_grads = [g for p, g in ref["grads"].items() if p.startswith("indexer.")]
+    if case["config"].get("use_indexer", True):  # the indexer learns from its loss alone
+        assert all((g is not None) == bool(case.get("loss")) for g in indexer_grads), name
+    if ref["kl"] is None:
+        assert all(r["kl"] is None for r in ranks)
+    else:
+        kl = torch.stack([r["kl"] for r in ranks]).mean()
+        assert abs(float(kl - ref["kl"])) <= REL * abs(float(ref["kl"])), f"{name} indexer loss"
+    if ref["topk"] is None:
+        assert all(r["topk"] is None for r in ranks), f"{name}: top-k only on some side"
+        return
+    want = topk_sets(ref["topk"])
+    got = [s for r in ranks for s in topk_sets(r["topk"])]
+    assert got == want, f"{name}: top-k sets differ"
+    k = case["config"]["index_topk"]
+    assert any(len(s) == k for s in want) and any(len(s) < k for s in want)  # top-k bites, and runs short
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_context_parallel_equals_one_process(world_size):
+    results = run_distributed(f"{WORKERS}:run", world_size=world_size, timeout_s=300, cases=CASES)
+    for i, case in enumerate(CASES):
+        check(case, [rank[i] for rank in results])
+
+
+def _alone(total, offsets=None):
+    """A context of one rank (the gather is the identity): the whole row on one process."""
+    offsets = offsets or (0, total)
+    return ContextSlice(rank=0, size=1, total=total, offsets=offsets, gather=lambda x: x.unsqueeze(0))
+
+
+def test_context_of_one_rank_equals_no_context():
+    case = dict(config=dict(index_topk=3), offsets=PACKED, loss=True, total=TOTAL)
+    on_slice = resolve_function(f"{WORKERS}:on_slice")
+    got, ref = on_slice(case, _alone(TOTAL, PACKED)), one_process(case)
+    close(got["out"], ref["out"], "output")
+    close(got["x_grad"], ref["x_grad"], "input gradient")
+    close(got["kl"], ref["kl"], "indexer loss")
+    assert topk_sets(got["topk"]) == topk_sets(ref["topk"])
+
+
+def test_context_refuses_what_it_cannot_combine():
+    build = resolve_function(f"{WORKERS}:build")
+    attn = build(dict(config={}))
+    x = torch.randn(1, 8, 32)
+    context = _alone(8, (0, 3, 8))
+    for name, kw in (
+        ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 8]))),
+        ("cache", dict(cache=MLACache())),
+        ("token_mask", dict(token_mask=torch.ones(1, 8, dtype=torch.bool))),
+    ):
+        with pytest.raises(ValueError, match=name):
+            attn(x, context=context, **kw)
+    with pytest.raises(ValueError, match="hidden_states"):
+        attn(x[:, :4], context=context)  # not the slice's length
+    with pytest.raises(ValueError, match="batch size 1"):
+        attn(torch.randn(2, 8, 32), context=context)  # packed documents need batch 1
+    assert attn(torch.randn(2, 8, 32), context=_alone(8)).shape == (2, 8, 32)  # one document: any batch
