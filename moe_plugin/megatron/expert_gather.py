@@ -14,9 +14,9 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from ..expert_adapters import stitch_experts
+from ..expert_adapters import adapter_factor, stitch_experts
 
-__all__ = ["all_gather_expert_parts", "all_gather_expert_stack", "all_gather_expert_adapter"]
+__all__ = ["all_gather_expert_parts", "all_gather_expert_stack", "all_gather_expert_adapter", "all_gather_expert"]
 
 
 def _expert_group():
@@ -43,3 +43,12 @@ def all_gather_expert_adapter(value: torch.Tensor, factor: str, r: int, group=No
     """One factor of this rank's rank-``r`` expert adapter (``lora_A [r*E_local, in]`` for factor "A",
     ``lora_B [out, r*E_local]`` for "B") -> the whole ``[r*E, in]`` / ``[out, r*E]`` (``stitch_experts``)."""
     return stitch_experts(all_gather_expert_parts(value, group), factor, r)
+
+
+def all_gather_expert(name: str, value: torch.Tensor, r: int, group=None) -> torch.Tensor:
+    """The value of expert parameter ``name`` made whole: an expert adapter's factor (``adapter_factor(name)``)
+    by ``all_gather_expert_adapter`` with LoRA rank ``r``, a base expert stack by ``all_gather_expert_stack``."""
+    factor = adapter_factor(name)
+    if factor is None:
+        return all_gather_expert_stack(value, group)
+    return all_gather_expert_adapter(value, factor, r, group)

@@ -141,15 +141,20 @@ def _load_local_experts(
     run_reads(plan, named, targets, lambda f: safe_open(f, framework="pt"), LoadStats())
 
 
-def _parallelize_hf_layers(model: nn.Module, layout: ParallelLayout, checkpoint: Optional[str]) -> None:
-    """Every ``StableLatentMoE`` of a Hugging Face model becomes an ``ExpertParallelMoE`` holding this rank's
-    experts (module docstring)."""
+def refuse_peft_model(model: nn.Module) -> None:
+    """Expert parallelism comes before ``get_peft_model``: the expert adapters are made for this rank's experts."""
     require(
         not hasattr(model, "peft_config"),
         "model",
-        "already has peft adapters; apply expert parallelism "
+        "already has peft adapters; apply expert parallelism (parallelize_experts) "
         "before get_peft_model, so that the expert adapters are made for this rank's experts",
     )
+
+
+def _parallelize_hf_layers(model: nn.Module, layout: ParallelLayout, checkpoint: Optional[str]) -> None:
+    """Every ``StableLatentMoE`` of a Hugging Face model becomes an ``ExpertParallelMoE`` holding this rank's
+    experts (module docstring)."""
+    refuse_peft_model(model)
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, StableLatentMoE)]
     require(bool(layers), "model", "has no StableLatentMoE layer to parallelize")
     from ..megatron.specs import transformer_config

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import require
-from .expert_parallel import ExpertParallelMoE, apply_expert_parallel, expert_parallel_size
+from .expert_parallel import ExpertParallelMoE, apply_expert_parallel, expert_parallel_size, refuse_peft_model
 from .layout import ParallelLayout, started_layout
 
 __all__ = [
@@ -47,12 +47,7 @@ def parallelize_experts(
     """
     from .distributed import prepare_device, prepared_device
 
-    require(
-        not hasattr(model, "peft_config"),
-        "model",
-        "already has peft adapters; call parallelize_experts "
-        "before get_peft_model, so that the expert adapters are made for this rank's experts",
-    )
+    refuse_peft_model(model)  # before any group starts
     require(
         dist.is_available() and dist.is_initialized(),
         "torch.distributed",
@@ -112,20 +107,19 @@ def whole_experts(model: nn.Module, tensors: Dict[str, torch.Tensor]) -> Dict[st
     gradients) with every expert adapter all-gathered over the expert-parallel group into the full ``E``
     stacking; the rest as given. Collective at EP > 1."""
     from ..expert_adapters import adapter_factor
-    from ..megatron.expert_gather import all_gather_expert_adapter
+    from ..megatron.expert_gather import all_gather_expert
 
     ep, params = expert_parallel_size(model), dict(model.named_parameters())
     out = {}
     for n, value in tensors.items():
         if ep > 1 and getattr(params[n], "allreduce", True) is False:
-            factor = adapter_factor(n)
             require(
-                factor is not None,
+                adapter_factor(n) is not None,
                 "model",
                 f"{n} carries the expert mark but is not an expert adapter "
                 "(experts...lora_A/lora_B); only prepare_expert_adapters should mark parameters",
             )
-            value = all_gather_expert_adapter(value, factor, _lora_rank(model, n))
+            value = all_gather_expert(n, value, _lora_rank(model, n))
         out[n] = value
     return out
 

@@ -77,10 +77,9 @@ def _whole_experts(name: str, p: nn.Parameter, value: torch.Tensor, ep: int, r: 
     """``value`` of an expert parameter, all-gathered over the expert-parallel group (collective at EP > 1)."""
     if ep == 1 or not is_expert_parameter(p):
         return value
-    from ..megatron.expert_gather import all_gather_expert_adapter, all_gather_expert_stack
+    from ..megatron.expert_gather import all_gather_expert
 
-    factor = adapter_factor(name)
-    return all_gather_expert_stack(value) if factor is None else all_gather_expert_adapter(value, factor, r)
+    return all_gather_expert(name, value, r)
 
 
 def gather_trainable(module: nn.Module, optimizer, layout, r: int, buffers=()) -> Dict[str, torch.Tensor]:

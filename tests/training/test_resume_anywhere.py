@@ -149,7 +149,10 @@ def test_the_layout_free_state_names_every_adapter_with_its_moments_whole(runs):
         assert one[name].shape == four[name].shape, name  # whole at EP 2 too: the expert adapters all-gathered
     with open(f"{tmp_four}/checkpoints/step-00000002/trainable.json") as f:
         meta = json.load(f)
-    assert meta["layout"] == {"world": 4, "expert": 2, "data": 4, "global_batch": 4} and meta["adam_step"] == 2
+    assert (
+        meta["layout"] == {"world": 4, "expert": 2, "context": 1, "data": 4, "global_batch": 4}
+        and meta["adam_step"] == 2
+    )
 
 
 def test_a_resume_that_changes_the_global_batch_is_refused_naming_the_field(runs, tmp_path):
@@ -164,7 +167,7 @@ def test_a_resume_that_changes_the_global_batch_is_refused_naming_the_field(runs
     with pytest.raises(
         ValueError,
         match=r"output_dir: schedule\.micro_batch_size x schedule\."
-        r"gradient_accumulation_steps x 1 processes is 2 rows a step, but "
+        r"gradient_accumulation_steps x 1 data-parallel ranks is 2 rows a step, but "
         r"checkpoint step 2 was written with 4 \(1 processes\)",
     ):
         train(recipe_from_dict(recipe))
