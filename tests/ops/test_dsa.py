@@ -271,7 +271,9 @@ def test_kl_loss_zero_when_distributions_match_and_gradient_finite():
 # ---- bad input --------------------------------------------------------------------------------------------
 
 
-def test_bad_inputs_name_the_argument():
+def test_bad_inputs_name_the_argument(monkeypatch):
+    # value checks (index range, repeated keys, cu_seqlens' offsets) run only in debug mode, so it is on here
+    monkeypatch.setenv("MOE_PLUGIN_DEBUG_CHECKS", "1")
     q, k, v = qkv(B=1, T=6, dtype=torch.float32)
     qi, ki, w = index_inputs(B=1, T=6, dtype=torch.float32)
     idx = indexer_topk(qi, ki, w, 2)

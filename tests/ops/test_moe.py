@@ -388,6 +388,8 @@ def test_document_weights_count_the_scored_labels_of_each_document():
         (lambda: document_weights(torch.zeros(1, 4, dtype=torch.long), torch.tensor([0, 2, 3])), "cu_seqlens"),
     ],
 )
-def test_document_balance_refuses_bad_arguments(call, name):
+def test_document_balance_refuses_bad_arguments(call, name, monkeypatch):
+    # the document-id range and cu_seqlens' offsets are value checks: debug mode only
+    monkeypatch.setenv("MOE_PLUGIN_DEBUG_CHECKS", "1")
     with pytest.raises(ValueError, match=name):
         call()

@@ -85,8 +85,10 @@ def test_tiny_model_reads_per_kind():
     assert per_kind["trainer"] == 0
     # KDA: one ``bool(safe.all())`` per layer (ops/kda/intra.py picks the factorised form), 3 KDA layers
     assert per_kind["kda"] == 3
-    # MLA: ops/dsa/attention.py's block loop reads (1 bool + 4 int) and check_ids' aminmax (2 calls x 2 ints)
-    assert per_kind["mla"] == 9
+    # MLA: one read per sparse_attention call, its block spans (ops/dsa/attention.py's _block_spans); no
+    # cu_seqlens here, and the index range and repeated-key checks read nothing unless MOE_PLUGIN_DEBUG_CHECKS=1
+    assert per_kind["mla"] == 1
+    assert counts.detail()[("mla", "tolist")] == 1
     # MoE, 3 layers: per layer permute's bincount (ops/moe/permute.py; it reads the maximum on a GPU) and
     # grouped_glu's tokens_per_expert sum and min checks (ops/moe/experts.py); permute's and unpermute's id
     # range checks read nothing unless MOE_PLUGIN_DEBUG_CHECKS=1 (then 4 more per layer)

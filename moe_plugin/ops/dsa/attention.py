@@ -10,18 +10,32 @@ is a GEMM and every elementwise pass but a zero fill is O(k). Transient memory p
 
 The autograd Function saves only q, k, v, the output and the log-sum-exp, and recomputes each block's
 probabilities in backward (as flash attention does), so neither pass ever holds ``T x S`` scores.
+
+Host reads (issue 24): the block loop's bounds are host ints. Sparse attention finds every block's span with
+one reduction over the indices and one read per call (shared by forward and backward); dense causal attention
+derives its spans from the shapes (none), or reads cu_seqlens once per call with packed sequences. Value
+checks (index range, repeated keys) run only with ``MOE_PLUGIN_DEBUG_CHECKS=1``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from ..checks import check_ids, check_same_dtype, check_tensor
-from .masks import check_key_mask, check_positions, key_segments, visible_mask, visible_range, visible_keys
+from ..checks import check_ids_in_debug, check_same_dtype, check_tensor
+from ..debug import debug_checks
+from .masks import (
+    check_key_mask,
+    check_positions,
+    key_segments,
+    sequence_starts,
+    visible_keys,
+    visible_mask,
+    visible_range,
+)
 
 DEFAULT_BLOCK = 64
 DEFAULT_KEY_CHUNK = 8192
@@ -182,26 +196,48 @@ class _BlockedAttention(torch.autograd.Function):
 def check_indices(indices: torch.Tensor, batch: int, num_queries: int, num_keys: int) -> None:
     """indices: ``[batch, num_queries, k]`` int32/int64 key positions in ``[0, num_keys)``, ``-1`` = empty slot.
 
-    Repeats are not checked here (that would cost a sort); sparse_attention's plan rejects them per block.
+    The shape and dtype always; the range only with ``MOE_PLUGIN_DEBUG_CHECKS=1`` (a host read). Repeats are
+    not checked here (that would cost a sort); sparse_attention's plan rejects them per block in debug mode.
     """
     check_tensor("indices", indices, shape=(batch, num_queries, None))
-    check_ids("indices", indices, -1, num_keys, "key positions (-1 = empty slot)")
+    check_ids_in_debug("indices", indices, -1, num_keys, "key positions (-1 = empty slot)")
 
 
-def _selection_plan(indices: torch.Tensor) -> KeyPlan:
-    """Per block: the span from the smallest to the largest selected key, and each selection's column in it."""
+def _block_spans(indices: torch.Tensor, block: int) -> List[List[Tuple[int, int]]]:
+    """``[B][ceil(T / block)]`` spans ``(lo, hi)`` of the keys each block of queries selects (``hi <= lo``: none),
+    all found with one reduction and brought to the host with one read: the only host read of a call."""
+    B, T, k = indices.shape
+    nb = -(-T // block)
+    if T == 0 or k == 0:
+        return [[(0, 0)] * nb for _ in range(B)]
+    pad = nb * block - T
+    idx = torch.nn.functional.pad(indices, (0, 0, 0, pad), value=-1) if pad else indices
+    blocks = idx.reshape(B, nb, block * k)
+    hi = blocks.amax(-1) + 1  # 0 for a block without a selection
+    lo = torch.where(blocks >= 0, blocks, torch.iinfo(blocks.dtype).max).amin(-1)
+    return [[(lo_, hi_) for lo_, hi_ in row] for row in torch.stack([lo, hi], -1).tolist()]
+
+
+def _selection_plan(indices: torch.Tensor, block: int) -> KeyPlan:
+    """Per block: the span from the smallest to the largest selected key, and each selection's column in it.
+
+    The spans come from ``_block_spans`` once per call (forward and backward share them); everything per block
+    stays on the device. With ``MOE_PLUGIN_DEBUG_CHECKS=1`` a repeated key in a query's row is refused."""
     indices = indices.long()
+    spans = _block_spans(indices, block)
+    check_repeats = debug_checks()
 
     def plan(b: int, t0: int, t1: int) -> BlockKeys:
         idx = indices[b, t0:t1]  # [Bq, k]
-        valid = idx >= 0
-        if not bool(valid.any()):
+        lo, hi = spans[b][t0 // block]
+        if hi <= lo:
             return BlockKeys(0, 0, pos=idx)
-        lo, hi = int(idx.masked_fill(~valid, idx.max()).min()), int(idx.max()) + 1
+        valid = idx >= 0
         pos = torch.where(valid, idx - lo, hi - lo)
-        seen = torch.zeros(idx.shape[0], hi - lo + 1, dtype=torch.bool, device=idx.device).scatter_(1, pos, True)
-        if int(seen[:, :-1].sum()) != int(valid.sum()):
-            raise ValueError(f"indices: a query of rows {t0}..{t1 - 1} (batch {b}) selects a key twice")
+        if check_repeats:
+            seen = torch.zeros(idx.shape[0], hi - lo + 1, dtype=torch.bool, device=idx.device).scatter_(1, pos, True)
+            if int(seen[:, :-1].sum()) != int(valid.sum()):
+                raise ValueError(f"indices: a query of rows {t0}..{t1 - 1} (batch {b}) selects a key twice")
         return BlockKeys(lo, hi, pos=pos)
 
     return plan
@@ -229,7 +265,7 @@ def sparse_attention(
     _check_positive("block_size", block_size)
     _check_positive("key_chunk", key_chunk)
     check_indices(indices, q.shape[0], q.shape[1], k.shape[1])
-    return _BlockedAttention.apply(q, k, v, float(scale), block_size, key_chunk, _selection_plan(indices))
+    return _BlockedAttention.apply(q, k, v, float(scale), block_size, key_chunk, _selection_plan(indices, block_size))
 
 
 def dense_causal_attention(
@@ -256,9 +292,10 @@ def dense_causal_attention(
     check_positions(query_offset, q.shape[0], q.shape[1], S, cu_seqlens)
     check_key_mask(key_mask, q.shape[0], S)
     segments = key_segments(cu_seqlens, S, q.device)
+    starts = sequence_starts(cu_seqlens)  # the call's one host read, with packed sequences only
 
     def plan(b: int, t0: int, t1: int):
-        lo, hi = visible_range(t0, t1, S, query_offset, cu_seqlens)
+        lo, hi = visible_range(t0, t1, S, query_offset, starts)
         allowed = visible_mask(t0, t1, lo, hi, query_offset, segments, q.device)
         if key_mask is not None:
             allowed &= key_mask[b, lo:hi].to(q.device)

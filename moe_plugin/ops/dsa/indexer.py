@@ -13,7 +13,15 @@ from typing import Optional
 import torch
 
 from ..checks import check_same_dtype, check_tensor
-from .masks import check_key_mask, check_positions, key_segments, visible_mask, visible_range, visible_keys
+from .masks import (
+    check_key_mask,
+    check_positions,
+    key_segments,
+    sequence_starts,
+    visible_keys,
+    visible_mask,
+    visible_range,
+)
 
 DEFAULT_QUERY_BLOCK = 256
 # Keys scored at a time inside a query block: keeps the per-head [block, H_I, chunk] ReLU terms small
@@ -113,11 +121,12 @@ def indexer_topk(
     check_positions(query_offset, B, T, S, cu_seqlens)
     check_key_mask(key_mask, B, S)
     segments = key_segments(cu_seqlens, S, q_index.device)
+    starts = sequence_starts(cu_seqlens)  # the call's one host read, with packed sequences only
     k_out = min(topk, S)
     out = torch.full((B, T, k_out), -1, dtype=torch.int64, device=q_index.device)
     for t0 in range(0, T, block_size):
         t1 = min(T, t0 + block_size)
-        lo, hi = visible_range(t0, t1, S, query_offset, cu_seqlens)
+        lo, hi = visible_range(t0, t1, S, query_offset, starts)
         if hi <= lo:
             continue
         mask = visible_mask(t0, t1, lo, hi, query_offset, segments, q_index.device)
@@ -137,27 +146,22 @@ def _topk_latest_on_ties(scores: torch.Tensor, take: int) -> torch.Tensor:
     torch.topk breaks ties in no promised order, and ties are common here (ReLU makes many scores exactly 0).
     A fixed rule that depends only on the keys' order keeps the choice the same wherever a row's keys start,
     e.g. for a left-padded row and the same prompt alone.
+
+    One top-k over the pairs (score, column) in lexicographic order, with no host read: a float32 score's bits
+    as an order-preserving int32 in the high half of an int64, the column in the low half (fp16 / bf16 widen
+    to float32 exactly). Other dtypes (float64) take a stable sort of the reversed row instead.
     """
     n = scores.shape[-1]
     if take >= n:  # every key is chosen: nothing to break
         return scores.topk(take, dim=-1, sorted=False).indices
-    # One extra slot tells whether a row is ambiguous at all: only where the (k+1)-th score equals the k-th
-    # (and is finite: a tie at -inf fills slots that become -1 anyway) do tied keys compete for slots.
-    values, idx = scores.topk(take + 1, dim=-1, sorted=False)
-    low, low_at = values.min(-1, keepdim=True)
-    keep = torch.ones_like(idx, dtype=torch.bool).scatter_(-1, low_at, False)
-    best = idx[keep].view(idx.shape[0], take)  # the top k, the (k+1)-th dropped
-    ambiguous = ((values == low).sum(-1) > 1) & (low.squeeze(-1) > -math.inf)
-    if not bool(ambiguous.any()):
-        return best
-    rows = ambiguous.nonzero().squeeze(-1)
-    sub = scores[rows]
-    kth = sub.topk(take, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-    above, tied = sub > kth, sub == kth
-    tied_from_end = tied.flip(-1).cumsum(-1).flip(-1)  # tied keys at this column or later
-    chosen = above | (tied & (tied_from_end <= take - above.sum(-1, keepdim=True)))
-    best[rows] = chosen.to(sub.dtype).topk(take, dim=-1, sorted=False).indices  # exactly `take` per row
-    return best
+    if scores.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, equal scores equal bits
+        ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # negative floats: order reversed
+        keys = (ordered << 32) | torch.arange(n, device=scores.device)
+        return keys.topk(take, dim=-1, sorted=False).values & 0xFFFFFFFF
+    # A stable sort keeps tied entries in order; on the reversed row the first of them is the latest key.
+    first = scores.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :take]
+    return (n - 1) - first
 
 
 def _block_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_chunk: int) -> torch.Tensor:

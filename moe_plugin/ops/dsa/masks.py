@@ -4,12 +4,15 @@ optionally, a per-key mask (keys at padded positions of a left-padded batch are 
 Query ``t`` of a call sits at absolute position ``query_offset + t``; key ``s`` at position ``s``. With
 ``cu_seqlens`` (flash-linear-attention's packed layout, batch 1) a key is visible only to queries of the same
 packed sequence; the boundaries are given over key positions ``0 .. S``.
+
+Host reads (issue 24): none without ``cu_seqlens``; with it, an op reads the boundaries once per call
+(``sequence_starts``) to skip the keys of earlier sequences block by block, and builds its masks on the device.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -38,14 +41,17 @@ def key_segments(cu_seqlens: Optional[torch.Tensor], num_keys: int, device) -> O
     return torch.bucketize(positions, cu_seqlens[1:].to(device=device, dtype=torch.int64), right=True)
 
 
-def visible_range(
-    t0: int, t1: int, num_keys: int, query_offset: int, cu_seqlens: Optional[torch.Tensor]
-) -> Tuple[int, int]:
-    """Smallest key span ``[lo, hi)`` holding every key visible to queries ``t0 .. t1-1`` (may be empty)."""
+def sequence_starts(cu_seqlens: Optional[torch.Tensor]) -> Optional[List[int]]:
+    """cu_seqlens as host ints (the one host read of a call that has packed sequences), or ``None``."""
+    return None if cu_seqlens is None else cu_seqlens.tolist()
+
+
+def visible_range(t0: int, t1: int, num_keys: int, query_offset: int, starts: Optional[List[int]]) -> Tuple[int, int]:
+    """Smallest key span ``[lo, hi)`` holding every key visible to queries ``t0 .. t1-1`` (may be empty);
+    starts: ``sequence_starts(cu_seqlens)``. Host ints only: reads nothing."""
     hi = min(num_keys, query_offset + t1)
     lo = 0
-    if cu_seqlens is not None:  # keys before the first query's own sequence are hidden from the whole block
-        starts = cu_seqlens.tolist()
+    if starts is not None:  # keys before the first query's own sequence are hidden from the whole block
         lo = min(hi, starts[bisect.bisect_right(starts, query_offset + t0) - 1])
     return lo, hi
 

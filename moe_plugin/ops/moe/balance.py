@@ -11,7 +11,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ..checks import check_cu_seqlens, check_ids, check_tensor
+from ..checks import check_cu_seqlens, check_ids_in_debug, check_tensor
 
 
 def expert_load(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -19,7 +19,7 @@ def expert_load(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     check_tensor("indices", indices)
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts: expected a positive integer, got {num_experts!r}")
-    check_ids("indices", indices, 0, num_experts, "expert ids")
+    check_ids_in_debug("indices", indices, 0, num_experts, "expert ids")
     return torch.bincount(indices.reshape(-1).long(), minlength=num_experts)
 
 
@@ -78,7 +78,7 @@ def sequence_aux_loss(scores: torch.Tensor, indices: torch.Tensor, alpha: float)
     check_tensor("scores", scores, ndim=3, floating=True)
     b, t, e = scores.shape
     check_tensor("indices", indices, shape=(b, t, None))
-    check_ids("indices", indices, 0, e, "expert ids")
+    check_ids_in_debug("indices", indices, 0, e, "expert ids")
     k = indices.shape[2]
     counts = torch.zeros(b, e, device=scores.device, dtype=torch.float32)
     counts.scatter_add_(1, indices.reshape(b, -1).long(), torch.ones(b, t * k, device=scores.device))
@@ -127,7 +127,10 @@ def document_weights(
     scored = (labels.reshape(-1) != -100) & ~first
     num_docs = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else b
     counts = torch.zeros(num_docs, dtype=torch.float32, device=labels.device).index_add_(0, doc, scored.float())
-    total = float(counts.sum()) if num_items is None else float(num_items)
+    if num_items is None:  # on the device: no host read
+        total = counts.sum()
+        return doc, counts / torch.where(total > 0, total, torch.ones_like(total))
+    total = float(num_items)
     return doc, counts / (total if total > 0 else 1.0)
 
 
@@ -158,16 +161,21 @@ def document_balance(
     check_tensor("doc_ids", doc_ids, shape=(n,))
     if not isinstance(num_docs, int) or num_docs < 0:
         raise ValueError(f"num_docs: expected a non-negative integer, got {num_docs!r}")
-    check_ids("doc_ids", doc_ids, -1, num_docs, "document ids (-1: not counted)")
-    check_ids("indices", indices, 0, e, "expert ids")
+    check_ids_in_debug("doc_ids", doc_ids, -1, num_docs, "document ids (-1: not counted)")
+    check_ids_in_debug("indices", indices, 0, e, "expert ids")
     k = indices.shape[1]
-    keep = doc_ids >= 0
-    s, idx, doc = scores.float()[keep], indices[keep].long(), doc_ids[keep].long()
-    tokens = torch.zeros(num_docs, device=s.device).index_add_(0, doc, torch.ones_like(doc, dtype=torch.float32))
+    # Tokens that do not count (doc -1) are added into document 0 with weight 0 rather than dropped by a
+    # boolean index (a data-dependent shape: a host read); with num_docs 0 nothing counts and nothing is added.
+    keep = (doc_ids >= 0).float()
+    s, idx, doc = scores.float(), indices.long(), doc_ids.long().clamp_min(0)
+    if num_docs == 0:
+        keep, idx, doc = keep[:0], idx[:0], doc[:0]
+        s = s[:0]
+    tokens = torch.zeros(num_docs, device=s.device).index_add_(0, doc, keep)
     counts = torch.zeros(num_docs * e, device=s.device)
-    counts.index_add_(0, (doc.unsqueeze(1) * e + idx).reshape(-1), torch.ones(idx.numel(), device=s.device))
+    counts.index_add_(0, (doc.unsqueeze(1) * e + idx).reshape(-1), keep.unsqueeze(1).expand(-1, k).reshape(-1))
     share = s / s.sum(-1, keepdim=True).clamp_min(1e-30)  # the row's probabilities (a saturated row stays finite)
-    p = torch.zeros(num_docs, e, device=s.device).index_add(0, doc, share)
+    p = torch.zeros(num_docs, e, device=s.device).index_add(0, doc, share * keep.unsqueeze(1))
     if combine is not None:
         stats = combine(torch.cat([tokens.unsqueeze(1), counts.view(num_docs, e), p], dim=1))
         tokens, counts, p = stats[:, 0], stats[:, 1 : e + 1].reshape(-1), stats[:, e + 1 :]
