@@ -5,12 +5,19 @@ qk 32 + 16, v 32, 4 index heads of 32, top-k 512, fp32, N(0, 0.02) weights) on t
 rotary embeddings and ``o_proj`` INCLUDED in both. Only the attention core differs: transformers scores the
 indexer over a dense ``T x T`` mask, folds the top-k into that mask and runs eager attention; ours calls
 ``indexer_topk`` and ``sparse_attention`` on the same q/k/v and index tensors. ``check_same_output`` shows
-that both compute the same function. Run ``python -m benchmarks.ops_dsa`` (the lead's size is T = 8192).
+that both compute the same function. Run ``python -m benchmarks.ops_dsa`` (the lead's size is T = 8192);
+``--baseline REV`` also times the op of an earlier commit (its ``moe_plugin`` from ``git archive``) in the same
+run, side by side, and the host reads of one step of ours are counted (moe_plugin/training/metrics/host_reads.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable, List
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Callable, List, Optional
 
 import torch
 
@@ -106,8 +113,17 @@ def hf_step(T: int = 8192, implementation: str = "eager"):
     return _step(lambda: layer(x, pos, mask)[0], list(layer.parameters()))
 
 
-def ours_step(T: int = 8192):
-    """The same layer and weights with our indexer_topk + sparse_attention core."""
+def _use_moe_plugin_from(root: str) -> None:
+    """Import ``moe_plugin`` from ``root`` (a baseline's tree) instead of this checkout's, in this process."""
+    if any(name == "moe_plugin" or name.startswith("moe_plugin.") for name in sys.modules):
+        raise RuntimeError("moe_plugin is already imported: a baseline needs a fresh process")
+    sys.path.insert(0, root)
+
+
+def ours_step(T: int = 8192, root: Optional[str] = None):
+    """The same layer and weights with our indexer_topk + sparse_attention core (root: a baseline's tree)."""
+    if root is not None:
+        _use_moe_plugin_from(root)
     layer, rotary = _hf_layer()
     x, (cos, sin) = _inputs(T, rotary)
     return _step(lambda: ours_forward(layer, x, cos, sin), list(layer.parameters()))
@@ -123,7 +139,36 @@ def check_same_output(T: int = 256) -> float:
     return float((ours - ref).norm() / ref.norm())
 
 
-def main(threads: int = 2, iters: int = 3, T: int = 8192) -> List[str]:
+def host_reads_per_step(T: int) -> dict:
+    """Host reads of one forward+backward of ours at length T, by call (``{"tolist": 1}``, say)."""
+    from torch import nn
+
+    from moe_plugin.training.metrics.host_reads import count_host_reads
+
+    step = ours_step(T)
+    with count_host_reads(nn.Identity()) as counts:
+        step()
+    return {call: n for (_, call), n in sorted(counts.detail().items())}
+
+
+def _archive(rev: str, into: str) -> str:
+    """``moe_plugin`` of commit ``rev`` under ``into``; returns ``into``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tar = subprocess.run(["git", "archive", rev, "moe_plugin"], cwd=root, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", into], input=tar, check=True)
+    return into
+
+
+def _vs_line(label: str, ours: dict, hf: dict, T: int, err: float, check_T: int) -> str:
+    return (
+        f"dsa sparse{label} vs transformers deepseek_v32: {hf['seconds'] / ours['seconds']:.1f}x faster, memory "
+        f"{ours['peak_mib'] / max(hf['peak_mib'], 1e-9):.2f}x (ours {ours['seconds']:.2f} s +{ours['peak_mib']:.0f} "
+        f"MiB, transformers eager {hf['seconds']:.2f} s +{hf['peak_mib']:.0f} MiB; T {T}, forward+backward fp32, "
+        f"projections included in both, top-k {SHAPE['topk']}, outputs agree to {err:.1e} at T {check_T})"
+    )
+
+
+def main(threads: int = 2, iters: int = 3, T: int = 8192, baseline: Optional[str] = None) -> List[str]:
     from benchmarks.harness import machine_line, run_variant
 
     # Beyond top-k, keys whose ReLU index scores are all exactly 0 tie, and the two top-k calls break those
@@ -133,22 +178,41 @@ def main(threads: int = 2, iters: int = 3, T: int = 8192) -> List[str]:
     if err > 1e-4:
         raise RuntimeError(f"ours and transformers disagree: relative difference {err:.2e}")
     res = {}
-    for key, target in (("ours", "benchmarks.ops_dsa:ours_step"), ("hf", "benchmarks.ops_dsa:hf_step")):
-        res[key] = run_variant(target, threads=threads, iters=iters, T=T)
-        if "error" in res[key]:
-            raise RuntimeError(f"{key}: {res[key]['error']}")
+    with tempfile.TemporaryDirectory() as tmp:
+        variants = [("ours", "benchmarks.ops_dsa:ours_step", {})]
+        if baseline is not None:
+            variants.append(("base", "benchmarks.ops_dsa:ours_step", {"root": _archive(baseline, tmp)}))
+        variants.append(("hf", "benchmarks.ops_dsa:hf_step", {}))
+        for key, target, extra in variants:
+            res[key] = run_variant(target, threads=threads, iters=iters, T=T, **extra)
+            if "error" in res[key]:
+                raise RuntimeError(f"{key}: {res[key]['error']}")
     ours, hf = res["ours"], res["hf"]
-    lines = [
-        machine_line(threads),
-        f"dsa sparse vs transformers deepseek_v32: {hf['seconds'] / ours['seconds']:.1f}x faster, memory "
-        f"{ours['peak_mib'] / max(hf['peak_mib'], 1e-9):.2f}x (ours {ours['seconds']:.2f} s +{ours['peak_mib']:.0f} "
-        f"MiB, transformers eager {hf['seconds']:.2f} s +{hf['peak_mib']:.0f} MiB; T {T}, forward+backward fp32, "
-        f"projections included in both, top-k {SHAPE['topk']}, outputs agree to {err:.1e} at T {check_T})",
-    ]
+    reads = host_reads_per_step(T)
+    lines = [machine_line(threads), _vs_line("", ours, hf, T, err, check_T)]
+    if baseline is not None:
+        base = res["base"]
+        lines.append(_vs_line(f" at {baseline}", base, hf, T, err, check_T))
+        lines.append(
+            f"dsa sparse, this tree vs {baseline}: {base['seconds'] / ours['seconds']:.2f}x faster, memory "
+            f"{ours['peak_mib'] / max(base['peak_mib'], 1e-9):.2f}x (this tree {ours['seconds']:.2f} s "
+            f"+{ours['peak_mib']:.0f} MiB, {baseline} {base['seconds']:.2f} s +{base['peak_mib']:.0f} MiB)"
+        )
+    listed = ", ".join(f"{call} {n}" for call, n in reads.items()) or "none"
+    lines.append(
+        f"dsa host reads per forward+backward (indexer_topk + sparse_attention, T {T}): {sum(reads.values())} "
+        f"({listed})"
+    )
     for line in lines:
         print(line)
     return lines
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--T", type=int, default=8192)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--baseline", default=None, help="a commit whose moe_plugin is timed side by side")
+    args = parser.parse_args()
+    main(threads=args.threads, iters=args.iters, T=args.T, baseline=args.baseline)

@@ -155,9 +155,15 @@ def _topk_latest_on_ties(scores: torch.Tensor, take: int) -> torch.Tensor:
     if take >= n:  # every key is chosen: nothing to break
         return scores.topk(take, dim=-1, sorted=False).indices
     if scores.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, equal scores equal bits
-        ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # negative floats: order reversed
-        keys = (ordered << 32) | torch.arange(n, device=scores.device)
+        # + 0.0: -0.0 becomes +0.0 (equal scores, equal bits); a copy, so the steps below work in place
+        x = scores.add(0.0) if scores.dtype == torch.float32 else scores.float().add_(0.0)
+        bits = x.view(torch.int32)
+        ordered = bits >> 31  # -1 for a negative float, else 0
+        ordered &= 0x7FFFFFFF
+        ordered ^= bits  # negative floats: every bit but the sign flipped, so their order reverses
+        keys = ordered.to(torch.int64)
+        keys <<= 32
+        keys |= torch.arange(n, device=scores.device)
         return keys.topk(take, dim=-1, sorted=False).values & 0xFFFFFFFF
     # A stable sort keeps tied entries in order; on the reversed row the first of them is the latest key.
     first = scores.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :take]
