@@ -153,7 +153,7 @@ class _BlockedAttention(torch.autograd.Function):
                         if kept is not None
                         else ch.scores(torch.matmul(q_blk, k_t[:, c0 : c0 + ch.width].transpose(1, 2)))
                     )
-                    o += torch.matmul(ch.place(sc.sub_(shift).exp_()), v_t[:, c0 : c0 + ch.width])
+                    o.baddbmm_(ch.place(sc.sub_(shift).exp_()), v_t[:, c0 : c0 + ch.width])
                 out[b, t0:t1] = o.transpose(0, 1)
                 lse[b, t0:t1] = lse_blk.squeeze(-1).transpose(0, 1)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -184,9 +184,9 @@ class _BlockedAttention(torch.autograd.Function):
                     p = ch.scores(torch.matmul(q_blk, k_t[:, span].transpose(1, 2))).sub_(shift).exp_()
                     dp = ch.select(torch.matmul(do_blk, v_t[:, span].transpose(1, 2)))
                     ds = ch.place(dp.sub_(delta_blk).mul_(p))
-                    dq_t[:, t0:t1] += torch.matmul(ds, k_t[:, span])
-                    dk_t[:, span] += torch.matmul(ds.transpose(1, 2), q_blk)
-                    dv_t[:, span] += torch.matmul(ch.place(p).transpose(1, 2), do_blk)
+                    dq_t[:, t0:t1].baddbmm_(ds, k_t[:, span])
+                    dk_t[:, span].baddbmm_(ds.transpose(1, 2), q_blk)
+                    dv_t[:, span].baddbmm_(ch.place(p).transpose(1, 2), do_blk)
             dq[b] = dq_t.transpose(0, 1) * scale
             dk[b] = dk_t.transpose(0, 1)
             dv[b] = dv_t.transpose(0, 1)

@@ -171,14 +171,22 @@ def _topk_latest_on_ties(scores: torch.Tensor, take: int) -> torch.Tensor:
 
 
 def _block_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_chunk: int) -> torch.Tensor:
-    """``[Bq, n]`` index scores of queries q ``[Bq, H_I, D_I]`` (weights w ``[Bq, H_I]``) on keys k ``[n, D_I]``."""
-    Bq, Hi, Di = q.shape
+    """``[Bq, n]`` index scores of queries q ``[Bq, H_I, D_I]`` (weights w ``[Bq, H_I]``) on keys k ``[n, D_I]``.
+
+    One GEMM per index head and chunk of keys, summed into the scores with ``addcmul_`` in head order, as
+    ``indexer_scores`` sums them (a batched ``[1, H_I] @ [H_I, c]`` product per query is a slow GEMV on a CPU).
+    """
+    Bq, Hi, _ = q.shape
     n = k.shape[0]
     scores = q.new_empty(Bq, n)
-    q_flat = q.reshape(Bq * Hi, Di)
-    w_row = w.unsqueeze(1)  # [Bq, 1, H_I]: the head sum as a batched product
+    kt = k.t()
     for c0 in range(0, n, key_chunk):
         c1 = min(n, c0 + key_chunk)
-        per_head = torch.relu_(torch.matmul(q_flat, k[c0:c1].t())).view(Bq, Hi, c1 - c0)
-        scores[:, c0:c1] = torch.bmm(w_row, per_head).squeeze(1)
+        out = scores[:, c0:c1]
+        for j in range(Hi):
+            r = torch.relu_(torch.matmul(q[:, j], kt[:, c0:c1]))
+            if j == 0:
+                out.copy_(r.mul_(w[:, j, None]))
+            else:
+                out.addcmul_(r, w[:, j, None])
     return scores
