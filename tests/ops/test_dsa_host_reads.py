@@ -42,18 +42,43 @@ def _reads(fn):
     return counts.detail()
 
 
-def test_sparse_attention_reads_its_block_spans_once_per_call():
-    """Forward and backward over 5 blocks of queries: one read in all (the spans), none per block."""
-    (q, k, v), (qi, ki, w) = _inputs()
-    idx = indexer_topk(qi, ki, w, 6, block_size=8)
-    got = _reads(lambda: sparse_attention(q, k, v, idx, 0.3, block_size=8).square().sum().backward())
-    assert got == {("trainer", "tolist"): 1}
+def _grads_match_reference(q, k, v, idx, **kw):
+    for t in (q, k, v):
+        t.grad = None
+    out = sparse_attention(q, k, v, idx, 0.3, **kw)
+    out.square().sum().backward()
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    sparse_attention_reference(q, k, v, idx, 0.3).square().sum().backward()
-    for mine, ref in zip(grads, (q.grad, k.grad, v.grad)):
-        assert torch.allclose(mine, ref, atol=1e-5, rtol=1e-5)
+    ref = sparse_attention_reference(q, k, v, idx, 0.3)
+    ref.square().sum().backward()
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    for mine, want in zip(grads, (q.grad, k.grad, v.grad)):
+        assert torch.allclose(mine, want, atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_attention_on_the_indexers_result_reads_nothing():
+    """indexer_topk's result carries its queries' visible ranges: forward and backward over 5 blocks of
+    queries take their key spans from them, with no read."""
+    (q, k, v), (qi, ki, w) = _inputs()
+    idx = indexer_topk(qi, ki, w, 6, block_size=16)
+    got = _reads(lambda: sparse_attention(q, k, v, idx, 0.3, block_size=8).square().sum().backward())
+    assert got == {}
+    _grads_match_reference(q, k, v, idx, block_size=8)
+
+
+def test_sparse_attention_on_other_indices_reads_its_spans_once_per_call():
+    """Indices from elsewhere (a copy, or the indexer's result changed in place, here to a key it never
+    selects: a later one) cost one read per call, for all blocks, forward and backward."""
+    (q, k, v), (qi, ki, w) = _inputs()
+    idx = indexer_topk(qi, ki, w, 6)
+    copy = idx.clone()
+    got = _reads(lambda: sparse_attention(q, k, v, copy, 0.3, block_size=8).square().sum().backward())
+    assert got == {("trainer", "tolist"): 1}
+    idx[:, 3, 0] = 39  # query 3's first slot: the last key, outside its visible range
+    got = _reads(lambda: sparse_attention(q, k, v, idx, 0.3, block_size=8).square().sum().backward())
+    assert got == {("trainer", "tolist"): 1}
+    _grads_match_reference(q, k, v, idx, block_size=8)
 
 
 def test_dense_attention_and_topk_read_nothing_without_packing():
@@ -64,8 +89,9 @@ def test_dense_attention_and_topk_read_nothing_without_packing():
     assert _reads(lambda: indexer_topk(qi_zero, ki.abs(), w, 6, block_size=8)) == {}
 
 
-def test_packed_sequences_cost_one_read_per_call():
-    """With cu_seqlens the boundaries are read once per call (to skip earlier sequences' keys), not per block."""
+def test_packed_sequences_are_read_once_per_cu_seqlens_tensor():
+    """The boundaries are read once per cu_seqlens tensor (the layers of a step share it), not per block or
+    per call; a new tensor, or one changed in place, is read again."""
     (q, k, v), (qi, ki, w) = _inputs(B=1)
     cu = torch.tensor([0, 7, 19, 40])
     got = _reads(lambda: dense_causal_attention(q, k, v, 0.3, cu, block_size=8).sum().backward())
@@ -75,7 +101,18 @@ def test_packed_sequences_cost_one_read_per_call():
         dense_causal_attention_reference(q, k, v, 0.3, cu),
         atol=1e-5,
     )
+    assert _reads(lambda: indexer_topk(qi, ki, w, 6, cu, block_size=8)) == {}
+    assert _reads(lambda: indexer_topk(qi, ki, w, 6, cu.clone(), block_size=8)) == {("trainer", "tolist"): 1}
+    idx = indexer_topk(qi, ki, w, 6, cu, block_size=8)
+    assert _reads(lambda: sparse_attention(q, k, v, idx, 0.3, block_size=8)) == {}
+    _grads_match_reference(q, k, v, idx, block_size=8)
+    cu[1] = 12  # in place: the kept copy is stale
     assert _reads(lambda: indexer_topk(qi, ki, w, 6, cu, block_size=8)) == {("trainer", "tolist"): 1}
+    assert torch.allclose(
+        dense_causal_attention(q, k, v, 0.3, cu, block_size=8),
+        dense_causal_attention_reference(q, k, v, 0.3, cu),
+        atol=1e-5,
+    )
 
 
 def test_value_checks_read_only_in_debug_mode(monkeypatch):

@@ -85,16 +85,28 @@ def test_tiny_model_reads_per_kind():
     assert per_kind["trainer"] == 0
     # KDA: one ``bool(safe.all())`` per layer (ops/kda/intra.py picks the factorised form), 3 KDA layers
     assert per_kind["kda"] == 3
-    # MLA: one read per sparse_attention call, its block spans (ops/dsa/attention.py's _block_spans); no
-    # cu_seqlens here, and the index range and repeated-key checks read nothing unless MOE_PLUGIN_DEBUG_CHECKS=1
-    assert per_kind["mla"] == 1
-    assert counts.detail()[("mla", "tolist")] == 1
+    # MLA: none. sparse_attention takes its block spans from the visible ranges indexer_topk's result carries
+    # (ops/dsa/masks.py remember_visible), the top-k tie rule is one top-k, no cu_seqlens here, and the index
+    # range and repeated-key checks read nothing unless MOE_PLUGIN_DEBUG_CHECKS=1
+    assert per_kind["mla"] == 0
     # MoE, 3 layers: per layer permute's bincount (ops/moe/permute.py; it reads the maximum on a GPU) and
     # grouped_glu's tokens_per_expert sum and min checks (ops/moe/experts.py); permute's and unpermute's id
     # range checks read nothing unless MOE_PLUGIN_DEBUG_CHECKS=1 (then 4 more per layer)
     assert per_kind["moe"] == 3 * 3
     # other: check_ids on the token ids and labels (models/inputs.py): aminmax then 2 ints, 3 calls
     assert per_kind["other"] == 6
+
+
+def test_tiny_model_packed_rows_read_cu_seqlens_once_in_mla():
+    """Packed documents: the MLA layer reads the boundaries once (ops/dsa/masks.py sequence_starts; the
+    indexer's result then carries them to sparse attention), the indexer itself nothing."""
+    torch.manual_seed(0)
+    model = moe_plugin.MoEPluginForCausalLM(moe_plugin.preset_config("tiny"))
+    ids = torch.randint(0, 256, (1, 64))
+    with count_host_reads(model) as counts:
+        model(input_ids=ids, labels=ids, cu_seqlens=torch.tensor([0, 20, 64])).loss.backward()
+    assert counts.per_kind()["dsa"] == 0
+    assert {key: n for key, n in counts.detail().items() if key[0] == "mla"} == {("mla", "tolist"): 1}
 
 
 def test_permute_id_range_checked_only_in_debug_mode(monkeypatch):

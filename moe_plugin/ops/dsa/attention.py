@@ -11,9 +11,10 @@ is a GEMM and every elementwise pass but a zero fill is O(k). Transient memory p
 The autograd Function saves only q, k, v, the output and the log-sum-exp, and recomputes each block's
 probabilities in backward (as flash attention does), so neither pass ever holds ``T x S`` scores.
 
-Host reads (issue 24): the block loop's bounds are host ints. Sparse attention finds every block's span with
-one reduction over the indices and one read per call (shared by forward and backward); dense causal attention
-derives its spans from the shapes (none), or reads cu_seqlens once per call with packed sequences. Value
+Host reads (issue 24): the block loop's bounds are host ints. Sparse attention on ``indexer_topk``'s result
+takes every block's span from the visible range that result carries (no read); on other indices it finds the
+spans with one reduction and one read per call (shared by forward and backward). Dense causal attention
+derives its spans from the shapes (no read), with packed sequences from cu_seqlens read once per tensor. Value
 checks (index range, repeated keys) run only with ``MOE_PLUGIN_DEBUG_CHECKS=1``.
 """
 
@@ -31,6 +32,7 @@ from .masks import (
     check_key_mask,
     check_positions,
     key_segments,
+    recall_visible,
     sequence_starts,
     visible_keys,
     visible_mask,
@@ -218,13 +220,20 @@ def _block_spans(indices: torch.Tensor, block: int) -> List[List[Tuple[int, int]
     return [[(lo_, hi_) for lo_, hi_ in row] for row in torch.stack([lo, hi], -1).tolist()]
 
 
-def _selection_plan(indices: torch.Tensor, block: int) -> KeyPlan:
+def _selection_plan(indices: torch.Tensor, block: int, num_keys: int) -> KeyPlan:
     """Per block: the span from the smallest to the largest selected key, and each selection's column in it.
 
-    The spans come from ``_block_spans`` once per call (forward and backward share them); everything per block
-    stays on the device. With ``MOE_PLUGIN_DEBUG_CHECKS=1`` a repeated key in a query's row is refused."""
+    The spans are host ints found once per call (forward and backward share them): from the shapes when the
+    indices are ``indexer_topk``'s unchanged result (its queries' visible ranges, no read), else from
+    ``_block_spans`` (one read); everything per block stays on the device. With ``MOE_PLUGIN_DEBUG_CHECKS=1``
+    a repeated key in a query's row is refused."""
+    B, T, _ = indices.shape
+    seen = recall_visible(indices, num_keys)
+    if seen is not None:  # indexer_topk's result: each block's keys lie in its queries' visible range
+        spans = [[seen.span(t0, min(T, t0 + block)) for t0 in range(0, T, block)]] * B
+    else:
+        spans = _block_spans(indices.long(), block)
     indices = indices.long()
-    spans = _block_spans(indices, block)
     check_repeats = debug_checks()
 
     def plan(b: int, t0: int, t1: int) -> BlockKeys:
@@ -265,7 +274,8 @@ def sparse_attention(
     _check_positive("block_size", block_size)
     _check_positive("key_chunk", key_chunk)
     check_indices(indices, q.shape[0], q.shape[1], k.shape[1])
-    return _BlockedAttention.apply(q, k, v, float(scale), block_size, key_chunk, _selection_plan(indices, block_size))
+    plan = _selection_plan(indices, block_size, k.shape[1])
+    return _BlockedAttention.apply(q, k, v, float(scale), block_size, key_chunk, plan)
 
 
 def dense_causal_attention(

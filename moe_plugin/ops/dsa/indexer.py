@@ -17,6 +17,7 @@ from .masks import (
     check_key_mask,
     check_positions,
     key_segments,
+    remember_visible,
     sequence_starts,
     visible_keys,
     visible_mask,
@@ -109,6 +110,8 @@ def indexer_topk(
     score go to the latest keys. Returns ``[B, T, min(topk, S)]`` int64 key positions (order unspecified);
     slots beyond a query's visible keys hold ``-1``. Memory: ``block_size * S`` scores plus
     ``block_size * H_I * key_chunk`` per-head terms, never ``T x S``. Not differentiable (an index choice).
+    Host reads: none, or cu_seqlens once (``masks.sequence_starts``). The result carries its queries' visible
+    key ranges (``masks.remember_visible``), so ``sparse_attention`` on it reads nothing either.
     """
     _check_indexer_inputs(q_index, k_index, weights)
     if not isinstance(topk, int) or topk <= 0:
@@ -136,7 +139,8 @@ def indexer_topk(
             scores.masked_fill_(~(mask if key_mask is None else mask & key_mask[b, lo:hi]), -math.inf)
             idx = _topk_latest_on_ties(scores, take)
             out[b, t0:t1, :take] = torch.where(scores.gather(1, idx) == -math.inf, -1, idx + lo)
-    return out
+    # every selected key lies in its query's visible range: sparse_attention bounds its blocks by it, no read
+    return remember_visible(out, query_offset, S, starts)
 
 
 def _topk_latest_on_ties(scores: torch.Tensor, take: int) -> torch.Tensor:

@@ -5,13 +5,19 @@ Query ``t`` of a call sits at absolute position ``query_offset + t``; key ``s`` 
 ``cu_seqlens`` (flash-linear-attention's packed layout, batch 1) a key is visible only to queries of the same
 packed sequence; the boundaries are given over key positions ``0 .. S``.
 
-Host reads (issue 24): none without ``cu_seqlens``; with it, an op reads the boundaries once per call
-(``sequence_starts``) to skip the keys of earlier sequences block by block, and builds its masks on the device.
+Host reads (issue 24): none without ``cu_seqlens``; with it the boundaries are read once per cu_seqlens
+tensor (``sequence_starts`` keeps the host copy on the tensor, so the layers of one step share one read) to skip
+the keys of earlier sequences block by block; the masks are built on the device.
+
+``remember_visible`` / ``recall_visible``: ``indexer_topk`` leaves on its result what it knew of its queries'
+visible keys (host ints), so that ``sparse_attention`` on that result can bound each block's keys without
+reading the indices.
 """
 
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -41,9 +47,57 @@ def key_segments(cu_seqlens: Optional[torch.Tensor], num_keys: int, device) -> O
     return torch.bucketize(positions, cu_seqlens[1:].to(device=device, dtype=torch.int64), right=True)
 
 
+_HOST_COPY = "_moe_plugin_host_offsets"
+
+
 def sequence_starts(cu_seqlens: Optional[torch.Tensor]) -> Optional[List[int]]:
-    """cu_seqlens as host ints (the one host read of a call that has packed sequences), or ``None``."""
-    return None if cu_seqlens is None else cu_seqlens.tolist()
+    """cu_seqlens as host ints, or ``None``. Read once per tensor: the copy is kept on the tensor with its
+    version counter and read again only after an in-place change."""
+    if cu_seqlens is None:
+        return None
+    kept = getattr(cu_seqlens, _HOST_COPY, None)
+    if kept is not None and kept[0] == cu_seqlens._version:
+        return kept[1]
+    starts = cu_seqlens.tolist()
+    setattr(cu_seqlens, _HOST_COPY, (cu_seqlens._version, starts))
+    return starts
+
+
+@dataclass(frozen=True)
+class VisibleKeys:
+    """Host ints that bound the keys of every query row of an index tensor: query ``t`` sits at
+    ``query_offset + t`` and sees keys of ``0 .. num_keys`` only from its own sequence (``starts``, or one
+    sequence), never later ones. ``version``: the tensor's version counter when this was true."""
+
+    query_offset: int
+    num_keys: int
+    starts: Optional[List[int]]
+    version: int
+
+    def span(self, t0: int, t1: int) -> Tuple[int, int]:
+        """``visible_range`` of queries ``t0 .. t1-1``."""
+        return visible_range(t0, t1, self.num_keys, self.query_offset, self.starts)
+
+
+_VISIBLE = "_moe_plugin_visible_keys"
+
+
+def remember_visible(
+    indices: torch.Tensor, query_offset: int, num_keys: int, starts: Optional[List[int]]
+) -> torch.Tensor:
+    """Mark ``indices`` ``[B, T, k]`` (key positions, ``-1`` empty) as holding, for each query ``t``, only keys
+    ``visible_range`` allows it; returns ``indices``."""
+    setattr(indices, _VISIBLE, VisibleKeys(query_offset, num_keys, starts, indices._version))
+    return indices
+
+
+def recall_visible(indices: torch.Tensor, num_keys: int) -> Optional[VisibleKeys]:
+    """What ``remember_visible`` left on ``indices``, if it still holds: same tensor, not changed in place since,
+    the same number of keys. ``None`` otherwise (then the caller finds its bounds from the values)."""
+    seen = getattr(indices, _VISIBLE, None)
+    if seen is None or seen.version != indices._version or seen.num_keys != num_keys:
+        return None
+    return seen
 
 
 def visible_range(t0: int, t1: int, num_keys: int, query_offset: int, starts: Optional[List[int]]) -> Tuple[int, int]:
