@@ -16,6 +16,7 @@ they leave for backward.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -125,6 +126,7 @@ def layer_saved_bytes(
     working: Optional[list] = None,
     mode: str = "off",
     peak: Optional[list] = None,
+    context: Optional[Tuple[int, Tuple[int, ...]]] = None,
 ) -> Dict[str, int]:
     """Saved-for-backward bytes of decoder layer ``index`` of ``mc`` (with the recipe's adapters) on ``cands``
     input tensors of ``shape`` ``[B, T, D]``, per segment. ``device="cpu"`` runs it for real (the tests'
@@ -133,7 +135,9 @@ def layer_saved_bytes(
     most bytes held beyond what it saved (``_run``). ``mode``: the layer's activation checkpointing
     (``layers.recompute``): what it keeps, its input tensors left out (checkpointing keeps them, counted
     apart); ``peak`` (a list): instead gets the most the layer's forward and backward (recomputes included) hold
-    at once beyond its inputs and weights, and nothing is counted."""
+    at once beyond its inputs and weights, and nothing is counted. ``context`` ``(CP, the row's global document
+    offsets)``: a gated-MLA layer runs as the row's last context rank (``plan/context_parallel.py``), its
+    attention on the gathered keys of the whole row, ``shape`` its slice."""
     from ..layers.decoder import DecoderLayer
     from ..layers.recompute import set_recompute
     from ..precision import apply_precision
@@ -154,6 +158,15 @@ def layer_saved_bytes(
     }
     state = _inputs(shape, cands, dtype, device)
     set_recompute(layer, mode)
+    with contextlib.ExitStack() as stack:
+        if context is not None and context[0] > 1 and kind == "mla":
+            from .context_parallel import context_attention, meta_slice
+
+            cu_seqlens = stack.enter_context(context_attention(layer, meta_slice(*context)))
+        return _layer_run(layer, state, cu_seqlens, tags, mc, kind, mode, working, peak)
+
+
+def _layer_run(layer, state, cu_seqlens, tags, mc, kind, mode, working, peak) -> Dict[str, int]:
     run = lambda: layer(state, cu_seqlens=cu_seqlens)  # noqa: E731
     if peak is not None:  # forward and backward, the mode's recomputes included, as the step runs the layer
         live = _LiveBytes()
@@ -240,22 +253,26 @@ def plan_activations(
     cache: Optional[dict] = None,
     documents: Optional[Sequence[int]] = None,
     kernels: str = "cpu",
+    context: int = 1,
 ) -> ActivationPlan:
     """The ``ActivationPlan`` of ``mc`` (a ``ModelConfig``) for ``batch`` rows of ``seq_len`` tokens on a rank
     holding ``local_experts`` experts, with the recipe's ``lora_section`` (None: no adapters) in ``dtype``.
     documents: the recipe's document lengths in packing order (KDA and the short convolution restart at each
     document and pad it to whole chunks, so short documents cost more); None: one document per row.
     kernels: ``"cpu"`` (the torch paths, as the CPU runs them) or ``"gpu"`` (the KDA kernel CUDA picks,
-    ``meta_ops``' docstring)."""
+    ``meta_ops``' docstring). context: the context-parallel size; ``seq_len`` is then one rank's slice of each
+    row, and the gated-MLA layers run as the row's last rank (``plan/context_parallel.py``)."""
     cache = {} if cache is None else cache
     documents = tuple(documents) if documents else None
     if batch * seq_len <= 2 * RUN_TOKENS:
         return _plan_activations(
-            mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache, documents, kernels
+            mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache, documents, kernels, context
         )
     t1 = linear_run_tokens(mc)
-    a = _plan_activations(mc, lora_section, 1, t1, local_experts, capacity, dtype, cache, documents, kernels)
-    b = _plan_activations(mc, lora_section, 1, 2 * t1, local_experts, capacity, dtype, cache, documents, kernels)
+    args = (local_experts, capacity, dtype, cache, documents, kernels, context)
+    # under CP the MLA layers' gathered keys are CP x the slice: linear in the slice at a fixed CP too
+    a = _plan_activations(mc, lora_section, 1, t1, *args)
+    b = _plan_activations(mc, lora_section, 1, 2 * t1, *args)
     f = (batch * seq_len - t1) / t1
 
     def ext(x, y):
@@ -273,7 +290,7 @@ def plan_activations(
 
 
 def _plan_activations(
-    mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache, documents, kernels
+    mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache, documents, kernels, context=1
 ) -> ActivationPlan:
     cu = packed_boundaries(batch, seq_len, documents)
     shape = (1, batch * seq_len, mc.hidden_size)
@@ -288,13 +305,15 @@ def _plan_activations(
             # a dense-MLP layer is the same at any EP, capacity or expert format: keyed without them; the rows'
             # split (batch, seq_len) places the documents' cuts
             routed = (config, local_experts, capacity) if kind[1] else _built_from(mc, routed=False)
-            key = ("layer", kind, routed, batch, seq_len, dtype, repr(lora_section), documents, kernels)
+            cp = context if kind[0] == "mla" and context > 1 else 1  # only MLA layers see the whole row
+            key = ("layer", kind, routed, batch, seq_len, dtype, repr(lora_section), documents, kernels, cp)
             if key not in cache:
                 # the layer's own mixing is measured apart (it depends on the layer's place in the stream)
                 cands = len(_state_shape(index, mc))
                 working: list = []
+                whole = (cp, context_offsets(batch, seq_len, cp, documents)) if cp > 1 else None
                 measured = layer_saved_bytes(
-                    mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu, working=working
+                    mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu, working=working, context=whole
                 )
                 measured.pop("attn_res", None)
                 cache[key] = measured, working[0]
@@ -345,6 +364,12 @@ def _plan_activations(
         working=[float(work_of[k]) for k in kinds],
         head_working=float(head_working),
     )
+
+
+def context_offsets(batch: int, seq_len: int, cp: int, documents: Optional[Sequence[int]]) -> Tuple[int, ...]:
+    """The global document offsets of the packed row whose last of ``cp`` ranks holds ``batch x seq_len``
+    tokens (the row's ``batch`` rows of ``seq_len x cp`` tokens, packed as the trainer packs them)."""
+    return tuple(packed_boundaries(batch, seq_len * cp, documents).tolist())
 
 
 def _built_from(mc, routed: bool = True) -> str:

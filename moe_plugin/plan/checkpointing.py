@@ -21,6 +21,7 @@ from .activations import (
     RUN_TOKENS,
     _built_from,
     _state_shape,
+    context_offsets,
     layer_kinds,
     layer_saved_bytes,
     linear_run_tokens,
@@ -56,12 +57,14 @@ def plan_checkpointed(
     documents: Optional[Sequence[int]],
     kernels: str,
     mode: str,
+    context: int = 1,
 ) -> CheckpointedPlan:
     """The ``CheckpointedPlan`` of ``mc`` in ``mode`` ("selective" or "full"); the other arguments as
-    ``activations.plan_activations`` (long micro-batches extended linearly from two runs, as there)."""
+    ``activations.plan_activations`` (long micro-batches extended linearly from two runs, as there; ``context``:
+    the context-parallel size, ``seq_len`` one rank's slice)."""
     cache = {} if cache is None else cache
     documents = tuple(documents) if documents else None
-    args = (mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode)
+    args = (mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode, context)
     if batch * seq_len <= 2 * RUN_TOKENS:
         return _measure(*args, batch, seq_len)
     t1 = linear_run_tokens(mc)
@@ -77,7 +80,7 @@ def plan_checkpointed(
 
 
 def _measure(
-    mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode, batch, seq_len
+    mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode, context, batch, seq_len
 ) -> CheckpointedPlan:
     cu = packed_boundaries(batch, seq_len, documents)
     shape = (1, batch * seq_len, mc.hidden_size)
@@ -87,12 +90,16 @@ def _measure(
         for kind in dict.fromkeys(kinds):
             index = kinds.index(kind)
             routed = (_built_from(mc), local_experts, capacity) if kind[1] else _built_from(mc, routed=False)
+            cp = context if kind[0] == "mla" and context > 1 else 1  # only MLA layers see the whole row
             key = ("checkpointed", mode, kind, routed, batch, seq_len, dtype, repr(lora_section), documents, kernels)
+            key += (cp,)
             if key not in cache:
                 cands = len(_state_shape(index, mc))
-                kept = layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu, mode=mode)
+                run = dict(cu_seqlens=cu, mode=mode)
+                run["context"] = (cp, context_offsets(batch, seq_len, cp, documents)) if cp > 1 else None
+                kept = layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, **run)
                 peak: list = []
-                layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu, mode=mode, peak=peak)
+                layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, peak=peak, **run)
                 cache[key] = float(sum(kept.values())), float(peak[0])
             per_kind[kind] = cache[key]
     plan = CheckpointedPlan(

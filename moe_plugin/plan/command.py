@@ -1,6 +1,6 @@
 """``moe-plugin plan --recipe R [--devices N --device-memory 141GB --micro-batch B --seq-len T
 --checkpointing off|selective|full --expert-format dense|mxfp4|int4 --capacity 1.25 --images N --image-size PX
---kernels gpu|cpu --from-checkpoint --json]``
+--kernels gpu|cpu --from-checkpoint --context-parallel N|auto --json]``
 (docs/planner.md). A bad input is one line on stderr and exit status 2 (``--debug``: with its traceback); each
 size has a largest value it accepts (``planner.LIMITS``), named when it is refused."""
 
@@ -26,7 +26,13 @@ def format_plan(plan) -> str:
     rows = [
         f"plan: {plan.recipe or 'recipe'}",
         f"layout: {L.devices} devices, EP {L.ep} (expert-data-parallel {L.devices // L.ep}), "
-        f"ZeRO-3 {'on' if L.zero3 else 'off'}, micro-batch {L.micro_batch} x {L.seq_len} tokens, "
+        + (
+            f"context parallel {L.context} ({L.seq_len // L.context:,} tokens a rank; data-parallel "
+            f"{L.devices // L.context}, ZeRO-3 over data x context), "
+            if L.context > 1
+            else ""
+        )
+        + f"ZeRO-3 {'on' if L.zero3 else 'off'}, micro-batch {L.micro_batch} x {L.seq_len} tokens, "
         f"accumulation {L.grad_accum}, activation checkpointing {L.checkpointing}, "
         f"{'bf16' if L.precision_bytes == 2 else 'fp32'}, capacity factor {L.capacity}"
         + (f", {L.images} pictures of {L.image_size} px per micro-batch" if L.images else "")
@@ -67,12 +73,19 @@ def format_plan(plan) -> str:
         if plan.device_memory:
             fitting = [mode for mode, peak in plan.modes.items() if peak <= plan.device_memory]
             rows.append(f"  modes that fit: {', '.join(fitting) if fitting else 'none'}")
+    for k, v in plan.context_exchange.items():
+        rows.append(f"  context parallel: {k:<28}{_gb(v)}")
+    if plan.context_search:
+        from .context_parallel import describe_search
+
+        cs = plan.context_search
+        rows.append(describe_search(cs, cs["seq_len"], plan.layout.devices, cs["mode"], cs["device_memory"]))
     all_to_all_gb = plan.all_to_all_bytes_per_layer_step / 1e9
     rows += [
         "",
         f"tokens per step {plan.tokens_per_step:,}; FLOPs per step {plan.flops_per_step:.3e}; "
         f"all-to-all bytes per MoE layer per step per rank {all_to_all_gb:.3f} GB",
-        "1M-token context (micro-batch 1):",
+        f"1M-token context (micro-batch 1{f', CP {L.context}' if L.context > 1 else ''}):",
     ]
     for k, v in plan.million_context.items():
         rows.append(f"  {k:<46}{_gb(v)}")
@@ -128,6 +141,11 @@ def _plan(argv: List[str]) -> int:
         action="store_true",
         help="plan the base as loaded from a checkpoint (streamed per rank), not built from the preset",
     )
+    p.add_argument(
+        "--context-parallel",
+        help="ranks splitting each row (default: the recipe's parallel.context_parallel_size), or 'auto': the "
+        "smallest power of two dividing --devices and the row at which the plan fits --device-memory",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     require(
@@ -149,6 +167,15 @@ def _plan(argv: List[str]) -> int:
         value = getattr(args, name)
         if value is not None:
             check_limit(value, name, flag, least)
+    cp = args.context_parallel
+    if cp is not None and cp != "auto":
+        require(
+            cp.isdigit() and int(cp) >= 1,
+            "--context-parallel",
+            f"must be a positive whole number of ranks or 'auto', got {cp!r}; e.g. --context-parallel 8",
+        )
+        cp = int(cp)
+        check_limit(cp, "devices", "--context-parallel")
     recipe = load_recipe(args.recipe)
     from .planner import plan_recipe  # torch: only for a valid recipe
 
@@ -166,6 +193,7 @@ def _plan(argv: List[str]) -> int:
         image_size=args.image_size,
         kernels=args.kernels,
         from_checkpoint=args.from_checkpoint,
+        context_parallel=cp,
     )
     plan.recipe = args.recipe
     print(json.dumps(plan.to_dict(), indent=1, default=str) if args.json else format_plan(plan))

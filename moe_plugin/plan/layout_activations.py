@@ -8,6 +8,7 @@ from typing import List, Optional
 
 from .activations import plan_activations
 from .checkpointing import plan_checkpointed
+from .context_parallel import with_kda_exchange
 from .memory import Layout
 from .vision import vision_activation_bytes
 
@@ -39,6 +40,7 @@ def activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]]
             layout.image_size,
             documents_key,
             layout.checkpointing,
+            layout.context,
         )
         if shape not in cache:
             cache[shape] = _activations(layout)
@@ -46,17 +48,22 @@ def activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]]
 
     def _activations(layout: Layout):
         dtype = torch.bfloat16 if layout.precision_bytes == 2 else torch.float32
+        cp = layout.context
+        # one rank's slice of each row; under CP the trainer runs KDA's torch chunk path (its exchange needs the
+        # chunk transitions, docs/context-parallel.md), so the GPU kernel is not planned there
+        tokens, kernels = layout.seq_len // cp, ("cpu" if cp > 1 else layout.kernels)
         act = plan_activations(
             mc,
             lora_section,
             layout.micro_batch,
-            layout.seq_len,
+            tokens,
             mc.moe.num_experts // layout.ep,
             layout.capacity,
             dtype,
             shared,
             documents,
-            layout.kernels,
+            kernels,
+            cp,
         )
         if layout.checkpointing != "off":  # what the mode keeps, from the layers' own rule (plan/checkpointing.py)
             act = replace(
@@ -65,16 +72,18 @@ def activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]]
                     mc,
                     lora_section,
                     layout.micro_batch,
-                    layout.seq_len,
+                    tokens,
                     mc.moe.num_experts // layout.ep,
                     layout.capacity,
                     dtype,
                     shared,
                     documents,
-                    layout.kernels,
+                    kernels,
                     layout.checkpointing,
+                    cp,
                 ),
             )
+        act = with_kda_exchange(act, mc, cp, layout.precision_bytes)
         if not layout.images:
             return act
         key = ("vision", layout.images, layout.image_size, dtype, repr(lora_section))

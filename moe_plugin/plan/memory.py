@@ -47,6 +47,9 @@ class Layout:
     images: int = 0
     image_size: int = 896
     kernels: str = "cpu"  # whose saved sets: the CPU's torch paths or the GPU kernels (plan/meta_ops.py)
+    # context-parallel ranks per row (plan/context_parallel.py): each holds seq_len / context tokens of a row;
+    # the world is data x context, and ZeRO-3 shards over all of it (so the shares below divide by the world)
+    context: int = 1
 
 
 @dataclass
@@ -143,7 +146,7 @@ def plan_memory(
             held += saved
             forward_peak = max(forward_peak, held + working)
         transient = max(forward_peak, head_peak) - activations
-    n = L.micro_batch * L.seq_len
+    n = L.micro_batch * L.seq_len // L.context  # this rank's tokens: its slice of each row
     dispatch = (2 * n * mc.moe.top_k * L.capacity * mc.moe.expert_dim * pb) if ep > 1 else 0.0
     resting = sum(base.values()) + sum(adapters.values())
     step_peak = resting + gathered + buckets + activations + transient + dispatch
@@ -152,7 +155,14 @@ def plan_memory(
         build_peak = _local_full_bytes(counts, ep, pb) * (4 / pb) + resting
     overhead = L.overhead_bytes
     peak = max(step_peak, build_peak) + overhead
-    context = {"tokens_per_rank_micro_batch": n, "local_experts": mc.moe.num_experts // ep, "edp": edp}
+    context = {
+        "tokens_per_rank_micro_batch": n,
+        "local_experts": mc.moe.num_experts // ep,
+        "edp": edp,
+        "context_parallel": L.context,
+        "data_parallel": world // L.context,
+        "zero3_shards": world if L.zero3 else 1,  # data x context
+    }
     return MemoryPlan(
         base=base,
         adapters=adapters,

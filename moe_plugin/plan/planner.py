@@ -4,6 +4,7 @@ and the answers to "does it fit", "how few devices" and "which knob buys how muc
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Optional
@@ -16,6 +17,7 @@ from ..limits import LIMITS, check_limit, parse_bytes  # noqa: F401 - parse_byte
 from .packing import document_lengths
 from .memory import Layout, MemoryPlan, plan_memory, zero3_at, zero_settings
 from .vision import image_grid
+from .context_parallel import check_context_parallel, kda_exchange, smallest_context
 
 __all__ = ["Plan", "plan_recipe", "devices_from_ds_config", "CPU_OVERHEAD_BYTES", "GPU_OVERHEAD_BYTES", "parse_bytes"]
 
@@ -41,6 +43,9 @@ class Plan:
     min_devices: Optional[int] = None
     kinds_per_layer: Dict[str, float] = field(default_factory=dict)  # saved bytes of one layer of each kind
     modes: Dict[str, float] = field(default_factory=dict)  # the peak with each activation checkpointing mode
+    # per layer per rank under context parallelism: KDA's exchange (sent, held), MLA's gathered keys
+    context_exchange: Dict[str, float] = field(default_factory=dict)
+    context_search: Dict[str, object] = field(default_factory=dict)  # context_parallel="auto": the search
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -97,6 +102,7 @@ def plan_recipe(
     image_size: int = 896,
     kernels: str = "cpu",
     from_checkpoint: Optional[bool] = None,
+    context_parallel=None,
 ) -> Plan:
     """Plan ``recipe`` (a validated ``Recipe``) at a layout; arguments left ``None`` come from the recipe and
     its DeepSpeed config (``devices`` from its ``train_batch_size``; ``images``, pictures per micro-batch
@@ -108,7 +114,10 @@ def plan_recipe(
     factor the trainer compares each EP rank's measured load with); ``from_checkpoint``: the base streams in per
     rank, as a ``from_pretrained`` base does, even when the recipe
     names a preset, whose whole-rank build is otherwise planned; ``overhead_bytes``: the framework's own
-    memory, by default ``GPU_OVERHEAD_BYTES`` with GPU kernels and ``CPU_OVERHEAD_BYTES`` with CPU ones).
+    memory, by default ``GPU_OVERHEAD_BYTES`` with GPU kernels and ``CPU_OVERHEAD_BYTES`` with CPU ones;
+    ``context_parallel``: ranks per row, by default the recipe's ``parallel.context_parallel_size``
+    (plan/context_parallel.py), or ``"auto"``: the smallest power of two dividing the devices and the row at
+    which the plan fits ``device_memory``, planned at it, the search in ``Plan.context_search``).
     ``cache`` keeps counts and meta-measured activation models between calls (keyed by the model's
     structure)."""
     return _plan(
@@ -128,6 +137,7 @@ def plan_recipe(
         kernels,
         from_checkpoint,
         context=True,
+        context_parallel=context_parallel,
     )
 
 
@@ -148,6 +158,7 @@ def _plan(
     kernels,
     from_checkpoint,
     context: bool,
+    context_parallel=None,
 ) -> Plan:
     """``plan_recipe``; ``context=False`` leaves out the 1M-token context (``million_context`` empty), which
     costs two meta forwards of every layer kind at 8k and 16k tokens, for a plan read only for its peak."""
@@ -190,6 +201,16 @@ def _plan(
     )
     require(images is None or isinstance(images, int), "--images", f"must be a whole number, got {images!r}")
     require(kernels in ("cpu", "gpu"), "--kernels", f"must be 'cpu' or 'gpu', got {kernels!r}")
+    cp_field = "--context-parallel" if context_parallel is not None else "parallel.context_parallel_size"
+    cp = recipe.parallel.context_parallel_size if context_parallel is None else context_parallel
+    auto = cp == "auto"
+    require(
+        not auto or device_memory is not None,
+        "--context-parallel",
+        "auto picks the smallest size that fits the device: give --device-memory, e.g. 141GB",
+    )
+    if not auto:
+        check_context_parallel(cp, devices, seq_len, cp_field, devices_field, seq_len_field)
     overrides = dict(recipe.model.overrides)
     if expert_format is not None:
         overrides["expert_format"] = expert_format
@@ -250,10 +271,25 @@ def _plan(
         images=images,
         image_size=image_size,
         kernels=kernels,
+        context=1 if auto else cp,
     )
+    search: Dict[str, object] = {}
+    if auto:
+        search = smallest_context(
+            lambda c, d: plan_memory(counts, mc, act, _at_devices(layout, d, c, ds)).peak,
+            devices,
+            seq_len,
+            ep,
+            device_memory,
+            LIMITS["devices"],
+        )
+        search.update(seq_len=seq_len, mode=checkpointing, device_memory=device_memory)
+        if search["cp"] is not None:
+            layout = _at_devices(layout, search["devices"], search["cp"], ds)
     memory = plan_memory(counts, mc, act, layout)
-    tokens = devices * micro_batch * s.gradient_accumulation_steps * seq_len
-    n = micro_batch * seq_len
+    devices, cp = layout.devices, layout.context
+    tokens = devices * micro_batch * s.gradient_accumulation_steps * seq_len // cp  # CP ranks share rows
+    n = micro_batch * seq_len // cp
     a2a = (
         (4 * n * mc.moe.top_k * capacity * mc.moe.expert_dim * pb * (ep - 1) / ep * s.gradient_accumulation_steps)
         if ep > 1
@@ -273,6 +309,8 @@ def _plan(
         all_to_all_bytes_per_layer_step=a2a,
         million_context=million,
         kinds_per_layer=act(layout).kinds,
+        context_exchange=_exchange(mc, layout),
+        context_search=search,
     )
     if context:  # the step peak of every checkpointing mode: which one fits
         plan.modes = {mode: plan_memory(counts, mc, act, replace(layout, checkpointing=mode)).peak for mode in MODES}
@@ -283,14 +321,36 @@ def _plan(
     return plan
 
 
+def _at_devices(layout: Layout, devices: int, cp: int, ds) -> Layout:
+    return replace(layout, devices=devices, context=cp, zero3=zero3_at(ds, devices))
+
+
+def _exchange(mc, layout: Layout) -> Dict[str, float]:
+    """Per layer per rank under CP: KDA's exchange, and the gated-MLA keys the last rank gathers (the latent
+    and the index keys of the whole row; the keys and values it expands are in its activations)."""
+    cp = layout.context
+    if cp <= 1:
+        return {}
+    m, pb = mc.mla, layout.precision_bytes
+    kda = kda_exchange(mc, cp, pb)
+    width = m.kv_lora_rank + m.qk_rope_head_dim + (m.index_head_dim if m.use_indexer else 0)
+    rows = layout.micro_batch * layout.seq_len
+    return {
+        "KDA exchange sent per layer": kda["sent"],
+        "KDA exchange gathered per layer": kda["held"],
+        "MLA gathered latent + index keys per layer (last rank)": float(rows * width * pb),
+    }
+
+
 def _million_context(counts, mc, act, layout: Layout) -> Dict[str, float]:
     million = {}
+    cp = layout.context if MILLION_CONTEXT % layout.context == 0 else 1
     for mode in MODES:
-        big = replace(layout, micro_batch=1, seq_len=MILLION_CONTEXT, checkpointing=mode)
+        big = replace(layout, micro_batch=1, seq_len=MILLION_CONTEXT, checkpointing=mode, context=cp)
         million[f"checkpointing {mode}"] = plan_memory(counts, mc, act, big).peak
     kda_state = sum(t == "kda" for t in mc.layer_types) * mc.kda.num_heads * mc.kda.head_dim**2 * 4
     million["KDA state per sequence (all layers, fp32)"] = float(kda_state)
-    one_row = replace(layout, micro_batch=1, checkpointing="off")
+    one_row = replace(layout, micro_batch=1, checkpointing="off", context=1)
     million["activations per token (no checkpointing)"] = act(one_row).total / (layout.seq_len)
     return million
 
@@ -333,6 +393,7 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
         layout.kernels,
         not layout.preset_build,
         context=False,
+        context_parallel=layout.context,
     )
     out[f"experts {other}"] = base - alt.memory.peak
     return out
@@ -341,9 +402,10 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
 def _min_devices(
     counts, mc, act, layout: Layout, device_memory: float, ds: Optional[dict], limit: int = 8192
 ) -> Optional[int]:
-    """The fewest devices (a multiple of EP) whose per-rank peak fits, the recipe's EP and micro-batch kept,
-    each planned as ``plan_recipe`` plans that count (``zero3_at``)."""
-    for d in range(layout.ep, limit + 1, layout.ep):
+    """The fewest devices (a multiple of EP and CP) whose per-rank peak fits, the recipe's EP, CP and
+    micro-batch kept, each planned as ``plan_recipe`` plans that count (``zero3_at``)."""
+    step = math.lcm(layout.ep, layout.context)
+    for d in range(step, limit + 1, step):
         if plan_memory(counts, mc, act, replace(layout, devices=d, zero3=zero3_at(ds, d))).peak <= device_memory:
             return d
     return None

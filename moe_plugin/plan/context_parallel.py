@@ -1,0 +1,180 @@
+"""Context parallelism in the plan (docs/planner.md, "Context parallelism"): ``parallel.context_parallel_size``
+= CP ranks split every packed row into contiguous slices of ``T / CP`` tokens (docs/context-parallel.md).
+
+What one rank holds, planned for the worst rank, the last (its queries see every earlier key of the row):
+
+- everything token-wise (layer inputs, norms, MLPs, the MoE and its dispatch, Attention Residuals, the head)
+  at the rank's ``T / CP`` tokens: the layers run on meta at that length;
+- a gated MLA layer runs on meta with a ``ContextSlice`` of the row's last rank (``meta_slice``), so the
+  layer's own context path decides what it holds: the all-gathered latent (``c_kv`` + rope key) and index keys
+  of the whole row, and the keys and values it expands from them for every position up to its slice's end,
+  saved by the attention op as on one process (the op's saved set is q, k, v, output and log-sum-exp);
+- a KDA layer exchanges a fixed amount, whatever T is (``kda_exchange``): each rank's fp32 state and transition,
+  ``H d_k (d_k + d_v)`` values, all-gathered over the group, and the short convolutions' last ``W - 1`` inputs.
+  The layer's HF face takes no context, so these bytes are added by this arithmetic, held for the backward's
+  fold (per layer without checkpointing, inside the recomputing layer's peak with it). Under CP the trainer
+  runs KDA's torch chunk path (the exchange needs the chunk transitions), so KDA is planned on it.
+
+ZeRO-3 shards over data x context = the world, so the weights' shares do not change with CP at a fixed world;
+the ranks reading distinct rows are the world / CP data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Dict, Iterator, Sequence
+
+import torch
+
+from ..config import require
+
+__all__ = ["check_context_parallel", "kda_exchange", "meta_slice", "context_attention", "smallest_context"]
+
+
+def check_context_parallel(cp, devices: int, seq_len: int, field: str, devices_field: str, seq_len_field: str):
+    """Refuse a context-parallel size that is not a positive int dividing the world and the row length."""
+    require(
+        isinstance(cp, int) and not isinstance(cp, bool) and cp >= 1,
+        field,
+        f"must be a positive whole number of ranks (1: no context parallelism), got {cp!r}",
+    )
+    require(
+        devices % cp == 0,
+        field,
+        f"{cp} does not divide the world size {devices} ({devices_field}); every context group is {cp} ranks: "
+        f"use a divisor of {devices} or a multiple of {cp} devices",
+    )
+    require(
+        seq_len % cp == 0,
+        field,
+        f"{cp} does not divide the sequence length {seq_len} ({seq_len_field}); each rank holds an equal "
+        f"slice of a row: make the length a multiple of {cp} or use a divisor of {seq_len}",
+    )
+
+
+def kda_exchange(mc, cp: int, precision_bytes: int) -> Dict[str, float]:
+    """One KDA layer's exchange on one rank: ``sent`` (its state and transition, fp32, and its convolutions'
+    last ``W - 1`` inputs) and ``held`` (the group's gathered copy, ``cp`` times that), bytes."""
+    k = mc.kda
+    if cp <= 1:
+        return {"sent": 0.0, "held": 0.0}
+    state = k.num_heads * k.head_dim * (k.head_dim + k.head_dim) * 4  # d_v = d_k = head_dim
+    conv = (k.conv_size - 1) * 3 * k.num_heads * k.head_dim * precision_bytes  # q, k, v convolutions
+    return {"sent": float(state + conv), "held": float(cp * (state + conv))}
+
+
+class _MetaGather(torch.autograd.Function):
+    """The context group's all-gather on meta: ``[size, *x.shape]`` out, this rank's part of the gradient back;
+    saves nothing, as the real one."""
+
+    @staticmethod
+    def forward(ctx, x, size: int, rank: int):
+        ctx.rank = rank
+        return x.new_empty((size, *x.shape))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank].clone(), None, None
+
+
+def meta_slice(size: int, offsets: Sequence[int]):
+    """The last rank's ``ContextSlice`` of a row with global document ``offsets`` (its end is the row's)."""
+    from ..ops.context import ContextSlice
+
+    offsets = tuple(int(o) for o in offsets)
+    rank = size - 1
+    return ContextSlice(rank, size, offsets[-1], offsets, lambda x: _MetaGather.apply(x, size, rank))
+
+
+@contextlib.contextmanager
+def context_attention(layer, context) -> Iterator[torch.Tensor]:
+    """Run ``layer`` (a gated-MLA ``DecoderLayer``) as the trainer's context path runs it: its attention gets
+    ``context`` in place of ``cu_seqlens`` (its document boundaries come from the slice); yields the slice's
+    local ``cu_seqlens`` for the rest of the layer (the MoE's per-document terms)."""
+    from ..layers import gated_dsa
+
+    attn = layer.self_attn
+    forward, boundaries = attn.forward, gated_dsa._context_cu_seqlens
+
+    def with_context(h, cu_seqlens=None, cache=None, token_mask=None, **kwargs):
+        return forward(h, cache=cache, token_mask=token_mask, context=context, **kwargs)
+
+    attn.forward = with_context
+    # a meta tensor has no values: the boundaries stay a host tensor, as the planner passes cu_seqlens
+    gated_dsa._context_cu_seqlens = lambda ctx, device: boundaries(ctx, "cpu")
+    try:
+        yield context.local_cu_seqlens()
+    finally:
+        attn.forward = forward
+        gated_dsa._context_cu_seqlens = boundaries
+
+
+def smallest_context(
+    peak_at: Callable[[int, int], float],
+    devices: int,
+    seq_len: int,
+    ep: int,
+    device_memory: float,
+    largest_devices: int,
+) -> Dict[str, object]:
+    """The smallest power-of-two CP dividing ``devices`` and ``seq_len`` whose peak (``peak_at(cp, devices)``)
+    fits ``device_memory``; none fitting, the smallest one past ``devices`` that would, on the fewest devices it
+    needs (a multiple of CP and EP). Returns ``cp`` (None: none up to ``largest_devices``), ``devices``, ``peak``,
+    ``more_devices`` (whether it needs more than ``devices``) and ``tried`` (CP -> peak, in order)."""
+    tried: Dict[int, float] = {}
+    cp = 1
+    while cp <= min(devices, seq_len):
+        if devices % cp == 0 and seq_len % cp == 0:
+            tried[cp] = peak_at(cp, devices)
+            if tried[cp] <= device_memory:
+                return {"cp": cp, "devices": devices, "peak": tried[cp], "more_devices": False, "tried": tried}
+        cp *= 2
+    while cp <= seq_len and seq_len % cp == 0:
+        need = math.lcm(cp, ep)
+        if need > largest_devices:
+            break
+        tried[cp] = peak_at(cp, need)
+        if tried[cp] <= device_memory:
+            return {"cp": cp, "devices": need, "peak": tried[cp], "more_devices": True, "tried": tried}
+        cp *= 2
+    return {"cp": None, "devices": None, "peak": None, "more_devices": True, "tried": tried}
+
+
+def describe_search(found: Dict[str, object], seq_len: int, devices: int, mode: str, memory: float) -> str:
+    """The search's answer as lines of the plan's text."""
+    gb = lambda x: f"{x / 1e9:.2f} GB"  # noqa: E731
+    tried = ", ".join(f"CP {c}: {gb(p)}" for c, p in found["tried"].items())
+    head = f"context parallelism for one {seq_len:,}-token row, checkpointing {mode}, {memory / 1e9:.0f} GB a device:"
+    if found["cp"] is None:
+        return f"{head}\n  no CP fits (peak per device: {tried}); fewer layers' tokens or more memory are needed"
+    cp, peak = found["cp"], found["peak"]
+    where = (
+        f"on {found['devices']} devices (more than the layout's {devices}; none dividing {devices} fits)"
+        if found["more_devices"]
+        else f"on the layout's {devices} devices"
+    )
+    below = [c for c in found["tried"] if c < cp]
+    tail = f"; CP {below[-1]} does not fit ({gb(found['tried'][below[-1]])})" if below else ""
+    return (
+        f"{head}\n  smallest CP that fits: {cp} {where}, {seq_len // cp:,} tokens a rank, peak {gb(peak)}{tail}\n"
+        f"  peak per device: {tried}"
+    )
+
+
+def with_kda_exchange(act, mc, cp: int, precision_bytes: int):
+    """``act`` (an ``ActivationPlan`` of one rank's slice) with every KDA layer's gathered exchange added: held
+    for the backward without checkpointing (the ``"context exchange"`` segment), inside the layer's own peak
+    with it (the recompute gathers again)."""
+    from dataclasses import replace
+
+    held = kda_exchange(mc, cp, precision_bytes)["held"]
+    if not held:
+        return act
+    is_kda = [t == "kda" for t in mc.layer_types]
+    per_layer = [v + (held if k else 0.0) for v, k in zip(act.per_layer, is_kda)]
+    by_segment = {**act.by_segment, "context exchange": held * sum(is_kda)}
+    ck = act.checkpointed
+    if ck is not None:
+        ck = replace(ck, peaks=[v + (held if k else 0.0) for v, k in zip(ck.peaks, is_kda)])
+    return replace(act, per_layer=per_layer, by_segment=by_segment, checkpointed=ck)

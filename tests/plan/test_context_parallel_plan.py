@@ -1,0 +1,168 @@
+"""The planner's context parallelism (``moe-plugin plan --context-parallel``): a rank's token-wise bytes are
+1/CP of the row's, the gated-MLA layers' gathered keys cover the whole row whatever CP is, KDA's exchange does
+not grow with T, a bad size is refused naming the flag or the field, and the search picks the smallest CP that
+fits. Meta-device planning only, no launches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moe_plugin.plan import command
+from moe_plugin.plan.activations import _state_shape, layer_saved_bytes
+from moe_plugin.plan.context_parallel import smallest_context
+from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
+from moe_plugin.plan.planner import plan_recipe
+from moe_plugin.recipe.schema import recipe_from_dict
+
+TINY = {
+    "output_dir": "outputs/never",
+    "model": {"preset": "tiny"},
+    "lora": {"r": 8},
+    "data": {"kind": "arithmetic", "num_documents": 200, "seq_len": 256, "eval_fraction": 0.0},
+    "parallel": {"expert_parallel_size": 2},
+    "schedule": {"micro_batch_size": 1, "precision": "bf16"},
+}
+T = 1024
+
+
+@pytest.fixture(scope="module")
+def cache():
+    return {}
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return recipe_from_dict(TINY)
+
+
+def _plan(recipe, cache, **kw):
+    args = dict(devices=8, seq_len=T, kernels="cpu", from_checkpoint=True, cache=cache)
+    args.update(kw)
+    return plan_recipe(recipe, **args)
+
+
+def _mc():
+    from moe_plugin.models import preset_config
+
+    return preset_config("tiny").to_model_config()
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_token_wise_bytes_are_one_cp_th(recipe, cache, cp):
+    mc = _mc()
+    full = _plan(recipe, cache, checkpointing="full", context_parallel=cp)
+    n = T // cp  # this rank's tokens of the row
+    m = full.memory
+    assert m.context["tokens_per_rank_micro_batch"] == n
+    # every layer keeps its [n, D] input in bf16
+    assert m.activations_by_segment["layer inputs"] == mc.num_layers * n * mc.hidden_size * 2
+    # dispatch and combine buffers: n x top-k x capacity rows at latent width, bf16
+    assert m.dispatch == 2 * n * mc.moe.top_k * 1.25 * mc.moe.expert_dim * 2
+    assert full.tokens_per_step == 8 // cp * T  # the CP ranks of a group share their rows
+    # ZeRO-3 shards over data x context = all 8 ranks: the weights' shares are those of CP 1
+    one = _plan(recipe, cache, checkpointing="full", context_parallel=1)
+    assert m.base == one.memory.base and m.adapters == one.memory.adapters and m.gathered == one.memory.gathered
+    assert m.context["data_parallel"] == 8 // cp and m.context["zero3_shards"] == 8
+    # without checkpointing, the token-wise segments are those of one rank planned at n tokens, and each is
+    # the CP 1 row's over CP (but for the packing's cuts within 2 %, and the MoE's per-expert rounding)
+    off = _plan(recipe, cache, context_parallel=cp).memory.activations_by_segment
+    short = _plan(recipe, cache, seq_len=n, context_parallel=1).memory.activations_by_segment
+    row = _plan(recipe, cache).memory.activations_by_segment
+    for seg in ("kda", "mlp", "attn_res"):
+        assert off[seg] == short[seg]
+    for seg in ("kda", "mlp", "attn_res", "head"):
+        assert off[seg] == pytest.approx(row[seg] / cp, rel=0.02), seg
+    assert off["moe"] == pytest.approx(row["moe"] / cp, rel=0.05)  # each local expert's rows rounded up
+    # the gated-MLA layers hold the whole row's keys: they shrink by less than CP
+    assert off["mla"] > row["mla"] / cp * 1.2
+
+
+def test_the_mla_layers_gathered_keys_cover_the_whole_row():
+    """One gated-MLA layer as the row's last rank: its bytes are q x (its T/CP queries) + k x (the row's T keys),
+    the same k at every CP, and k at least the gathered latent and the expanded keys and values of a key."""
+    mc = _mc()
+    index = mc.layer_types.index("mla")
+    got = {}
+    with meta_forward(MetaDispatch(mc.moe.num_experts, 1.0)):
+        for cp in (1, 2, 4, 8):
+            context = (cp, (0, T)) if cp > 1 else None
+            shape = (1, T // cp, mc.hidden_size)
+            cands = len(_state_shape(index, mc))
+            got[cp] = layer_saved_bytes(mc, index, None, shape, torch.bfloat16, cands, context=context)["mla"]
+    per_query = (got[1] - got[2]) / (T - T // 2)  # the key count is T in both
+    per_key = got[1] / T - per_query
+    for cp in (4, 8):
+        assert got[cp] == pytest.approx(per_query * T / cp + per_key * T, rel=1e-9)
+    m = mc.mla
+    latent = m.kv_lora_rank + m.qk_rope_head_dim
+    expanded = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    assert per_key >= (latent + expanded) * 2  # bf16
+    assert got[8] > got[1] / 8 * 1.5  # an eighth of the queries, all of the keys
+
+
+def test_the_kda_exchange_does_not_grow_with_the_row(recipe, cache):
+    k = _mc().kda
+    state = k.num_heads * k.head_dim * 2 * k.head_dim * 4  # fp32 state [K, V] and transition [K, K] per head
+    conv = (k.conv_size - 1) * 3 * k.num_heads * k.head_dim * 2  # q, k, v convolutions' last W - 1 inputs, bf16
+    kda_layers = sum(t == "kda" for t in _mc().layer_types)
+    for seq_len in (512, 1024):
+        plan = _plan(recipe, cache, seq_len=seq_len, context_parallel=2)
+        assert plan.context_exchange["KDA exchange sent per layer"] == state + conv
+        assert plan.context_exchange["KDA exchange gathered per layer"] == 2 * (state + conv)
+        assert plan.memory.activations_by_segment["context exchange"] == kda_layers * 2 * (state + conv)
+    assert _plan(recipe, cache, context_parallel=1).context_exchange == {}
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(context_parallel=3), ["--context-parallel: 3 does not divide the world size 8", "--devices"]),
+        (dict(context_parallel=16), ["--context-parallel: 16 does not divide the world size 8"]),
+        (dict(context_parallel=4, seq_len=1026), ["--context-parallel: 4 does not divide the sequence length 1026"]),
+        (dict(context_parallel=0), ["--context-parallel: must be a positive whole number"]),
+        (dict(context_parallel="auto"), ["--context-parallel: auto", "--device-memory"]),
+    ],
+)
+def test_a_bad_size_names_the_flag(recipe, cache, kw, words):
+    with pytest.raises(ValueError) as err:
+        _plan(recipe, cache, **kw)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_the_recipes_size_is_named_as_its_field(cache):
+    recipe = recipe_from_dict({**TINY, "parallel": {"expert_parallel_size": 2, "context_parallel_size": 4}})
+    with pytest.raises(ValueError, match=r"^parallel.context_parallel_size: 4 does not divide the world size 6"):
+        _plan(recipe, cache, devices=6)
+    assert _plan(recipe, cache).layout.context == 4  # taken from the recipe
+
+
+def test_the_command_line_refuses_a_bad_flag_in_one_line(tmp_path, capsys):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    assert command.main(["--recipe", str(path), "--devices", "8", "--context-parallel", "two"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--context-parallel: must be a positive whole number of ranks or 'auto'" in err[0]
+
+
+def test_the_search_picks_the_smallest_cp_that_fits(recipe, cache):
+    peaks = {cp: _plan(recipe, cache, context_parallel=cp, checkpointing="full").memory.peak for cp in (1, 2, 4, 8)}
+    assert peaks[1] > peaks[2] > peaks[4]
+    memory = (peaks[2] + peaks[4]) / 2  # CP 4 fits, CP 2 does not
+    plan = _plan(recipe, cache, context_parallel="auto", checkpointing="full", device_memory=memory)
+    found = plan.context_search
+    assert found["cp"] == 4 and plan.layout.context == 4 and not found["more_devices"]
+    assert found["tried"] == {1: peaks[1], 2: peaks[2], 4: peaks[4]}
+    assert plan.memory.peak == peaks[4] <= memory < peaks[2]
+
+
+def test_the_search_asks_for_more_devices_when_none_dividing_them_fits():
+    peak = lambda cp, devices: 100.0 / cp  # noqa: E731
+    found = smallest_context(peak, devices=4, seq_len=1 << 20, ep=8, device_memory=10.0, largest_devices=1 << 16)
+    assert found["cp"] == 16 and found["devices"] == 16 and found["more_devices"]  # 100/8 > 10 >= 100/16
+    assert list(found["tried"]) == [1, 2, 4, 8, 16]
+    none = smallest_context(peak, devices=4, seq_len=8, ep=1, device_memory=1.0, largest_devices=1 << 16)
+    assert none["cp"] is None and list(none["tried"]) == [1, 2, 4, 8]
