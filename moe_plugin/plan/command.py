@@ -188,7 +188,7 @@ def _plan(argv: List[str]) -> int:
         checkpointing=args.checkpointing,
         expert_format=args.expert_format,
         capacity=args.capacity,
-        knobs=True,
+        knobs=cp != "auto",  # auto plans many CP sizes already: no knobs on top
         images=args.images,
         image_size=args.image_size,
         kernels=args.kernels,
