@@ -22,7 +22,8 @@ from torch import nn
 
 from ..config import MLAConfig
 from ..ops.checks import check_tensor
-from ..ops.context import ContextSlice
+from ..ops.context import ContextSlice, check_context_rows, refuse_with_context
+from ..ops.offsets import offsets_tensor
 from ..ops.dsa import (
     attention_target,
     dense_causal_attention,
@@ -83,36 +84,13 @@ def _key_mask(
     return mask
 
 
-def _check_context(
-    context: ContextSlice,
-    hidden_states: torch.Tensor,
-    cu_seqlens: Optional[torch.Tensor],
-    cache: Optional[MLACache],
-    token_mask: Optional[torch.Tensor],
-) -> None:
-    for name, value in (("cu_seqlens", cu_seqlens), ("cache", cache), ("token_mask", token_mask)):
-        if value is not None:
-            raise ValueError(
-                f"{name}: cannot be combined with a context (context parallelism takes the row's documents "
-                f"from context.offsets, and has no cache or padding)"
-            )
-    B, T, _ = hidden_states.shape
-    if T != context.length:
-        raise ValueError(
-            f"hidden_states: with a context, expected this rank's slice of {context.length} tokens "
-            f"(a row of {context.total} over {context.size} ranks), got {T}"
-        )
-    if B != 1 and len(context.offsets) > 2:
-        raise ValueError(f"hidden_states: a context with packed documents needs batch size 1, got batch {B}")
-
-
 def _context_cu_seqlens(context: ContextSlice, device) -> Optional[torch.Tensor]:
     """The row's document boundaries over the keys ``0 .. context.end`` (those past the end dropped), or None
     when the row is one document (causality alone then decides)."""
     if len(context.offsets) == 2:
         return None
     kept = [o for o in context.offsets if o < context.end] + [context.end]
-    return torch.tensor(kept, dtype=torch.int64, device=device)
+    return offsets_tensor(kept, device)
 
 
 def _gather_keys(
@@ -215,7 +193,8 @@ class GatedMLAAttention(nn.Module):
         c = self.config
         check_tensor("hidden_states", hidden_states, shape=(None, None, c.hidden_size), floating=True)
         if context is not None:
-            _check_context(context, hidden_states, cu_seqlens, cache, token_mask)
+            refuse_with_context(cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
+            check_context_rows(context, "hidden_states", *hidden_states.shape[:2])
         if cu_seqlens is not None and cache is not None:
             raise ValueError("cu_seqlens: packed sequences cannot be combined with a cache")
         B, T, _ = hidden_states.shape

@@ -15,8 +15,10 @@ from torch import nn
 
 from ..config import KDAConfig
 from ..ops.checks import check_tensor
-from ..ops.conv import causal_conv1d
+from ..ops.context import ContextSlice, check_context_rows, refuse_with_context
+from ..ops.conv import causal_conv1d, causal_conv1d_context
 from ..ops.kda import chunk_kda, kda_gate_k3, kda_gate_kimi_linear, l2norm, naive_recurrent_kda
+from ..ops.kda.context_parallel import chunk_kda_context
 from .norm import RMSNorm
 
 LINEAR_INIT_STD = 0.02  # the projections' N(0, std) when the layer is built on its own
@@ -111,6 +113,7 @@ class KDAAttention(nn.Module):
         cu_seqlens: Optional[torch.Tensor] = None,
         cache: Optional[KDACache] = None,
         token_mask: Optional[torch.Tensor] = None,
+        context: Optional[ContextSlice] = None,
     ) -> torch.Tensor:
         """hidden_states ``[B, T, D]`` -> ``[B, T, D]``.
 
@@ -121,9 +124,16 @@ class KDAAttention(nn.Module):
         with nothing cached for that row yet): padded tokens feed zeros into the convolutions (as the empty
         conv state does) and get beta = 0, g = 0 (no write, no decay), so the real tokens' outputs and the
         cache equal those of the unpadded row. The outputs at padded positions are meaningless.
+        context: this rank's ``ContextSlice`` under context parallelism (docs/context-parallel.md):
+        hidden_states is the rank's slice ``[B, context.length, D]`` of the row (B 1 when it packs several
+        documents), cu_seqlens, cache and token_mask are None, and the output is the slice's part of the
+        row's output. The convolutions' last W-1 inputs and the KDA state pass between the ranks.
         """
         cfg = self.config
         check_tensor("hidden_states", hidden_states, shape=(None, None, cfg.hidden_size), floating=True)
+        if context is not None:
+            refuse_with_context(cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
+            check_context_rows(context, "hidden_states", *hidden_states.shape[:2])
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens: packed sequences cannot be decoded with a cache; pass one or the other")
         B, T, _ = hidden_states.shape
@@ -141,9 +151,18 @@ class KDAAttention(nn.Module):
             y = proj(x)
             return y if real is None else y.masked_fill(~real, 0.0)
 
-        q, q_conv = self.q_conv1d(conv_input(self.q_proj), cache.q_conv if keep else None, keep, cu_seqlens)
-        k, k_conv = self.k_conv1d(conv_input(self.k_proj), cache.k_conv if keep else None, keep, cu_seqlens)
-        v, v_conv = self.v_conv1d(conv_input(self.v_proj), cache.v_conv if keep else None, keep, cu_seqlens)
+        if context is not None:  # one exchange for the three convolutions' histories
+            convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+            qkv = causal_conv1d_context(
+                torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1),
+                torch.cat([conv.weight.squeeze(1) for conv in convs]),
+                context,
+            )
+            q, k, v = qkv.split(cfg.proj_size, dim=-1)
+        else:
+            q, q_conv = self.q_conv1d(conv_input(self.q_proj), cache.q_conv if keep else None, keep, cu_seqlens)
+            k, k_conv = self.k_conv1d(conv_input(self.k_proj), cache.k_conv if keep else None, keep, cu_seqlens)
+            v, v_conv = self.v_conv1d(conv_input(self.v_proj), cache.v_conv if keep else None, keep, cu_seqlens)
         q, k, v = l2norm(q.view(heads)), l2norm(k.view(heads)), v.view(heads)
         beta = torch.sigmoid(self.b_proj(x))
         f = self.f_b_proj(self.f_a_proj(x)).view(heads)
@@ -156,7 +175,9 @@ class KDAAttention(nn.Module):
             g = g.masked_fill(~real.unsqueeze(-1), 0.0)
 
         state = cache.state if keep else None
-        if keep and T == 1:
+        if context is not None:
+            o = chunk_kda_context(q, k, v, g, beta, context, chunk_size=cfg.chunk_size)
+        elif keep and T == 1:
             o, state = naive_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
         else:
             o, state = chunk_kda(

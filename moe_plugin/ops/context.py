@@ -95,3 +95,48 @@ class ContextSlice:
         if x.shape[dim] != self.total:
             raise ValueError(f"take: expected {self.total} positions along dim {dim}, got shape {tuple(x.shape)}")
         return x.narrow(dim, self.start, self.length)
+
+
+def check_context_rows(context: ContextSlice, name: str, batch: int, length: int) -> None:
+    """A tensor ``name`` of ``batch`` rows of ``length`` tokens must be this rank's slice of the context's row;
+    packed documents (one ``offsets`` for the row) need batch 1."""
+    if length != context.length:
+        raise ValueError(
+            f"{name}: with a context, expected this rank's slice of {context.length} tokens "
+            f"(a row of {context.total} over {context.size} ranks), got {length}"
+        )
+    if batch != 1 and len(context.offsets) > 2:
+        raise ValueError(f"{name}: a context with packed documents needs batch size 1, got batch {batch}")
+
+
+def refuse_with_context(**arguments) -> None:
+    """A layer's arguments that context parallelism replaces (the documents come from ``context.offsets``;
+    no cache, no padding) must be None."""
+    for name, value in arguments.items():
+        if value is not None:
+            raise ValueError(
+                f"{name}: cannot be combined with a context (context parallelism takes the row's documents "
+                f"from context.offsets, and has no cache or padding)"
+            )
+
+
+class _JoinBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+        ctx.shape, ctx.dtype, ctx.device = gathered.shape, gathered.dtype, gathered.device
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+
+
+def join_backward(out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+    """``out`` unchanged, with ``gathered`` (a ``gather`` result this rank does not use) tied into its graph.
+
+    The gather's backward is a collective over the context group, so every rank's backward must reach it,
+    also where its result goes unused (the first rank needs no predecessor's state); it receives zeros there.
+    """
+    if not (torch.is_grad_enabled() and gathered.requires_grad):
+        return out
+    return _JoinBackward.apply(out, gathered)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_plugin.ops.checks import check_cu_seqlens, check_same_dtype, check_tensor
+from moe_plugin.ops.context import ContextSlice, check_context_rows, join_backward
+from moe_plugin.ops.offsets import host_offsets, offsets_tensor
 
 ACTIVATIONS = (None, "silu")
 
@@ -59,7 +61,7 @@ def causal_conv1d(
         ends = None
     else:
         # Each packed sequence gets its own W-1 history in front, so no window crosses a boundary.
-        offsets = cu_seqlens.tolist()
+        offsets = host_offsets(cu_seqlens)
         pieces = []
         for seq, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
             pieces += [tail(1, seq), x[:, start:end]]
@@ -87,3 +89,39 @@ def causal_conv1d(
     elif output_final_state:
         final = ext[:, ext.shape[1] - (W - 1) :].transpose(1, 2)
     return y, (final.contiguous() if final is not None else None)
+
+
+def causal_conv1d_context(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    context: ContextSlice,
+    bias: Optional[torch.Tensor] = None,
+    activation: Optional[str] = "silu",
+) -> torch.Tensor:
+    """``causal_conv1d`` of the whole row under context parallelism, this rank's part ``[B, L, C]`` of it.
+
+    x: this rank's slice ``[B, L, C]`` (B 1 when the row packs several documents); weight ``[C, W]``.
+    The W-1 inputs before the slice come from the predecessors in one all-gather of every rank's last
+    ``min(W-1, L)`` inputs (``[B, min(W-1, L), C]``, whatever the row's length); those before the start of the
+    slice's first document are zeros, as on one process. Documents come from ``context.offsets``: no host read.
+    """
+    check_tensor("x", x, ndim=3, floating=True)
+    B, T, C = x.shape
+    check_context_rows(context, "x", B, T)
+    check_tensor("weight", weight, shape=(C, None), floating=True)
+    history = weight.shape[1] - 1
+    local = context.local_offsets()
+    cu_seqlens = offsets_tensor(local, x.device) if len(local) > 2 else None
+    if history == 0:
+        return causal_conv1d(x, weight, bias, activation, cu_seqlens=cu_seqlens)[0]
+    tails = context.gather(x[:, T - min(history, T) :])  # [size, B, min(W-1, L), C]
+    if not context.continues:
+        return join_backward(causal_conv1d(x, weight, bias, activation, cu_seqlens=cu_seqlens)[0], tails)
+    before = torch.cat(tails[: context.rank].unbind(0), dim=1)[:, -history:]  # the inputs up to the slice
+    # only the document's own inputs: the ones before its start (or before the row) are zeros
+    own = min(history, context.start - context.document_start(context.start), before.shape[1])
+    before = torch.cat([x.new_zeros(B, history - own, C), before[:, before.shape[1] - own :]], dim=1)
+    state = before.transpose(1, 2)  # [B, C, W-1]
+    if cu_seqlens is not None:  # the first local document continues; the others start from zeros
+        state = torch.cat([state, state.new_zeros(len(local) - 2, C, history)])
+    return causal_conv1d(x, weight, bias, activation, initial_state=state, cu_seqlens=cu_seqlens)[0]

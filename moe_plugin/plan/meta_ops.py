@@ -12,7 +12,6 @@ by the planner's stated assumption:
   unchanged on those rows, sliced to the local experts;
 - KDA's intra-chunk scores: the factorised form, the one a trained model takes (``ops/kda/intra.py`` falls
   back to elementwise or split blocks only for gates too steep for the factorised exponentials);
-- DSA's top-k tie-breaking: a plain ``topk`` (ties at the k-th score only change which key is chosen);
 - ``torch._grouped_mm`` (the experts' grouped products): its meta kernel takes bf16 only, so on meta a
   stand-in saves what its backward needs in any dtype;
 - DSA's sparse attention: a key range per query block is read off the indices, so on meta the op saves
@@ -169,11 +168,10 @@ def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
     from ..layers import kda as kda_layer
     from ..layers import moe as moe_layer
     from ..ops import checks
-    from ..ops.dsa import indexer
     from ..ops.kda import intra
     from ..ops.moe import experts as experts_op
 
-    real_ids, real_intra, real_topk = checks.check_ids, intra.intra_chunk_scores, indexer._topk_latest_on_ties
+    real_ids, real_intra = checks.check_ids, intra.intra_chunk_scores
     real_sparse, real_supported, real_check = (
         gated_dsa.sparse_attention,
         experts_op._grouped_mm_supported,
@@ -190,13 +188,6 @@ def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
 
     def intra_chunk_scores(rows, k, g):
         return intra._factorised(rows, k, g) if rows.is_meta else real_intra(rows, k, g)
-
-    def topk(scores, take):
-        return (
-            scores.topk(min(take, scores.shape[-1]), dim=-1, sorted=False).indices
-            if scores.is_meta
-            else real_topk(scores, take)
-        )
 
     def sparse_attention(q, k, v, indices, scale, *args, **kwargs):
         return (
@@ -273,7 +264,6 @@ def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
                 and getattr(mod, "intra_chunk_scores", None) is real_intra
             ):
                 _patch(stack, mod, "intra_chunk_scores", intra_chunk_scores)
-        _patch(stack, indexer, "_topk_latest_on_ties", topk)
         _patch(stack, gated_dsa, "sparse_attention", sparse_attention)
         _patch(stack, experts_op, "_grouped_mm_supported", lambda x, w2: x.is_meta or real_supported(x, w2))
         _patch(stack, experts_op, "_check_expert_args", lambda x, *a: None if x.is_meta else real_check(x, *a))

@@ -28,12 +28,12 @@ import torch
 
 from ..checks import check_ids_in_debug, check_same_dtype, check_tensor
 from ..debug import debug_checks
+from ..offsets import host_offsets
 from .masks import (
     check_key_mask,
     check_positions,
     key_segments,
     recall_visible,
-    sequence_starts,
     visible_keys,
     visible_mask,
     visible_range,
@@ -302,7 +302,7 @@ def dense_causal_attention(
     check_positions(query_offset, q.shape[0], q.shape[1], S, cu_seqlens)
     check_key_mask(key_mask, q.shape[0], S)
     segments = key_segments(cu_seqlens, S, q.device)
-    starts = sequence_starts(cu_seqlens)  # the call's one host read, with packed sequences only
+    starts = host_offsets(cu_seqlens)  # the call's one host read, with packed sequences only
 
     def plan(b: int, t0: int, t1: int):
         lo, hi = visible_range(t0, t1, S, query_offset, starts)

@@ -13,12 +13,12 @@ from typing import Optional
 import torch
 
 from ..checks import check_same_dtype, check_tensor
+from ..offsets import host_offsets
 from .masks import (
     check_key_mask,
     check_positions,
     key_segments,
     remember_visible,
-    sequence_starts,
     visible_keys,
     visible_mask,
     visible_range,
@@ -110,7 +110,7 @@ def indexer_topk(
     score go to the latest keys. Returns ``[B, T, min(topk, S)]`` int64 key positions (order unspecified);
     slots beyond a query's visible keys hold ``-1``. Memory: ``block_size * S`` scores plus
     ``block_size * H_I * key_chunk`` per-head terms, never ``T x S``. Not differentiable (an index choice).
-    Host reads: none, or cu_seqlens once (``masks.sequence_starts``). The result carries its queries' visible
+    Host reads: none, or cu_seqlens once (``ops.offsets.host_offsets``). The result carries its queries' visible
     key ranges (``masks.remember_visible``), so ``sparse_attention`` on it reads nothing either.
     """
     _check_indexer_inputs(q_index, k_index, weights)
@@ -124,7 +124,7 @@ def indexer_topk(
     check_positions(query_offset, B, T, S, cu_seqlens)
     check_key_mask(key_mask, B, S)
     segments = key_segments(cu_seqlens, S, q_index.device)
-    starts = sequence_starts(cu_seqlens)  # the call's one host read, with packed sequences only
+    starts = host_offsets(cu_seqlens)  # the call's one host read, with packed sequences only
     k_out = min(topk, S)
     out = torch.full((B, T, k_out), -1, dtype=torch.int64, device=q_index.device)
     for t0 in range(0, T, block_size):

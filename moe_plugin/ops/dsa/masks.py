@@ -6,8 +6,8 @@ Query ``t`` of a call sits at absolute position ``query_offset + t``; key ``s`` 
 packed sequence; the boundaries are given over key positions ``0 .. S``.
 
 Host reads (issue 24): none without ``cu_seqlens``; with it the boundaries are read once per cu_seqlens
-tensor (``sequence_starts`` keeps the host copy on the tensor, so the layers of one step share one read) to skip
-the keys of earlier sequences block by block; the masks are built on the device.
+tensor (``ops.offsets.host_offsets`` keeps the host copy on the tensor, so the layers of one step share one
+read) to skip the keys of earlier sequences block by block; the masks are built on the device.
 
 ``remember_visible`` / ``recall_visible``: ``indexer_topk`` leaves on its result what it knew of its queries'
 visible keys (host ints), so that ``sparse_attention`` on that result can bound each block's keys without
@@ -45,22 +45,6 @@ def key_segments(cu_seqlens: Optional[torch.Tensor], num_keys: int, device) -> O
         return None
     positions = torch.arange(num_keys, device=device)
     return torch.bucketize(positions, cu_seqlens[1:].to(device=device, dtype=torch.int64), right=True)
-
-
-_HOST_COPY = "_moe_plugin_host_offsets"
-
-
-def sequence_starts(cu_seqlens: Optional[torch.Tensor]) -> Optional[List[int]]:
-    """cu_seqlens as host ints, or ``None``. Read once per tensor: the copy is kept on the tensor with its
-    version counter and read again only after an in-place change."""
-    if cu_seqlens is None:
-        return None
-    kept = getattr(cu_seqlens, _HOST_COPY, None)
-    if kept is not None and kept[0] == cu_seqlens._version:
-        return kept[1]
-    starts = cu_seqlens.tolist()
-    setattr(cu_seqlens, _HOST_COPY, (cu_seqlens._version, starts))
-    return starts
 
 
 @dataclass(frozen=True)
@@ -102,7 +86,7 @@ def recall_visible(indices: torch.Tensor, num_keys: int) -> Optional[VisibleKeys
 
 def visible_range(t0: int, t1: int, num_keys: int, query_offset: int, starts: Optional[List[int]]) -> Tuple[int, int]:
     """Smallest key span ``[lo, hi)`` holding every key visible to queries ``t0 .. t1-1`` (may be empty);
-    starts: ``sequence_starts(cu_seqlens)``. Host ints only: reads nothing."""
+    starts: ``host_offsets(cu_seqlens)``. Host ints only: reads nothing."""
     hi = min(num_keys, query_offset + t1)
     lo = 0
     if starts is not None:  # keys before the first query's own sequence are hidden from the whole block

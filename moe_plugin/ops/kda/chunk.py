@@ -13,7 +13,7 @@ C x C x K for whole chunks (see there), so memory grows linearly with T and stro
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -72,7 +72,7 @@ def chunk_kda(
         q, k = l2norm(q), l2norm(k)
 
     dtype = compute_dtype(q, g, initial_state)
-    layout = _ChunkLayout(dims.seq_len, chunk_size, cu_seqlens, q.device)
+    layout = ChunkLayout(dims.seq_len, chunk_size, cu_seqlens, q.device)
     qc, kc, vc, gc, bc = (layout.to_chunks(x.to(dtype)) for x in (q, k, v, g, beta))
     qc = qc * dims.scale  # after widening, so bf16 inputs are not rounded twice
     state_shape = (q.shape[0] if cu_seqlens is None else 1, dims.heads, dims.key_dim, dims.value_dim)
@@ -87,7 +87,7 @@ def chunk_kda(
     return layout.from_chunks(o).to(v.dtype), final
 
 
-class _ChunkLayout:
+class ChunkLayout:
     """Where tokens go in the padded, chunked layout ``[B, H, N, C, ...]``.
 
     Without cu_seqlens each batch row is one sequence, padded at its end. With cu_seqlens (batch 1) each
@@ -138,6 +138,34 @@ def _chunk_forward(
 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """q, k, g ``[B,H,N,C,K]`` (q scaled); v ``[B,H,N,C,V]``; beta ``[B,H,N,C]``; one start state
     ``[B,H,K,V]`` per segment of chunks. Returns o ``[B,H,N,C,V]`` and each segment's final state."""
+    terms = chunk_terms(q, k, v, g, beta)
+    entering, finals = [], []
+    for (first, last), state in zip(segments, starts):
+        states, final = scan_chunks(terms, first, last, state.flatten(0, 1))
+        entering += states
+        finals.append(final.view(state.shape))
+    return terms.output(entering), finals
+
+
+class ChunkTerms(NamedTuple):
+    """Every chunk's output and next state as affine maps of the state S entering it (module docstring):
+    O = P S + AU, S <- M S + R. P ``[B,H,N,C,K]``, AU ``[B,H,N,C,V]``; Ms, Rs: one ``[B*H, K, K]`` and
+    ``[B*H, K, V]`` per chunk (unbound once: indexing M[:, :, n] per chunk would make backward zero-fill all
+    of M per chunk)."""
+
+    P: torch.Tensor
+    AU: torch.Tensor
+    Ms: Tuple[torch.Tensor, ...]
+    Rs: Tuple[torch.Tensor, ...]
+
+    def output(self, entering: List[torch.Tensor]) -> torch.Tensor:
+        """o ``[B,H,N,C,V]`` from the ``[B*H, K, V]`` state entering each chunk, in chunk order."""
+        S = torch.stack(entering, dim=1).view(*self.P.shape[:3], self.P.shape[-1], -1)
+        return self.P @ S + self.AU
+
+
+def chunk_terms(q, k, v, g, beta) -> ChunkTerms:
+    """The batched intra-chunk work of ``_chunk_forward`` (same shapes), everything but the state's passage."""
     K = k.shape[-1]
     # In fp64: exp(G_c - G_i) for nearby c, i needs the difference, which a long fp32 cumsum would blur.
     G = g.to(torch.float64).cumsum(-2)
@@ -157,15 +185,15 @@ def _chunk_forward(
     P, AU = q * decay_in - A_WU[..., :K], A_WU[..., K:]
     M = torch.diag_embed(G_last.squeeze(-2).to(k.dtype).exp()) - Kd_WU[..., :K]
     R = Kd_WU[..., K:]
+    return ChunkTerms(P, AU, M.flatten(0, 1).unbind(1), R.flatten(0, 1).unbind(1))
 
-    # Unbind once: indexing M[:, :, n] inside the loop would make backward zero-fill all of M per chunk.
-    Ms, Rs = M.flatten(0, 1).unbind(1), R.flatten(0, 1).unbind(1)  # N x [B*H, K, K], N x [B*H, K, V]
-    entering, finals = [], []
-    for (first, last), state in zip(segments, starts):
-        state = state.flatten(0, 1)
-        for n in range(first, last):
-            entering.append(state)
-            state = torch.baddbmm(Rs[n], Ms[n], state)
-        finals.append(state.view(-1, *M.shape[1:2], *state.shape[1:]))
-    S = torch.stack(entering, dim=1).view(*P.shape[:3], K, -1)  # [B,H,N,K,V], the state entering each chunk
-    return P @ S + AU, finals
+
+def scan_chunks(
+    terms: ChunkTerms, first: int, last: int, state: torch.Tensor
+) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """The state ``[B*H, K, V]`` passed through chunks ``first .. last-1``: the state entering each, and the last."""
+    entering = []
+    for n in range(first, last):
+        entering.append(state)
+        state = torch.baddbmm(terms.Rs[n], terms.Ms[n], state)
+    return entering, state

@@ -7,6 +7,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from moe_plugin.ops.checks import check_cu_seqlens, check_same_dtype, check_tensor
+from moe_plugin.ops.offsets import host_offsets
 
 
 class KDADims(NamedTuple):
@@ -60,8 +61,9 @@ def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
 
 
 def sequence_bounds(seq_len: int, cu_seqlens: Optional[torch.Tensor]) -> List[Tuple[int, int]]:
-    """``[(start, end), ...]`` of the packed sequences, or one ``(0, T)`` covering each batch row."""
+    """``[(start, end), ...]`` of the packed sequences, or one ``(0, T)`` covering each batch row (cu_seqlens
+    read at most once per tensor, ``ops.offsets``)."""
     if cu_seqlens is None:
         return [(0, seq_len)]
-    offsets = cu_seqlens.tolist()
+    offsets = host_offsets(cu_seqlens)
     return list(zip(offsets[:-1], offsets[1:]))
