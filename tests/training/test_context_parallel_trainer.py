@@ -1,0 +1,83 @@
+"""Context parallelism through the product's Trainer: the megatron image+text model (Attention Residuals on,
+KDA and Gated DSA with its indexer) at CP 2 x EP 2 x ZeRO-3 and at CP 4 x EP 2 on 4 gloo processes equals one
+process: every step's loss, gradient norm, reduced adapter gradient and adapter, within the fp32 bounds of
+tests/tolerances.py; with the per-document balance term (documents cut by the slices), and with full
+activation checkpointing. Rows are packed so that documents and images cross the slice boundaries.
+Rank code: tests/training/context_parallel_workers.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from moe_plugin.testing.launch import run_distributed
+from tests.tolerances import check_run
+from tests.training.test_multimodal_trainer import CHAIN, LR, MAX_NORM, TOKENS, _base, _data, _named, _recipe
+
+WORKER = "tests/training/context_parallel_workers.py:run_recipes"
+# name -> (context_parallel_size, expert_parallel_size, activation checkpointing, balance coefficient)
+LAYOUTS = {
+    "cp2_ep2": (2, 2, "off", 0.0),
+    "cp2_ep2_balance": (2, 2, "off", 1.0),
+    "cp2_ep2_full": (2, 2, "full", 0.0),
+    "cp4_ep2": (4, 2, "off", 0.0),
+}
+
+
+def _cp_recipe(tmp, name, base, data, world, cp, ep, checkpointing, balance):
+    recipe = _recipe(tmp, f"{name}-w{world}", base, data, "megatron", world, ep, checkpointing)
+    recipe["parallel"]["context_parallel_size"] = cp
+    recipe["schedule"]["micro_batch_size"] = 4 // (world // cp)  # the same 4 rows a step in every layout
+    if balance:
+        recipe["lora"]["router_balance"] = {"aux_loss_coeff": balance}
+    return copy.deepcopy(recipe)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("context_parallel_trainer")
+    base = tmp / "base"
+    _base(base)
+    data = _data(tmp)
+    one_recipes = [_cp_recipe(tmp, "ref", base, data, 1, 1, 1, "off", 0.0)]
+    one_recipes.append(_cp_recipe(tmp, "ref_balance", base, data, 1, 1, 1, "off", 1.0))
+    one = run_distributed(WORKER, world_size=1, timeout_s=900, recipes=one_recipes)[0]
+    four = run_distributed(
+        WORKER,
+        world_size=4,
+        timeout_s=1800,
+        recipes=[_cp_recipe(tmp, name, base, data, 4, *layout) for name, layout in LAYOUTS.items()],
+    )
+    by_name = {name: [ranks[i] for ranks in four] for i, name in enumerate(LAYOUTS)}
+    return {"ref": one[0], "ref_balance": one[1]}, by_name
+
+
+def test_the_layouts_are_what_the_recipes_ask(runs):
+    _, four = runs
+    for name, (cp, ep, _, _) in LAYOUTS.items():
+        got = four[name]
+        sizes = {(r["layout"]["context"], r["layout"]["expert"], r["layout"]["data"]) for r in got}
+        assert sizes == {(cp, ep, 4 // cp)}
+        assert sorted((r["dp_rank"], r["context_rank"]) for r in got) == sorted(
+            (d, c) for d in range(4 // cp) for c in range(cp)
+        )
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_context_parallel_equals_one_process(runs, name):
+    one, four = runs
+    ref = one["ref_balance"] if LAYOUTS[name][3] else one["ref"]
+    assert all(abs(loss) > 0 for loss in ref["losses"])
+    for rank, got in enumerate(four[name]):
+        failures = check_run(_named(ref), _named(got), tokens=TOKENS, chain=CHAIN, lr=LR, max_norm=MAX_NORM)
+        assert not failures, (name, rank, failures[:8])
+
+
+def test_the_balance_term_moves_the_gradients(runs):
+    """Premise of the balance row: with coefficient 1 the router's adapter gradients differ from the plain run's,
+    so equality with one process checks the cross-slice document statistics."""
+    one, _ = runs
+    plain, balanced = one["ref"]["step_grads"][0], one["ref_balance"]["step_grads"][0]
+    gate = [n for n in plain if ".gate." in n and "lora_B" in n]
+    assert gate and any(float((plain[n] - balanced[n]).abs().max()) > 1e-6 for n in gate)
