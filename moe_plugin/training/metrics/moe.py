@@ -103,13 +103,13 @@ def rank_loads(loads: torch.Tensor, ep_size: int) -> torch.Tensor:
     """loads ``[L, E]`` global token copies per expert -> ``[L, ep_size]`` each expert-parallel rank's share over
     its balanced share (rank r holds the contiguous experts ``r * E / ep .. (r + 1) * E / ep``, megatron's
     ``local_expert_indices``): 1 everywhere is a balanced dispatch, 0 for a layer that routed nothing."""
-    loads = loads.detach().double().cpu()
+    loads = loads.detach().double()
     if loads.dim() != 2 or not isinstance(ep_size, int) or ep_size < 1 or loads.shape[1] % ep_size:
         raise ValueError(
             f"ep_size: expected a positive divisor of the {tuple(loads.shape)[-1:]} experts of loads "
             f"[layers, experts] {tuple(loads.shape)}, got {ep_size!r}"
         )
-    per_rank = loads.view(loads.shape[0], ep_size, -1).sum(-1)
+    per_rank = loads.reshape(loads.shape[0], ep_size, -1).sum(-1)
     mean = per_rank.mean(-1, keepdim=True)
     return torch.where(mean > 0, per_rank / mean.clamp_min(1e-300), torch.zeros_like(per_rank))
 
@@ -166,6 +166,8 @@ class MoEMetrics:
         # term; then the balance count (micro-batches), the KL sum and count
         self._aux = 2 * len(self.drifting)
         self._sums = torch.zeros(self._aux + len(self.layers) + 3, dtype=torch.float64)
+        # the same slots on the forwards' device: the hooks add device values there, read once per collect()
+        self._pending: Optional[torch.Tensor] = None
         for slot, i in enumerate(self.drifting):
             layer = self.layers[i][1]
             self._handles.append(layer.gate.base_layer.register_forward_hook(self._keep_base(i)))
@@ -193,7 +195,7 @@ class MoEMetrics:
             _, adapted_idx, _ = route_logits(layer.moe_config, logits.detach(), bias)
             _, base_idx, _ = route_logits(layer.moe_config, base, bias)
             kept = (adapted_idx.unsqueeze(-1) == base_idx.unsqueeze(-2)).any(-1)
-            self._sums[2 * slot] += float((~kept).sum())
+            self._on(kept.device)[2 * slot] += (~kept).sum()
             self._sums[2 * slot + 1] += kept.numel()
 
         return hook
@@ -203,8 +205,14 @@ class MoEMetrics:
         if kl is not None and torch.is_grad_enabled():
             self._add_kl(kl)
 
+    def _on(self, device: torch.device) -> torch.Tensor:
+        """The pending sums on ``device`` (made on first use): adding there reads nothing from the device."""
+        if self._pending is None:
+            self._pending = torch.zeros(self._sums.shape, dtype=torch.float64, device=device)
+        return self._pending
+
     def _add_kl(self, kl: torch.Tensor) -> None:
-        self._sums[-2] += float(kl.detach())
+        self._on(kl.device)[-2] += kl.detach().double()
         self._sums[-1] += 1
 
     def add_loss_metrics(self, metrics: Dict[str, torch.Tensor]) -> None:
@@ -215,12 +223,12 @@ class MoEMetrics:
             self._add_kl(kl)
         aux = metrics.get("aux_loss")  # [MoE layers]: the balance term of this micro-batch, coefficient included
         if aux is not None:
-            aux = aux.detach().double().cpu().reshape(-1)
+            aux = aux.detach().double().reshape(-1)
             if aux.numel() != len(self.layers):
                 raise ValueError(
                     f"aux_loss: expected one balance term per MoE layer ({len(self.layers)}), got {aux.numel()}"
                 )
-            self._sums[self._aux : self._aux + aux.numel()] += aux
+            self._on(aux.device)[self._aux : self._aux + aux.numel()] += aux
             self._sums[-3] += 1
 
     def add_step(self, loads: Optional[torch.Tensor]) -> None:
@@ -230,7 +238,7 @@ class MoEMetrics:
         step (what the dispatch buffers must hold)."""
         if loads is None:
             return
-        loads = loads.detach().double().cpu()
+        loads = loads.detach().double()  # kept on its device until collect()
         self._window = loads if self._window is None else self._window + loads
         if loads.shape[1] % self.ep_size == 0:
             shares = rank_loads(loads, self.ep_size)
@@ -245,6 +253,12 @@ class MoEMetrics:
             loads, peak = self._window, self._rank_peak
         self._window = self._rank_peak = None
         sums, self._sums = self._sums, torch.zeros_like(self._sums)
+        if self._pending is not None:  # the one read of the device-side sums
+            sums, self._pending = sums + self._pending.cpu(), None
+        if loads is not None:
+            loads = loads.detach().cpu()
+        if peak is not None:
+            peak = peak.cpu()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
             sums = sums.to(device)
