@@ -205,9 +205,9 @@ def measure_worker(recipes: List[dict], threads: int = 1) -> List[Dict[str, floa
                 for phase in phases[1:]:
                     with record_function(phase):
                         trainer.train_step()
-                loss = trainer.result.losses[-1]
+                losses = [float(x) for x in trainer.result.losses]
         peaks = tensor_peak(prof.profiler.kineto_results.events(), phases)
-        out.append({"peak_bytes": peaks.pop("all"), "phases": peaks, "loss": float(loss)})
+        out.append({"peak_bytes": peaks.pop("all"), "phases": peaks, "loss": losses[-1], "losses": losses})
         del prof
         _settle()
     return out
