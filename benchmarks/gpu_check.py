@@ -11,6 +11,10 @@ Checks, each printed as one line and written to benchmarks/RESULTS.md:
 4. A training step of a mid-size model built from the ``tiny`` preset, tokens/s.
 5. Packed MXFP4 experts (docs/packed-experts.md): the grouped packed product in bf16 against the dense bf16
    experts it dequantises to, forward+backward time of both and the expert memory ratio.
+6. Host reads per training step per layer kind on CUDA (issue 24): the ``tiny`` preset through the product's
+   ``Trainer`` in this process, counted by ``count_host_reads`` (the code of ``benchmarks/host_reads.py``).
+7. A compiled decoder layer on CUDA (issue 24): ``torch.compile`` (inductor) against eager, forward+backward,
+   one line per layer kind (the code of ``benchmarks/compile_layer.py``).
 Nothing here runs in CI: CI has no GPU.
 """
 
@@ -173,11 +177,47 @@ def check_packed_experts(lines: List[str]) -> None:
     )
 
 
+def check_host_reads(lines: List[str]) -> None:
+    import tempfile
+
+    from benchmarks.host_reads import SEQ, _line, recipe, worker
+
+    steps = 2
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = worker(recipe(tmp, 1, 1, steps + 1), steps)  # one warm-up step, then `steps` counted
+    torch.set_num_threads(threads)  # the worker pins one CPU thread
+    sites = sorted(result["sites"].items(), key=lambda kv: -kv[1])[:3]
+    top = "; ".join(f"{n:g} {site}" for site, n in sites)
+    lines.append(
+        _line(f"host reads on CUDA, tiny preset, Trainer 1 process, LoRA r=8, 2 x {SEQ} tokens", result["per_kind"])
+        + (f"; top sites: {top}" if top else "")
+    )
+
+
+def check_compiled_layer(lines: List[str]) -> None:
+    from benchmarks.compile_layer import layer_lines
+
+    found = layer_lines("cuda", T=1024, iters=10)
+    for line in found[:-1]:  # main prints the last line of each check
+        print(line, flush=True)
+    lines.extend(found)
+
+
 def main() -> List[str]:
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device; run it on the lent GPU machine")
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"]
-    for check in (check_kda, check_sparse_attention, check_moe, check_training_step, check_packed_experts):
+    checks = (
+        check_kda,
+        check_sparse_attention,
+        check_moe,
+        check_training_step,
+        check_packed_experts,
+        check_host_reads,
+        check_compiled_layer,
+    )
+    for check in checks:
         try:
             check(lines)
         except Exception as err:  # one failed check must not hide the others' numbers
