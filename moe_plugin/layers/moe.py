@@ -50,8 +50,11 @@ def expert_load(indices: torch.Tensor, num_experts: int, padding_mask: Optional[
             raise ValueError(
                 f"padding_mask: expected {indices.shape[0]} entries (one per token), got {tuple(padding_mask.shape)}"
             )
-        indices = indices[~padding_mask.reshape(-1).bool().to(indices.device)]
-    return torch.bincount(indices.reshape(-1), minlength=num_experts).float()
+    # counted into E slots with a weight per copy: a boolean index or bincount would size by a host read
+    weights = torch.ones(indices.shape, dtype=torch.float32, device=indices.device)
+    if padding_mask is not None:
+        weights = weights * (~padding_mask.reshape(-1, 1).bool().to(indices.device))
+    return weights.new_zeros(num_experts).index_add_(0, indices.reshape(-1).long(), weights.reshape(-1))
 
 
 class MoERouter(nn.Linear):

@@ -12,18 +12,7 @@ from typing import Tuple
 
 import torch
 
-from ..checks import check_ids, check_tensor
-from ..debug import debug_checks
-
-
-def _check_ids(name: str, ids: torch.Tensor, low: int, high: int, what: str) -> None:
-    """The dtype always; the range (an ``aminmax`` read on the host) only with ``MOE_PLUGIN_DEBUG_CHECKS=1``:
-    the hot path does no host reads. Unchecked, an out-of-range id fails later (a longer ``tokens_per_expert``,
-    or an index error), not with this message."""
-    if debug_checks():
-        check_ids(name, ids, low, high, what)
-    elif ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: expected an int32/int64 tensor, got {ids.dtype}")
+from ..checks import check_ids_in_debug, check_tensor
 
 
 def permute(
@@ -40,10 +29,11 @@ def permute(
     check_tensor("indices", indices, shape=(x.shape[0], None))
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts: expected a positive integer, got {num_experts!r}")
-    _check_ids("indices", indices, 0, num_experts, "expert ids")
+    check_ids_in_debug("indices", indices, 0, num_experts, "expert ids")
     flat = indices.reshape(-1).long()
     order = torch.sort(flat, stable=True).indices
-    tokens_per_expert = torch.bincount(flat, minlength=num_experts)
+    # counted into E slots: bincount sizes its output by the largest id, a host read
+    tokens_per_expert = flat.new_zeros(num_experts).index_add_(0, flat, torch.ones_like(flat))
     x_sorted = _ReplicateRows.apply(x, order, indices.shape[1])
     return x_sorted, tokens_per_expert, order
 
@@ -59,7 +49,7 @@ def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     check_tensor("weights", weights, ndim=2, floating=True)
     check_tensor("order", order, shape=(y_sorted.shape[0],))
     # Range only (one min/max): a repeated position is not caught; permute's order never has one.
-    _check_ids("order", order, 0, y_sorted.shape[0], "row positions")
+    check_ids_in_debug("order", order, 0, y_sorted.shape[0], "row positions")
     if weights.numel() != y_sorted.shape[0]:
         raise ValueError(
             f"weights: expected N*k = y_sorted rows ({y_sorted.shape[0]}) entries, got shape {tuple(weights.shape)}"
