@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from ..ops.context import ContextSlice, check_context_rows, refuse_with_context
 from ..ops.conv import causal_conv1d, causal_conv1d_context
 from ..ops.kda import chunk_kda, kda_gate_k3, kda_gate_kimi_linear, l2norm, naive_recurrent_kda
 from ..ops.kda.context_parallel import chunk_kda_context
+from ..ops.offsets import host_offsets
 from .norm import RMSNorm
 
 LINEAR_INIT_STD = 0.02  # the projections' N(0, std) when the layer is built on its own
@@ -58,9 +59,10 @@ class ShortConvolution(nn.Module):
         x: torch.Tensor,
         state: Optional[torch.Tensor] = None,
         output_final_state: bool = False,
-        cu_seqlens: Optional[torch.Tensor] = None,
+        cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x ``[B, T, C]``, state ``[B, C, W-1]`` -> (``[B, T, C]``, new state ``[B, C, W-1]`` or None)."""
+        """x ``[B, T, C]``, state ``[B, C, W-1]`` -> (``[B, T, C]``, new state ``[B, C, W-1]`` or None);
+        cu_seqlens a tensor or host ints (``ops.conv.causal_conv1d``)."""
         return causal_conv1d(
             x,
             self.weight.squeeze(1),
@@ -160,9 +162,12 @@ class KDAAttention(nn.Module):
             )
             q, k, v = qkv.split(cfg.proj_size, dim=-1)
         else:
-            q, q_conv = self.q_conv1d(conv_input(self.q_proj), cache.q_conv if keep else None, keep, cu_seqlens)
-            k, k_conv = self.k_conv1d(conv_input(self.k_proj), cache.k_conv if keep else None, keep, cu_seqlens)
-            v, v_conv = self.v_conv1d(conv_input(self.v_proj), cache.v_conv if keep else None, keep, cu_seqlens)
+            # host ints to the convolutions: a tensor argument of a submodule may reach it as a copy (ZeRO-3's
+            # hooks), which would lose the host copy this layer's read keeps (ops/offsets.py)
+            offsets = host_offsets(cu_seqlens)
+            q, q_conv = self.q_conv1d(conv_input(self.q_proj), cache.q_conv if keep else None, keep, offsets)
+            k, k_conv = self.k_conv1d(conv_input(self.k_proj), cache.k_conv if keep else None, keep, offsets)
+            v, v_conv = self.v_conv1d(conv_input(self.v_proj), cache.v_conv if keep else None, keep, offsets)
         q, k, v = l2norm(q.view(heads)), l2norm(k.view(heads)), v.view(heads)
         beta = torch.sigmoid(self.b_proj(x))
         f = self.f_b_proj(self.f_a_proj(x)).view(heads)

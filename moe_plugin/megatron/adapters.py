@@ -71,11 +71,12 @@ def packed_cu_seqlens(packed_seq_params: Optional[PackedSeqParams], batch: int) 
     require(batch == 1, "packed_seq_params", f"packed sequences need batch size 1, got {batch}")
     padded = p.cu_seqlens_q_padded
     require(
-        padded is None or torch.equal(padded.to(p.cu_seqlens_q), p.cu_seqlens_q),
+        # the same tensor (as the trainer passes it) needs no comparison: torch.equal is a host read
+        padded is None or padded is p.cu_seqlens_q or torch.equal(padded.to(p.cu_seqlens_q), p.cu_seqlens_q),
         "packed_seq_params.cu_seqlens_q_padded",
         "padded packing is not supported (must equal cu_seqlens_q)",
     )
-    if p.cu_seqlens_kv is not None:
+    if p.cu_seqlens_kv is not None and p.cu_seqlens_kv is not p.cu_seqlens_q:
         require(
             torch.equal(p.cu_seqlens_kv.to(p.cu_seqlens_q), p.cu_seqlens_q),
             "packed_seq_params.cu_seqlens_kv",

@@ -21,6 +21,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from .offsets import offsets_tensor
+
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -79,12 +81,12 @@ class ContextSlice:
         return tuple([0, *inside, self.length])
 
     def local_cu_seqlens(self, device: Optional[torch.device] = None) -> torch.Tensor:
-        """``local_offsets`` as ``cu_seqlens`` ``[N + 1]`` int64."""
-        return torch.tensor(self.local_offsets(), dtype=torch.int64, device=device)
+        """``local_offsets`` as ``cu_seqlens`` ``[N + 1]`` int64 (with its host copy: ``ops.offsets``)."""
+        return offsets_tensor(self.local_offsets(), device)
 
     def global_cu_seqlens(self, device: Optional[torch.device] = None) -> torch.Tensor:
-        """``offsets`` as ``cu_seqlens`` ``[D + 1]`` int64."""
-        return torch.tensor(self.offsets, dtype=torch.int64, device=device)
+        """``offsets`` as ``cu_seqlens`` ``[D + 1]`` int64 (with its host copy: ``ops.offsets``)."""
+        return offsets_tensor(self.offsets, device)
 
     def gather_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Every rank's ``x`` (this rank's slice along ``dim``) joined in order along ``dim``: the whole row."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ def causal_conv1d(
     activation: Optional[str] = "silu",
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """y[t, c] = act(bias[c] + sum_w weight[c, w] x[t - (W-1) + w, c]), inputs before a sequence's start
     taken from ``initial_state`` (zeros when None).
@@ -31,6 +31,7 @@ def causal_conv1d(
         initial_state: ``[N, C, W-1]``, the last W-1 inputs before each sequence (oldest first); N = B, or
             the number of packed sequences with ``cu_seqlens``.
         cu_seqlens: ``[N + 1]`` offsets of packed sequences in a batch of one; the window restarts at each.
+            A tensor (read once, ``ops.offsets``) or host ints: the op needs them on the host only.
     Returns:
         y ``[B, T, C]`` and, if asked, the final state ``[N, C, W-1]`` (the last W-1 inputs of each sequence,
         reaching into the initial state for sequences shorter than W-1).
@@ -44,8 +45,8 @@ def causal_conv1d(
     check_same_dtype(x=x, weight=weight, bias=bias)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    check_cu_seqlens(cu_seqlens, B, T)
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    offsets = _host_offsets(cu_seqlens, B, T)
+    N = B if offsets is None else len(offsets) - 1
     if initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(N, C, W - 1), floating=True)
         initial_state = initial_state.to(x.dtype)
@@ -56,12 +57,11 @@ def causal_conv1d(
         state = initial_state if seq is None else initial_state[seq : seq + 1]
         return state.transpose(1, 2)
 
-    if cu_seqlens is None:
+    if offsets is None:
         ext = torch.cat([tail(B), x], dim=1)  # [B, W-1+T, C]
         ends = None
     else:
         # Each packed sequence gets its own W-1 history in front, so no window crosses a boundary.
-        offsets = host_offsets(cu_seqlens)
         pieces = []
         for seq, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
             pieces += [tail(1, seq), x[:, start:end]]
@@ -89,6 +89,21 @@ def causal_conv1d(
     elif output_final_state:
         final = ext[:, ext.shape[1] - (W - 1) :].transpose(1, 2)
     return y, (final.contiguous() if final is not None else None)
+
+
+def _host_offsets(cu_seqlens, batch: int, total: int) -> Optional[List[int]]:
+    """cu_seqlens (a tensor, checked by ``check_cu_seqlens``, or host ints, checked here: free) as host ints."""
+    if cu_seqlens is None or torch.is_tensor(cu_seqlens):
+        check_cu_seqlens(cu_seqlens, batch, total)
+        return host_offsets(cu_seqlens)
+    offsets = [int(o) for o in cu_seqlens]
+    if batch != 1:
+        raise ValueError(f"cu_seqlens: packed sequences need batch size 1, got batch {batch}")
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total or offsets != sorted(offsets):
+        raise ValueError(
+            f"cu_seqlens: expected non-decreasing offsets from 0 to the sequence length {total}, got {offsets}"
+        )
+    return offsets
 
 
 def causal_conv1d_context(

@@ -100,3 +100,17 @@ def test_bad_input_names_the_argument():
         causal_conv1d(x, w, initial_state=torch.randn(2, 3, 4))
     with pytest.raises(ValueError, match="^cu_seqlens:"):
         causal_conv1d(x, w, cu_seqlens=torch.tensor([0, 5]))
+
+
+def test_host_int_offsets_equal_the_tensor_and_are_checked():
+    torch.manual_seed(0)
+    x, w = torch.randn(1, 11, 5), torch.randn(5, 4)
+    offsets = [0, 3, 3, 9, 11]  # an empty sequence too
+    want, want_final = causal_conv1d(x, w, output_final_state=True, cu_seqlens=torch.tensor(offsets))
+    got, got_final = causal_conv1d(x, w, output_final_state=True, cu_seqlens=tuple(offsets))
+    assert torch.equal(got, want) and torch.equal(got_final, want_final)
+    for bad in ([0, 3, 10], [1, 11], [0, 5, 4, 11]):
+        with pytest.raises(ValueError, match="cu_seqlens: expected non-decreasing offsets from 0"):
+            causal_conv1d(x, w, cu_seqlens=bad)
+    with pytest.raises(ValueError, match="batch size 1"):
+        causal_conv1d(torch.randn(2, 11, 5), w, cu_seqlens=offsets)

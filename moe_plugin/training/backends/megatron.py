@@ -24,6 +24,7 @@ from ...layers.recompute import set_recompute
 from ...lora import add_lora, init_expert_adapters
 from ...ops.losses import balance_terms, training_loss
 from ...ops.moe import document_weights
+from ...ops.offsets import offsets_tensor
 from ...parallel.expert_parallel import apply_expert_parallel
 from ...parallel.layout import ParallelLayout
 from ...parallel.zero3_gather import gathered
@@ -84,13 +85,13 @@ class MegatronBackend(Backend):
 
         inner = module.module if hasattr(module, "module") else module
         offsets = micro_batch.cu_seqlens.tolist()  # host ints from the data pipeline: no device read
-        cu = micro_batch.cu_seqlens.to(self.device)
+        cu = offsets_tensor(offsets, self.device)  # carries its host copy: the layers read nothing
         ids, labels = micro_batch.input_ids.to(self.device), micro_batch.labels.to(self.device)
         images = micro_batch.image_inputs(self.device)
         context = self.layout.context_slice(ids.shape[1], offsets)
         mine = offsets if context is None else context.local_offsets()
         longest = max(b - a for a, b in zip(mine[:-1], mine[1:]))
-        local_cu = cu if context is None else context.local_cu_seqlens(self.device)
+        local_cu = cu if context is None else offsets_tensor(mine, self.device)
         params = ContextPackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=local_cu,
