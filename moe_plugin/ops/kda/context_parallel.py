@@ -61,21 +61,21 @@ def chunk_kda_context(
 
     segments = layout.segments
     zero = qc.new_zeros(qc.shape[0] * dims.heads, dims.key_dim, dims.value_dim)
-    entering = [scan_chunks(terms, first, last, zero)[0] for first, last in segments[:-1]]
-    last_entering, b = scan_chunks(terms, *segments[-1], zero)
+    last_entering, b = scan_chunks(terms, *segments[-1], zero)  # the pair's b, before the exchange
     # A is read only by successors whose document passes through this whole slice
     through = len(segments) == 1 and context.continues and _next_continues(context)
     A = _transition(terms, *segments[-1], zero.shape[-2]) if through else zero.new_zeros(*zero.shape[:2], zero.shape[1])
     pairs = context.gather(torch.cat([A, b], dim=-1))  # [size, B*H, K, K + V]
 
-    if context.continues:
-        state = _fold(pairs, context, dims.key_dim)
-        first_entering, _ = scan_chunks(terms, *segments[0], state)
-        if len(segments) == 1:
-            last_entering = first_entering
-        else:
-            entering[0] = first_entering
-    o = terms.output([s for states in entering for s in states] + last_entering)
+    start = _fold(pairs, context, dims.key_dim) if context.continues else zero
+    if len(segments) == 1:
+        entering = scan_chunks(terms, *segments[0], start)[0] if context.continues else last_entering
+    else:
+        entering = scan_chunks(terms, *segments[0], start)[0]
+        for first, last in segments[1:-1]:
+            entering += scan_chunks(terms, first, last, zero)[0]
+        entering += last_entering
+    o = terms.output(entering)
     if not context.continues:
         o = join_backward(o, pairs)
     return layout.from_chunks(o).to(v.dtype)
