@@ -92,7 +92,7 @@ class MoETrainer(Trainer):
     """
 
     def __init__(self, *args, **kwargs):
-        check_all(("transformers", "peft"))
+        check_all(("torch", "transformers", "peft"))
         super().__init__(*args, **kwargs)
         if self.args.deepspeed:
             check_all(("deepspeed",))

@@ -19,9 +19,11 @@ from moe_plugin.compat import deepspeed as ds_compat
 from moe_plugin.compat import fla as fla_compat
 from moe_plugin.compat import megatron as mg_compat
 from moe_plugin.compat import peft as peft_compat
+from moe_plugin.compat import torch as torch_compat
 from moe_plugin.compat import transformers as tf_compat
 
 PINS = {
+    "torch": ("torch", torch_compat.TESTED_TORCH),
     "deepspeed": ("deepspeed", ds_compat.TESTED_DEEPSPEED),
     "megatron": ("megatron-core", mg_compat.TESTED_MEGATRON),
     "peft": ("peft", peft_compat.TESTED_PEFT),
@@ -48,8 +50,8 @@ def test_check_all_runs_each_once_and_refuses_an_unknown_name(monkeypatch):
     assert compat._PASSED == set(compat.UPSTREAMS)
     monkeypatch.setattr(tf_compat, "check", lambda: pytest.fail("a passed check ran again"))
     compat.check_all(("transformers",))
-    with pytest.raises(ValueError, match=r"^upstreams: unknown compat module 'torch'"):
-        compat.check_all(("torch",))
+    with pytest.raises(ValueError, match=r"^upstreams: unknown compat module 'numpy'"):
+        compat.check_all(("numpy",))
 
 
 def _owner(module: str, path: str):
@@ -125,6 +127,7 @@ MISSING = [
         "peft.tuners.tuners_utils.BaseTuner._inject_parameters",
     ),
     ("transformers", "transformers.trainer", "Trainer", "_save", "transformers.Trainer._save"),
+    ("torch", "torch", "", "_grouped_mm", "torch._grouped_mm"),
     (
         "transformers",
         "transformers.utils.hub",
@@ -255,7 +258,7 @@ def test_the_recipe_trainer_and_the_megatron_backend_check_first(monkeypatch):
     monkeypatch.setattr(loop, "check_all", lambda names: seen.append(tuple(names)) or _refuse())
     with pytest.raises(RuntimeError, match="refused"):
         loop.Trainer(recipe=None)  # nothing else is read before the check
-    assert seen == [("deepspeed", "peft", "transformers")]
+    assert seen == [("torch", "deepspeed", "peft", "transformers")]
     monkeypatch.setattr(compat_package, "check_all", lambda names: seen.append(tuple(names)) or _refuse())
     backend_ = MegatronBackend.__new__(MegatronBackend)
     with pytest.raises(RuntimeError, match="refused"):
@@ -270,7 +273,7 @@ def test_the_hf_trainer_wrapper_checks_at_construction(monkeypatch, tmp_path):
     monkeypatch.setattr(hf_trainer, "check_all", lambda names: seen.append(tuple(names)) or _refuse())
     with pytest.raises(RuntimeError, match="refused"):
         hf_trainer.MoETrainer(model=torch.nn.Linear(2, 2))
-    assert seen == [("transformers", "peft")]
+    assert seen == [("torch", "transformers", "peft")]
 
 
 # --- fla: the one kernel choice ---------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Every reach into an upstream's internals, one module per upstream, each pinned to the tested version.
 
-``deepspeed``, ``megatron`` (megatron-core), ``peft``, ``transformers`` and ``fla`` (flash-linear-attention) each
-hold the version setup.cfg pins, small named functions wrapping each private function, attribute or class
-trick moe_plugin relies on, and a ``check()`` that every upstream name they use exists (one-line RuntimeError
-naming the upstream name, the installed version and the pin). ``check_all`` runs the checks once per process
-where the product starts: the recipe trainer (``training.loop.Trainer``), its megatron backend, and the
-Hugging Face Trainer wrapper (``hf_trainer.MoETrainer``). docs/compat.md lists each reach and why.
+``torch``, ``deepspeed``, ``megatron`` (megatron-core), ``peft``, ``transformers`` and ``fla``
+(flash-linear-attention) each hold the version setup.cfg pins, small named functions wrapping each private
+function, attribute or class trick moe_plugin relies on, and a ``check()`` that every upstream name they use
+exists (one-line RuntimeError naming the upstream name, the installed version and the pin). ``check_all`` runs
+the checks once per process where the product starts: the recipe trainer (``training.loop.Trainer``), its
+megatron backend, and the Hugging Face Trainer wrapper (``hf_trainer.MoETrainer``). docs/compat.md lists each
+reach and why.
 
 Bottom tier: this package imports upstreams only, lazily, and no other moe_plugin package.
 """
@@ -17,7 +18,7 @@ from typing import Iterable, Set
 
 __all__ = ["UPSTREAMS", "check_all"]
 
-UPSTREAMS = ("deepspeed", "megatron", "peft", "transformers", "fla")
+UPSTREAMS = ("torch", "deepspeed", "megatron", "peft", "transformers", "fla")
 _PASSED: Set[str] = set()
 
 

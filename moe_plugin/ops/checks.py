@@ -53,9 +53,10 @@ def check_id_dtype(name: str, ids: torch.Tensor) -> None:
 
 def check_ids(name: str, ids: torch.Tensor, low: int, high: int, what: str = "ids") -> None:
     """``ids`` (any shape) must be an int32/int64 tensor with every entry in ``[low, high)`` (an ``aminmax``
-    read on the host, always: see ``check_ids_in_debug`` for the hot path)."""
+    read on the host, always: see ``check_ids_in_debug`` for the hot path). A meta tensor has no values: only
+    its dtype is checked (the planner runs the layers on meta)."""
     check_id_dtype(name, ids)
-    if ids.numel():
+    if ids.numel() and not ids.is_meta:
         lo, hi = (int(m) for m in torch.aminmax(ids))
         if lo < low or hi >= high:
             raise ValueError(f"{name}: expected {what} in [{low}, {high}), got values in [{lo}, {hi}]")

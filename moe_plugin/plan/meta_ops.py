@@ -5,15 +5,10 @@ still records what it would save. A few ops decide something from values; inside
 them gets a stand-in that keeps the op's saved set (read off the op's own source) and replaces the decision
 by the planner's stated assumption:
 
-- argument checks that read values (``check_ids``): skipped on meta tensors (nothing to check);
 - the MoE dispatch (``permute``): balanced routing times a capacity factor. This rank's ``E / EP`` local
   experts receive ``N x top_k x capacity`` rows (every EP rank sends its share of its tokens' copies), in
   equal blocks; the combine (``unpermute``) takes its ``N x top_k`` rows back. The experts themselves run
   unchanged on those rows, sliced to the local experts;
-- KDA's intra-chunk scores: the factorised form, the one a trained model takes (``ops/kda/intra.py`` falls
-  back to elementwise or split blocks only for gates too steep for the factorised exponentials);
-- ``torch._grouped_mm`` (the experts' grouped products): its meta kernel takes bf16 only, so on meta a
-  stand-in saves what its backward needs in any dtype;
 - DSA's sparse attention: a key range per query block is read off the indices, so on meta the op saves
   what ``ops.dsa.attention._BlockedAttention`` saves (q, k, v, output, log-sum-exp) without the loop;
 - with ``MetaDispatch(kernels="gpu")``, the KDA chunk op is counted as the GPU kernel that ``ops/backend.py``
@@ -21,13 +16,17 @@ by the planner's stated assumption:
   saves its inputs, the chunk-local cumulative gate (fp32) and the two intra-chunk matrices ``Aqk``, ``Akk``
   ``[B, T, H, chunk]``, and its forward makes and drops the per-chunk states ``h [B, chunks, H, K, V]`` and
   the WY factors; the CPU path (the default) keeps its fp32 chunk tensors, as measured.
+
+The rest runs as it is: the value checks read nothing outside ``MOE_PLUGIN_DEBUG_CHECKS=1`` and check only the
+dtype of a meta tensor (``ops.checks.check_ids``); KDA's intra-chunk scores take the factorised form on meta
+(``ops.kda.intra``: the form a trained model's gates take); DSA's top-k runs unchanged; the experts' grouped
+products are the custom op ``moe_plugin::grouped_mm`` with its fake kernel (``ops/moe/grouped_mm.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import types
 from typing import Iterator
 
@@ -77,24 +76,6 @@ class _MetaReplicate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.new_zeros(ctx.n, grad.shape[1]), None
-
-
-class _MetaGroupedMm(torch.autograd.Function):
-    """``torch._grouped_mm`` on meta in any dtype (its meta kernel takes bf16 only, the CUDA rule; the CPU
-    kernel runs fp32 too): saves what its backward needs, the weight for the rows' gradient and the rows
-    for the weight's."""
-
-    @staticmethod
-    def forward(ctx, a, b, offs):
-        keep = [b if ctx.needs_input_grad[0] else None, a if ctx.needs_input_grad[1] else None]
-        ctx.save_for_backward(*[t for t in keep if t is not None])
-        ctx.shapes = a.shape, b.shape
-        return a.new_empty(a.shape[0], b.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.shapes
-        return grad.new_zeros(a), grad.new_zeros(b), None
 
 
 class _MetaBlockedAttention(torch.autograd.Function):
@@ -167,27 +148,12 @@ def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
     from ..layers import gated_dsa
     from ..layers import kda as kda_layer
     from ..layers import moe as moe_layer
-    from ..ops import checks
-    from ..ops.kda import intra
-    from ..ops.moe import experts as experts_op
 
-    real_ids, real_intra = checks.check_ids, intra.intra_chunk_scores
-    real_sparse, real_supported, real_check = (
-        gated_dsa.sparse_attention,
-        experts_op._grouped_mm_supported,
-        experts_op._check_expert_args,
-    )
+    real_sparse = gated_dsa.sparse_attention
     real_stacked = moe_layer.StackedExperts.forward
     from ..layers.packed_experts import PackedStackedExperts
 
     real_packed = PackedStackedExperts.forward
-
-    def check_ids(name, ids, low, high, what="ids"):
-        if not ids.is_meta:
-            real_ids(name, ids, low, high, what)
-
-    def intra_chunk_scores(rows, k, g):
-        return intra._factorised(rows, k, g) if rows.is_meta else real_intra(rows, k, g)
 
     def sparse_attention(q, k, v, indices, scale, *args, **kwargs):
         return (
@@ -254,25 +220,7 @@ def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if dispatch.kernels == "gpu":
             _patch(stack, kda_layer, "chunk_kda", gpu_chunk_kda)
-        for mod in list(sys.modules.values()):
-            if getattr(mod, "__name__", "").startswith("moe_plugin.") and getattr(mod, "check_ids", None) is real_ids:
-                _patch(stack, mod, "check_ids", check_ids)
-        _patch(stack, intra, "intra_chunk_scores", intra_chunk_scores)
-        for mod in list(sys.modules.values()):
-            if (
-                getattr(mod, "__name__", "").startswith("moe_plugin.")
-                and getattr(mod, "intra_chunk_scores", None) is real_intra
-            ):
-                _patch(stack, mod, "intra_chunk_scores", intra_chunk_scores)
         _patch(stack, gated_dsa, "sparse_attention", sparse_attention)
-        _patch(stack, experts_op, "_grouped_mm_supported", lambda x, w2: x.is_meta or real_supported(x, w2))
-        _patch(stack, experts_op, "_check_expert_args", lambda x, *a: None if x.is_meta else real_check(x, *a))
-        real_mm = torch._grouped_mm
-
-        def grouped_mm(a, b, offs=None, **kwargs):
-            return _MetaGroupedMm.apply(a, b, offs) if a.is_meta else real_mm(a, b, offs=offs, **kwargs)
-
-        _patch(stack, torch, "_grouped_mm", grouped_mm)
         _patch(stack, moe_layer, "permute", permute)
         _patch(stack, moe_layer, "unpermute", unpermute)
         _patch(stack, moe_layer.StackedExperts, "forward", stacked_forward)

@@ -92,7 +92,7 @@ class Trainer:
 
         started = time.perf_counter()
         # DeepSpeed's, peft's and transformers' internals the run reaches, once (megatron's: its backend)
-        check_all(("deepspeed", "peft", "transformers"))
+        check_all(("torch", "deepspeed", "peft", "transformers"))
         world = env_world_size()
         # the base's configs and tokenizer, read once here; everything after takes this object
         self.recipe, self.resolved = recipe, resolve_model(recipe.model)

@@ -20,7 +20,7 @@ from moe_plugin.ops.moe import (
     unpermute,
     update_bias_sign,
 )
-from moe_plugin.ops.moe.experts import _grouped_mm_supported
+from moe_plugin.ops.moe.grouped_mm import grouped_mm_supported
 
 
 def rel(a, b):
@@ -159,7 +159,7 @@ def test_grouped_glu_equals_reference_with_gradients(kind):
     tpe = torch.tensor([5, 0, 9, 1, 0, 7])
     x = torch.randn(int(tpe.sum()), d, requires_grad=True)
     ws = [w.requires_grad_() for w in make_experts(e, f, d, seed=1)]
-    assert _grouped_mm_supported(x, ws[2])  # the fast path is really exercised
+    assert grouped_mm_supported(x, ws[2])  # the fast path is really exercised
     y = grouped_glu(x, tpe, *ws, kind)
     y_ref = grouped_glu_reference(x, tpe, *ws, kind)
     assert rel(y, y_ref) < 1e-6
@@ -186,7 +186,7 @@ def test_grouped_glu_unaligned_width_falls_back_correctly():
     tpe = torch.tensor([2, 0, 3])
     x = torch.randn(5, 6)
     ws = make_experts(3, 5, 6, seed=3)  # 5 and 6 floats are not 16-byte strides: no grouped matmul
-    assert not _grouped_mm_supported(x, ws[2])
+    assert not grouped_mm_supported(x, ws[2])
     row = torch.stack(
         [
             ws[2][i] @ act_formula("situ", ws[0][i] @ x[r], ws[1][i] @ x[r])

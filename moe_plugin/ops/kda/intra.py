@@ -28,6 +28,8 @@ def intra_chunk_scores(rows: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> 
     cumulative sum loses the small differences between nearby positions; only exp runs in rows' dtype.
     """
     M, R, C, _ = rows.shape
+    if rows.is_meta:  # no values to choose by: the factorised form, the one a trained model's gates take
+        return _factorised(rows, k, G)
     # Factors reach exp(span / 2): keep them below ~exp(0.6 log(max)), leaving room for gradient scales.
     limit = 1.2 * math.log(torch.finfo(rows.dtype).max)
     safe = (G[:, 0] - G[:, -1]).amax(-1) <= limit

@@ -13,6 +13,7 @@ import torch
 from ..activations import glu, glu_packed
 from ..checks import check_same_dtype, check_tensor
 from ..debug import debug_checks
+from .grouped_mm import grouped_mm, grouped_mm_supported
 
 
 def grouped_glu(
@@ -32,14 +33,14 @@ def grouped_glu(
     Returns ``[M, Din]``. ``activation`` is "situ" (with ``beta``, ``linear_beta``) or "swiglu".
     """
     _check_expert_args(x_sorted, tokens_per_expert, w1, w3, w2)
-    if not _grouped_mm_supported(x_sorted, w2):
+    if not grouped_mm_supported(x_sorted, w2):
         return grouped_glu_reference(x_sorted, tokens_per_expert, w1, w3, w2, activation, beta, linear_beta)
     offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
     # One grouped matmul against [w1; w3] reads each token row once for both projections; the weight
     # concat costs one pass over the expert weights, small next to the M-row products.
-    gate_up = torch._grouped_mm(x_sorted, torch.cat([w1, w3], 1).transpose(1, 2), offs=offs)
+    gate_up = grouped_mm(x_sorted, torch.cat([w1, w3], 1).transpose(1, 2), offs)
     h = glu_packed(activation, gate_up, beta=beta, linear_beta=linear_beta)
-    return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    return grouped_mm(h, w2.transpose(1, 2), offs)
 
 
 def grouped_glu_reference(
@@ -63,21 +64,6 @@ def grouped_glu_reference(
     return torch.cat(outs) if outs else x_sorted.new_zeros(0, x_sorted.shape[1])
 
 
-def _grouped_mm_supported(x: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes these operands: x ``[M, Din]``, w2 ``[E, Din, F]``."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if x.is_cuda:  # the CUDA kernel takes bf16 only
-        ok_dtype = x.dtype == torch.bfloat16
-    else:
-        ok_dtype = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-    # The kernel needs every row stride (Din and F elements) and base address on 16-byte boundaries.
-    size = x.element_size()
-    din, f = w2.shape[1], w2.shape[2]
-    aligned = (din * size) % 16 == 0 and (f * size) % 16 == 0
-    return ok_dtype and aligned and x.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0
-
-
 def _check_expert_args(x_sorted, tokens_per_expert, w1, w3, w2) -> None:
     check_tensor("x_sorted", x_sorted, ndim=2, floating=True)
     check_tensor("w1", w1, ndim=3, floating=True)
@@ -92,7 +78,7 @@ def _check_expert_args(x_sorted, tokens_per_expert, w1, w3, w2) -> None:
     check_tensor("tokens_per_expert", tokens_per_expert, shape=(e,))
     if tokens_per_expert.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"tokens_per_expert: expected an int32/int64 tensor, got {tokens_per_expert.dtype}")
-    if not debug_checks():  # the values below are host reads: debug mode only
+    if not debug_checks() or tokens_per_expert.is_meta:  # the values below are host reads: debug mode only
         return
     total = int(tokens_per_expert.sum())
     if total != x_sorted.shape[0] or (e and int(tokens_per_expert.min()) < 0):

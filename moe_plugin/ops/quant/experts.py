@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import packed_dequant_kernel
-from ..moe.experts import _grouped_mm_supported
+from ..moe.grouped_mm import grouped_mm, grouped_mm_supported
 from .formats import decode, packed_spec
 
 __all__ = [
@@ -61,9 +61,9 @@ def _mm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor) -> torch.Tenso
     """Row blocks of ``x [m, k]`` (sizes ``counts [G]``) times ``w_t [G, k, n]`` -> ``[m, n]``."""
     if x.shape[0] == 0:
         return x.new_zeros(0, w_t.shape[2])
-    if _grouped_mm_supported(x, w_t.transpose(1, 2)) and w_t.shape[2] * x.element_size() % 16 == 0:
+    if grouped_mm_supported(x, w_t.transpose(1, 2)) and w_t.shape[2] * x.element_size() % 16 == 0:
         # the group sizes are kept on the host (the blocks are split there); the kernel wants its offsets on x's device
-        return torch._grouped_mm(x, w_t, offs=torch.cumsum(counts, 0, dtype=torch.int32).to(x.device))
+        return grouped_mm(x, w_t, torch.cumsum(counts, 0, dtype=torch.int32).to(x.device))
     blocks = x.split(counts.tolist())
     return torch.cat([b @ w for b, w in zip(blocks, w_t.unbind(0))])
 
