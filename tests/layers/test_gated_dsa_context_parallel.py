@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from moe_plugin.layers.gated_dsa import MLACache
-from moe_plugin.ops.context import ContextSlice
 from moe_plugin.testing.launch import resolve_function, run_distributed
+from tests.context_cases import alone, check_refusals
 
 WORKERS = Path(__file__).with_name("gated_dsa_context_workers.py")
 REL = 1e-5
@@ -102,16 +102,10 @@ def test_context_parallel_equals_one_process(world_size):
         check(case, [rank[i] for rank in results])
 
 
-def _alone(total, offsets=None):
-    """A context of one rank (the gather is the identity): the whole row on one process."""
-    offsets = offsets or (0, total)
-    return ContextSlice(rank=0, size=1, total=total, offsets=offsets, gather=lambda x: x.unsqueeze(0))
-
-
 def test_context_of_one_rank_equals_no_context():
     case = dict(config=dict(index_topk=3), offsets=PACKED, loss=True, total=TOTAL)
     on_slice = resolve_function(f"{WORKERS}:on_slice")
-    got, ref = on_slice(case, _alone(TOTAL, PACKED)), one_process(case)
+    got, ref = on_slice(case, alone(TOTAL, PACKED)), one_process(case)
     close(got["out"], ref["out"], "output")
     close(got["x_grad"], ref["x_grad"], "input gradient")
     close(got["kl"], ref["kl"], "indexer loss")
@@ -120,18 +114,4 @@ def test_context_of_one_rank_equals_no_context():
 
 def test_context_refuses_what_it_cannot_combine():
     build = resolve_function(f"{WORKERS}:build")
-    attn = build(dict(config={}))
-    x = torch.randn(1, 8, 32)
-    context = _alone(8, (0, 3, 8))
-    for name, kw in (
-        ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 8]))),
-        ("cache", dict(cache=MLACache())),
-        ("token_mask", dict(token_mask=torch.ones(1, 8, dtype=torch.bool))),
-    ):
-        with pytest.raises(ValueError, match=name):
-            attn(x, context=context, **kw)
-    with pytest.raises(ValueError, match="hidden_states"):
-        attn(x[:, :4], context=context)  # not the slice's length
-    with pytest.raises(ValueError, match="batch size 1"):
-        attn(torch.randn(2, 8, 32), context=context)  # packed documents need batch 1
-    assert attn(torch.randn(2, 8, 32), context=_alone(8)).shape == (2, 8, 32)  # one document: any batch
+    check_refusals(build(dict(config={})), 32, MLACache())

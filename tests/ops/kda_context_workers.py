@@ -108,10 +108,6 @@ def on_slice(case: dict, context: ContextSlice) -> dict:
 
 
 def run(cases: List[dict]) -> List[dict]:
-    from moe_plugin.parallel.context_parallel import context_slice
+    from tests.context_cases import run_on_slices
 
-    out = []
-    for case in cases:
-        context = context_slice(case["total"], case["offsets"])
-        out.append({"start": context.start, "end": context.end, **on_slice(case, context)})
-    return out
+    return run_on_slices(on_slice, cases)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from moe_plugin.layers.kda import KDACache
-from moe_plugin.ops.context import ContextSlice
 from moe_plugin.testing.launch import resolve_function, run_distributed
+from tests.context_cases import alone, check_refusals
 
 WORKERS = Path(__file__).with_name("kda_context_workers.py")
 REL = 1e-5
@@ -94,32 +94,13 @@ def test_context_parallel_equals_one_process(world_size):
     assert len(by_name["layer_spanning"][0]) == 2  # one for the three convolutions, one for the state
 
 
-def _alone(total, offsets):
-    """A context of one rank (the gather is the identity): the whole row on one process."""
-    return ContextSlice(rank=0, size=1, total=total, offsets=offsets, gather=lambda x: x.unsqueeze(0))
-
-
 @pytest.mark.parametrize("name", ["kda_packed", "conv_packed", "layer_cut"])
 def test_context_of_one_rank_equals_no_context(name):
     case = next(c for c in CASES if c["name"] == name)
-    got = resolve_function(f"{WORKERS}:on_slice")(case, _alone(case["total"], case["offsets"]))
+    got = resolve_function(f"{WORKERS}:on_slice")(case, alone(case["total"], case["offsets"]))
     check(case, [{"start": 0, "end": case["total"], **got}])
 
 
 def test_context_refuses_what_it_cannot_combine():
-    case = dict(op="layer", chunk=4, offsets=(0, 3, 8), total=8)
-    attn = resolve_function(f"{WORKERS}:layer")(case)
-    x = torch.randn(1, 8, 16)
-    context = _alone(8, (0, 3, 8))
-    for name, kw in (
-        ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 8]))),
-        ("cache", dict(cache=KDACache())),
-        ("token_mask", dict(token_mask=torch.ones(1, 8, dtype=torch.bool))),
-    ):
-        with pytest.raises(ValueError, match=name):
-            attn(x, context=context, **kw)
-    with pytest.raises(ValueError, match="hidden_states"):
-        attn(x[:, :4], context=context)  # not the slice's length
-    with pytest.raises(ValueError, match="batch size 1"):
-        attn(torch.randn(2, 8, 16), context=context)  # packed documents need batch 1
-    assert attn(torch.randn(2, 8, 16), context=_alone(8, (0, 8))).shape == (2, 8, 16)  # one document: any batch
+    attn = resolve_function(f"{WORKERS}:layer")(dict(chunk=4))
+    check_refusals(attn, 16, KDACache())
