@@ -6,7 +6,9 @@ Inputs are the counts of the meta-built model (``counts.py``), the activations i
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, Optional
 
 from ..training.ds_config import zero_stage
@@ -204,6 +206,22 @@ def _checkpointed(act: ActivationPlan, mode: str):
     return activations, by_segment, peak - activations
 
 
+def read_ds_config(path: Optional[str]) -> Optional[dict]:
+    """The recipe's DeepSpeed config (``recipe.deepspeed``) as a dict, or None without one."""
+    if path is None:
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def devices_from_ds_config(ds: Optional[dict], micro_batch: int, accum: int) -> Optional[int]:
+    """The device count a DeepSpeed config pins through ``train_batch_size`` (= micro x accum x world)."""
+    tbs = (ds or {}).get("train_batch_size")
+    if isinstance(tbs, int) and not isinstance(tbs, bool) and tbs % (micro_batch * accum) == 0:
+        return tbs // (micro_batch * accum)
+    return None
+
+
 def zero3_at(ds_config: Optional[dict], devices: int) -> bool:
     """Whether the trainer partitions with ZeRO-3 at ``devices`` ranks: the DeepSpeed config asks for stage 3, or
     there is more than one rank (``training.ds_config``: the default config is ZeRO-3 then, and a given one
@@ -221,3 +239,15 @@ def zero_settings(ds_config: Optional[dict]) -> Dict[str, int]:
         elif isinstance(given.get(key), (int, float)) and not isinstance(given.get(key), bool):
             zero[key] = int(given[key])
     return zero
+
+
+def min_devices(
+    counts, mc, act, layout: Layout, device_memory: float, ds: Optional[dict], limit: int = 8192
+) -> Optional[int]:
+    """The fewest devices (a multiple of EP and CP) whose per-rank peak fits, the recipe's EP, CP and
+    micro-batch kept, each planned as ``plan_recipe`` plans that count (``zero3_at``)."""
+    step = math.lcm(layout.ep, layout.context)
+    for d in range(step, limit + 1, step):
+        if plan_memory(counts, mc, act, replace(layout, devices=d, zero3=zero3_at(ds, d))).peak <= device_memory:
+            return d
+    return None

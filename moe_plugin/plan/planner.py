@@ -4,8 +4,6 @@ and the answers to "does it fit", "how few devices" and "which knob buys how muc
 from __future__ import annotations
 
 import json
-import math
-import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Optional
 
@@ -15,7 +13,16 @@ from .layout_activations import activations_of
 from .counts import ModelCounts, count_model
 from ..limits import LIMITS, check_limit, parse_bytes  # noqa: F401 - parse_bytes: where callers found it
 from .packing import document_lengths
-from .memory import Layout, MemoryPlan, plan_memory, zero3_at, zero_settings
+from .memory import (
+    Layout,
+    MemoryPlan,
+    devices_from_ds_config,
+    min_devices,
+    plan_memory,
+    read_ds_config,
+    zero3_at,
+    zero_settings,
+)
 from .vision import image_grid
 from .context_parallel import check_context_parallel, kda_exchange, smallest_context
 
@@ -51,21 +58,6 @@ class Plan:
         d = asdict(self)
         d["memory"] = self.memory.to_dict()
         return d
-
-
-def devices_from_ds_config(ds: Optional[dict], micro_batch: int, accum: int) -> Optional[int]:
-    """The device count a DeepSpeed config pins through ``train_batch_size`` (= micro x accum x world)."""
-    tbs = (ds or {}).get("train_batch_size")
-    if isinstance(tbs, int) and not isinstance(tbs, bool) and tbs % (micro_batch * accum) == 0:
-        return tbs // (micro_batch * accum)
-    return None
-
-
-def _read_ds(recipe) -> Optional[dict]:
-    if recipe.deepspeed is None:
-        return None
-    with open(recipe.deepspeed) as f:
-        return json.load(f)
 
 
 def _flops(counts: ModelCounts, mc, layout: Layout, tokens: int) -> float:
@@ -177,7 +169,7 @@ def _plan(
     check_limit(micro_batch, "micro_batch", micro_field)
     check_limit(seq_len, "seq_len", seq_len_field, least=2)
     check_limit(s.gradient_accumulation_steps, "grad_accum", "schedule.gradient_accumulation_steps")
-    ds = _read_ds(recipe)
+    ds = read_ds_config(recipe.deepspeed)
     devices_field = "--devices" if devices is not None else "train_batch_size of the recipe's DeepSpeed config"
     if devices is None:
         devices = devices_from_ds_config(ds, micro_batch, s.gradient_accumulation_steps)
@@ -317,7 +309,7 @@ def _plan(
     if knobs:
         plan.knobs = _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert_format, ds)
         if device_memory:
-            plan.min_devices = _min_devices(counts, mc, act, layout, device_memory, ds)
+            plan.min_devices = min_devices(counts, mc, act, layout, device_memory, ds)
     return plan
 
 
@@ -397,23 +389,3 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
     )
     out[f"experts {other}"] = base - alt.memory.peak
     return out
-
-
-def _min_devices(
-    counts, mc, act, layout: Layout, device_memory: float, ds: Optional[dict], limit: int = 8192
-) -> Optional[int]:
-    """The fewest devices (a multiple of EP and CP) whose per-rank peak fits, the recipe's EP, CP and
-    micro-batch kept, each planned as ``plan_recipe`` plans that count (``zero3_at``)."""
-    step = math.lcm(layout.ep, layout.context)
-    for d in range(step, limit + 1, step):
-        if plan_memory(counts, mc, act, replace(layout, devices=d, zero3=zero3_at(ds, d))).peak <= device_memory:
-            return d
-    return None
-
-
-def recipe_path_problem(path: str) -> Optional[str]:
-    return (
-        None
-        if os.path.isfile(path)
-        else f"{path!r} does not exist; give a recipe JSON, e.g. recipes/k3_seed_layout.json"
-    )
