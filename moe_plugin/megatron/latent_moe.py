@@ -13,6 +13,11 @@ the model's math:
 * ``postprocess``: after ``combine_postprocess``, ``routed_expert_norm`` (RMSNorm) and
   ``routed_expert_up_proj`` (latent -> hidden), plus the shared experts on the full hidden.
 
+With every expert on the rank (expert-parallel and expert-tensor-parallel size 1) there is nothing to send,
+and the layer dispatches its token copies itself, as ``StableLatentMoE`` does (``ops.moe.permute`` /
+``unpermute``): megatron's dispatcher would read the device 8 times a layer to size its permute and chunk
+sort (issue 24's "no host read without expert parallelism"; ``benchmarks/host_reads.py``).
+
 Parameter names are ``StableLatentMoE``'s (``gate.weight``, ``gate.e_score_correction_bias``,
 ``experts.w1/w2/w3`` stacked ``[E_local, ...]``, ``routed_expert_down_proj``, ``routed_expert_norm``,
 ``routed_expert_up_proj``, ``shared_experts.{gate,up,down}_proj``), so a single-device state dict loads after
@@ -36,6 +41,7 @@ from ..compat.megatron import pop_router
 from ..config import MoEConfig, require
 from ..layers.mlp import GLUMLP
 from ..layers.moe import LatentMoEMixin, MoERouter, expert_load, experts_kwargs
+from ..ops.moe import permute, unpermute
 from ..layers.packed_experts import PackedStackedExperts
 from ..layers.recompute import recomputed
 from ..layers.stacked_experts import StackedExperts
@@ -178,13 +184,16 @@ class MegatronStackedExperts(StackedExperts):
             # __init__, so that deepspeed.zero.Init partitions them within their group as they are built
             tag_expert_parameter(p, get_pg_size(ep_group), expert_dp_group)
 
-    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
-        """tokens: ``[M, L]`` grouped by local expert; tokens_per_expert: ``[E_local]``; probs: ``[M]``.
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: Optional[torch.Tensor]):
+        """tokens: ``[M, L]`` grouped by local expert; tokens_per_expert: ``[E_local]``; probs: ``[M]`` or None.
 
         Returns ``(probs * E(tokens) [M, L], None)``: the weighting happens here, as in megatron's experts,
-        so that the dispatcher's unpermute only sums.
+        so that the dispatcher's unpermute only sums. With probs None the rows come back unweighted (the
+        layer's own dispatch at EP 1 weights them in its combine, as ``StableLatentMoE`` does).
         """
         y = super().forward(tokens, tokens_per_expert.to(tokens.device))
+        if probs is None:
+            return y, None
         return (y * probs.unsqueeze(-1)).to(y.dtype), None
 
 
@@ -308,6 +317,10 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
         route, the local permutation, both all-to-alls and the dispatcher's bookkeeping run once and are kept;
         the experts (with the local un-sort) and what follows the combine are recomputed in the backward."""
         mode = self.recompute_mode
+        if self.dispatches_locally and intermediate_tensors is None:
+            if padding_mask is not None:  # [B, S] -> [S, B], as MoELayer.forward
+                padding_mask = padding_mask.transpose(0, 1).bool()
+            return self._forward_local(hidden_states, padding_mask), None
         if mode == "off" or intermediate_tensors is not None:
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
         if padding_mask is not None:  # [B, S] -> [S, B], as MoELayer.forward
@@ -327,6 +340,40 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
             mode, "moe_out", self.from_latent, dispatcher.combine_postprocess(self.combine(output)), checkpoint_fn=ckpt
         )
         return (output if shared is None else output + shared), None
+
+    @property
+    def dispatches_locally(self) -> bool:
+        """Whether every expert is on this rank (expert-parallel and expert-tensor-parallel size 1). Then the
+        layer sorts its token copies itself (``ops.moe.permute``: the counts stay on the device) instead of
+        through megatron's dispatcher, whose permute and chunk sort read the device 8 times a layer
+        (``masked_select``, ``tolist``) with nothing to send."""
+        dispatcher = self.token_dispatcher
+        return dispatcher.ep_size == 1 and dispatcher.tp_size == 1
+
+    def _forward_local(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """hidden_states ``[S, B, hidden]``, padding_mask ``[S, B]`` bool (True = padding) -> ``[S, B, hidden]``:
+        ``StableLatentMoE.forward``'s dispatch and recompute regions, in ``MoELayer``'s order (shared experts
+        first) so that "off" and the recompute modes accumulate gradients alike."""
+        mode, ckpt = self.recompute_mode, self.recompute_checkpoint_fn
+        shared = recomputed(mode, "moe_out", self.shared_experts_compute, hidden_states, checkpoint_fn=ckpt)
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, indices, scores = self.route_tokens(x)
+        self._record_load(expert_load(indices, self.moe.num_experts, padding_mask))
+        self._record_balance(scores, indices, padding_mask)
+        z_sorted, tokens_per_expert, order = permute(self.to_latent(x), indices, self.moe.num_experts)
+        u = recomputed(
+            mode, "experts", self._experts_combined, z_sorted, tokens_per_expert, order, weights, checkpoint_fn=ckpt
+        )
+        y = recomputed(mode, "moe_out", self.from_latent, u, checkpoint_fn=ckpt).view(hidden_states.shape)
+        return y if shared is None else y + shared
+
+    def _experts_combined(
+        self, z_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The sorted copies ``[N * k, L]`` through every expert, combined per token with the router's weights
+        ``[N, k]``: ``[N, L]``. The experts are called as a module, so a peft wrapper around them applies."""
+        y, _ = self.experts(z_sorted, tokens_per_expert, None)
+        return unpermute(y, order, weights)
 
     def _experts_unsorted(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         """This rank's dispatched tokens ``[M, L]`` through their experts, weighted by ``probs`` ``[M]``, back in
