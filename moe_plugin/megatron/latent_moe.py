@@ -1,22 +1,20 @@
 """Stable Latent MoE as a megatron-core ``MoELayer``: tokens cross the expert-parallel all-to-all at latent width.
 
 ``LatentMoELayer`` is a subclass of megatron-core's ``MoELayer`` (so ``TransformerLayer.is_moe_layer`` holds
-and megatron's MoE machinery recognises it) that keeps megatron's dispatcher, its ``dispatch`` /
-``routed_experts_compute`` / ``combine`` stages and its forward, and replaces the three stages that touch
-the model's math:
+and megatron's MoE machinery recognises it), built by megatron from its spec, with megatron's process groups
+(``pg_collection``: the expert-parallel group), its shared-expert stage and its experts interface. Its forward
+is the model's own:
 
-* ``route``: K3's router (``gate``, fp32 sigmoid scores, top-k chosen on scores + ``e_score_correction_bias``,
-  weights renormalised and scaled) through ``moe_plugin.ops.moe.route``; returned as megatron's dense
-  ``probs [N, E]`` and boolean ``routing_map [N, E]``.
-* ``preprocess``: ``routed_expert_down_proj`` (hidden -> latent) *before*
-  ``MoEAlltoAllTokenDispatcher.dispatch_preprocess``, so the dispatcher's token width is the latent width.
-* ``postprocess``: after ``combine_postprocess``, ``routed_expert_norm`` (RMSNorm) and
-  ``routed_expert_up_proj`` (latent -> hidden), plus the shared experts on the full hidden.
-
-With every expert on the rank (expert-parallel and expert-tensor-parallel size 1) there is nothing to send,
-and the layer dispatches its token copies itself, as ``StableLatentMoE`` does (``ops.moe.permute`` /
-``unpermute``): megatron's dispatcher would read the device 8 times a layer to size its permute and chunk
-sort (issue 24's "no host read without expert parallelism"; ``benchmarks/host_reads.py``).
+* the router: K3's (``gate``, fp32 sigmoid scores, top-k chosen on scores + ``e_score_correction_bias``,
+  weights renormalised and scaled) through ``moe_plugin.ops.moe.route``;
+* ``routed_expert_down_proj`` (hidden -> latent) before the dispatch, so what crosses the all-to-all is
+  ``[N * top_k, latent]``; after the combine ``routed_expert_norm`` (RMSNorm) and ``routed_expert_up_proj``
+  (latent -> hidden), plus the shared experts on the full hidden;
+* the dispatch: ``ops.moe.permute`` / ``unpermute`` as ``StableLatentMoE`` does, and across expert-parallel
+  ranks ``expert_exchange`` (megatron-core's all-to-all-v, one host read a layer for its split sizes).
+  megatron's alltoall dispatcher (still built by ``MoELayer``, unused) reads the device 8 times a layer to
+  size its permute and chunk sort, 11 under EP (issue 24; ``benchmarks/host_reads.py``). Expert tensor
+  parallelism is refused.
 
 Parameter names are ``StableLatentMoE``'s (``gate.weight``, ``gate.e_score_correction_bias``,
 ``experts.w1/w2/w3`` stacked ``[E_local, ...]``, ``routed_expert_down_proj``, ``routed_expert_norm``,
@@ -45,6 +43,7 @@ from ..ops.moe import permute, unpermute
 from ..layers.packed_experts import PackedStackedExperts
 from ..layers.recompute import recomputed
 from ..layers.stacked_experts import StackedExperts
+from . import expert_exchange
 from .expert_tags import tag_expert_parameter
 
 # megatron routing/balancing options that LatentMoELayer's route never reads: each must keep its default, and
@@ -77,10 +76,10 @@ UNREAD_ROUTER_FIELDS = {
 def megatron_moe_fields(moe: MoEConfig) -> dict:
     """The ``TransformerConfig`` fields an MoE model with ``LatentMoELayer`` must set, from ``moe``.
 
-    The dispatcher reads ``num_moe_experts`` and ``moe_router_topk`` (its output size is tokens x top-k);
-    ``MoELayer`` builds shared experts only when ``moe_shared_expert_intermediate_size`` is set. megatron's
-    own ``moe_latent_size`` stays unset: it requires TransformerEngine and has no norm. The score function is
-    unused by this layer but named "sigmoid" (what ``route`` does): with "softmax" megatron rejects top-1.
+    ``MoELayer`` sizes its dispatcher by ``num_moe_experts`` and ``moe_router_topk`` and builds shared experts only when
+    ``moe_shared_expert_intermediate_size`` is set. megatron's own ``moe_latent_size`` stays unset: it requires
+    TransformerEngine and has no norm. The score function is unused by this layer but named "sigmoid" (what
+    ``route`` does): with "softmax" megatron rejects top-1.
     """
     return dict(
         num_moe_experts=moe.num_experts,
@@ -245,7 +244,7 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
     ``(y [S, B, hidden], None)``, as ``MoELayer``. ``config`` must agree with ``moe`` (``check_megatron_config``;
     ``megatron_moe_fields`` gives the fields).
 
-    Balancing is ``LatentMoEMixin``'s (shared with ``StableLatentMoE``): inside ``layers.moe.balancing`` ``route``
+    Balancing is ``LatentMoEMixin``'s (shared with ``StableLatentMoE``): inside ``layers.moe.balancing`` the router step
     records the per-document balance term of this rank's tokens (``pop_balance``); ``last_load`` ``[E]`` accumulates
     this rank's non-padded token copies per (global) expert over the micro-batches until ``pop_load``; the training
     loop all-reduces it (SUM) over ``parallel_state.get_data_parallel_group()``, which spans the expert-parallel
@@ -268,6 +267,11 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
         self.gate = pop_router(self).to(_param_device(config))  # the router stays fp32
         self._build_latent_modules(dtype=config.params_dtype, device=_param_device(config))
         self.last_load = None
+        require(
+            get_pg_size(self.token_dispatcher.tp_group) == 1,
+            "expert_tensor_parallel_size",
+            "must be 1: LatentMoELayer shards experts over expert-parallel ranks only (set expert_model_parallel_size)",
+        )
 
     @property
     def router(self) -> Optional[MoERouter]:
@@ -285,98 +289,56 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
 
-    def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """hidden_states ``[S, B, hidden]``, padding_mask ``[S, B]`` bool (True = padding; ``MoELayer.forward``
-        has transposed the caller's ``[B, S]``) -> ``probs [N, E]`` fp32 (zero off the chosen experts) and
-        ``routing_map [N, E]`` bool, N = S * B. Padded tokens are still routed (the dispatcher's sizes are
-        fixed by N) but are left out of ``last_load``, as megatron's router leaves them out of its counts."""
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        weights, indices, scores = self.route_tokens(x)
-        probs = torch.zeros_like(scores).scatter(1, indices, weights)
-        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, indices, True)
-        self._record_load(expert_load(indices, self.moe.num_experts, padding_mask))
-        self._record_balance(scores, indices, padding_mask)  # the same term as StableLatentMoE (inside balancing)
-        return probs, routing_map
-
-    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
-        """Project to the latent width, then let the dispatcher permute: what crosses the all-to-all is
-        ``[N * top_k, latent]``."""
-        return self.token_dispatcher.dispatch_preprocess(self.to_latent(hidden_states), routing_map, probs)
-
-    def postprocess(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]):
-        """Un-permute the combined latent outputs ``[S, B, latent]``, normalise, project up, add shared."""
-        output = self.from_latent(self.token_dispatcher.combine_postprocess(output))
-        if shared_expert_output is not None:
-            output = output + shared_expert_output
-        return output
-
     def forward(
         self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask: Optional[torch.Tensor] = None
     ):
-        """``MoELayer.forward`` (``"off"``), or with ``recompute_mode``'s regions (``layers.recompute``): the
-        route, the local permutation, both all-to-alls and the dispatcher's bookkeeping run once and are kept;
-        the experts (with the local un-sort) and what follows the combine are recomputed in the backward."""
-        mode = self.recompute_mode
-        if self.dispatches_locally and intermediate_tensors is None:
-            if padding_mask is not None:  # [B, S] -> [S, B], as MoELayer.forward
-                padding_mask = padding_mask.transpose(0, 1).bool()
-            return self._forward_local(hidden_states, padding_mask), None
-        if mode == "off" or intermediate_tensors is not None:
-            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        """hidden_states ``[S, B, hidden]``, padding_mask ``[B, S]`` bool (True = padding) -> ``(y [S, B, hidden],
+        None)``, ``MoELayer``'s interface. The shared experts run first (``MoELayer``'s order); the route, the
+        sort by expert and the exchange run once and are kept, and ``recompute_mode``'s regions
+        (``layers.recompute``) are the experts and what follows the combine, so that "off" and the recompute
+        modes accumulate gradients alike. At EP 1 the dispatch is ``StableLatentMoE.forward``'s."""
+        require(
+            intermediate_tensors is None,
+            "intermediate_tensors",
+            "LatentMoELayer runs whole (no partial CUDA-graph capture of the MoE layer); leave it None",
+        )
         if padding_mask is not None:  # [B, S] -> [S, B], as MoELayer.forward
             padding_mask = padding_mask.transpose(0, 1).bool()
-        ckpt, dispatcher = self.recompute_checkpoint_fn, self.token_dispatcher
-        # MoELayer's order (shared experts first), so that the gradients accumulate as "off"'s do: bitwise
-        shared = recomputed(mode, "moe_out", self.shared_experts_compute, hidden_states, checkpoint_fn=ckpt)
-        probs, routing_map = self.route(hidden_states, padding_mask)
-        tokens, probs = self.preprocess(hidden_states, probs, routing_map)
-        tokens, probs = self.dispatch(tokens, probs)
-        # dispatch_postprocess clears the dispatcher's token counts: it runs once, outside the recompute
-        tokens, tokens_per_expert, probs = dispatcher.dispatch_postprocess(tokens, probs)
-        output = recomputed(
-            mode, "experts", self._experts_unsorted, tokens, tokens_per_expert, probs, checkpoint_fn=ckpt
-        )
-        output = recomputed(
-            mode, "moe_out", self.from_latent, dispatcher.combine_postprocess(self.combine(output)), checkpoint_fn=ckpt
-        )
-        return (output if shared is None else output + shared), None
-
-    @property
-    def dispatches_locally(self) -> bool:
-        """Whether every expert is on this rank (expert-parallel and expert-tensor-parallel size 1). Then the
-        layer sorts its token copies itself (``ops.moe.permute``: the counts stay on the device) instead of
-        through megatron's dispatcher, whose permute and chunk sort read the device 8 times a layer
-        (``masked_select``, ``tolist``) with nothing to send."""
-        dispatcher = self.token_dispatcher
-        return dispatcher.ep_size == 1 and dispatcher.tp_size == 1
-
-    def _forward_local(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """hidden_states ``[S, B, hidden]``, padding_mask ``[S, B]`` bool (True = padding) -> ``[S, B, hidden]``:
-        ``StableLatentMoE.forward``'s dispatch and recompute regions, in ``MoELayer``'s order (shared experts
-        first) so that "off" and the recompute modes accumulate gradients alike."""
         mode, ckpt = self.recompute_mode, self.recompute_checkpoint_fn
         shared = recomputed(mode, "moe_out", self.shared_experts_compute, hidden_states, checkpoint_fn=ckpt)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         weights, indices, scores = self.route_tokens(x)
+        # padded tokens are routed (their copies are sent like any other) but left out of the load
         self._record_load(expert_load(indices, self.moe.num_experts, padding_mask))
-        self._record_balance(scores, indices, padding_mask)
+        self._record_balance(scores, indices, padding_mask)  # the same term as StableLatentMoE (inside balancing)
         z_sorted, tokens_per_expert, order = permute(self.to_latent(x), indices, self.moe.num_experts)
-        u = recomputed(
-            mode, "experts", self._experts_combined, z_sorted, tokens_per_expert, order, weights, checkpoint_fn=ckpt
-        )
-        y = recomputed(mode, "moe_out", self.from_latent, u, checkpoint_fn=ckpt).view(hidden_states.shape)
-        return y if shared is None else y + shared
+        if get_pg_size(self.ep_group) == 1:
+            u = recomputed(
+                mode, "experts", self._experts_combined, z_sorted, tokens_per_expert, order, weights, checkpoint_fn=ckpt
+            )
+            y = recomputed(mode, "moe_out", self.from_latent, u, checkpoint_fn=ckpt)
+        else:  # the exchange runs outside the regions: a recompute never sends again
+            plan = expert_exchange.plan_exchange(tokens_per_expert, self.ep_group)
+            rows = expert_exchange.send_to_experts(z_sorted, plan)
+            rows = recomputed(mode, "experts", self._experts_rows, rows, plan.tokens_per_expert, checkpoint_fn=ckpt)
+            back = expert_exchange.return_from_experts(rows, plan)
+            y = recomputed(mode, "moe_out", self._combined_from_latent, back, order, weights, checkpoint_fn=ckpt)
+        y = y.view(hidden_states.shape)
+        return (y if shared is None else y + shared), None
+
+    def _experts_rows(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """rows ``[M, L]`` grouped by local expert -> their experts' outputs ``[M, L]``, unweighted. The experts
+        are called as a module, so a peft wrapper around them applies."""
+        y, _ = self.experts(rows, tokens_per_expert, None)
+        return y
 
     def _experts_combined(
         self, z_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """The sorted copies ``[N * k, L]`` through every expert, combined per token with the router's weights
-        ``[N, k]``: ``[N, L]``. The experts are called as a module, so a peft wrapper around them applies."""
-        y, _ = self.experts(z_sorted, tokens_per_expert, None)
-        return unpermute(y, order, weights)
+        """EP 1: the sorted copies ``[N * k, L]`` through every expert, combined per token with the router's
+        weights ``[N, k]``: ``[N, L]``."""
+        return unpermute(self._experts_rows(z_sorted, tokens_per_expert), order, weights)
 
-    def _experts_unsorted(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
-        """This rank's dispatched tokens ``[M, L]`` through their experts, weighted by ``probs`` ``[M]``, back in
-        the all-to-all's order (``routed_experts_compute`` after its ``dispatch_postprocess``)."""
-        output, _ = self.experts(tokens, tokens_per_expert, probs)
-        return self.token_dispatcher.combine_preprocess(output)
+    def _combined_from_latent(self, back: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The copies' expert outputs ``[N * k, L]`` back in ``permute``'s order -> ``[N, hidden]``."""
+        return self.from_latent(unpermute(back, order, weights))

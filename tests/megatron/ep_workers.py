@@ -181,9 +181,10 @@ def _megatron_moe(scenario: str, seed: int) -> dict:
 
 
 def _latent_moe(scenario: str, seed: int) -> dict:
-    """LatentMoELayer at EP=world; the dispatcher is spied on to record the width of what it moves."""
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    """LatentMoELayer at EP=world; the exchange is spied on to record the width of what it moves."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moe_plugin.megatron import expert_exchange
 
     from moe_plugin.config import MoEConfig
     from moe_plugin.layers.moe import StableLatentMoE
@@ -216,19 +217,19 @@ def _latent_moe(scenario: str, seed: int) -> dict:
         state[f"experts.{kind}"] = global_state[f"experts.{kind}"][local[0] : local[-1] + 1]
     layer.load_state_dict(state)
 
-    widths, original = [], MoEAlltoAllTokenDispatcher.token_dispatch
+    widths, original = [], expert_exchange.send_to_experts
 
-    def spy(self, tokens, probs):
+    def spy(tokens, plan):
         widths.append(tuple(tokens.shape))
-        return original(self, tokens, probs)
+        return original(tokens, plan)
 
-    MoEAlltoAllTokenDispatcher.token_dispatch = spy
+    expert_exchange.send_to_experts = spy
     try:
         x, grad_out = _rank_tokens(seed, moe.hidden_size, None)
         received = _spy_tokens_per_expert(layer.experts)
         y, x_grad = _forward_backward(layer, x, grad_out)
     finally:
-        MoEAlltoAllTokenDispatcher.token_dispatch = original
+        expert_exchange.send_to_experts = original
     grads = {name: _grad(p) for name, p in layer.named_parameters()}
     return {
         "moe": LATENT,
@@ -250,7 +251,7 @@ def _gpt_with_latent_moe(seed: int) -> dict:
     """megatron's GPTModel (local spec) with LatentMoELayer as the MLP of every layer: one training step."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from moe_plugin.megatron import expert_exchange
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from moe_plugin.config import MoEConfig
@@ -272,13 +273,13 @@ def _gpt_with_latent_moe(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 32, (2, 8), generator=g)
     labels = torch.randint(0, 32, (2, 8), generator=g)
-    widths, original = [], MoEAlltoAllTokenDispatcher.token_dispatch
-    MoEAlltoAllTokenDispatcher.token_dispatch = lambda self, t, p: (widths.append(t.shape[-1]), original(self, t, p))[1]
+    widths, original = [], expert_exchange.send_to_experts
+    expert_exchange.send_to_experts = lambda t, plan: (widths.append(t.shape[-1]), original(t, plan))[1]
     try:
         loss = model(tokens, None, None, labels=labels).mean()  # positions unused: no position embedding
         loss.backward()
     finally:
-        MoEAlltoAllTokenDispatcher.token_dispatch = original
+        expert_exchange.send_to_experts = original
     layers = model.decoder.layers
     return {
         "moe": LATENT,

@@ -94,7 +94,7 @@ def _count_reads(weights_module):
 
 def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
     from megatron.core import parallel_state
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from moe_plugin.megatron import expert_exchange
 
     from moe_plugin.megatron import weights
     from moe_plugin.lora import add_lora, lora_config
@@ -138,13 +138,13 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
         out["adapter_roundtrip"] = adapter_state_to_hf(model, config)
         out["roundtrip_after_lora"] = weights.megatron_to_hf_state_dict(model, config)
 
-    widths, original = [], MoEAlltoAllTokenDispatcher.token_dispatch
+    widths, original = [], expert_exchange.send_to_experts
 
-    def spy(self, tokens, probs):
+    def spy(tokens, plan):
         widths.append(tuple(tokens.shape))
-        return original(self, tokens, probs)
+        return original(tokens, plan)
 
-    MoEAlltoAllTokenDispatcher.token_dispatch = spy
+    expert_exchange.send_to_experts = spy
     received = _spy_received(model)
     groups_used = _spy_groups_used(model, config.moe.num_groups)
     try:
@@ -153,7 +153,7 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
         loss.backward()
     finally:
-        MoEAlltoAllTokenDispatcher.token_dispatch = original
+        expert_exchange.send_to_experts = original
     out["widths"] = widths
     out["loads"] = [layer.mlp.pop_load() for layer in model.decoder.layers if layer.is_moe_layer]
     out["groups_used"] = groups_used
@@ -237,15 +237,16 @@ def _spy_groups_used(model, num_groups: int) -> list:
     for layer in model.decoder.layers:
         if not layer.is_moe_layer:
             continue
-        route = layer.mlp.route
+        route = layer.mlp.route_tokens
 
-        def recording(hidden_states, padding_mask=None, route=route):
-            probs, routing_map = route(hidden_states, padding_mask)
-            per_group = routing_map.view(routing_map.shape[0], num_groups, -1).any(-1).sum(-1)
+        def recording(x, route=route):
+            weights, indices, scores = route(x)
+            chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, indices, True)
+            per_group = chosen.view(chosen.shape[0], num_groups, -1).any(-1).sum(-1)
             seen.extend(sorted(set(per_group.tolist())))
-            return probs, routing_map
+            return weights, indices, scores
 
-        layer.mlp.route = recording
+        layer.mlp.route_tokens = recording
     return seen
 
 

@@ -1,7 +1,7 @@
 """LatentMoELayer (Stable Latent MoE on megatron's MoELayer and alltoall dispatcher) at EP=2 vs one device.
 
 The reference is the single-device StableLatentMoE with the same global weights, run here on each rank's
-tokens. The ranks spy on MoEAlltoAllTokenDispatcher.token_dispatch to record what crosses the all-to-all.
+tokens. The ranks spy on moe_plugin.megatron.expert_exchange.send_to_experts to record what crosses the all-to-all.
 """
 
 import pytest
