@@ -184,11 +184,11 @@ def _latent_moe(scenario: str, seed: int) -> dict:
     """LatentMoELayer at EP=world; the exchange is spied on to record the width of what it moves."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from moe_plugin.megatron import expert_exchange
-
     from moe_plugin.config import MoEConfig
     from moe_plugin.layers.moe import StableLatentMoE
+    from moe_plugin.megatron import expert_exchange
     from moe_plugin.megatron.latent_moe import LatentMoELayer, megatron_moe_fields
+    from moe_plugin.training.metrics.host_reads import count_host_reads
 
     moe = MoEConfig(**LATENT)
     torch.manual_seed(seed)  # the single-device layer draws the global weights identically on every rank
@@ -227,7 +227,8 @@ def _latent_moe(scenario: str, seed: int) -> dict:
     try:
         x, grad_out = _rank_tokens(seed, moe.hidden_size, None)
         received = _spy_tokens_per_expert(layer.experts)
-        y, x_grad = _forward_backward(layer, x, grad_out)
+        with count_host_reads(layer) as reads:
+            y, x_grad = _forward_backward(layer, x, grad_out)
     finally:
         expert_exchange.send_to_experts = original
     grads = {name: _grad(p) for name, p in layer.named_parameters()}
@@ -241,6 +242,7 @@ def _latent_moe(scenario: str, seed: int) -> dict:
         "grads": grads,
         "local": local,
         "dispatched_shapes": widths,
+        "host_reads": reads.detail(),
         "received": received,
         "load": layer.last_load,
         "state_keys": sorted(layer.state_dict()),
@@ -251,10 +253,10 @@ def _gpt_with_latent_moe(seed: int) -> dict:
     """megatron's GPTModel (local spec) with LatentMoELayer as the MLP of every layer: one training step."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from moe_plugin.megatron import expert_exchange
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from moe_plugin.config import MoEConfig
+    from moe_plugin.megatron import expert_exchange
     from moe_plugin.megatron.latent_moe import LatentMoELayer, latent_moe_spec, megatron_moe_fields
 
     moe = MoEConfig(**LATENT)

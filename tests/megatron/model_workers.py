@@ -94,9 +94,8 @@ def _count_reads(weights_module):
 
 def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
     from megatron.core import parallel_state
-    from moe_plugin.megatron import expert_exchange
 
-    from moe_plugin.megatron import weights
+    from moe_plugin.megatron import expert_exchange, weights
     from moe_plugin.lora import add_lora, lora_config
     from moe_plugin.megatron.lora import adapter_state_to_hf
     from moe_plugin.megatron.specs import build_gpt_model

@@ -59,6 +59,14 @@ def test_dispatcher_moves_latent_width_tokens(ep_check, scenario):
         )
 
 
+@pytest.mark.parametrize("scenario", ["mixed", "starved"])
+def test_one_host_read_a_layer_at_ep2(ep_check, scenario):
+    """Forward and backward of one layer at EP 2 read the device once: both split lists of the exchange in one
+    ``tolist`` (moe_plugin/megatron/expert_exchange.py); the backward's all-to-all reuses them."""
+    for rank, got in enumerate(ep_check(f"latent/{scenario}")):
+        assert got["host_reads"] == {("moe", "tolist"): 1}, f"rank {rank}: host reads {got['host_reads']}"
+
+
 def test_starved_latent_expert(ep_check):
     ranks = ep_check("latent/starved")
     load = sum(r["load"] for r in ranks)
