@@ -26,10 +26,19 @@ def next_token_targets(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] 
     document's last token and the row's last position)."""
     targets = torch.full_like(labels, -100)
     targets[:, :-1] = labels[:, 1:]
-    if cu_seqlens is not None:
-        ends = cu_seqlens[1:-1] - 1
-        targets[0, ends[(ends >= 0) & (ends < targets.shape[1])]] = -100
-    return targets
+    return targets if cu_seqlens is None else _ignore_document_ends(targets, cu_seqlens)
+
+
+def _ignore_document_ends(targets: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """targets ``[1, W]`` with -100 at each packed document's last token but the final one's
+    (``cu_seqlens[1:-1] - 1``) where it lies in the W columns. A boolean index of the ends in range would size
+    its result by a host read; ends out of range go to a spare column instead, which is dropped."""
+    ends = cu_seqlens[1:-1].to(targets.device).long() - 1
+    width = targets.shape[1]
+    spare = torch.where((ends >= 0) & (ends < width), ends, width)
+    padded = F.pad(targets, (0, 1), value=-100)
+    padded[0].index_fill_(0, spare, -100)
+    return padded[:, :width]
 
 
 def causal_lm_loss(
@@ -60,10 +69,9 @@ def causal_lm_loss(
         targets = context.take(next_token_targets(labels, cu_seqlens))
         flat = logits.reshape(-1, logits.shape[-1]).float()
         return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100, reduction="sum") / num_items_in_batch
-    targets = labels[:, 1:].clone()
+    targets = labels[:, 1:]
     if cu_seqlens is not None:
-        ends = cu_seqlens[1:-1] - 1  # last token of each document but the final one
-        targets[0, ends[(ends >= 0) & (ends < targets.shape[1])]] = -100
+        targets = _ignore_document_ends(targets, cu_seqlens)
     flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
     if num_items_in_batch is None:
         return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100)

@@ -241,7 +241,7 @@ class Trainer:
                 if not self.zero3:  # the engine reports a norm only under ZeRO; one process: the local grads
                     norm = local_grad_norm(engine.module)
             engine.step()
-            local += float(loss.detach())
+            local = local + loss.detach().double()  # read once, by the step's all-reduce
         step_loss = global_sum(local, self.device) / (layout.gradient_ranks * schedule.gradient_accumulation_steps)
         if self.zero3:
             norm = engine.get_global_grad_norm()

@@ -34,9 +34,10 @@ def step_scale(label_tokens: int, dp_size: int, accumulation: int) -> float:
     return max(label_tokens, 1) / (dp_size * accumulation)
 
 
-def global_sum(value: float, device: torch.device) -> float:
-    """``value`` summed over every rank (fp64, one all-reduce)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+def global_sum(value, device: torch.device) -> float:
+    """``value`` (a float, or a one-element tensor, so that a sum kept on the device is read once) summed over
+    every rank (fp64, one all-reduce)."""
+    t = torch.as_tensor(value, dtype=torch.float64).to(device).reshape(1)
     dist.all_reduce(t)
     return float(t.item())
 
