@@ -27,6 +27,17 @@ def test_equals_a_loop_over_blocks_with_both_gradients(sizes):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_backward_of_a_sum_takes_the_expanded_gradient():
+    """``out.sum()``'s gradient has zero strides, which the kernel refuses; the op's backward makes it dense."""
+    torch.manual_seed(0)
+    a = torch.randn(9, 16, requires_grad=True)
+    b = torch.randn(2, 16, 8, requires_grad=True)
+    offs = torch.tensor([4, 9], dtype=torch.int32)
+    ga, gb = torch.autograd.grad(grouped_mm(a, b, offs).sum(), (a, b))
+    ra, rb = torch.autograd.grad(_loop(a, b, [4, 5]).sum(), (a, b))
+    assert torch.allclose(ga, ra, rtol=1e-5, atol=1e-6) and torch.allclose(gb, rb, rtol=1e-5, atol=1e-6)
+
+
 def test_runs_on_meta_in_fp32():
     with torch.device("meta"):
         a = torch.empty(10, 16, requires_grad=True)

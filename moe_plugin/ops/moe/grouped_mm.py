@@ -35,6 +35,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad: torch.Tensor):
     b, a, offs = ctx.saved_tensors
+    grad = grad.contiguous()  # e.g. the expanded gradient of a sum: the kernel takes no zero strides
     grad_a = grad_b = None
     if ctx.needs_input_grad[0]:  # [M, N] x [G, N, K] -> [M, K]
         grad_a = _grouped_mm(grad, b.transpose(-2, -1), offs)
