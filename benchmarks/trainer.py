@@ -41,6 +41,16 @@ SHAPE = dict(
 )
 
 
+def save_base(path: str) -> None:
+    """The checkpoint base both layouts load: the model and its tokenizer (a base must bring one; the preset's
+    ids are the byte tokenizer's)."""
+    from moe_plugin.models import MoEPluginForCausalLM, preset_config
+    from moe_plugin.models.tokenizer import ByteTokenizer
+
+    MoEPluginForCausalLM(preset_config("tiny", **SHAPE)).save_pretrained(path)
+    ByteTokenizer().save_pretrained(path)
+
+
 def recipe(output_dir: str, base: str, world: int, ep: int, steps: int) -> dict:
     return {
         "output_dir": output_dir,
@@ -93,9 +103,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # a checkpoint base, as a real run has: under ZeRO-3 it is built partitioned and each rank streams
         # only its slices (a preset would be drawn whole on every rank first)
-        from moe_plugin.models import MoEPluginForCausalLM, preset_config
-
-        MoEPluginForCausalLM(preset_config("tiny", **SHAPE)).save_pretrained(f"{tmp}/base")
+        save_base(f"{tmp}/base")
         one = run_distributed(
             "benchmarks.trainer:worker",
             world_size=1,
