@@ -9,8 +9,6 @@ by the planner's stated assumption:
   experts receive ``N x top_k x capacity`` rows (every EP rank sends its share of its tokens' copies), in
   equal blocks; the combine (``unpermute``) takes its ``N x top_k`` rows back. The experts themselves run
   unchanged on those rows, sliced to the local experts;
-- DSA's sparse attention: a key range per query block is read off the indices, so on meta the op saves
-  what ``ops.dsa.attention._BlockedAttention`` saves (q, k, v, output, log-sum-exp) without the loop;
 - with ``MetaDispatch(kernels="gpu")``, the KDA chunk op is counted as the GPU kernel that ``ops/backend.py``
   picks on CUDA holds it (flash-linear-attention 0.6's ``ChunkKDAFunction`` with its default recompute): it
   saves its inputs, the chunk-local cumulative gate (fp32) and the two intra-chunk matrices ``Aqk``, ``Akk``
@@ -20,7 +18,9 @@ by the planner's stated assumption:
 The rest runs as it is: the value checks read nothing outside ``MOE_PLUGIN_DEBUG_CHECKS=1`` and check only the
 dtype of a meta tensor (``ops.checks.check_ids``); KDA's intra-chunk scores take the factorised form on meta
 (``ops.kda.intra``: the form a trained model's gates take); DSA's top-k runs unchanged; the experts' grouped
-products are the custom op ``moe_plugin::grouped_mm`` with its fake kernel (``ops/moe/grouped_mm.py``).
+products are the custom op ``moe_plugin::grouped_mm`` with its fake kernel (``ops/moe/grouped_mm.py``), and
+DSA's sparse attention the custom op ``moe_plugin::sparse_attention`` with its fake kernels and autograd
+(``ops/dsa/sparse_op.py``: it saves q, k, v, the indices, the output and the log-sum-exp).
 """
 
 from __future__ import annotations
@@ -78,20 +78,6 @@ class _MetaReplicate(torch.autograd.Function):
         return grad.new_zeros(ctx.n, grad.shape[1]), None
 
 
-class _MetaBlockedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v):
-        out = q.new_empty(*q.shape[:3], v.shape[-1])
-        lse = q.new_empty(q.shape[:3])
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-
-
 class _MetaGpuChunkKDA(torch.autograd.Function):
     """The GPU KDA kernel's memory on meta (module docstring): q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``,
     beta ``[B, T, H]`` -> o ``[B, T, H, V]``; ``chunks`` is the number of chunks over every sequence."""
@@ -145,20 +131,13 @@ def _patch(stack: contextlib.ExitStack, module, name: str, value) -> None:
 @contextlib.contextmanager
 def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
     """Within this context the layers run on meta tensors (see the module docstring); outside, unchanged."""
-    from ..layers import gated_dsa
     from ..layers import kda as kda_layer
     from ..layers import moe as moe_layer
 
-    real_sparse = gated_dsa.sparse_attention
     real_stacked = moe_layer.StackedExperts.forward
     from ..layers.packed_experts import PackedStackedExperts
 
     real_packed = PackedStackedExperts.forward
-
-    def sparse_attention(q, k, v, indices, scale, *args, **kwargs):
-        return (
-            _MetaBlockedAttention.apply(q, k, v) if q.is_meta else real_sparse(q, k, v, indices, scale, *args, **kwargs)
-        )
 
     def permute(x, indices, num_experts):
         if not x.is_meta:
@@ -220,7 +199,6 @@ def meta_forward(dispatch: MetaDispatch) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if dispatch.kernels == "gpu":
             _patch(stack, kda_layer, "chunk_kda", gpu_chunk_kda)
-        _patch(stack, gated_dsa, "sparse_attention", sparse_attention)
         _patch(stack, moe_layer, "permute", permute)
         _patch(stack, moe_layer, "unpermute", unpermute)
         _patch(stack, moe_layer.StackedExperts, "forward", stacked_forward)

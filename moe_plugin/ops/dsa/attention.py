@@ -1,4 +1,5 @@
-"""Softmax attention over a chosen set of keys per query: DSA's sparse attention and its dense causal case.
+"""Softmax attention over a chosen set of keys per query: the kernel of DSA's sparse attention and its dense
+causal case.
 
 Both run through one blocked kernel. A block of queries works on the span of key positions it uses (smallest
 to largest selected key, or the causally visible span), in chunks of keys, with dense matrix products.
@@ -8,32 +9,31 @@ this beats gathering k keys and values per query (a memory-bound copy of ``T*k*H
 is a GEMM and every elementwise pass but a zero fill is O(k). Transient memory per block is a few
 ``H * block * key_chunk`` matrices, whatever S is.
 
-The autograd Function saves only q, k, v, the output and the log-sum-exp, and recomputes each block's
-probabilities in backward (as flash attention does), so neither pass ever holds ``T x S`` scores.
+Both passes are plain functions (``blocked_forward``, ``blocked_backward``) over a per-block key plan. Dense
+causal attention runs them in the autograd Function here; sparse attention is the custom op of ``sparse_op.py``
+over the same two. Either saves only q, k, v, the output and the log-sum-exp (sparse attention also its
+indices), and recomputes each block's probabilities in backward (as flash attention does), so neither pass
+ever holds ``T x S`` scores.
 
-Host reads (issue 24): the block loop's bounds are host ints. Sparse attention on ``indexer_topk``'s result
-takes every block's span from the visible range that result carries (no read); on other indices it finds the
-spans with one reduction and one read per call (shared by forward and backward). Dense causal attention
-derives its spans from the shapes (no read), with packed sequences from cu_seqlens read once per tensor. Value
-checks (index range, repeated keys) run only with ``MOE_PLUGIN_DEBUG_CHECKS=1``.
+Host reads (issue 24): the block loop's bounds are host ints. Dense causal attention derives its spans from
+the shapes (no read), with packed sequences from cu_seqlens read once per tensor; sparse attention's are in
+``sparse_op.py``. Value checks (index range, repeated keys) run only with ``MOE_PLUGIN_DEBUG_CHECKS=1``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
 from ..checks import check_ids_in_debug, check_same_dtype, check_tensor
-from ..debug import debug_checks
 from ..offsets import host_offsets
 from .masks import (
     check_key_mask,
     check_positions,
     key_segments,
-    recall_visible,
     visible_keys,
     visible_mask,
     visible_range,
@@ -125,39 +125,91 @@ def _finite_or(x: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.full_like(x, fill))
 
 
+def blocked_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int, key_chunk: int, plan: KeyPlan
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of queries x chunks of keys: each query's log-sum-exp over the chunks first, then
+    ``exp(s - lse) @ V`` summed chunk by chunk. Shapes as ``check_attention_inputs``; returns the output
+    ``[B, T, H, Dv]`` and the log-sum-exp ``[B, T, H]`` (q's dtype, ``-inf`` for a query that sees no key)."""
+    B, T, H, _ = q.shape
+    out = q.new_zeros(B, T, H, v.shape[-1])
+    lse = q.new_full((B, T, H), -math.inf)
+    for b in range(B):
+        q_t, k_t, v_t = _head_major(q[b] * scale), _head_major(k[b]), _head_major(v[b])
+        for t0 in range(0, T, block):
+            t1 = min(T, t0 + block)
+            keys = plan(b, t0, t1)
+            q_blk = q_t[:, t0:t1]
+            chunks = _chunks(keys, key_chunk)
+            lse_blk = q.new_full((H, t1 - t0, 1), -math.inf)
+            kept = None
+            for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), chunks):
+                sc = ch.scores(torch.matmul(q_blk, k_t[:, c0 : c0 + ch.width].transpose(1, 2)))
+                lse_blk = torch.logaddexp(lse_blk, torch.logsumexp(sc, -1, keepdim=True))
+                kept = sc if len(chunks) == 1 else None  # one chunk: no need to recompute it
+            shift = _finite_or(lse_blk, math.inf)  # a query that sees no key: probabilities 0
+            o = q.new_zeros(H, t1 - t0, v.shape[-1])
+            for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), chunks):
+                sc = (
+                    kept
+                    if kept is not None
+                    else ch.scores(torch.matmul(q_blk, k_t[:, c0 : c0 + ch.width].transpose(1, 2)))
+                )
+                o.baddbmm_(ch.place(sc.sub_(shift).exp_()), v_t[:, c0 : c0 + ch.width])
+            out[b, t0:t1] = o.transpose(0, 1)
+            lse[b, t0:t1] = lse_blk.squeeze(-1).transpose(0, 1)
+    return out, lse
+
+
+def blocked_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    block: int,
+    key_chunk: int,
+    plan: KeyPlan,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``blocked_forward`` in q, k, v (their shapes), from grad_out ``[B, T, H, Dv]`` and the
+    forward's out and lse: each block's probabilities are recomputed, as flash attention does."""
+    B, T, H, _ = q.shape
+    delta = (grad_out * out).sum(-1)  # [B, T, H]: sum_s p_s dp_s, the softmax Jacobian's shift
+    lse = _finite_or(lse, math.inf)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for b in range(B):
+        q_t, k_t, v_t = _head_major(q[b] * scale), _head_major(k[b]), _head_major(v[b])
+        do_t = _head_major(grad_out[b])
+        dq_t, dk_t, dv_t = torch.zeros_like(q_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
+        for t0 in range(0, T, block):
+            t1 = min(T, t0 + block)
+            keys = plan(b, t0, t1)
+            q_blk, do_blk = q_t[:, t0:t1], do_t[:, t0:t1]
+            shift = lse[b, t0:t1].transpose(0, 1).unsqueeze(-1)
+            delta_blk = delta[b, t0:t1].transpose(0, 1).unsqueeze(-1)
+            for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), _chunks(keys, key_chunk)):
+                span = slice(c0, c0 + ch.width)
+                p = ch.scores(torch.matmul(q_blk, k_t[:, span].transpose(1, 2))).sub_(shift).exp_()
+                dp = ch.select(torch.matmul(do_blk, v_t[:, span].transpose(1, 2)))
+                ds = ch.place(dp.sub_(delta_blk).mul_(p))
+                dq_t[:, t0:t1].baddbmm_(ds, k_t[:, span])
+                dk_t[:, span].baddbmm_(ds.transpose(1, 2), q_blk)
+                dv_t[:, span].baddbmm_(ch.place(p).transpose(1, 2), do_blk)
+        dq[b] = dq_t.transpose(0, 1) * scale
+        dk[b] = dk_t.transpose(0, 1)
+        dv[b] = dv_t.transpose(0, 1)
+    return dq, dk, dv
+
+
 class _BlockedAttention(torch.autograd.Function):
-    """Blocks of queries x chunks of keys. Forward finds each query's log-sum-exp over the chunks first,
-    then sums ``exp(s - lse) @ V`` chunk by chunk; backward recomputes the same probabilities."""
+    """Dense causal attention's autograd: saves q, k, v, the output and the log-sum-exp (sparse attention is
+    the custom op of ``sparse_op.py`` over the same two functions)."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale: float, block: int, key_chunk: int, plan: KeyPlan):
-        B, T, H, _ = q.shape
-        out = q.new_zeros(B, T, H, v.shape[-1])
-        lse = q.new_full((B, T, H), -math.inf)
-        for b in range(B):
-            q_t, k_t, v_t = _head_major(q[b] * scale), _head_major(k[b]), _head_major(v[b])
-            for t0 in range(0, T, block):
-                t1 = min(T, t0 + block)
-                keys = plan(b, t0, t1)
-                q_blk = q_t[:, t0:t1]
-                chunks = _chunks(keys, key_chunk)
-                lse_blk = q.new_full((H, t1 - t0, 1), -math.inf)
-                kept = None
-                for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), chunks):
-                    sc = ch.scores(torch.matmul(q_blk, k_t[:, c0 : c0 + ch.width].transpose(1, 2)))
-                    lse_blk = torch.logaddexp(lse_blk, torch.logsumexp(sc, -1, keepdim=True))
-                    kept = sc if len(chunks) == 1 else None  # one chunk: no need to recompute it
-                shift = _finite_or(lse_blk, math.inf)  # a query that sees no key: probabilities 0
-                o = q.new_zeros(H, t1 - t0, v.shape[-1])
-                for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), chunks):
-                    sc = (
-                        kept
-                        if kept is not None
-                        else ch.scores(torch.matmul(q_blk, k_t[:, c0 : c0 + ch.width].transpose(1, 2)))
-                    )
-                    o.baddbmm_(ch.place(sc.sub_(shift).exp_()), v_t[:, c0 : c0 + ch.width])
-                out[b, t0:t1] = o.transpose(0, 1)
-                lse[b, t0:t1] = lse_blk.squeeze(-1).transpose(0, 1)
+        out, lse = blocked_forward(q, k, v, scale, block, key_chunk, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.block, ctx.key_chunk, ctx.plan = scale, block, key_chunk, plan
         return out
@@ -166,33 +218,8 @@ class _BlockedAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, block, key_chunk, plan = ctx.scale, ctx.block, ctx.key_chunk, ctx.plan
-        B, T, H, _ = q.shape
-        delta = (grad_out * out).sum(-1)  # [B, T, H]: sum_s p_s dp_s, the softmax Jacobian's shift
-        lse = _finite_or(lse, math.inf)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for b in range(B):
-            q_t, k_t, v_t = _head_major(q[b] * scale), _head_major(k[b]), _head_major(v[b])
-            do_t = _head_major(grad_out[b])
-            dq_t, dk_t, dv_t = torch.zeros_like(q_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
-            for t0 in range(0, T, block):
-                t1 = min(T, t0 + block)
-                keys = plan(b, t0, t1)
-                q_blk, do_blk = q_t[:, t0:t1], do_t[:, t0:t1]
-                shift = lse[b, t0:t1].transpose(0, 1).unsqueeze(-1)
-                delta_blk = delta[b, t0:t1].transpose(0, 1).unsqueeze(-1)
-                for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), _chunks(keys, key_chunk)):
-                    span = slice(c0, c0 + ch.width)
-                    p = ch.scores(torch.matmul(q_blk, k_t[:, span].transpose(1, 2))).sub_(shift).exp_()
-                    dp = ch.select(torch.matmul(do_blk, v_t[:, span].transpose(1, 2)))
-                    ds = ch.place(dp.sub_(delta_blk).mul_(p))
-                    dq_t[:, t0:t1].baddbmm_(ds, k_t[:, span])
-                    dk_t[:, span].baddbmm_(ds.transpose(1, 2), q_blk)
-                    dv_t[:, span].baddbmm_(ch.place(p).transpose(1, 2), do_blk)
-            dq[b] = dq_t.transpose(0, 1) * scale
-            dk[b] = dk_t.transpose(0, 1)
-            dv[b] = dv_t.transpose(0, 1)
-        return dq, dk, dv, None, None, None, None
+        grads = blocked_backward(grad_out, q, k, v, out, lse, ctx.scale, ctx.block, ctx.key_chunk, ctx.plan)
+        return (*grads, None, None, None, None)
 
 
 def check_indices(indices: torch.Tensor, batch: int, num_queries: int, num_keys: int) -> None:
@@ -203,79 +230,6 @@ def check_indices(indices: torch.Tensor, batch: int, num_queries: int, num_keys:
     """
     check_tensor("indices", indices, shape=(batch, num_queries, None))
     check_ids_in_debug("indices", indices, -1, num_keys, "key positions (-1 = empty slot)")
-
-
-def _block_spans(indices: torch.Tensor, block: int) -> List[List[Tuple[int, int]]]:
-    """``[B][ceil(T / block)]`` spans ``(lo, hi)`` of the keys each block of queries selects (``hi <= lo``: none),
-    all found with one reduction and brought to the host with one read: the only host read of a call."""
-    B, T, k = indices.shape
-    nb = -(-T // block)
-    if T == 0 or k == 0:
-        return [[(0, 0)] * nb for _ in range(B)]
-    pad = nb * block - T
-    idx = torch.nn.functional.pad(indices, (0, 0, 0, pad), value=-1) if pad else indices
-    blocks = idx.reshape(B, nb, block * k)
-    hi = blocks.amax(-1) + 1  # 0 for a block without a selection
-    lo = torch.where(blocks >= 0, blocks, torch.iinfo(blocks.dtype).max).amin(-1)
-    return [[(lo_, hi_) for lo_, hi_ in row] for row in torch.stack([lo, hi], -1).tolist()]
-
-
-def _selection_plan(indices: torch.Tensor, block: int, num_keys: int) -> KeyPlan:
-    """Per block: the span from the smallest to the largest selected key, and each selection's column in it.
-
-    The spans are host ints found once per call (forward and backward share them): from the shapes when the
-    indices are ``indexer_topk``'s unchanged result (its queries' visible ranges, no read), else from
-    ``_block_spans`` (one read); everything per block stays on the device. With ``MOE_PLUGIN_DEBUG_CHECKS=1``
-    a repeated key in a query's row is refused."""
-    B, T, _ = indices.shape
-    seen = recall_visible(indices, num_keys)
-    if seen is not None:  # indexer_topk's result: each block's keys lie in its queries' visible range
-        spans = [[seen.span(t0, min(T, t0 + block)) for t0 in range(0, T, block)]] * B
-    else:
-        spans = _block_spans(indices.long(), block)
-    indices = indices.long()
-    check_repeats = debug_checks()
-
-    def plan(b: int, t0: int, t1: int) -> BlockKeys:
-        idx = indices[b, t0:t1]  # [Bq, k]
-        lo, hi = spans[b][t0 // block]
-        if hi <= lo:
-            return BlockKeys(0, 0, pos=idx)
-        valid = idx >= 0
-        pos = torch.where(valid, idx - lo, hi - lo)
-        if check_repeats:
-            seen = torch.zeros(idx.shape[0], hi - lo + 1, dtype=torch.bool, device=idx.device).scatter_(1, pos, True)
-            if int(seen[:, :-1].sum()) != int(valid.sum()):
-                raise ValueError(f"indices: a query of rows {t0}..{t1 - 1} (batch {b}) selects a key twice")
-        return BlockKeys(lo, hi, pos=pos)
-
-    return plan
-
-
-def sparse_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    block_size: int = DEFAULT_BLOCK,
-    key_chunk: int = DEFAULT_KEY_CHUNK,
-) -> torch.Tensor:
-    """Each query attends (softmax) over its selected keys only.
-
-    q: ``[B, T, H, Dqk]``; k: ``[B, S, H, Dqk]``; v: ``[B, S, H, Dv]``; indices: ``[B, T, k]`` int key
-    positions, ``-1`` = empty slot, no key twice in a row (ValueError); scale: multiplies ``q . k``.
-    Returns ``[B, T, H, Dv]``; a query with no selected key gets zeros. Differentiable in q, k, v with
-    O(T*k) saved state (inputs, output, log-sum-exp) and blocks of ``block_size`` queries recomputed in
-    backward; transient memory ``O(H * block_size * key_chunk)`` in both passes. Causality is whatever the
-    indices say (``indexer_topk`` only selects visible keys).
-    """
-    check_attention_inputs(q, k, v, scale)
-    _check_positive("block_size", block_size)
-    _check_positive("key_chunk", key_chunk)
-    check_indices(indices, q.shape[0], q.shape[1], k.shape[1])
-    plan = _selection_plan(indices, block_size, k.shape[1])
-    return _BlockedAttention.apply(q, k, v, float(scale), block_size, key_chunk, plan)
 
 
 def dense_causal_attention(

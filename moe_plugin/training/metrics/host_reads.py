@@ -19,7 +19,8 @@ What counts (one per call), seen through a ``torch.overrides.TorchFunctionMode``
 Calls are counted on any device (on the CPU they cost nothing, but the same call waits on a GPU), so a CPU run
 shows what a GPU run would wait on. Not seen: reads inside C++ kernels and autograd's C++ backward, ``.to``
 with a host device (ambiguous from the arguments; the project moves with ``cpu()``), and collectives (they
-wait in the process group, not through a tensor read).
+wait in the process group, not through a tensor read). Seen: the Python kernels of the project's custom ops
+(``moe_plugin::*``, e.g. sparse attention's), which the mode re-enters (``compat.torch.call_op_in_mode``).
 
 Each read goes to the innermost enclosing module of a known kind (its forward, entered by forward pre-hooks
 and left by forward hooks, so reads in other forward hooks of the layer, such as the MoE metrics, count for
@@ -41,6 +42,8 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from moe_plugin.compat.torch import call_op_in_mode, custom_op_namespace
 
 KINDS: Tuple[str, ...] = ("kda", "mla", "dsa", "moe", "norm", "attn_res", "mlp", "other", "trainer")
 
@@ -173,6 +176,10 @@ class _CountingMode(TorchFunctionMode):
         name = _read_name(func, args, kwargs)
         if name is not None:
             self.counts.add(self.stack[-1], name)
+        # the Python kernels of the project's ops count too (compat.torch); dynamo, tracing this mode around a
+        # compiled function, takes the op as it is
+        if custom_op_namespace(func) == "moe_plugin" and not torch.compiler.is_compiling():
+            return call_op_in_mode(self, func, args, kwargs)
         return func(*args, **kwargs)
 
 
