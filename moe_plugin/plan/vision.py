@@ -37,10 +37,27 @@ def image_grid(image_size: int, patch_size: int, merge_size: int) -> Tuple[int, 
     return side, side
 
 
+class _MetaFusedAttention(torch.autograd.Function):
+    """The tower's fused attention on meta: q, k ``[B, L, H, D]``, v ``[B, L, H, Dv]`` -> ``[B, L, H, Dv]``,
+    saving what a fused kernel saves (q, k, v, the output and the log-sum-exp ``[B, L, H]``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        lse = q.new_empty(q.shape[:3])
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
 @contextlib.contextmanager
 def _vision_on_meta(grid_cpu: torch.Tensor) -> Iterator[None]:
     from ..layers import vision
-    from .meta_ops import _MetaBlockedAttention, _patch
+    from .meta_ops import _patch
 
     positions, segments, attend = vision.patch_positions, vision.image_segments, vision._attend
 
@@ -57,7 +74,7 @@ def _vision_on_meta(grid_cpu: torch.Tensor) -> Iterator[None]:
         return wrapped
 
     def fused_attend(q, k, v):  # [B, L, H, D] each
-        return _MetaBlockedAttention.apply(q, k, v) if q.is_meta else attend(q, k, v)
+        return _MetaFusedAttention.apply(q, k, v) if q.is_meta else attend(q, k, v)
 
     with contextlib.ExitStack() as stack:
         _patch(stack, vision, "patch_positions", on_device(positions))
