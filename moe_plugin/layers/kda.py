@@ -172,16 +172,16 @@ class KDAAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x))
         f = self.f_b_proj(self.f_a_proj(x)).view(heads)
         if cfg.gate_form == "k3":
-            g = kda_gate_k3(f, self.A_log, self.dt_bias, cfg.gate_lower_bound)
+            g, bound = kda_gate_k3(f, self.A_log, self.dt_bias, cfg.gate_lower_bound), cfg.gate_lower_bound
         else:
-            g = kda_gate_kimi_linear(f, self.A_log, self.dt_bias)
+            g, bound = kda_gate_kimi_linear(f, self.A_log, self.dt_bias), None
         if real is not None:
             beta = beta.masked_fill(~real, 0.0)
             g = g.masked_fill(~real.unsqueeze(-1), 0.0)
 
         state = cache.state if keep else None
         if context is not None:
-            o = chunk_kda_context(q, k, v, g, beta, context, chunk_size=cfg.chunk_size)
+            o = chunk_kda_context(q, k, v, g, beta, context, chunk_size=cfg.chunk_size, gate_lower_bound=bound)
         elif keep and T == 1:
             o, state = naive_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
         else:
@@ -195,6 +195,7 @@ class KDAAttention(nn.Module):
                 output_final_state=keep,
                 cu_seqlens=cu_seqlens,
                 chunk_size=cfg.chunk_size,
+                gate_lower_bound=bound,
             )
         if keep:
             cache.state, cache.q_conv, cache.k_conv, cache.v_conv = state, q_conv, k_conv, v_conv

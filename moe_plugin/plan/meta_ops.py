@@ -16,8 +16,8 @@ by the planner's stated assumption:
   the WY factors; the CPU path (the default) keeps its fp32 chunk tensors, as measured.
 
 The rest runs as it is: the value checks read nothing outside ``MOE_PLUGIN_DEBUG_CHECKS=1`` and check only the
-dtype of a meta tensor (``ops.checks.check_ids``); KDA's intra-chunk scores take the factorised form on meta
-(``ops.kda.intra``: the form a trained model's gates take); DSA's top-k runs unchanged; the experts' grouped
+dtype of a meta tensor (``ops.checks.check_ids``); KDA's intra-chunk scores take the form the gate's bound fixes,
+the one measured (``ops.kda.intra`` reads no values); DSA's top-k runs unchanged; the experts' grouped
 products are the custom op ``moe_plugin::grouped_mm`` with its fake kernel (``ops/moe/grouped_mm.py``), and
 DSA's sparse attention the custom op ``moe_plugin::sparse_attention`` with its fake kernels and autograd
 (``ops/dsa/sparse_op.py``: it saves q, k, v, the indices, the output and the log-sum-exp).

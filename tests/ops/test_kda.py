@@ -153,7 +153,7 @@ def test_fp32_backward_finite_at_strong_decay():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_intra_chunk_scores_on_every_path(dtype):
-    """Blocks of mild, strong, extreme and mixed decay side by side: factorised, split and elementwise paths."""
+    """Blocks of mild, strong, extreme and mixed decay side by side, no bound: the split down to elementwise."""
     from moe_plugin.ops.kda.intra import intra_chunk_scores
 
     gen = torch.Generator().manual_seed(5)
@@ -174,6 +174,34 @@ def test_intra_chunk_scores_on_every_path(dtype):
     assert rel(got.double(), expected) <= (1e-6 if dtype == torch.float32 else 1e-13)
     got.square().sum().backward()
     assert torch.isfinite(rows_t.grad).all() and torch.isfinite(k_t.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bounded_gate_factorises_blocks_and_equals_recurrent(dtype):
+    """K3's bound (-5 < g) in chunks of 64: fp32 factorises blocks of 16 (a span <= 75) inside one split, fp64
+    the whole chunk (a span <= 315); both equal the recurrence, with gates at the bound's edge."""
+    from moe_plugin.ops.kda.intra import factorised_block
+
+    assert factorised_block(torch.float32, 5.0) == 22 and factorised_block(torch.float64, 5.0) == 171
+    assert factorised_block(torch.float32, None) == 1
+    edge = lambda shape, gen: -5.0 * torch.rand(shape, generator=gen, dtype=torch.float64).sqrt()  # noqa: E731
+    q, k, v, g, beta, h0 = make_inputs(T=150, dtype=dtype, g=edge)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, gate_lower_bound=-5.0)
+    assert rel(o, o_ref) <= TOL[dtype] and rel(s, s_ref) <= TOL[dtype]
+
+
+def test_gate_lower_bound_checked_in_debug_mode(monkeypatch):
+    """A gate below its promised bound is caught with MOE_PLUGIN_DEBUG_CHECKS=1 (naming the argument), and a
+    bound that is no log decay always."""
+    q, k, v, g, beta, _ = make_inputs(T=20, g=-6.0)
+    monkeypatch.setenv("MOE_PLUGIN_DEBUG_CHECKS", "1")
+    with pytest.raises(ValueError, match="gate_lower_bound=-5.0"):
+        chunk_kda(q, k, v, g, beta, gate_lower_bound=-5.0)
+    with pytest.raises(ValueError, match="gate_lower_bound: expected a number <= 0"):
+        chunk_kda(q, k, v, g, beta, gate_lower_bound=2.0)
+    o, _ = chunk_kda(q, k, v, g, beta, gate_lower_bound=-6.0)  # at the bound is within it
+    assert rel(o, naive_recurrent_kda(q, k, v, g, beta)[0]) <= TOL[torch.float64]
 
 
 # --- transformers' independent torch implementation -------------------------------------------------------

@@ -83,8 +83,9 @@ def test_tiny_model_reads_per_kind():
     # none: the norms, AttnRes, the DSA indexer, the dense MLP, and the backward / trainer side
     assert per_kind["norm"] == per_kind["attn_res"] == per_kind["dsa"] == per_kind["mlp"] == 0
     assert per_kind["trainer"] == 0
-    # KDA: one ``bool(safe.all())`` per layer (ops/kda/intra.py picks the factorised form), 3 KDA layers
-    assert per_kind["kda"] == 3
+    # KDA: none. The intra-chunk scores take the form the gate's bound fixes (ops/kda/intra.py), not one read
+    # off the gates, and the bound's check reads nothing unless MOE_PLUGIN_DEBUG_CHECKS=1
+    assert per_kind["kda"] == 0
     # MLA: none. sparse_attention takes its block spans from the visible ranges indexer_topk's result carries
     # (ops/dsa/masks.py remember_visible), the top-k tie rule is one top-k, no cu_seqlens here, and the index
     # range and repeated-key checks read nothing unless MOE_PLUGIN_DEBUG_CHECKS=1

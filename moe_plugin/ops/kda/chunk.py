@@ -19,7 +19,7 @@ import torch
 
 from moe_plugin.ops.backend import gpu_kernel
 from moe_plugin.ops.kda.gate import l2norm
-from moe_plugin.ops.kda.inputs import check_kda_inputs, compute_dtype, sequence_bounds
+from moe_plugin.ops.kda.inputs import check_kda_inputs, compute_dtype, max_decay, sequence_bounds
 from moe_plugin.ops.kda.intra import intra_chunk_scores, unit_lower_inverse
 
 
@@ -35,6 +35,7 @@ def chunk_kda(
     cu_seqlens: Optional[torch.Tensor] = None,
     chunk_size: int = 64,
     use_qk_l2norm_in_kernel: bool = False,
+    gate_lower_bound: Optional[float] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Kimi Delta Attention in chunks; same arguments and results as ``naive_recurrent_kda``.
 
@@ -46,6 +47,9 @@ def chunk_kda(
         cu_seqlens: ``[N + 1]`` offsets of packed sequences in a batch of one; the state restarts at each.
         chunk_size: tokens per chunk on the torch path (a multiple of 16 keeps it fast); any T works.
         use_qk_l2norm_in_kernel: L2-normalise q and k first (flash-linear-attention's flag of that name).
+        gate_lower_bound: a promise that every g >= this (K3's bounded gate gives -5); None: unbounded. On the
+            torch path it fixes how much of the intra-chunk scores is one matmul (``intra``), with no read of
+            g; ``MOE_PLUGIN_DEBUG_CHECKS=1`` checks it.
     Returns:
         o ``[B, T, H, V]`` in v's dtype, and the final state ``[N, H, K, V]`` (fp32 or wider) or None.
 
@@ -54,6 +58,7 @@ def chunk_kda(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     dims = check_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    decay_bound = max_decay(g, gate_lower_bound)
     kernel = gpu_kernel("fla.ops.kda", "chunk_kda", q, k, v, g, beta, initial_state)
     if kernel is not None:
         return kernel(
@@ -82,7 +87,7 @@ def chunk_kda(
         starts = [initial_state.to(dtype)]
     else:
         starts = list(initial_state.to(dtype).split(1))
-    o, finals = _chunk_forward(qc, kc, vc, gc, bc, layout.segments, starts)
+    o, finals = _chunk_forward(qc, kc, vc, gc, bc, layout.segments, starts, decay_bound)
     final = (finals[0] if cu_seqlens is None else torch.cat(finals)) if output_final_state else None
     return layout.from_chunks(o).to(v.dtype), final
 
@@ -135,10 +140,12 @@ def _chunk_forward(
     beta: torch.Tensor,
     segments: List[Tuple[int, int]],
     starts: List[torch.Tensor],
+    decay_bound: Optional[float],
 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """q, k, g ``[B,H,N,C,K]`` (q scaled); v ``[B,H,N,C,V]``; beta ``[B,H,N,C]``; one start state
-    ``[B,H,K,V]`` per segment of chunks. Returns o ``[B,H,N,C,V]`` and each segment's final state."""
-    terms = chunk_terms(q, k, v, g, beta)
+    ``[B,H,K,V]`` per segment of chunks; decay_bound as ``intra_chunk_scores``' max_decay. Returns o
+    ``[B,H,N,C,V]`` and each segment's final state."""
+    terms = chunk_terms(q, k, v, g, beta, decay_bound)
     entering, finals = [], []
     for (first, last), state in zip(segments, starts):
         states, final = scan_chunks(terms, first, last, state.flatten(0, 1))
@@ -164,14 +171,14 @@ class ChunkTerms(NamedTuple):
         return self.P @ S + self.AU
 
 
-def chunk_terms(q, k, v, g, beta) -> ChunkTerms:
+def chunk_terms(q, k, v, g, beta, decay_bound: Optional[float] = None) -> ChunkTerms:
     """The batched intra-chunk work of ``_chunk_forward`` (same shapes), everything but the state's passage."""
     K = k.shape[-1]
     # In fp64: exp(G_c - G_i) for nearby c, i needs the difference, which a long fp32 cumsum would blur.
     G = g.to(torch.float64).cumsum(-2)
     C = k.shape[-2]
     scores = intra_chunk_scores(
-        torch.stack([q, k], dim=-3).view(-1, 2, C, K), k.reshape(-1, C, K), G.reshape(-1, C, K)
+        torch.stack([q, k], dim=-3).view(-1, 2, C, K), k.reshape(-1, C, K), G.reshape(-1, C, K), decay_bound
     ).view(*k.shape[:-2], 2, C, C)
     scores_qk, scores_kk = scores[..., 0, :, :], scores[..., 1, :, :].tril(-1)
     decay_in = G.to(k.dtype).exp()

@@ -21,7 +21,7 @@ import torch
 from moe_plugin.ops.context import ContextSlice, check_context_rows, join_backward
 from moe_plugin.ops.kda.chunk import ChunkLayout, chunk_terms, scan_chunks
 from moe_plugin.ops.kda.gate import l2norm
-from moe_plugin.ops.kda.inputs import check_kda_inputs, compute_dtype
+from moe_plugin.ops.kda.inputs import check_kda_inputs, compute_dtype, max_decay
 from moe_plugin.ops.offsets import offsets_tensor
 
 
@@ -35,6 +35,7 @@ def chunk_kda_context(
     scale: Optional[float] = None,
     chunk_size: int = 64,
     use_qk_l2norm_in_kernel: bool = False,
+    gate_lower_bound: Optional[float] = None,
 ) -> torch.Tensor:
     """``chunk_kda`` of the whole row, this rank's part: equal to ``context.take(chunk_kda(row)[0])``.
 
@@ -42,13 +43,15 @@ def chunk_kda_context(
         q, k: ``[B, L, H, K]``; v: ``[B, L, H, V]``; g: ``[B, L, H, K]``; beta: ``[B, L, H]``: this rank's
             slice (``L = context.length``; B must be 1 when the row packs several documents).
         context: the slice, its row's documents and the context group's differentiable gather.
-        scale, chunk_size, use_qk_l2norm_in_kernel: as ``chunk_kda`` (the torch chunk path always runs).
+        scale, chunk_size, use_qk_l2norm_in_kernel, gate_lower_bound: as ``chunk_kda`` (the torch chunk path
+            always runs).
     Returns:
         o ``[B, L, H, V]`` in v's dtype.
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     dims = check_kda_inputs(q, k, v, g, beta, scale, None, None)
+    decay_bound = max_decay(g, gate_lower_bound)
     check_context_rows(context, "q", q.shape[0], q.shape[1])
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
@@ -57,7 +60,7 @@ def chunk_kda_context(
     cu_seqlens = offsets_tensor(local, q.device) if len(local) > 2 else None
     layout = ChunkLayout(dims.seq_len, chunk_size, cu_seqlens, q.device)
     qc, kc, vc, gc, bc = (layout.to_chunks(x.to(dtype)) for x in (q, k, v, g, beta))
-    terms = chunk_terms(qc * dims.scale, kc, vc, gc, bc)
+    terms = chunk_terms(qc * dims.scale, kc, vc, gc, bc, decay_bound)
 
     segments = layout.segments
     zero = qc.new_zeros(qc.shape[0] * dims.heads, dims.key_dim, dims.value_dim)

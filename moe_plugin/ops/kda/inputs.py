@@ -7,6 +7,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from moe_plugin.ops.checks import check_cu_seqlens, check_same_dtype, check_tensor
+from moe_plugin.ops.debug import debug_checks
 from moe_plugin.ops.offsets import host_offsets
 
 
@@ -49,6 +50,24 @@ def check_kda_inputs(
     elif not isinstance(scale, (int, float)) or scale <= 0:
         raise ValueError(f"scale: expected a positive number, got {scale!r}")
     return KDADims(T, H, K, V, float(scale))
+
+
+def max_decay(g: torch.Tensor, gate_lower_bound: Optional[float]) -> Optional[float]:
+    """The bound ``-gate_lower_bound`` on each position's log decay that ``gate_lower_bound`` promises for g
+    (None: no bound). The promise fixes the form of the intra-chunk scores (``intra.factorised_block``); its
+    values are checked only with ``MOE_PLUGIN_DEBUG_CHECKS=1``, since the check reads the device."""
+    if gate_lower_bound is None:
+        return None
+    if isinstance(gate_lower_bound, bool) or not isinstance(gate_lower_bound, (int, float)) or gate_lower_bound > 0:
+        raise ValueError(f"gate_lower_bound: expected a number <= 0 (a log decay) or None, got {gate_lower_bound!r}")
+    if debug_checks() and g.numel() and not g.is_meta:
+        low = float(g.min())
+        if low < gate_lower_bound:
+            raise ValueError(
+                f"g: a log decay of {low} is below gate_lower_bound={gate_lower_bound}; pass the bound the gate "
+                "really has (kda_gate_k3's lower_bound), or None for an unbounded gate"
+            )
+    return -float(gate_lower_bound)
 
 
 def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
