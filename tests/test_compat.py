@@ -128,6 +128,7 @@ MISSING = [
     ),
     ("transformers", "transformers.trainer", "Trainer", "_save", "transformers.Trainer._save"),
     ("torch", "torch", "", "_grouped_mm", "torch._grouped_mm"),
+    ("torch", "torch._C", "", "_dispatch_call_boxed", "torch._C._dispatch_call_boxed"),
     (
         "transformers",
         "transformers.utils.hub",

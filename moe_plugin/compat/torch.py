@@ -50,6 +50,9 @@ def call_op_in_mode(mode, func, args, kwargs):
 
 
 def check() -> None:
-    """``torch._grouped_mm`` exists in the installed torch (RuntimeError naming it and the pin otherwise)."""
+    """``torch._grouped_mm`` and ``torch._C._dispatch_call_boxed`` exist in the installed torch (RuntimeError
+    naming the missing one and the pin otherwise)."""
     if not has_grouped_mm():
         raise missing("torch", "torch", TESTED_TORCH, "torch._grouped_mm")
+    if not hasattr(torch._C, "_dispatch_call_boxed"):
+        raise missing("torch", "torch", TESTED_TORCH, "torch._C._dispatch_call_boxed")
