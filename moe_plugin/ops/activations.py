@@ -78,13 +78,18 @@ class _PackedGLU(torch.autograd.Function):
         (gate_up,) = ctx.saved_tensors
         a, b = _halves(gate_up)
         g = grad.to(a.dtype)
-        out = torch.empty(gate_up.shape, dtype=a.dtype, device=gate_up.device)
-        grad_gate, grad_up = _halves(out)
+        # Eager writes both halves of one buffer in place (no cat); dynamo takes no out= views, so a traced
+        # backward makes the halves and joins them, which inductor fuses.
+        out = None if torch.compiler.is_compiling() else torch.empty(gate_up.shape, dtype=a.dtype, device=a.device)
+        grad_gate, grad_up = _halves(out) if out is not None else (None, None)
         if ctx.kind == "swiglu":
             # aten's silu_backward fuses silu'(a) = s (1 + a (1 - s)) and the product in one pass.
-            torch.mul(g, b, out=grad_gate)
-            torch.ops.aten.silu_backward.grad_input(grad_gate, a, grad_input=grad_gate)
-            torch.mul(F.silu(a), g, out=grad_up)
+            grad_gate = torch.mul(g, b, out=grad_gate)
+            if out is None:
+                grad_gate = torch.ops.aten.silu_backward(grad_gate, a)
+            else:
+                torch.ops.aten.silu_backward.grad_input(grad_gate, a, grad_input=grad_gate)
+            grad_up = torch.mul(F.silu(a), g, out=grad_up)
         else:
             s = torch.sigmoid(a)
             ta = torch.tanh(a / ctx.beta)
@@ -92,9 +97,11 @@ class _PackedGLU(torch.autograd.Function):
             d_act = (1.0 - ta * ta).mul_(s).add_((1.0 - s).mul_(act))
             tb = torch.tanh(b / ctx.linear_beta)
             d_act.mul_(tb).mul_(ctx.linear_beta)  # times the up factor linear_beta tanh(b/linear_beta)
-            torch.mul(d_act, g, out=grad_gate)
+            grad_gate = torch.mul(d_act, g, out=grad_gate)
             d_up = tb.mul_(tb).neg_().add_(1.0)  # d/db of linear_beta tanh(b/linear_beta)
-            torch.mul(act.mul_(d_up), g, out=grad_up)
+            grad_up = torch.mul(act.mul_(d_up), g, out=grad_up)
+        if out is None:
+            out = torch.cat([grad_gate, grad_up], dim=-1)
         return out.to(gate_up.dtype), None, None, None
 
 

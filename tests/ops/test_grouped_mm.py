@@ -57,3 +57,35 @@ def test_frozen_weights_keep_only_the_weights():
         grouped_mm(a, b, torch.tensor([2, 6], dtype=torch.int32))
     assert not any(t.shape == a.shape for t in saved)
     assert any(t.shape == (2, 8, 16) or t.shape == b.shape for t in saved)
+
+
+def test_operands_off_the_16_byte_boundary_are_taken():
+    """Views that start 4 bytes into their buffers: the op copies them for the kernel, same values."""
+    torch.manual_seed(0)
+    a = torch.randn(9 * 16 + 1)[1:].view(9, 16).requires_grad_()
+    b = torch.randn(2 * 16 * 8 + 1)[1:].view(2, 16, 8).requires_grad_()
+    assert a.data_ptr() % 16 and b.data_ptr() % 16 and grouped_mm_supported(a, b.transpose(1, 2))
+    offs = torch.tensor([4, 9], dtype=torch.int32)
+    out, ref = grouped_mm(a, b, offs), _loop(a, b, [4, 5])
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_experts_compile_in_one_graph():
+    """``grouped_glu`` (the dispatch decision, the [w1; w3] product, the GLU, the down product) traces with
+    ``fullgraph=True``: nothing in it reads an address or a value on the host."""
+    from moe_plugin.ops.moe.experts import grouped_glu
+
+    torch.manual_seed(0)
+    x = torch.randn(10, 16, requires_grad=True)
+    w1, w3, w2 = torch.randn(3, 8, 16), torch.randn(3, 8, 16), torch.randn(3, 16, 8)
+    tpe = torch.tensor([3, 0, 7])
+    probe = torch.randn(10, 16)
+    torch._dynamo.reset()
+    for activation in ("situ", "swiglu"):
+        compiled = torch.compile(grouped_glu, fullgraph=True, backend="aot_eager")
+        out = compiled(x, tpe, w1, w3, w2, activation)
+        (grad,) = torch.autograd.grad((out * probe).sum(), x)
+        ref = grouped_glu(x, tpe, w1, w3, w2, activation)
+        (grad_ref,) = torch.autograd.grad((ref * probe).sum(), x)
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6) and torch.allclose(grad, grad_ref, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()

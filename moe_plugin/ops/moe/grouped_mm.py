@@ -18,7 +18,14 @@ __all__ = ["grouped_mm", "grouped_mm_supported"]
 
 @torch.library.custom_op("moe_plugin::grouped_mm", mutates_args=())
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return grouped_mm_kernel(a, b, offs)
+    return grouped_mm_kernel(_aligned(a), _aligned(b), offs)
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x itself, or a copy (same strides) when its base address is off the kernel's 16-byte boundary (a view
+    into a larger buffer may start anywhere). Checked here, in the op's eager kernel, because an address is
+    no property a traced graph (``torch.compile``, the fake kernel) can see."""
+    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 @_grouped_mm.register_fake
@@ -57,7 +64,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the kernel takes rows x ``[M, Din]`` against expert matrices w ``[E, Din, F]`` (read as
     ``w.transpose(1, 2)`` products). Meta tensors always (the fake kernel); CUDA bf16; CPU fp32 and bf16,
-    with every row stride (Din and F elements) and base address on 16-byte boundaries."""
+    with every row stride (Din and F elements) on 16-byte boundaries. Decided from dtypes and shapes only, so
+    ``torch.compile`` traces it; an unaligned base address is the op's own business (``_aligned``)."""
     if x.is_meta:
         return True
     if not has_grouped_mm():
@@ -69,4 +77,4 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     size = x.element_size()
     din, f = w.shape[1], w.shape[2]
     aligned = (din * size) % 16 == 0 and (f * size) % 16 == 0
-    return ok_dtype and aligned and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+    return ok_dtype and aligned
