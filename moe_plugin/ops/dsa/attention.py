@@ -11,7 +11,8 @@ is a GEMM and every elementwise pass but a zero fill is O(k). Transient memory p
 
 Both passes are plain functions (``blocked_forward``, ``blocked_backward``) over a per-block key plan. Dense
 causal attention runs them in the autograd Function here; sparse attention is the custom op of ``sparse_op.py``
-over the same two. Either saves only q, k, v, the output and the log-sum-exp (sparse attention also its
+over the same two (on CUDA tensors that op runs the one-launch Triton kernels of ``sparse_triton.py`` instead;
+this loop is the CPU path). Either saves only q, k, v, the output and the log-sum-exp (sparse attention also its
 indices), and recomputes each block's probabilities in backward (as flash attention does), so neither pass
 ever holds ``T x S`` scores.
 

@@ -1,19 +1,22 @@
 """``sparse_attention``: DSA's sparse attention as the custom ops ``moe_plugin::sparse_attention`` (forward:
 output and log-sum-exp) and ``moe_plugin::sparse_attention_backward`` (dq, dk, dv).
 
-Both run the blocked kernel of ``attention.py`` (``blocked_forward`` / ``blocked_backward``) on real tensors.
-Registered with ``torch.library`` they get fake kernels (tensors of the results' shapes) and an autograd that
-saves q, k, v, the indices, the output and the log-sum-exp, so the planner runs the model on ``meta``
-unpatched and ``torch.compile`` traces a DSA layer through the pair as two opaque ops: the block loop and its
-host-int bounds stay inside the eager kernels, out of dynamo's sight.
+On CUDA tensors both run one Triton kernel launch each (``sparse_triton.py``, chosen by
+``ops.backend.gpu_kernel``: no Python loop over query blocks, no host read). Elsewhere, the CPU above all,
+they run the blocked kernel of ``attention.py`` (``blocked_forward`` / ``blocked_backward``), the fastest
+measured there. Registered with ``torch.library`` they get fake kernels (tensors of the results' shapes) and
+an autograd that saves q, k, v, the indices, the output and the log-sum-exp, so the planner runs the model on
+``meta`` unpatched and ``torch.compile`` traces a DSA layer through the pair as two opaque ops: the block loop
+and its host-int bounds (or the kernel launch) stay inside the eager kernels, out of dynamo's sight.
 
-Host reads (issue 24): each block's key span is a host int pair, found inside the kernels. On ``indexer_topk``'s
-unchanged result it comes from the visible range that result carries (``masks.recall_visible``: a Python
-attribute, which survives into a custom op's eager kernel and through autograd's saved tensors; counted in
-``tests/ops/test_dsa_host_reads.py``), so no read. Other indices: ``_block_spans`` finds every span with one
-reduction and one read in forward and leaves the host copy on the indices tensor, where backward finds it: one
-read per call. Under ``torch.compile``, indices the compiled graph makes itself (``indexer_topk`` traced in it)
-carry no visible range: one read per forward, none in backward; indices passed in keep theirs.
+Host reads (issue 24) on the blocked path: each block's key span is a host int pair, found inside the kernels.
+On ``indexer_topk``'s unchanged result it comes from the visible range that result carries
+(``masks.recall_visible``: a Python attribute, which survives into a custom op's eager kernel and through
+autograd's saved tensors; counted in ``tests/ops/test_dsa_host_reads.py``), so no read. Other indices:
+``_block_spans`` finds every span with one reduction and one read in forward and leaves the host copy on the
+indices tensor, where backward finds it: one read per call. Under ``torch.compile``, indices the compiled graph
+makes itself (``indexer_topk`` traced in it) carry no visible range: one read per forward, none in backward;
+indices passed in keep theirs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..backend import gpu_kernel
 from ..debug import debug_checks
 from .attention import (
     DEFAULT_BLOCK,
@@ -39,6 +43,7 @@ from .masks import recall_visible
 __all__ = ["sparse_attention"]
 
 _SPANS = "_moe_plugin_block_spans"
+_TRITON = "moe_plugin.ops.dsa.sparse_triton"  # the CUDA kernels (module docstring)
 
 
 def _block_spans(indices: torch.Tensor, block: int) -> List[List[Tuple[int, int]]]:
@@ -97,10 +102,26 @@ def _selection_plan(indices: torch.Tensor, block: int, num_keys: int) -> KeyPlan
     return plan
 
 
+def _check_no_repeats_in_debug(indices: torch.Tensor) -> None:
+    """The kernel path's repeat check (the blocked path's is in its plan): with ``MOE_PLUGIN_DEBUG_CHECKS=1``,
+    a key twice in a query's row of ``indices`` ``[B, T, k]`` is a ValueError (one sort and one read)."""
+    if not debug_checks() or indices.shape[-1] < 2:
+        return
+    ordered = indices.sort(-1).values
+    repeats = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    if bool(repeats.any()):
+        b, t = (int(i) for i in repeats.any(-1).nonzero()[0])
+        raise ValueError(f"indices: a query of row {t} (batch {b}) selects a key twice")
+
+
 @torch.library.custom_op("moe_plugin::sparse_attention", mutates_args=())
 def _sparse_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float, block: int, key_chunk: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    kernel = gpu_kernel(_TRITON, "sparse_attention_triton", q, k, v, indices)
+    if kernel is not None:
+        _check_no_repeats_in_debug(indices)
+        return kernel(q, k, v, indices, scale)
     plan = _selection_plan(indices, block, k.shape[1])
     return blocked_forward(q, k, v, scale, block, key_chunk, plan)
 
@@ -124,6 +145,9 @@ def _sparse_backward(
     block: int,
     key_chunk: int,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kernel = gpu_kernel(_TRITON, "sparse_attention_triton_backward", grad_out, q, k, v, indices)
+    if kernel is not None:
+        return kernel(grad_out, q, k, v, indices, out, lse, scale)
     plan = _selection_plan(indices, block, k.shape[1])
     return blocked_backward(grad_out, q, k, v, out, lse, scale, block, key_chunk, plan)
 
