@@ -6,7 +6,9 @@
 Checks, each printed as one line and written to benchmarks/RESULTS.md:
 1. KDA: ``chunk_kda`` on CUDA dispatches to flash-linear-attention's Triton kernel and agrees with the
    project's torch path (MOE_PLUGIN_DISABLE_KERNELS=1) in fp32; forward+backward time of both at T=8192.
-2. Sparse attention (DSA): the blocked torch op on CUDA against dense causal SDPA at T=8192, top-k 2048.
+2. Sparse attention (DSA) at T=8192, top-k 2048, forward+backward: the op on CUDA (its Triton kernels,
+   ``ops/dsa/sparse_triton.py``) against its blocked loop (MOE_PLUGIN_DISABLE_KERNELS=1: time, peak memory,
+   rel diff of the output) and against dense causal SDPA.
 3. MoE experts: grouped GLU in bf16 against the per-expert reference; achieved TFLOP/s.
 4. A training step of a mid-size model built from the ``tiny`` preset, tokens/s.
 5. Packed MXFP4 experts (docs/packed-experts.md): the grouped packed product in bf16 against the dense bf16
@@ -79,7 +81,8 @@ def check_kda(lines: List[str]) -> None:
 def check_sparse_attention(lines: List[str]) -> None:
     import torch.nn.functional as F
 
-    from moe_plugin.ops.dsa import indexer_topk, sparse_attention
+    from moe_plugin.ops import backend
+    from moe_plugin.ops.dsa import indexer_topk, sparse_attention, sparse_op
 
     B, T, H, D, Hi, Di, topk = 1, 8192, 16, 128, 8, 64, 2048
     q, k, v = (torch.randn(B, T, H, D, device="cuda", requires_grad=True) for _ in range(3))
@@ -98,9 +101,29 @@ def check_sparse_attention(lines: List[str]) -> None:
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         ).sum().backward()
 
-    t_sparse, t_dense = _time(sparse, 3), _time(dense, 3)
+    def peak_gib(fn: Callable[[], object]) -> float:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    kernel = backend.gpu_kernel(sparse_op._TRITON, "sparse_attention_triton", q)
+    with torch.no_grad():
+        out_kernel = sparse_attention(q, k, v, idx, D**-0.5)
+    t_sparse, m_sparse, t_dense = _time(sparse, 3), peak_gib(sparse), _time(dense, 3)
+    os.environ["MOE_PLUGIN_DISABLE_KERNELS"] = "1"  # the blocked loop (the CPU path) on the same tensors
+    try:
+        with torch.no_grad():
+            out_blocked = sparse_attention(q, k, v, idx, D**-0.5)
+        t_blocked, m_blocked = _time(sparse, 3), peak_gib(sparse)
+    finally:
+        os.environ.pop("MOE_PLUGIN_DISABLE_KERNELS")
     lines.append(
-        f"dsa sparse attention fp32 T={T} H={H} D={D} top-k {topk}: fwd+bwd {t_sparse * 1e3:.1f} ms vs "
+        f"dsa sparse attention fp32 T={T} H={H} D={D} top-k {topk}: fwd+bwd {'triton' if kernel else 'no kernel'} "
+        f"{t_sparse * 1e3:.1f} ms, peak +{m_sparse:.2f} GiB vs blocked loop {t_blocked * 1e3:.1f} ms, peak "
+        f"+{m_blocked:.2f} GiB ({t_blocked / t_sparse:.2f}x; out rel diff {_rel(out_kernel, out_blocked):.2e}); "
         f"dense causal SDPA {t_dense * 1e3:.1f} ms ({t_dense / t_sparse:.2f}x)"
     )
 
