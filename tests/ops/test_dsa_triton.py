@@ -68,7 +68,7 @@ def test_the_custom_op_runs_the_pair_where_gpu_kernel_gives_it(report):
 
 def _tensors():
     q, k, v = torch.zeros(1, 4, 1, 3), torch.zeros(1, 5, 1, 3), torch.zeros(1, 5, 1, 2)
-    return q, k, v, torch.zeros(1, 4, 2, dtype=torch.long)
+    return q, k, v, (torch.arange(4)[:, None] + torch.arange(2))[None]  # [1, 4, 2]: keys t and t + 1
 
 
 def test_cpu_tensors_take_the_blocked_path(monkeypatch):
@@ -92,3 +92,28 @@ def test_cuda_tensors_get_the_triton_pair(monkeypatch):
     bwd = backend.gpu_kernel(sparse_op._TRITON, "sparse_attention_triton_backward", q, q, k, v, idx)
     assert fwd is sparse_triton.sparse_attention_triton
     assert bwd is sparse_triton.sparse_attention_triton_backward
+
+
+def test_kernel_path_refuses_repeated_keys_in_debug_mode(monkeypatch):
+    """The kernel path skips the blocked plan, so its repeat check is its own: with MOE_PLUGIN_DEBUG_CHECKS=1 a
+    key twice in a row is refused before any launch; without it the kernel is called (no read)."""
+    calls = []
+
+    def kernel(q, k, v, indices, scale):
+        calls.append(indices)
+        return q.new_zeros(*q.shape[:3], v.shape[-1]), q.new_zeros(q.shape[:3])
+
+    monkeypatch.setattr(sparse_op, "gpu_kernel", lambda module, attr, *tensors: kernel)
+    q, k, v, idx = _tensors()
+    idx[0, 2] = torch.tensor([3, 3])
+    monkeypatch.setenv("MOE_PLUGIN_DEBUG_CHECKS", "1")
+    with pytest.raises(ValueError, match=r"^indices: a query of row 2 \(batch 0\) selects a key twice"):
+        sparse_op.sparse_attention(q, k, v, idx, 0.5)
+    assert calls == []
+    idx[0, 2] = torch.tensor([3, -1])
+    idx[0, 1] = torch.tensor([-1, -1])  # empty slots repeat freely
+    sparse_op.sparse_attention(q, k, v, idx, 0.5)
+    monkeypatch.delenv("MOE_PLUGIN_DEBUG_CHECKS")
+    idx[0, 2] = torch.tensor([3, 3])
+    sparse_op.sparse_attention(q, k, v, idx, 0.5)
+    assert len(calls) == 2

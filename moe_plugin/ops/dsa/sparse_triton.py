@@ -190,10 +190,11 @@ def sparse_attention_triton(
     """Forward of sparse attention in one launch, as ``blocked_forward`` over a selection plan.
 
     q: ``[B, T, H, Dqk]``; k: ``[B, S, H, Dqk]``; v: ``[B, S, H, Dv]`` (one floating dtype, any strides);
-    indices: ``[B, T, topk]`` int32/int64 key positions shared by all heads, ``-1`` = empty slot (no key twice in
-    a row: a repeat would count twice); scale: multiplies ``q . k``. Returns out ``[B, T, H, Dv]`` and the
-    log-sum-exp ``[B, T, H]``, both q's dtype (as ``blocked_forward``); a query without keys gets zeros and
-    ``-inf``. Scores and sums are fp32 whatever the inputs' dtype.
+    indices: ``[B, T, topk]`` int32/int64 key positions in ``[0, S)`` shared by all heads, ``-1`` = empty slot.
+    Not checked here (``sparse_attention`` checks with ``MOE_PLUGIN_DEBUG_CHECKS=1``): a repeat counts twice, a
+    position out of range reads (and in backward writes) out of bounds. scale: multiplies ``q . k``.
+    Returns out ``[B, T, H, Dv]`` and the log-sum-exp ``[B, T, H]``, both q's dtype (as ``blocked_forward``);
+    a query without keys gets zeros and ``-inf``. Scores and sums are fp32 whatever the inputs' dtype.
     """
     B, T, H, dqk = q.shape
     topk = indices.shape[-1]
