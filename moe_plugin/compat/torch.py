@@ -7,6 +7,10 @@
 - ``call_op_in_mode``: the dispatcher's boxed call of an op (``torch._C._dispatch_call_boxed`` on the
   ``OpOverload``'s handle), so that a ``TorchFunctionMode`` sees the torch calls inside the Python kernels of
   the project's custom ops (the host-read counter, ``training/metrics/host_reads.py``).
+- ``fused_attention``: ``scaled_dot_product_attention``, but on ``meta`` the CPU's fused op
+  (``aten._scaled_dot_product_flash_attention_for_cpu``): SDPA's dispatch takes the math path for meta tensors,
+  which saves the ``L x L`` probabilities that the fused kernel a CPU or GPU runs never keeps, so the planner
+  would count memory no device spends.
 """
 
 from __future__ import annotations
@@ -14,10 +18,19 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ._upstream import missing
 
-__all__ = ["TESTED_TORCH", "call_op_in_mode", "check", "custom_op_namespace", "grouped_mm_kernel", "has_grouped_mm"]
+__all__ = [
+    "TESTED_TORCH",
+    "call_op_in_mode",
+    "check",
+    "custom_op_namespace",
+    "fused_attention",
+    "grouped_mm_kernel",
+    "has_grouped_mm",
+]
 
 TESTED_TORCH = "2.13.0"
 
@@ -49,10 +62,21 @@ def call_op_in_mode(mode, func, args, kwargs):
         return torch._C._dispatch_call_boxed(func._handle, *args, **kwargs)
 
 
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Full (non-causal) attention, q, k ``[B, H, L, D]``, v ``[B, H, L, Dv]`` -> ``[B, H, L, Dv]``: SDPA's fused
+    kernel on a CPU or GPU; on meta the CPU's fused op, which saves what a fused kernel saves (q, k, v, the
+    output and the log-sum-exp ``[B, H, L]``; module docstring)."""
+    if q.is_meta:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[0]
+    return F.scaled_dot_product_attention(q, k, v)
+
+
 def check() -> None:
-    """``torch._grouped_mm`` and ``torch._C._dispatch_call_boxed`` exist in the installed torch (RuntimeError
-    naming the missing one and the pin otherwise)."""
+    """``torch._grouped_mm``, ``torch._C._dispatch_call_boxed`` and the CPU's fused attention op exist in the
+    installed torch (RuntimeError naming the missing one and the pin otherwise)."""
     if not has_grouped_mm():
         raise missing("torch", "torch", TESTED_TORCH, "torch._grouped_mm")
     if not hasattr(torch._C, "_dispatch_call_boxed"):
         raise missing("torch", "torch", TESTED_TORCH, "torch._C._dispatch_call_boxed")
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        raise missing("torch", "torch", TESTED_TORCH, "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu")

@@ -2,7 +2,9 @@
 
 The forward is split into stages (``route``, ``to_latent``, ``experts``, ``from_latent``, ``shared_path``)
 so that the expert-parallel adapter can put its all-to-all between ``permute`` and ``experts`` and reuse
-everything else unchanged.
+everything else unchanged. How the token copies reach the experts and come back is the layer's ``dispatch``
+slot (``TokenDispatch``: ``ops.moe``'s permute and combine over every expert); the planner fills it with its
+own routing assumption (``plan.routing``), so its meta run is this forward, unpatched.
 """
 
 from __future__ import annotations
@@ -55,6 +57,24 @@ def expert_load(indices: torch.Tensor, num_experts: int, padding_mask: Optional[
     if padding_mask is not None:
         weights = weights * (~padding_mask.reshape(-1, 1).bool().to(indices.device))
     return weights.new_zeros(num_experts).index_add_(0, indices.reshape(-1).long(), weights.reshape(-1))
+
+
+class TokenDispatch:
+    """How a ``StableLatentMoE`` sends its token copies to its experts and takes their outputs back: on this
+    device, sorted by expert over all ``E`` (``ops.moe.permute`` / ``unpermute``). Stateless; the layer's
+    ``dispatch`` attribute holds one, and whoever replaces it (the planner's balanced routing) keeps the two
+    methods' contracts."""
+
+    def send(
+        self, z: torch.Tensor, indices: torch.Tensor, num_experts: int
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """z ``[N, L]``, indices ``[N, k]`` -> rows ``[M, L]`` grouped by expert, counts ``[E_held]`` int64 (one
+        per expert the layer's ``experts`` hold, summing to M) and the ``order`` that ``combine`` takes."""
+        return permute(z, indices, num_experts)
+
+    def combine(self, y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The experts' rows ``[M, L]`` back onto the N tokens, weighted by ``weights`` ``[N, k]``: ``[N, L]``."""
+        return unpermute(y_sorted, order, weights)
 
 
 class MoERouter(nn.Linear):
@@ -225,6 +245,7 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         self.config = self.moe_config = config
         c = config
         self.num_experts, self.top_k = c.num_experts, c.top_k
+        self.dispatch = TokenDispatch()
         self.gate = MoERouter(c.hidden_size, c.num_experts)
         self.experts = experts_class(c)(
             c.num_experts,
@@ -259,7 +280,7 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
     ) -> torch.Tensor:
         """The dispatched tokens ``[N * k, L]`` through their experts, combined per token with the router's
         weights ``[N, k]``: ``[N, L]``."""
-        return unpermute(self.experts(z_sorted, tokens_per_expert), order, weights)
+        return self.dispatch.combine(self.experts(z_sorted, tokens_per_expert), order, weights)
 
     def _after_combine(self, u: torch.Tensor, x_flat: torch.Tensor) -> torch.Tensor:
         """u ``[N, L]`` combined expert outputs, x_flat ``[N, hidden]`` the MoE input -> ``[N, hidden]``."""
@@ -280,15 +301,15 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         weights, indices, scores = self.route(x)
         self._record_balance(scores, indices, padding_mask)
-        z_sorted, tokens_per_expert, order = permute(self.to_latent(x), indices, self.num_experts)
+        z_sorted, tokens_per_expert, order = self.dispatch.send(self.to_latent(x), indices, self.num_experts)
         # routing and dispatch above are kept; the experts and what follows the combine may be recomputed
         mode, ckpt = self.recompute_mode, self.recompute_checkpoint_fn
         u = recomputed(
             mode, "experts", self._experts_combined, z_sorted, tokens_per_expert, order, weights, checkpoint_fn=ckpt
         )
         y = recomputed(mode, "moe_out", self._after_combine, u, x, checkpoint_fn=ckpt)
-        if padding_mask is None:
-            load = tokens_per_expert.detach().float()
+        if padding_mask is None and tokens_per_expert.shape[0] == self.num_experts:
+            load = tokens_per_expert.detach().float()  # the dispatch counted every expert's copies already
         else:
             load = expert_load(indices, self.num_experts, padding_mask)
         self._record_load(load)

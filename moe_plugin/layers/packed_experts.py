@@ -26,6 +26,7 @@ from torch import nn
 
 from ..compat.deepspeed import full_numel
 from ..ops.activations import glu
+from ..ops.offsets import host_counts
 from ..ops.quant import DEFAULT_GROUP_SIZE, FORMATS, encode, grouped_lora, packed_grouped_linear, packed_spec
 from .stacked_experts import _SEED_MIX, StackedExperts
 
@@ -143,7 +144,7 @@ class PackedStackedExperts(StackedExperts):
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x_sorted: ``[M, L]`` rows grouped by expert; tokens_per_expert: ``[E]`` -> ``[M, L]`` in x's dtype."""
-        counts = tokens_per_expert.cpu()
+        counts = host_counts(tokens_per_expert)  # read once for the three projections and their adapters
         gate = self._project("w1", x_sorted, counts)
         up = self._project("w3", x_sorted, counts)
         h = glu(self.activation, gate, up, beta=self.situ_beta, linear_beta=self.situ_linear_beta)

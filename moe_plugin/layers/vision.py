@@ -12,18 +12,23 @@ Patch layout, shared with ``moe_plugin.models.image_processing`` (the one conven
 
 Position embeddings and rotary angles use each patch's true (row, col) from ``patch_positions``, never its
 index in the packed sequence. Attention is block-diagonal: a patch sees only the patches of its own image.
+
+The grid is read on the host once per forward (``grid_sides``); positions and segments are built from those
+ints on the patches' device, so a grid given as a CPU tensor (as the processor makes it) costs no device read,
+and the tower runs on ``meta`` (the planner) as it is.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..compat.torch import fused_attention
 from ..config import VisionConfig
 from ..ops.checks import check_tensor
 from .norm import RMSNorm
@@ -34,17 +39,31 @@ Segments = List[Tuple[torch.Tensor, int, int]]
 # (cos, sin) of the rotary angles, each [N, head_dim / 2] fp32: computed once per forward, used by every layer.
 Rotary = Tuple[torch.Tensor, torch.Tensor]
 POS_EMBED_INIT_STD = 0.02
+# a grid: [num_images, 2] int tensor, or its (h, w) pairs as host ints
+Grid = Union[torch.Tensor, Sequence[Sequence[int]]]
 
 
-def check_grid_hw(grid_hw: torch.Tensor, merge_size: int, total_patches: int) -> None:
+def grid_sides(grid_hw: Grid) -> List[Tuple[int, int]]:
+    """The (h, w) of every image as host ints: one read of a tensor (none of a CPU one's device), pairs as given."""
+    rows = grid_hw.tolist() if isinstance(grid_hw, torch.Tensor) else grid_hw
+    return [(int(h), int(w)) for h, w in rows]
+
+
+def _device_of(grid_hw: Grid, device: Optional[torch.device]) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return grid_hw.device if isinstance(grid_hw, torch.Tensor) else torch.device("cpu")
+
+
+def check_grid_hw(grid_hw: torch.Tensor, merge_size: int, total_patches: int) -> List[Tuple[int, int]]:
     """Raise ValueError naming ``grid_hw`` unless it is [num_images, 2] integers, each side a positive multiple
-    of ``merge_size``, whose patch counts sum to ``total_patches``."""
+    of ``merge_size``, whose patch counts sum to ``total_patches``; returns its sides (``grid_sides``)."""
     check_tensor("grid_hw", grid_hw, ndim=2)
     if grid_hw.shape[1] != 2 or grid_hw.shape[0] == 0:
         raise ValueError(f"grid_hw: expected shape [num_images >= 1, 2], got {tuple(grid_hw.shape)}")
     if grid_hw.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"grid_hw: expected an int32/int64 tensor, got {grid_hw.dtype}")
-    sides = grid_hw.tolist()
+    sides = grid_sides(grid_hw)
     for i, (h, w) in enumerate(sides):
         if h <= 0 or w <= 0 or h % merge_size or w % merge_size:
             raise ValueError(
@@ -54,18 +73,20 @@ def check_grid_hw(grid_hw: torch.Tensor, merge_size: int, total_patches: int) ->
     total = sum(h * w for h, w in sides)
     if total != total_patches:
         raise ValueError(f"grid_hw: its grids hold {total} patches but pixel_patches has {total_patches} rows")
+    return sides
 
 
-def patch_positions(grid_hw: torch.Tensor, merge_size: int) -> torch.Tensor:
+def patch_positions(grid_hw: Grid, merge_size: int, device: Optional[torch.device] = None) -> torch.Tensor:
     """True (row, col) of every packed patch, in the module docstring's order.
 
-    grid_hw: [num_images, 2] int; returns [total_patches, 2] int64 on grid_hw's device.
+    grid_hw: [num_images, 2] int (or its (h, w) pairs); returns [total_patches, 2] int64 on ``device`` (default:
+    grid_hw's, or the CPU for pairs).
     """
-    m = merge_size
+    m, device = merge_size, _device_of(grid_hw, device)
     parts = []
-    for h, w in grid_hw.tolist():
-        rows = torch.arange(h, device=grid_hw.device).view(h // m, 1, m, 1).expand(h // m, w // m, m, m)
-        cols = torch.arange(w, device=grid_hw.device).view(1, w // m, 1, m).expand(h // m, w // m, m, m)
+    for h, w in grid_sides(grid_hw):
+        rows = torch.arange(h, device=device).view(h // m, 1, m, 1).expand(h // m, w // m, m, m)
+        cols = torch.arange(w, device=device).view(1, w // m, 1, m).expand(h // m, w // m, m, m)
         parts.append(torch.stack([rows.reshape(-1), cols.reshape(-1)], dim=-1))
     return torch.cat(parts)
 
@@ -100,17 +121,19 @@ def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
 
 
-def image_segments(grid_hw: torch.Tensor) -> Segments:
-    """Group the packed images by patch count: one entry per distinct length (see ``Segments``)."""
-    lengths = (grid_hw[:, 0] * grid_hw[:, 1]).tolist()
+def image_segments(grid_hw: Grid, device: Optional[torch.device] = None) -> Segments:
+    """Group the packed images by patch count: one entry per distinct length (see ``Segments``), its indices
+    on ``device`` (default: grid_hw's, or the CPU for pairs)."""
+    device = _device_of(grid_hw, device)
+    lengths = [h * w for h, w in grid_sides(grid_hw)]
     starts = [0, *itertools.accumulate(lengths)][:-1]
     by_length = {}
     for start, n in zip(starts, lengths):
         by_length.setdefault(n, []).append(start)
     segments = []
     for n, group in by_length.items():
-        base = torch.tensor(group, device=grid_hw.device, dtype=torch.long)
-        index = (base[:, None] + torch.arange(n, device=grid_hw.device)).reshape(-1)
+        base = torch.tensor(group, device=device, dtype=torch.long)
+        index = (base[:, None] + torch.arange(n, device=device)).reshape(-1)
         segments.append((index, len(group), n))
     return segments
 
@@ -156,7 +179,7 @@ class VisionAttention(nn.Module):
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Full (non-causal) attention within each image: [B, L, H, D] each -> [B, L, H, D]."""
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    o = fused_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return o.transpose(1, 2)
 
 
@@ -206,10 +229,10 @@ class VisionTower(nn.Module):
         """The tower's own parameter: the position table ``[max_grid, max_grid, hidden]`` from N(0, 0.02)."""
         nn.init.normal_(self.pos_embed, 0.0, POS_EMBED_INIT_STD)
 
-    def position_embeddings(self, grid_hw: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def position_embeddings(self, grid_hw: Grid, positions: torch.Tensor) -> torch.Tensor:
         """Learned table resampled to each image's grid, read at each patch's (row, col): -> [N, hidden]."""
         parts, offset, cache = [], 0, {}
-        for h, w in grid_hw.tolist():
+        for h, w in grid_sides(grid_hw):
             if (h, w) not in cache:
                 cache[h, w] = interpolate_pos_embed(self.pos_embed, h, w)
             pos = positions[offset : offset + h * w]
@@ -221,13 +244,13 @@ class VisionTower(nn.Module):
         """pixel_patches [N, C * P * P] float, grid_hw [num_images, 2] int -> [N, hidden]."""
         cfg = self.config
         check_tensor("pixel_patches", pixel_patches, shape=(None, cfg.patch_dim), floating=True)
-        check_grid_hw(grid_hw, cfg.merge_size, pixel_patches.shape[0])
-        positions = patch_positions(grid_hw.to(pixel_patches.device), cfg.merge_size)
+        sides = check_grid_hw(grid_hw, cfg.merge_size, pixel_patches.shape[0])  # the grid's one read
+        positions = patch_positions(sides, cfg.merge_size, pixel_patches.device)
         angles = rotary_2d_angles(positions, cfg.hidden_size // cfg.num_heads, cfg.rope_theta)
         rotary = (angles.cos(), angles.sin())
-        segments = image_segments(grid_hw.to(pixel_patches.device))
+        segments = image_segments(sides, pixel_patches.device)
         x = self.patch_embed(pixel_patches.to(self.patch_embed.proj.weight.dtype))
-        x = x + self.position_embeddings(grid_hw, positions)
+        x = x + self.position_embeddings(sides, positions)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             if recompute:

@@ -9,15 +9,21 @@ CUDA tensors whose kernel does not import are not silent: the first time, a warn
 pinned version (``moe_plugin.compat.fla``), since the torch path is 35-90x slower; with
 ``MOE_PLUGIN_REQUIRE_KERNELS=1`` that is a RuntimeError instead. CPU tensors never warn: the torch path is
 the intended one there. ``MOE_PLUGIN_DISABLE_KERNELS=1`` (the torch path on purpose) says nothing either.
+
+The planner measures the model on ``meta`` (docs/planner.md). Meta tensors take the torch path, as the CPU
+runs it, unless the planner asks for the GPU's memory with ``planning_for("cuda")``: then a kernel's meta
+stand-in (``META_KERNELS``, in the kernel's compat module, saving what the kernel saves) runs in its place.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import os
 import warnings
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 
@@ -30,6 +36,26 @@ _REQUIRE_ENV = fla.REQUIRE_ENV
 # why (module, attr) did not import, for the message; the kernels already warned about
 _IMPORT_ERRORS: Dict[Tuple[str, str], str] = {}
 _WARNED: Set[Tuple[str, str]] = set()
+# the device the meta tensors of a planner run stand for ("cpu" or "cuda"), set by planning_for
+_PLANNED_FOR: contextvars.ContextVar[str] = contextvars.ContextVar("moe_plugin_planned_for", default="cpu")
+# GPU kernel (module, function) -> its meta stand-in (module, function): the kernel's saved set and working tensors
+META_KERNELS: Dict[Tuple[str, str], Tuple[str, str]] = {
+    ("fla.ops.kda", "chunk_kda"): ("moe_plugin.compat.fla", "chunk_kda_on_meta"),
+}
+
+
+@contextlib.contextmanager
+def planning_for(device: str) -> Iterator[None]:
+    """Within the block, meta tensors choose as tensors on ``device`` would: ``"cpu"`` (the default) the torch
+    paths, ``"cuda"`` each GPU kernel's meta stand-in (``META_KERNELS``; a kernel without one counts as its
+    torch path). The planner's switch between the CPU's and the GPU's memory."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device: must be 'cpu' or 'cuda', got {device!r}")
+    token = _PLANNED_FOR.set(device)
+    try:
+        yield
+    finally:
+        _PLANNED_FOR.reset(token)
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,8 +85,15 @@ def on_cuda(*tensors: Optional[torch.Tensor]) -> bool:
 
 def gpu_kernel(module: str, attr: str, *tensors: Optional[torch.Tensor]) -> Optional[Callable[..., Any]]:
     """Return ``module.attr`` when the tensors live on CUDA and it imports; otherwise ``None`` (the torch path).
-    CUDA tensors whose kernel does not import warn once, or raise with ``MOE_PLUGIN_REQUIRE_KERNELS=1``."""
-    if os.environ.get(_DISABLE_ENV) == "1" or not on_cuda(*tensors):
+    CUDA tensors whose kernel does not import warn once, or raise with ``MOE_PLUGIN_REQUIRE_KERNELS=1``. Meta
+    tensors inside ``planning_for("cuda")`` get the kernel's meta stand-in instead (module docstring)."""
+    if os.environ.get(_DISABLE_ENV) == "1":
+        return None
+    present = [t for t in tensors if t is not None]
+    if present and all(t.is_meta for t in present) and _PLANNED_FOR.get() == "cuda":
+        stand_in = META_KERNELS.get((module, attr))
+        return None if stand_in is None else _import_attr(*stand_in)
+    if not on_cuda(*tensors):
         return None
     kernel = _import_attr(module, attr)
     if kernel is None:

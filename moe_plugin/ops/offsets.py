@@ -34,3 +34,17 @@ def offsets_tensor(offsets: Sequence[int], device=None) -> torch.Tensor:
     tensor = torch.tensor(values, dtype=torch.int64, device=device)
     setattr(tensor, _HOST_COPY, (tensor._version, values))
     return tensor
+
+
+def counts_tensor(counts: Sequence[int], device=None) -> torch.Tensor:
+    """Tokens per expert ``[G]`` int64 on ``device`` from host ints, carrying its host copy (``host_counts``
+    then reads nothing: on ``meta``, where there is nothing to read, and on a GPU)."""
+    return offsets_tensor(counts, device)
+
+
+def host_counts(counts: torch.Tensor) -> torch.Tensor:
+    """counts ``[G]`` int as a CPU int64 tensor, for host-side grouping: a CPU tensor as it is, else its kept
+    host copy (``counts_tensor``), else one read kept on the tensor for the next caller (as ``host_offsets``)."""
+    if counts.device.type == "cpu":
+        return counts.long()
+    return torch.tensor(host_offsets(counts), dtype=torch.int64)

@@ -7,10 +7,11 @@ inputs ``[B, T, D]`` under ``torch.autograd.graph.saved_tensors_hooks``: every s
 counted once (parameters excluded), attributed to the sublayer that saved it. Nothing is allocated, so the
 full-size layer at 4096 or a million tokens costs seconds. The Attention-Residual mixing is run at every
 layer's own number of candidates, and the head (the final mixing, norm, ``lm_head`` and the fp32 loss) once.
-Ops that decide from values run under ``meta_ops.meta_forward`` (its docstring lists the stand-ins and the
-routing assumption: balanced, times a capacity factor). The same runs count the working tensors (``_LiveBytes``,
-a dispatch mode): the most each layer's forward, and the head's forward + backward, hold at once beyond what
-they leave for backward.
+The routing is the planner's assumption (balanced, times a capacity factor) in the MoE layers' dispatch slot
+(``plan/routing.py``); every op runs as it is, the project's own as ``torch.library`` custom ops with fake
+kernels, a GPU kernel as its meta stand-in under ``ops.backend.planning_for("cuda")``. The same runs count
+the working tensors (``_LiveBytes``, a dispatch mode): the most each layer's forward, and the head's forward +
+backward, hold at once beyond what they leave for backward.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .meta_ops import MetaDispatch, meta_forward
+from ..ops.backend import planning_for
+from .routing import BalancedDispatch, kernels_device, plan_routing
 from .saved_bytes import _inputs, _LiveBytes, _run
 
 __all__ = [
@@ -127,23 +129,27 @@ def layer_saved_bytes(
     mode: str = "off",
     peak: Optional[list] = None,
     context: Optional[Tuple[int, Tuple[int, ...]]] = None,
+    routing: Optional[BalancedDispatch] = None,
 ) -> Dict[str, int]:
-    """Saved-for-backward bytes of decoder layer ``index`` of ``mc`` (with the recipe's adapters) on ``cands``
-    input tensors of ``shape`` ``[B, T, D]``, per segment. ``device="cpu"`` runs it for real (the tests'
-    reference for the meta run, which needs ``meta_forward``). cu_seqlens ``[n+1]`` (a CPU tensor, batch 1):
-    the packed documents' boundaries, as the trainer passes them. ``working`` (a list): gets the forward's
-    most bytes held beyond what it saved (``_run``). ``mode``: the layer's activation checkpointing
-    (``layers.recompute``): what it keeps, its input tensors left out (checkpointing keeps them, counted
-    apart); ``peak`` (a list): instead gets the most the layer's forward and backward (recomputes included) hold
-    at once beyond its inputs and weights, and nothing is counted. ``context`` ``(CP, the row's global document
-    offsets)``: a gated-MLA layer runs as the row's last context rank (``plan/context_parallel.py``), its
-    attention on the gathered keys of the whole row, ``shape`` its slice."""
+    """Saved-for-backward bytes of decoder layer ``index`` of ``mc`` (with the recipe's adapters) on ``cands`` input
+    tensors of ``shape`` ``[B, T, D]``, per segment. ``device="cpu"`` runs it for real (the tests' reference for the
+    meta run). ``routing``: the planner's dispatch (``plan/routing.py``) and this rank's experts, which a MoE layer on
+    meta needs (it cannot route meta values); None: the layer's own routing. cu_seqlens ``[n+1]`` (a CPU tensor, batch
+    1): the packed documents' boundaries, as the trainer passes them. ``working`` (a list): gets the forward's most
+    bytes held beyond what it saved (``_run``). ``mode``: the layer's activation checkpointing (``layers.recompute``):
+    what it keeps, its input tensors left out (checkpointing keeps them, counted apart); ``peak`` (a list): instead gets
+    the most the layer's forward and backward (recomputes included) hold at once beyond its inputs and weights, and
+    nothing is counted. ``context`` ``(CP, the row's global document offsets)``: a gated-MLA layer runs as the row's
+    last context rank (``plan/context_parallel.py``), its attention on the gathered keys of the whole row, ``shape`` its
+    slice."""
     from ..layers.decoder import DecoderLayer
     from ..layers.recompute import set_recompute
     from ..precision import apply_precision
 
     with torch.device(device):
         layer = DecoderLayer(mc, index)
+    if routing is not None:
+        plan_routing(layer, routing)
     _add_lora(layer, lora_section)
     # as the trainer holds it (docs/precision.md): everything in the run's dtype, adapters included, but the
     # frozen router and KDA's A_log, dt_bias stay fp32 buffers, so the router's weight.float() is the weight
@@ -260,7 +266,7 @@ def plan_activations(
     documents: the recipe's document lengths in packing order (KDA and the short convolution restart at each
     document and pad it to whole chunks, so short documents cost more); None: one document per row.
     kernels: ``"cpu"`` (the torch paths, as the CPU runs them) or ``"gpu"`` (the KDA kernel CUDA picks,
-    ``meta_ops``' docstring). context: the context-parallel size; ``seq_len`` is then one rank's slice of each
+    ``ops.backend.META_KERNELS``). context: the context-parallel size; ``seq_len`` is then one rank's slice of each
     row, and the gated-MLA layers run as the row's last rank (``plan/context_parallel.py``)."""
     cache = {} if cache is None else cache
     documents = tuple(documents) if documents else None
@@ -299,7 +305,8 @@ def _plan_activations(
     per_kind: Dict[Tuple[str, bool], Dict[str, int]] = {}
     work_of: Dict[Tuple[str, bool], int] = {}
     config = _built_from(mc)
-    with meta_forward(MetaDispatch(local_experts, capacity, kernels)):
+    routing = BalancedDispatch(local_experts, capacity)
+    with planning_for(kernels_device(kernels)):
         for kind in dict.fromkeys(kinds):
             index = kinds.index(kind)
             # a dense-MLP layer is the same at any EP, capacity or expert format: keyed without them; the rows'
@@ -312,9 +319,8 @@ def _plan_activations(
                 cands = len(_state_shape(index, mc))
                 working: list = []
                 whole = (cp, context_offsets(batch, seq_len, cp, documents)) if cp > 1 else None
-                measured = layer_saved_bytes(
-                    mc, index, lora_section, shape, dtype, cands, cu_seqlens=cu, working=working, context=whole
-                )
+                run = dict(cu_seqlens=cu, working=working, context=whole, routing=routing)
+                measured = layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, **run)
                 measured.pop("attn_res", None)
                 cache[key] = measured, working[0]
             per_kind[kind], work_of[kind] = cache[key]

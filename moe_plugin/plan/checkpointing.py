@@ -27,7 +27,8 @@ from .activations import (
     linear_run_tokens,
     packed_boundaries,
 )
-from .meta_ops import MetaDispatch, meta_forward
+from ..ops.backend import planning_for
+from .routing import BalancedDispatch, kernels_device
 
 __all__ = ["CheckpointedPlan", "plan_checkpointed"]
 
@@ -86,7 +87,7 @@ def _measure(
     shape = (1, batch * seq_len, mc.hidden_size)
     kinds = layer_kinds(mc)
     per_kind: Dict[Tuple[str, bool], Tuple[float, float]] = {}
-    with meta_forward(MetaDispatch(local_experts, capacity, kernels)):
+    with planning_for(kernels_device(kernels)):
         for kind in dict.fromkeys(kinds):
             index = kinds.index(kind)
             routed = (_built_from(mc), local_experts, capacity) if kind[1] else _built_from(mc, routed=False)
@@ -95,7 +96,7 @@ def _measure(
             key += (cp,)
             if key not in cache:
                 cands = len(_state_shape(index, mc))
-                run = dict(cu_seqlens=cu, mode=mode)
+                run = dict(cu_seqlens=cu, mode=mode, routing=BalancedDispatch(local_experts, capacity))
                 run["context"] = (cp, context_offsets(batch, seq_len, cp, documents)) if cp > 1 else None
                 kept = layer_saved_bytes(mc, index, lora_section, shape, dtype, cands, **run)
                 peak: list = []

@@ -48,7 +48,7 @@ class Layout:
     overhead_bytes: float = 0.0  # the framework's own memory (a measured constant on CPU; an assumption on GPU)
     images: int = 0
     image_size: int = 896
-    kernels: str = "cpu"  # whose saved sets: the CPU's torch paths or the GPU kernels (plan/meta_ops.py)
+    kernels: str = "cpu"  # whose saved sets: the CPU's torch paths or the GPU kernels (ops.backend.planning_for)
     # context-parallel ranks per row (plan/context_parallel.py): each holds seq_len / context tokens of a row;
     # the world is data x context, and ZeRO-3 shards over all of it (so the shares below divide by the world)
     context: int = 1

@@ -99,7 +99,7 @@ def plan_recipe(
     """Plan ``recipe`` (a validated ``Recipe``) at a layout; arguments left ``None`` come from the recipe and
     its DeepSpeed config (``devices`` from its ``train_batch_size``; ``images``, pictures per micro-batch
     through the vision tower: one per row when the recipe trains on images, else none; ``kernels``: whose
-    saved sets, ``"cpu"`` as this machine runs or ``"gpu"`` as CUDA would, plan/meta_ops.py;
+    saved sets, ``"cpu"`` as this machine runs or ``"gpu"`` as CUDA would (``ops.backend.planning_for``);
     ``checkpointing``: the activation checkpointing mode (``layers.recompute.MODES``), by default the recipe's
     ``schedule.activation_checkpointing``; ``capacity``: the dispatch's capacity factor, by default the
     recipe's ``parallel.capacity_factor`` (the

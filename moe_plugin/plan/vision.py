@@ -9,18 +9,15 @@ beyond that and its output. A frozen tower without adapters saves nothing (no pa
 gradient): its cost is its working tensors, which come before every decoder layer's, so they add to nothing
 else the step holds but the model.
 
-Two stand-ins for the meta run (``_vision_on_meta``): the patch layout decides from values
-(``grid_hw.tolist()``), which a meta tensor has none of, so ``layers.vision``'s ``patch_positions`` and
-``image_segments`` read the grid from the CPU copy given here; and the attention within each image is counted
-as a fused kernel holds it (CPU's and GPU's flash attention, as ``F.scaled_dot_product_attention`` runs on
-both: q, k, v, the output and the log-sum-exp, never the [L, L] scores that meta's reference decomposition
-would make).
+The encoder runs on meta as it is: it reads its grid on the host once (``layers.vision.grid_sides``, from the CPU
+tensor given here), and its attention within each image is ``compat.torch.fused_attention``, which counts
+what the fused kernel of a CPU or GPU saves (q, k, v, the output and the log-sum-exp, never the [L, L] scores
+of SDPA's meta decomposition).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Tuple
+from typing import Tuple
 
 import torch
 
@@ -35,52 +32,6 @@ def image_grid(image_size: int, patch_size: int, merge_size: int) -> Tuple[int, 
     factor = patch_size * merge_size
     side = max(factor, round(image_size / factor) * factor) // patch_size
     return side, side
-
-
-class _MetaFusedAttention(torch.autograd.Function):
-    """The tower's fused attention on meta: q, k ``[B, L, H, D]``, v ``[B, L, H, Dv]`` -> ``[B, L, H, Dv]``,
-    saving what a fused kernel saves (q, k, v, the output and the log-sum-exp ``[B, L, H]``)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        out = q.new_empty(*q.shape[:3], v.shape[-1])
-        lse = q.new_empty(q.shape[:3])
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-
-
-@contextlib.contextmanager
-def _vision_on_meta(grid_cpu: torch.Tensor) -> Iterator[None]:
-    from ..layers import vision
-    from .meta_ops import _patch
-
-    positions, segments, attend = vision.patch_positions, vision.image_segments, vision._attend
-
-    def on_device(fn):
-        # the tower moves grid_hw to the patches' device (meta) before these read its values
-        def wrapped(grid_hw, *args):
-            out = fn(grid_cpu, *args)
-            return (
-                out.to(grid_hw.device)
-                if isinstance(out, torch.Tensor)
-                else [(index.to(grid_hw.device), b, n) for index, b, n in out]
-            )
-
-        return wrapped
-
-    def fused_attend(q, k, v):  # [B, L, H, D] each
-        return _MetaFusedAttention.apply(q, k, v) if q.is_meta else attend(q, k, v)
-
-    with contextlib.ExitStack() as stack:
-        _patch(stack, vision, "patch_positions", on_device(positions))
-        _patch(stack, vision, "image_segments", on_device(segments))
-        _patch(stack, vision, "_attend", fused_attend)
-        yield
 
 
 def vision_activation_bytes(
@@ -104,6 +55,5 @@ def vision_activation_bytes(
     _add_lora(encoder, lora_section)
     patches = torch.empty(images * h * w, vision_config.patch_dim, dtype=dtype, device="meta")
     working: list = []
-    with _vision_on_meta(grid):
-        saved = _run(lambda: encoder(patches, grid), {encoder: "vision"}, "vision", working)
+    saved = _run(lambda: encoder(patches, grid), {encoder: "vision"}, "vision", working)
     return float(sum(saved.values())), float(working[0]), images * h * w // vision_config.merge_size**2

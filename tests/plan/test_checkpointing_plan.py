@@ -16,7 +16,7 @@ from moe_plugin.models import preset_config
 from moe_plugin.plan.activations import _state_shape, layer_saved_bytes, packed_boundaries
 from moe_plugin.plan.checkpointing import plan_checkpointed
 from moe_plugin.plan.command import main
-from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
+from moe_plugin.plan.routing import BalancedDispatch
 from moe_plugin.recipe.schema import LoraSection
 
 MC = preset_config("tiny").to_model_config()  # Attention Residuals on, KDA and MLA, dense and MoE layers
@@ -33,14 +33,12 @@ def test_meta_keeps_what_the_real_layer_keeps(mode):
         real = sum(layer_saved_bytes(MC, index, lora, SHAPE, torch.float32, cands, "cpu", cu, mode=mode).values())
         real_peak: list = []
         layer_saved_bytes(MC, index, lora, SHAPE, torch.float32, cands, "cpu", cu, mode=mode, peak=real_peak)
-        with meta_forward(MetaDispatch(MC.moe.num_experts, 1.0)):
-            meta = sum(
-                layer_saved_bytes(MC, index, lora, SHAPE, torch.float32, cands, cu_seqlens=cu, mode=mode).values()
-            )
-            peak: list = []
-            layer_saved_bytes(MC, index, lora, SHAPE, torch.float32, cands, cu_seqlens=cu, mode=mode, peak=peak)
+        run = dict(cu_seqlens=cu, mode=mode, routing=BalancedDispatch(MC.moe.num_experts, 1.0))
+        meta = sum(layer_saved_bytes(MC, index, lora, SHAPE, torch.float32, cands, **run).values())
+        peak: list = []
+        layer_saved_bytes(MC, index, lora, SHAPE, torch.float32, cands, peak=peak, **run)
         assert meta == pytest.approx(real, rel=0.01), (index, meta, real)
-        # the forward's and backward's most at once: meta's stand-in ops (meta_ops) make slightly other temporaries
+        # the forward's and backward's most at once: the balanced dispatch makes slightly other temporaries
         assert peak[0] == pytest.approx(real_peak[0], rel=0.1), (index, peak, real_peak)
         assert peak[0] > meta, (index, peak, meta)
         off = sum(layer_saved_bytes(MC, index, lora, SHAPE, torch.float32, cands, "cpu", cu).values())

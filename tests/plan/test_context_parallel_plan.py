@@ -13,7 +13,7 @@ import torch
 from moe_plugin.plan import command
 from moe_plugin.plan.activations import _state_shape, layer_saved_bytes
 from moe_plugin.plan.context_parallel import smallest_context
-from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
+from moe_plugin.plan.routing import BalancedDispatch
 from moe_plugin.plan.planner import plan_recipe
 from moe_plugin.recipe.schema import recipe_from_dict
 
@@ -86,12 +86,13 @@ def test_the_mla_layers_gathered_keys_cover_the_whole_row():
     mc = _mc()
     index = mc.layer_types.index("mla")
     got = {}
-    with meta_forward(MetaDispatch(mc.moe.num_experts, 1.0)):
-        for cp in (1, 2, 4, 8):
-            context = (cp, (0, T)) if cp > 1 else None
-            shape = (1, T // cp, mc.hidden_size)
-            cands = len(_state_shape(index, mc))
-            got[cp] = layer_saved_bytes(mc, index, None, shape, torch.bfloat16, cands, context=context)["mla"]
+    routing = BalancedDispatch(mc.moe.num_experts, 1.0)
+    for cp in (1, 2, 4, 8):
+        context = (cp, (0, T)) if cp > 1 else None
+        shape = (1, T // cp, mc.hidden_size)
+        cands = len(_state_shape(index, mc))
+        run = dict(context=context, routing=routing)
+        got[cp] = layer_saved_bytes(mc, index, None, shape, torch.bfloat16, cands, **run)["mla"]
     per_query = (got[1] - got[2]) / (T - T // 2)  # the key count is T in both
     per_key = got[1] / T - per_query
     for cp in (4, 8):

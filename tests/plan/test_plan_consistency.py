@@ -90,7 +90,7 @@ def test_a_bf16_moe_layer_saves_what_the_trainer_held_layer_saves():
     the router's fp32 copy (64 x 64 x 4 bytes) would be over 2 % of what the layer saves."""
     from moe_plugin.layers.decoder import DecoderLayer
     from moe_plugin.plan.activations import _add_lora, layer_saved_bytes
-    from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
+    from moe_plugin.plan.routing import BalancedDispatch
     from moe_plugin.precision import apply_precision
     from moe_plugin.recipe.resolved_model import base_hf_config
 
@@ -109,8 +109,8 @@ def test_a_bf16_moe_layer_saves_what_the_trainer_held_layer_saves():
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         out = layer(state)
     del out
-    with meta_forward(MetaDispatch(mc.moe.num_experts, 1.0)):
-        meta = layer_saved_bytes(mc, 0, recipe.lora, shape, torch.bfloat16, 1)
+    routing = BalancedDispatch(mc.moe.num_experts, 1.0)
+    meta = layer_saved_bytes(mc, 0, recipe.lora, shape, torch.bfloat16, 1, routing=routing)
     copy = mc.moe.num_experts * mc.hidden_size * 4
     assert copy > 0.02 * counter.nbytes  # a copy counted would be twice the tolerance below
     assert sum(meta.values()) == pytest.approx(counter.nbytes, rel=0.01), (meta, counter.nbytes)

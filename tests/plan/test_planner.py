@@ -85,7 +85,7 @@ def test_meta_forward_saves_what_the_real_layer_saves(expert_format, extras):
     """Each layer kind run on meta (the planner) against the same layer run for real on the CPU: the bytes
     autograd saves per segment agree (balanced routing is exact here: N x top_k is a multiple of E)."""
     from moe_plugin.plan.activations import layer_saved_bytes
-    from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
+    from moe_plugin.plan.routing import BalancedDispatch
     from moe_plugin.recipe.resolved_model import base_hf_config
 
     recipe = recipe_from_dict(layout_recipe("/tmp/never", 1, 1, 256, expert_format, dict(SHAPE, **extras)))
@@ -94,8 +94,10 @@ def test_meta_forward_saves_what_the_real_layer_saves(expert_format, extras):
     for index in (0, 1, 3):  # KDA + dense MLP, KDA + MoE, MLA + MoE
         torch.manual_seed(0)
         real = layer_saved_bytes(mc, index, recipe.lora, (2, 256, mc.hidden_size), torch.float32, cands, "cpu")
-        with meta_forward(MetaDispatch(mc.moe.num_experts, 1.0)):
-            meta = layer_saved_bytes(mc, index, recipe.lora, (2, 256, mc.hidden_size), torch.float32, cands)
+        routing = BalancedDispatch(mc.moe.num_experts, 1.0)
+        meta = layer_saved_bytes(
+            mc, index, recipe.lora, (2, 256, mc.hidden_size), torch.float32, cands, routing=routing
+        )
         assert set(real) == set(meta), (index, real, meta)
         for segment, value in real.items():
             assert meta[segment] == pytest.approx(value, rel=0.01), (index, segment, real, meta)
@@ -157,7 +159,7 @@ def test_meta_working_bytes_match_the_allocator_of_a_real_layer(expert_format):
     from moe_plugin.layers.norm import RMSNorm
     from moe_plugin.ops.losses import causal_lm_loss
     from moe_plugin.plan.activations import _add_lora, _head_bytes, layer_saved_bytes
-    from moe_plugin.plan.meta_ops import MetaDispatch, meta_forward
+    from moe_plugin.plan.routing import BalancedDispatch
     from moe_plugin.recipe.resolved_model import base_hf_config
 
     recipe = recipe_from_dict(layout_recipe("/tmp/never", 1, 1, 256, expert_format))
@@ -171,10 +173,12 @@ def test_meta_working_bytes_match_the_allocator_of_a_real_layer(expert_format):
         state = (torch.randn(shape).requires_grad_(),)
         peak, held = _profiled_peak(lambda layer=layer, state=state: layer(state, cu_seqlens=cu))
         working: list = []
-        with meta_forward(MetaDispatch(mc.moe.num_experts, 1.0)):
-            layer_saved_bytes(mc, index, recipe.lora, shape, torch.float32, 1, cu_seqlens=cu, working=working)
-        # meta runs stand-ins for a few ops (meta_ops) whose temporaries differ a little: a fifth, on a working
-        # set that is itself a few per cent of a rank's peak
+        routing = BalancedDispatch(mc.moe.num_experts, 1.0)
+        layer_saved_bytes(
+            mc, index, recipe.lora, shape, torch.float32, 1, cu_seqlens=cu, working=working, routing=routing
+        )
+        # the balanced dispatch's temporaries differ a little from the real routing's: a fifth, on a working set
+        # that is itself a few per cent of a rank's peak
         assert working[0] == pytest.approx(peak - held, rel=0.2), (index, working, peak, held)
     norm_head = torch.nn.ModuleDict(
         {

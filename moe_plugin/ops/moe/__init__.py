@@ -12,13 +12,14 @@ from .balance import (
 )
 from .experts import grouped_glu, grouped_glu_reference
 from .forward import moe_forward
-from .permute import inverse_order, permute, unpermute
+from .permute import inverse_order, permute, replicate_rows, unpermute
 from .router import route
 
 __all__ = [
     "route",
     "permute",
     "unpermute",
+    "replicate_rows",
     "inverse_order",
     "grouped_glu",
     "grouped_glu_reference",

@@ -57,6 +57,12 @@ def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     return _WeightedCombine.apply(y_sorted, order, weights)
 
 
+def replicate_rows(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """x ``[N, D]`` -> ``[M, D]`` rows ``x[order[p] // k]`` (``permute``'s copy, for an ``order`` ``[M]`` made
+    elsewhere: the planner's fixed assignment); its gradient adds each copy's back onto its token."""
+    return _ReplicateRows.apply(x, order, k)
+
+
 def inverse_order(order: torch.Tensor) -> torch.Tensor:
     """order: ``[M]`` a permutation -> ``[M]`` its inverse (``inv[order[p]] = p``)."""
     inv = torch.empty_like(order)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import packed_dequant_kernel
+from ..offsets import host_counts
 from ..moe.grouped_mm import grouped_mm, grouped_mm_supported
 from .formats import decode, packed_spec
 
@@ -133,15 +134,15 @@ def packed_grouped_linear(
             f"packed: expected [E, out, {spec.packed_cols}] for {fmt} with {in_features} inputs, "
             f"got {list(packed.shape)}"
         )
-    if tokens_per_expert.shape != (packed.shape[0],) or int(tokens_per_expert.sum()) != x_sorted.shape[0]:
+    counts = host_counts(tokens_per_expert)  # the groups are laid out on the host: one read at most a tensor
+    if counts.shape != (packed.shape[0],) or int(counts.sum()) != x_sorted.shape[0]:
         raise ValueError(
             f"tokens_per_expert: expected [{packed.shape[0]}] counts summing to x_sorted rows "
-            f"({x_sorted.shape[0]}), got {list(tokens_per_expert.shape)} summing to "
-            f"{int(tokens_per_expert.sum())}"
+            f"({x_sorted.shape[0]}), got {list(counts.shape)} summing to {int(counts.sum())}"
         )
     if group_size < 1:
         raise ValueError(f"group_size: must be a positive number of experts, got {group_size}")
-    return _PackedGroupedLinear.apply(x_sorted, tokens_per_expert.cpu(), packed, scale, fmt, in_features, group_size)
+    return _PackedGroupedLinear.apply(x_sorted, counts, packed, scale, fmt, in_features, group_size)
 
 
 def packed_grouped_linear_reference(
@@ -164,7 +165,7 @@ def grouped_lora(
 ) -> torch.Tensor:
     """``scaling * (x_e A_e^T) B_e^T`` per expert block: lora_a ``[E, r, in]``, lora_b ``[E, out, r]`` ->
     ``[M, out]`` (peft's stacked adapters, see ``moe_plugin.lora_packed``)."""
-    counts = tokens_per_expert.cpu()
+    counts = host_counts(tokens_per_expert)
     # grouped matmul wants each expert's matrix contiguous: peft's B columns are expert-minor
     xa = _mm(x_sorted, lora_a.to(x_sorted.dtype).contiguous().transpose(1, 2), counts)
     return _mm(xa, lora_b.to(x_sorted.dtype).contiguous().transpose(1, 2), counts) * scaling
