@@ -26,7 +26,6 @@ from torch import nn
 
 from ..compat.deepspeed import full_numel
 from ..ops.activations import glu
-from ..ops.offsets import host_counts
 from ..ops.quant import DEFAULT_GROUP_SIZE, FORMATS, encode, grouped_lora, packed_grouped_linear, packed_spec
 from .stacked_experts import _SEED_MIX, StackedExperts
 
@@ -144,11 +143,11 @@ class PackedStackedExperts(StackedExperts):
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x_sorted: ``[M, L]`` rows grouped by expert; tokens_per_expert: ``[E]`` -> ``[M, L]`` in x's dtype."""
-        counts = host_counts(tokens_per_expert)  # read once for the three projections and their adapters
-        gate = self._project("w1", x_sorted, counts)
-        up = self._project("w3", x_sorted, counts)
+        # the counts as they come: the product reads them on the host once a tensor (ops.quant.experts)
+        gate = self._project("w1", x_sorted, tokens_per_expert)
+        up = self._project("w3", x_sorted, tokens_per_expert)
         h = glu(self.activation, gate, up, beta=self.situ_beta, linear_beta=self.situ_linear_beta)
-        return self._project("w2", h, counts)
+        return self._project("w2", h, tokens_per_expert)
 
     def extra_repr(self) -> str:
         e, f, dim = self.logical_shapes["w1"]

@@ -5,7 +5,13 @@ packed (``formats``). Forward and backward each dequantise a group of ``group_si
 dtype, run the product for that group's rows, and drop the dequantised weights before the next group, so at
 most one group of dequantised weights is alive at a time and none is saved for backward (the autograd
 Function saves only the packed tensors themselves and the token counts; backward dequantises again). The
-packed base is frozen: no gradient flows to it. ``grouped_lora`` adds the experts' low-rank adapters on the
+packed base is frozen: no gradient flows to it. The product is the custom op ``moe_plugin::packed_grouped_linear``
+(a fake kernel and a registered autograd), so ``torch.compile`` traces a packed layer through it; the group
+bounds are host ints read inside its eager kernel, once per counts tensor (``ops.offsets.host_counts``). On
+``meta`` the same group loop runs in the open instead (``_PackedGroupedLinear``), so that the planner's dispatch
+mode sees its one group of dequantised weights at a time (a custom op's insides are hidden from it); that
+needs counts carrying their host copy (``ops.offsets.counts_tensor``, as the planner's dispatch makes them).
+``grouped_lora`` adds the experts' low-rank adapters on the
 activation side, ``scaling * (x_e A_e^T) B_e^T``, which equals adding ``scaling * B_e A_e`` to ``W_e``.
 
 ``dequantize_experts`` decodes a group into one output tensor a slice of rows at a time, so that beyond the
@@ -65,7 +71,7 @@ def _mm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor) -> torch.Tenso
     if grouped_mm_supported(x, w_t.transpose(1, 2)) and w_t.shape[2] * x.element_size() % 16 == 0:
         # the group sizes are kept on the host (the blocks are split there); the kernel wants its offsets on x's device
         return grouped_mm(x, w_t, torch.cumsum(counts, 0, dtype=torch.int32).to(x.device))
-    blocks = x.split(counts.tolist())
+    blocks = x.split(host_counts(counts).tolist())
     return torch.cat([b @ w for b, w in zip(blocks, w_t.unbind(0))])
 
 
@@ -96,6 +102,8 @@ def _run_groups(
 
 
 class _PackedGroupedLinear(torch.autograd.Function):
+    """The op's group loop in the open (the meta path, module docstring); counts ``[E]`` on the host."""
+
     @staticmethod
     def forward(ctx, x, counts, packed, scale, fmt, in_features, group_size):
         ctx.save_for_backward(counts, packed, scale)  # the stored packed tensors, not a dequantised copy
@@ -110,6 +118,48 @@ class _PackedGroupedLinear(torch.autograd.Function):
             grad_out.contiguous(), counts, packed, scale, fmt, in_features, group_size, transpose=False
         )
         return grad_x, None, None, None, None, None, None
+
+
+@torch.library.custom_op("moe_plugin::packed_grouped_linear", mutates_args=())
+def _packed_op(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str,
+    in_features: int,
+    group_size: int,
+    transpose: bool,
+) -> torch.Tensor:
+    """``transpose``: ``x @ W^T`` (the forward), else ``x @ W`` (its input gradient); counts on any device."""
+    host = host_counts(counts)  # the group bounds: one read per counts tensor, kept on it for the next call
+    if int(host.sum()) != x.shape[0]:
+        raise ValueError(
+            f"tokens_per_expert: counts summing to x_sorted rows ({x.shape[0]}), got {host.tolist()} "
+            f"summing to {int(host.sum())}"
+        )
+    return _run_groups(x, host, packed, scale, fmt, in_features, group_size, transpose)
+
+
+@_packed_op.register_fake
+def _(x, counts, packed, scale, fmt, in_features, group_size, transpose):
+    return x.new_empty(x.shape[0], packed.shape[1] if transpose else in_features)
+
+
+def _packed_setup(ctx, inputs, output) -> None:
+    _, counts, packed, scale, fmt, in_features, group_size, transpose = inputs
+    ctx.save_for_backward(counts, packed, scale)  # the stored packed tensors, not a dequantised copy
+    ctx.meta = (fmt, in_features, group_size, transpose)
+
+
+def _packed_backward(ctx, grad_out):
+    counts, packed, scale = ctx.saved_tensors
+    fmt, in_features, group_size, transpose = ctx.meta
+    grad_x = _packed_op(grad_out.contiguous(), counts, packed, scale, fmt, in_features, group_size, not transpose)
+    return grad_x, None, None, None, None, None, None, None
+
+
+_packed_op.register_autograd(_packed_backward, setup_context=_packed_setup)
 
 
 def packed_grouped_linear(
@@ -134,15 +184,17 @@ def packed_grouped_linear(
             f"packed: expected [E, out, {spec.packed_cols}] for {fmt} with {in_features} inputs, "
             f"got {list(packed.shape)}"
         )
-    counts = host_counts(tokens_per_expert)  # the groups are laid out on the host: one read at most a tensor
-    if counts.shape != (packed.shape[0],) or int(counts.sum()) != x_sorted.shape[0]:
+    if tokens_per_expert.shape != (packed.shape[0],):
         raise ValueError(
-            f"tokens_per_expert: expected [{packed.shape[0]}] counts summing to x_sorted rows "
-            f"({x_sorted.shape[0]}), got {list(counts.shape)} summing to {int(counts.sum())}"
+            f"tokens_per_expert: expected [{packed.shape[0]}] counts (one per expert), got "
+            f"{list(tokens_per_expert.shape)}"
         )
     if group_size < 1:
         raise ValueError(f"group_size: must be a positive number of experts, got {group_size}")
-    return _PackedGroupedLinear.apply(x_sorted, counts, packed, scale, fmt, in_features, group_size)
+    if x_sorted.is_meta:  # the group loop in the open, for the planner (module docstring)
+        counts = host_counts(tokens_per_expert)
+        return _PackedGroupedLinear.apply(x_sorted, counts, packed, scale, fmt, in_features, group_size)
+    return _packed_op(x_sorted, tokens_per_expert, packed, scale, fmt, in_features, group_size, True)
 
 
 def packed_grouped_linear_reference(
@@ -165,7 +217,7 @@ def grouped_lora(
 ) -> torch.Tensor:
     """``scaling * (x_e A_e^T) B_e^T`` per expert block: lora_a ``[E, r, in]``, lora_b ``[E, out, r]`` ->
     ``[M, out]`` (peft's stacked adapters, see ``moe_plugin.lora_packed``)."""
-    counts = host_counts(tokens_per_expert)
+    counts = tokens_per_expert  # on the device for the grouped kernel; the loop below it reads them once
     # grouped matmul wants each expert's matrix contiguous: peft's B columns are expert-minor
     xa = _mm(x_sorted, lora_a.to(x_sorted.dtype).contiguous().transpose(1, 2), counts)
     return _mm(xa, lora_b.to(x_sorted.dtype).contiguous().transpose(1, 2), counts) * scaling
