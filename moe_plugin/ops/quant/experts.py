@@ -217,10 +217,10 @@ def grouped_lora(
 ) -> torch.Tensor:
     """``scaling * (x_e A_e^T) B_e^T`` per expert block: lora_a ``[E, r, in]``, lora_b ``[E, out, r]`` ->
     ``[M, out]`` (peft's stacked adapters, see ``moe_plugin.lora_packed``)."""
-    counts = tokens_per_expert  # on the device for the grouped kernel; the loop below it reads them once
+    # the counts stay where they are: the grouped kernel takes them on the device (_mm)
     # grouped matmul wants each expert's matrix contiguous: peft's B columns are expert-minor
-    xa = _mm(x_sorted, lora_a.to(x_sorted.dtype).contiguous().transpose(1, 2), counts)
-    return _mm(xa, lora_b.to(x_sorted.dtype).contiguous().transpose(1, 2), counts) * scaling
+    xa = _mm(x_sorted, lora_a.to(x_sorted.dtype).contiguous().transpose(1, 2), tokens_per_expert)
+    return _mm(xa, lora_b.to(x_sorted.dtype).contiguous().transpose(1, 2), tokens_per_expert) * scaling
 
 
 def grouped_lora_reference(
