@@ -25,7 +25,8 @@ also reads).
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+import re
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -34,7 +35,17 @@ from .compat import deepspeed as zero3
 from .layers.kda import KDAAttention
 from .layers.moe import MoERouter
 
-__all__ = ["FP32_TENSORS", "FP32_OWNERS", "LOW_PRECISION", "fp32_tensors", "apply_precision", "keep_fp32_through"]
+__all__ = [
+    "FP32_TENSORS",
+    "FP32_OWNERS",
+    "LOW_PRECISION",
+    "STORED_FP32",
+    "stored_fp32_family",
+    "stored_fp32_note",
+    "fp32_tensors",
+    "apply_precision",
+    "keep_fp32_through",
+]
 
 # (owning layer, its tensors that stay fp32); subclasses (megatron's KDASelfAttention) are included
 FP32_OWNERS: Tuple[Tuple[type, Tuple[str, ...]], ...] = (
@@ -51,6 +62,58 @@ FP32_TENSORS = (
     r"block_sparse_moe\.gate\.(base_layer\.)?e_score_correction_bias$",
 )
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# The families K3 stores in fp32 under its bf16 ``dtype`` (docs/k3-formats.md, "Tensors"), by Hugging Face
+# name, with the rule the model applies to each on load (docs/precision.md section 1, the table). "keep": the
+# model holds the tensor in fp32 (it is in FP32_TENSORS), so the stored values are used exactly. "cast": the
+# model holds it in its own dtype, so a bf16 model rounds it once on the copy (the short convolutions and the
+# output norm run in the activations' dtype; an fp32 model keeps them exact). The router weight is stored in
+# bf16 by the release but kept fp32 by the model, so fp32 is a legal stored dtype for it too. Any other tensor
+# stored in a dtype other than the config's is refused by the loader (weights/checks.py).
+STORED_FP32: Tuple[Tuple[str, str, str], ...] = (
+    (r"self_attn\.A_log$", "A_log", "keep"),
+    (r"self_attn\.dt_bias$", "dt_bias", "keep"),
+    (r"block_sparse_moe\.gate\.(base_layer\.)?e_score_correction_bias$", "e_score_correction_bias", "keep"),
+    (r"block_sparse_moe\.gate\.(base_layer\.)?weight$", "gate.weight", "keep"),
+    (r"self_attn\.[qkv]_conv1d\.weight$", "q/k/v_conv1d.weight", "cast"),
+    (r"self_attn\.o_norm\.weight$", "o_norm.weight", "cast"),
+)
+
+
+def stored_fp32_family(name: str) -> Optional[Tuple[str, str]]:
+    """(family, rule) of a Hugging Face tensor name K3 may store in fp32 under a lower ``dtype`` (``STORED_FP32``:
+    rule "keep" or "cast"), or None for a tensor that must be stored in the config's dtype."""
+    for pattern, family, rule in STORED_FP32:
+        if re.search(pattern, name):
+            return family, rule
+    return None
+
+
+def stored_fp32_note(accepted: List[Tuple[str, torch.dtype]], declared: str) -> Optional[str]:
+    """The one line saying what became of the tensors stored in fp32 under ``declared`` (the config's dtype):
+    ``accepted`` are (Hugging Face name, the model tensor's dtype). Families the model holds in fp32 are
+    "kept in float32"; those it holds lower are "cast to" that dtype. None when there are none."""
+    if not accepted:
+        return None
+    kept: Dict[str, int] = {}
+    cast: Dict[Tuple[str, str], int] = {}
+    for name, model_dtype in accepted:
+        family = (stored_fp32_family(name) or (name.rsplit(".", 1)[-1], "keep"))[0]
+        if model_dtype == torch.float32:
+            kept[family] = kept.get(family, 0) + 1
+        else:
+            key = (family, str(model_dtype).removeprefix("torch."))
+            cast[key] = cast.get(key, 0) + 1
+    parts = []
+    if kept:
+        parts.append("kept in float32: " + ", ".join(f"{f} x{n}" for f, n in kept.items()))
+    if cast:
+        parts.append("cast to the model's dtype: " + ", ".join(f"{f} x{n} -> {d}" for (f, d), n in cast.items()))
+    return (
+        f"precision: {len(accepted)} tensor(s) stored in float32 under the checkpoint's dtype {declared}, "
+        f"accepted by rule (docs/precision.md): " + "; ".join(parts)
+    )
+
 
 Listed = Tuple[str, nn.Module, str]  # (full name, owning module, attribute name)
 

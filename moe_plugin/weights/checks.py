@@ -13,8 +13,8 @@ specification, an INT4 scale is a bf16 (held as its two bytes by the layer).
 from __future__ import annotations
 
 import json
+import logging
 import os
-import re
 from collections import defaultdict
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -25,6 +25,7 @@ from ..compat.deepspeed import local_partition
 __all__ = [
     "config_dtype",
     "keeps_fp32",
+    "stored_fp32_accepted",
     "dtype_problems",
     "check_dtypes",
     "check_finite",
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 LISTED = 20
+LOG = logging.getLogger("moe_plugin.precision")
 _CONFIG = "config.json"
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
 
@@ -59,25 +61,47 @@ def config_dtype(path: Optional[str]) -> Optional[str]:
 
 
 def keeps_fp32(stored_name: str) -> bool:
-    """Whether the model keeps this tensor in fp32 whatever its dtype (``precision.FP32_TENSORS``; the K2
-    family's ``mlp.`` MoE blocks seen as K3's ``block_sparse_moe.``), so fp32 is a legal stored dtype for it."""
-    from ..precision import FP32_TENSORS  # imported late: precision imports the layers
+    """Whether fp32 is a legal stored dtype for this tensor whatever the config's ``dtype`` says: the families
+    K3 stores in fp32 under its bf16 ``dtype`` and those the model keeps in fp32 (``precision.STORED_FP32``; the
+    K2 family's ``mlp.`` MoE blocks seen as K3's ``block_sparse_moe.``)."""
+    from ..precision import stored_fp32_family  # imported late: precision imports the layers
     from .packed import k3_block_name
 
-    name = k3_block_name(stored_name)
-    return any(re.search(pattern, name) for pattern in FP32_TENSORS)
+    return stored_fp32_family(k3_block_name(stored_name)) is not None
 
 
-def dtype_problems(reads: Iterable[Tuple[str, str, str, torch.dtype]], declared: Optional[str]) -> Dict[str, List[str]]:
+Reads = Iterable[Tuple[str, str, str, torch.dtype]]
+
+
+def _distinct(reads: Reads):
+    seen = set()
+    for read in reads:
+        if read[0] not in seen:
+            seen.add(read[0])
+            yield read
+
+
+def stored_fp32_accepted(reads: Reads, declared: Optional[str]) -> List[Tuple[str, torch.dtype]]:
+    """(stored name, the model tensor's dtype) of the floating tensors stored in fp32 under a lower
+    ``declared`` dtype that ``keeps_fp32`` accepts (the release's fp32 families)."""
+    if declared is None or declared == "float32":
+        return []
+    from .packed import k3_block_name
+
+    return [
+        (k3_block_name(name), model_dtype)
+        for name, _file, stored, model_dtype in _distinct(reads)
+        if model_dtype.is_floating_point and stored == "float32" and keeps_fp32(name)
+    ]
+
+
+def dtype_problems(reads: Reads, declared: Optional[str]) -> Dict[str, List[str]]:
     """``{what is wrong: [stored tensor names]}`` for the stored tensors whose dtype the model must not take:
     ``reads`` are (stored name, file, stored dtype name, the model tensor's dtype) of the unpacked targets;
-    ``declared``: ``config_dtype``."""
+    ``declared``: ``config_dtype``. fp32 under a lower ``declared`` is wrong except for ``keeps_fp32``'s
+    families; any other dtype than ``declared`` (fp16 under bf16, say) always is."""
     problems: Dict[str, List[str]] = defaultdict(list)
-    seen = set()
-    for name, _file, stored, model_dtype in reads:
-        if name in seen:
-            continue
-        seen.add(name)
+    for name, _file, stored, model_dtype in _distinct(reads):
         model_float = model_dtype.is_floating_point
         if model_float != (stored in _FLOATS):
             kind = "floating" if model_float else "integer"
@@ -89,11 +113,20 @@ def dtype_problems(reads: Iterable[Tuple[str, str, str, torch.dtype]], declared:
     return dict(problems)
 
 
-def check_dtypes(reads: Iterable[Tuple[str, str, str, torch.dtype]], declared: Optional[str], source: str) -> None:
-    """ONE ValueError naming the tensors of ``dtype_problems`` (by what is wrong), or nothing."""
+def check_dtypes(reads: Reads, declared: Optional[str], source: str) -> Optional[str]:
+    """ONE ValueError naming the tensors of ``dtype_problems`` (by what is wrong), or nothing. The release's
+    fp32 families stored under a lower ``declared`` are accepted; what the model does with them (kept in fp32
+    or cast to its dtype) is logged on ``moe_plugin.precision`` at INFO and returned as one line (None when
+    there are none)."""
+    from ..precision import stored_fp32_note  # imported late: precision imports the layers
+
+    reads = list(reads)
     problems = dtype_problems(reads, declared)
     if not problems:
-        return
+        note = stored_fp32_note(stored_fp32_accepted(reads, declared), declared or "")
+        if note:
+            LOG.info("%s: %s", source, note)
+        return note
     parts = []
     for what, names in problems.items():
         more = f" ... ({len(names) - LISTED} more)" if len(names) > LISTED else ""

@@ -67,7 +67,9 @@ _CHECKED_SHARDS: set = set()  # (real path, size, mtime) of shards whose header 
 class LoadStats:
     """What a load read: checkpoint tensors (a stacked expert tensor counts once), elements, and of those the
     routed-expert elements; the layout; the checkpoint tensors dropped (``ignored``: vision, MTP) or skipped
-    (``unknown``, strict=False); the targets left as they were (``fresh``: no DSA indexer in a K3 checkpoint)."""
+    (``unknown``, strict=False); the targets left as they were (``fresh``: no DSA indexer in a K3 checkpoint);
+    ``precision``: the line saying which tensors stored in fp32 under a lower config dtype were kept in fp32
+    and which cast to the model's dtype (``precision.STORED_FP32``), empty when none were."""
 
     tensors: int = 0
     elements: int = 0
@@ -76,6 +78,7 @@ class LoadStats:
     unknown: List[str] = field(default_factory=list)
     fresh: List[str] = field(default_factory=list)
     layout: str = ""
+    precision: str = ""
 
 
 def expert_ranges(model: nn.Module) -> Dict[int, Tuple[int, int]]:
@@ -302,11 +305,12 @@ def load_state(
         stored=stored,
         source=path,
     )
-    check_dtypes(_unpacked_reads(plan, stored, tensors, targets), config_dtype(path), path)
+    note = check_dtypes(_unpacked_reads(plan, stored, tensors, targets), config_dtype(path), path)
     for name in plan.reads:
         if is_partitioned(tensors[name]):
             zero_padding(tensors[name])
     stats = LoadStats(ignored=plan.ignored, unknown=plan.unknown, fresh=plan.fresh, layout=layout)
+    stats.precision = note or ""
     run_reads(plan, tensors, targets, open_file or _open_safetensors, stats, config.moe.expert_format)
     return stats
 
