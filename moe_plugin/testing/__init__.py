@@ -13,5 +13,8 @@ above the entry points). Its modules:
 - ``megatron_loading``: a bare megatron ``GPTModel``'s loaders per EP rank (Hugging Face and K3 checkpoints,
   adapters under Hugging Face names), which the megatron tests' rank code calls;
 - ``packed_checkpoints``: writers of the published packed-expert layout, and the tiny packed checkpoints (with
-  a dequantised fp32 twin) that the packed-expert tests load.
+  a dequantised fp32 twin) that the packed-expert tests load;
+- ``k3_release``: ``write_k3_release``, a tiny Kimi K3 base in the release's exact format (the published
+  config.json shrunk with every key kept, the release's tensor names and dtypes, MXFP4 experts, the K3 tokenizer
+  fixture copied in), written from the published facts in tests/fixtures/k3/.
 """
