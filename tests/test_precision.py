@@ -18,6 +18,7 @@ from moe_plugin import MoEPluginForCausalLM
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.precision import FP32_TENSORS, apply_precision, fp32_tensors
 from moe_plugin.testing.launch import run_distributed
+from tests.recipes import OMIT, recipe
 
 WORKER = "tests/precision_workers.py:run_scenarios"
 # what the policy keeps fp32, written out by Hugging Face name (independently of FP32_TENSORS/FP32_OWNERS)
@@ -112,19 +113,16 @@ def test_apply_precision_names_a_bad_dtype():
 def _recipe(tmp, name, backend, world, ep, base, lora=True, precision="bf16") -> dict:
     return {
         "name": name,
-        "recipe": {
-            "output_dir": str(tmp / name),
-            "seed": 3,
-            "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
-            "model": {"from_pretrained": str(base)} if base else {"preset": "tiny", "overrides": {"attn_res": False}},
-            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"]} if lora else None,
-            "data": {"kind": "arithmetic", "operation": "-", "num_documents": 60, "seq_len": 32, "eval_fraction": 0.05},
-            "parallel": {"backend": backend, "expert_parallel_size": ep},
-            "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-2, "warmup_steps": 0, "precision": precision},
-            "eval": {"every": 0, "batches": 1},
-            "checkpoint": {"every": 0, "keep": 1},
-            "logging": {"every": 1, "progress_bar": False},
-        },
+        "recipe": recipe(
+            tmp / name,
+            world=world,
+            ep=ep,
+            base=base,
+            lora={"target_parameters": OMIT} if lora else None,
+            data={"num_documents": 60, "seq_len": 32},
+            parallel={"backend": backend},
+            schedule={"micro_batch_size": 1, "lr": 1e-2, "precision": precision},
+        ),
     }
 
 

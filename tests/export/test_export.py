@@ -18,6 +18,7 @@ from moe_plugin import cli
 from moe_plugin.export import FORMATS, ExportCheckError, export_run
 from moe_plugin.testing.launch import run_distributed
 from tests.export.saved_files import directory_tensors
+from tests.recipes import recipe
 
 WORKER = "tests/training/trainer_workers.py:run_recipes"
 LR, STEPS = 2e-2, 2
@@ -26,24 +27,9 @@ EXPERT_W2 = "model.layers.1.block_sparse_moe.experts.w2"
 
 
 def _recipe(output_dir, world: int, ep: int) -> dict:
-    return {
-        "output_dir": str(output_dir),
-        "seed": 5,
-        "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
-        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
-        "lora": {
-            "r": 4,
-            "alpha": 8,
-            "target_modules": ["q_proj", "k_proj", "gate"],
-            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
-        },
-        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
-        "parallel": {"backend": "megatron", "expert_parallel_size": ep},
-        "schedule": {"steps": STEPS, "micro_batch_size": 4 // world, "lr": LR, "warmup_steps": 0},
-        "eval": {"every": 0, "batches": 1},
-        "checkpoint": {"every": 1, "keep": 3},
-        "logging": {"every": 1, "progress_bar": False},
-    }
+    return recipe(
+        output_dir, world=world, ep=ep, seed=5, schedule={"steps": STEPS, "lr": LR}, checkpoint={"every": 1, "keep": 3}
+    )
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from moe_plugin.testing.launch import run_distributed
 from moe_plugin.training.inputs import RECORD, fingerprint_inputs, write_recorded_inputs
 from moe_plugin.training.run_dir import MARKER
 from tests.export.saved_files import directory_tensors
+from tests.recipes import OMIT
+from tests.recipes import recipe as recipe_for
 
 WORKER = "tests/training/trainer_workers.py:run_recipes"
 ENGINE_FILES = [
@@ -51,19 +53,17 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trained")
     base = tmp / "base"
     shutil.copytree("recipes/bases/tiny-arith", base)
-    recipe = {
-        "output_dir": str(tmp / "run"),
-        "seed": 3,
-        "deepspeed": "ds_configs/zero3_lora.json",
-        "model": {"from_pretrained": str(base)},
-        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"]},
-        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 100, "seq_len": 64, "eval_fraction": 0.05},
-        "parallel": {"backend": "megatron", "expert_parallel_size": 2},
-        "schedule": {"steps": 1, "micro_batch_size": 2, "lr": 2e-2, "warmup_steps": 0},
-        "eval": {"every": 0, "batches": 1},
-        "checkpoint": {"every": 1, "keep": 2},
-        "logging": {"every": 1, "progress_bar": False, "wandb": {"mode": "disabled"}},
-    }
+    recipe = recipe_for(
+        tmp / "run",
+        world=2,
+        ep=2,
+        base=base,
+        lora={"target_parameters": OMIT},
+        data={"num_documents": 100},
+        schedule={"steps": 1},
+        checkpoint={"every": 1, "keep": 2},
+        logging={"wandb": {"mode": "disabled"}},
+    )
     run_distributed(WORKER, world_size=2, timeout_s=900, recipes=[recipe])
     return str(tmp / "run"), str(base)
 

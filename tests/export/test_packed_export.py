@@ -20,6 +20,7 @@ from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.testing.launch import run_distributed
 from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from tests.export.saved_files import directory_tensors
+from tests.recipes import recipe
 
 WORKER = "tests/training/trainer_workers.py:run_recipes"
 PACKED = ("mxfp4", "int4")
@@ -32,24 +33,16 @@ BOUND = 1e-3 * LR * STEPS  # tests/training/test_trainer.py's bound for values t
 
 
 def _recipe(output_dir, base, world: int = 1, ep: int = 1) -> dict:
-    return {
-        "output_dir": str(output_dir),
-        "seed": 5,
-        "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
-        "model": {"from_pretrained": str(base), "overrides": {}},
-        "lora": {
-            "r": 4,
-            "alpha": 8,
-            "target_modules": ["q_proj", "k_proj", "gate"],
-            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
-        },
-        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
-        "parallel": {"backend": "megatron", "expert_parallel_size": ep},
-        "schedule": {"steps": STEPS, "micro_batch_size": 4 // world, "lr": LR, "warmup_steps": 0},
-        "eval": {"every": 0, "batches": 1},
-        "checkpoint": {"every": 1 if world > 1 else 0, "keep": 3},
-        "logging": {"every": 1, "progress_bar": False},
-    }
+    return recipe(
+        output_dir,
+        world=world,
+        ep=ep,
+        base=base,
+        model={"overrides": {}},
+        seed=5,
+        schedule={"steps": STEPS, "lr": LR},
+        checkpoint={"every": 1 if world > 1 else 0, "keep": 3},
+    )
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from moe_plugin.models.presets import preset_config
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.testing.launch import run_distributed
 from moe_plugin.training.data.pipeline import label_token_count
+from tests.recipes import recipe as recipe_for
 
 TOL = 1e-5
 WORLD = 4
@@ -115,12 +116,12 @@ def case(tmp_path_factory):
         batches.append((ids, labels, CU.clone()))
     num_items = sum(label_token_count(labels[0], cu) for _, labels, cu in batches)
     torch.save({"lora": LORA, "adapters": adapters, "batches": batches, "num_items": num_items}, root / "setup.pt")
-    recipe = {
-        "output_dir": str(root / "run"),
-        "seed": 3,
-        "deepspeed": "ds_configs/zero3_lora.json",
-        "model": {"from_pretrained": str(root / "base")},
-        "lora": {
+    recipe = recipe_for(
+        root / "run",
+        world=WORLD,
+        ep=2,
+        base=root / "base",
+        lora={
             "r": LORA["r"],
             "alpha": LORA["alpha"],
             "target_modules": LORA["target_modules"],
@@ -128,13 +129,9 @@ def case(tmp_path_factory):
             # the reference has no balance term (its equality across faces: tests/training/test_trainer.py)
             "router_balance": {"aux_loss_coeff": 0.0},
         },
-        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 200, "seq_len": 48, "eval_fraction": 0.05},
-        "parallel": {"backend": "megatron", "expert_parallel_size": 2},
-        "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 2e-2, "warmup_steps": 0, "clip_grad_norm": None},
-        "eval": {"every": 0, "batches": 1},
-        "checkpoint": {"every": 0, "keep": 1},
-        "logging": {"every": 1, "progress_bar": False},
-    }
+        data={"num_documents": 200, "seq_len": 48},
+        schedule={"micro_batch_size": 1, "clip_grad_norm": None},
+    )
     results = run_distributed(
         f"{WORKERS}:run_checks", world_size=WORLD, timeout_s=900, case_dir=str(root), recipe=recipe
     )

@@ -19,10 +19,10 @@ from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.testing.launch import run_distributed
+from tests.recipes import recipe, whole
 from tests.tolerances import chain_length, check_run
 
 WORKER = "tests/training/attn_res_trainer_workers.py:run"
-ZERO3 = "ds_configs/zero3_lora.json"
 LR = 2e-2
 STEPS = 3
 MAX_NORM = 0.05
@@ -58,26 +58,18 @@ def _checkpoint(path) -> str:
 
 
 def _recipe(output_dir, world: int, model: dict) -> dict:
-    return {
-        "output_dir": str(output_dir),
-        "seed": 5,
-        "deepspeed": ZERO3 if world > 1 else None,
-        "model": model,
-        "lora": LORA,
-        "data": {"kind": "arithmetic", "operation": "+", "num_documents": 200, "seq_len": 48, "eval_fraction": 0.05},
-        "parallel": {"backend": "hf", "expert_parallel_size": 1},
-        # micro-batch 2 in one process is the concatenation of the 2 ranks' micro-batches of 1
-        "schedule": {
-            "steps": STEPS,
-            "micro_batch_size": 2 // world,
-            "lr": LR,
-            "clip_grad_norm": MAX_NORM,
-            "warmup_steps": 0,
-        },
-        "eval": {"every": 0, "batches": 1},
-        "checkpoint": {"every": 0, "keep": 1},
-        "logging": {"every": 1, "progress_bar": False},
-    }
+    # micro-batch 2 in one process is the concatenation of the 2 ranks' micro-batches of 1
+    return recipe(
+        output_dir,
+        world=world,
+        batch=2,
+        model=whole(model),
+        lora=whole(LORA),
+        data={"operation": "+", "num_documents": 200, "seq_len": 48},
+        parallel={"backend": "hf"},
+        schedule={"steps": STEPS, "lr": LR, "clip_grad_norm": MAX_NORM},
+        seed=5,
+    )
 
 
 @pytest.fixture(scope="module")

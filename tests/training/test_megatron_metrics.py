@@ -13,31 +13,30 @@ from torch import nn
 
 from moe_plugin.testing.launch import run_distributed
 from moe_plugin.training.metrics.moe import MoEMetrics, global_parameter_counts
+from tests.recipes import recipe, whole
 
 WORKER = "tests/training/megatron_metrics_workers.py:run"
 STEPS = 2
 
 
 def _recipe(output_dir, backend: str, world: int, ep: int) -> dict:
-    return {
-        "output_dir": str(output_dir),
-        "seed": 4,
-        "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
-        "model": {"preset": "tiny", "overrides": {"index_topk": 8, "indexer_loss_coeff": 0.5}},
+    return recipe(
+        output_dir,
+        world=world,
+        ep=ep,
+        batch=2,
+        seed=4,
+        model=whole({"preset": "tiny", "overrides": {"index_topk": 8, "indexer_loss_coeff": 0.5}}),
         # the indexer's projections carry adapters, so it trains and its KL enters the loss
-        "lora": {
-            "r": 4,
-            "alpha": 8,
+        lora={
             "target_modules": ["q_proj", "k_proj", "gate", "wq_b", "wk", "weights_proj"],
             "target_parameters": ["experts.w1"],
         },
-        "data": {"kind": "arithmetic", "operation": "+", "num_documents": 60, "seq_len": 48, "eval_fraction": 0.05},
-        "parallel": {"backend": backend, "expert_parallel_size": ep},
-        "schedule": {"steps": STEPS, "micro_batch_size": 2 // world, "lr": 1e-3, "warmup_steps": 0},
-        "eval": {"every": 0, "batches": 1},
-        "checkpoint": {"every": 0, "keep": 1},
-        "logging": {"every": 1, "progress_bar": False, "wandb": {"mode": "disabled"}},
-    }
+        data={"operation": "+", "num_documents": 60, "seq_len": 48},
+        parallel={"backend": backend},
+        schedule={"steps": STEPS, "lr": 1e-3},
+        logging={"wandb": {"mode": "disabled"}},
+    )
 
 
 @pytest.fixture(scope="module")

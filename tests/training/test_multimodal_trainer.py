@@ -19,6 +19,7 @@ from moe_plugin.models.presets import preset_config
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.testing.launch import run_distributed
 from examples.shapes import write_shapes_dataset
+from tests.recipes import recipe, whole
 from tests.tolerances import chain_length, chain_rel, check_run
 
 WORKER = "tests/training/multimodal_workers.py:run_recipes"
@@ -60,31 +61,16 @@ def _data(tmp):
 
 
 def _recipe(tmp, name, base, data, backend, world, ep, checkpointing="off"):
-    return {
-        "output_dir": str(tmp / name),
-        "seed": 3,
-        "deepspeed": "ds_configs/zero3_lora.json" if world > 1 else None,
-        "model": {"from_pretrained": str(base)},
-        "lora": {
-            "r": 4,
-            "alpha": 8,
-            "target_modules": ["q_proj", "k_proj", "gate", "qkv", "linear_1"],
-            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
-        },
-        "data": {"kind": "sft", "path": data, "seq_len": SEQ, "eval_fraction": 0.0},
-        "parallel": {"backend": backend, "expert_parallel_size": ep},
-        "schedule": {
-            "steps": 2,
-            "micro_batch_size": 4 // world,
-            "lr": LR,
-            "clip_grad_norm": MAX_NORM,
-            "warmup_steps": 0,
-            "activation_checkpointing": checkpointing,
-        },
-        "eval": {"every": 0, "batches": 1},
-        "checkpoint": {"every": 0, "keep": 1},
-        "logging": {"every": 1, "progress_bar": False},
-    }
+    return recipe(
+        tmp / name,
+        world=world,
+        ep=ep,
+        base=base,
+        lora={"target_modules": ["q_proj", "k_proj", "gate", "qkv", "linear_1"]},
+        data=whole({"kind": "sft", "path": data, "seq_len": SEQ, "eval_fraction": 0.0}),
+        parallel={"backend": backend},
+        schedule={"lr": LR, "clip_grad_norm": MAX_NORM, "activation_checkpointing": checkpointing},
+    )
 
 
 @pytest.fixture(scope="module")

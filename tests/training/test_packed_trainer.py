@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.testing.launch import run_distributed
 from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
+from tests.recipes import recipe
 
 WORKER = "tests/training/packed_trainer_workers.py:run_packed"
-ZERO3 = "ds_configs/zero3_lora.json"
 IDS = [(7 * i + 3) % 384 for i in range(48)]
 
 
@@ -28,32 +28,21 @@ def _recipe(
     backend: str = "megatron",
     checkpointing: str = "off",
 ) -> dict:
-    return {
-        "output_dir": str(output_dir),
-        "seed": 3,
-        "deepspeed": ZERO3 if world > 1 else None,
-        "model": {"from_pretrained": str(base), "overrides": {}},
-        "lora": {
-            "r": 4,
-            "alpha": 8,
-            "target_modules": ["q_proj", "k_proj", "gate"],
-            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
-        },
-        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
-        "parallel": {"backend": backend, "expert_parallel_size": ep if backend == "megatron" else 1},
-        "schedule": {
+    return recipe(
+        output_dir,
+        world=world,
+        ep=ep if backend == "megatron" else 1,
+        base=base,
+        model={"overrides": {}},
+        parallel={"backend": backend},
+        schedule={
             "steps": 1,
-            "micro_batch_size": 4 // world,
             "lr": 1e-2,
             "clip_grad_norm": None,
-            "warmup_steps": 0,
             "precision": precision,
             "activation_checkpointing": checkpointing,
         },
-        "eval": {"every": 0, "batches": 1},
-        "checkpoint": {"every": 0, "keep": 1},
-        "logging": {"every": 1, "progress_bar": False},
-    }
+    )
 
 
 CHECKPOINTED = [("megatron", "selective"), ("megatron", "full"), ("hf", "off"), ("hf", "selective"), ("hf", "full")]

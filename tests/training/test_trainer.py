@@ -13,10 +13,10 @@ import torch
 from moe_plugin.models.tokenizer import ByteTokenizer
 from moe_plugin.testing.launch import run_distributed
 from moe_plugin.recipe.schema import DEFAULT_ROUTER_AUX_LOSS_COEFF
+from tests.recipes import TINY, recipe, whole
 from tests.tolerances import chain_length, chain_rel, check_run
 
 WORKER = "tests/training/trainer_workers.py:run_all"
-ZERO3 = "ds_configs/zero3_lora.json"
 LR = 2e-2
 MAX_NORM = 0.05
 TOKENS = 4 * 64  # a step's global batch: 4 rows of seq_len 64, at most that many label tokens
@@ -24,32 +24,16 @@ CHAIN = chain_length(TOKENS, layers=4, width=128, vocab=384)  # the tiny preset:
 
 
 def _recipe(output_dir, world: int, ep: int, steps: int = 3, model=None, backend="megatron", **schedule) -> dict:
-    return {
-        "output_dir": str(output_dir),
-        "seed": 3,
-        "deepspeed": ZERO3 if world > 1 else None,
-        "model": model or {"preset": "tiny", "overrides": {"attn_res": False}},
-        "lora": {
-            "r": 4,
-            "alpha": 8,
-            "target_modules": ["q_proj", "k_proj", "gate"],
-            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
-        },
-        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
-        "parallel": {"backend": backend, "expert_parallel_size": ep},
-        # micro-batch 4 in one process is the concatenation of the 4 ranks' micro-batches of 1
-        "schedule": {
-            "steps": steps,
-            "micro_batch_size": 4 // world,
-            "lr": LR,
-            "clip_grad_norm": MAX_NORM,
-            "warmup_steps": 0,
-            **schedule,
-        },
-        "eval": {"every": 0, "batches": 1},
-        "checkpoint": {"every": 0, "keep": 2},
-        "logging": {"every": 1, "progress_bar": False},
-    }
+    # micro-batch 4 in one process is the concatenation of the 4 ranks' micro-batches of 1
+    return recipe(
+        output_dir,
+        world=world,
+        ep=ep,
+        model=whole(model or TINY),
+        parallel={"backend": backend},
+        schedule={"steps": steps, "lr": LR, "clip_grad_norm": MAX_NORM, **schedule},
+        checkpoint={"keep": 2},
+    )
 
 
 ROUTINGS = ("free", "empty_expert", "one_ep_rank")

@@ -24,6 +24,7 @@ from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from moe_plugin.weights.packed import expert_naming, k2_block_name, k2_packed_name
 from moe_plugin.weights.plan import detect_layout, plan_reads, stored_tensors
 from moe_plugin.weights.reads import Target
+from tests.recipes import recipe
 
 KINDS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 ROUTED = "model.layers.1.mlp.experts"
@@ -155,31 +156,15 @@ def test_each_ep_rank_plans_only_its_experts(checkpoints, tmp_path):
 
 
 def _recipe(output_dir, base) -> dict:
-    return {
-        "output_dir": str(output_dir),
-        "seed": 3,
-        "deepspeed": "ds_configs/zero3_lora.json",
-        "model": {"from_pretrained": str(base), "overrides": {}},
-        "lora": {
-            "r": 4,
-            "alpha": 8,
-            "target_modules": ["q_proj", "gate"],
-            "target_parameters": ["experts.w1", "experts.w2", "experts.w3"],
-        },
-        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 300, "seq_len": 64, "eval_fraction": 0.05},
-        "parallel": {"backend": "megatron", "expert_parallel_size": 2},
-        "schedule": {
-            "steps": 1,
-            "micro_batch_size": 2,
-            "lr": 1e-2,
-            "clip_grad_norm": None,
-            "warmup_steps": 0,
-            "precision": "fp32",
-        },
-        "eval": {"every": 0, "batches": 1},
-        "checkpoint": {"every": 0, "keep": 1},
-        "logging": {"every": 1, "progress_bar": False},
-    }
+    return recipe(
+        output_dir,
+        world=2,
+        ep=2,
+        base=base,
+        model={"overrides": {}},
+        lora={"target_modules": ["q_proj", "gate"]},
+        schedule={"steps": 1, "lr": 1e-2, "clip_grad_norm": None, "precision": "fp32"},
+    )
 
 
 def _rel(a, b) -> float:
