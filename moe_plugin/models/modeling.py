@@ -37,7 +37,7 @@ from ..ops.moe import document_weights
 from ..precision import FP32_TENSORS, keep_fp32_through
 from .cache import HybridCache
 from .configuration import MoEPluginConfig
-from .loading import SELF_INITIALISED, check_loading_info, reset_unloaded
+from .loading import SELF_INITIALISED, check_loading_info, is_k3_layout, load_k3_layout, reset_unloaded
 from .inputs import check_inputs, check_labels, left_padding_mask, pack_padded, unpack_padded
 
 
@@ -74,7 +74,13 @@ class MoEPluginPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args, strict: bool = True, **kwargs):
         """transformers' ``from_pretrained``; with ``strict`` (the default) a checkpoint whose tensor names or
-        shapes differ from the config raises a ValueError naming the first of them, instead of a warning."""
+        shapes differ from the config raises a ValueError naming the first of them, instead of a warning. A local
+        directory in K3's published layout (the release's config.json, per-expert and packed experts) loads
+        through the project's read planner (``loading.load_k3_layout``), with the same keywords."""
+        path = args[0] if args else kwargs.pop("pretrained_model_name_or_path", None)
+        if is_k3_layout(path):
+            return load_k3_layout(cls, path, strict=strict, **kwargs)
+        args = (path, *args[1:])
         if not strict:
             return super().from_pretrained(*args, **kwargs)
         want_info = kwargs.pop("output_loading_info", False)
