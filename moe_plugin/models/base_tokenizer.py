@@ -2,8 +2,10 @@
 
 ``load_base_tokenizer(path)`` is ``AutoTokenizer.from_pretrained`` on local files only, after two refusals
 made without running anything from the directory: no tokenizer files, and remote code (an ``auto_map``)
-without ``model.trust_remote_code``. ``chat_tokens(tokenizer)`` reads the end-of-turn tokens from the chat
-template's own rendering, and the eos, pad and image placeholder tokens from the tokenizer and config.json.
+without ``model.trust_remote_code``. ``chat_tokens(tokenizer)`` reads the end-of-turn tokens from the ids of the
+tokenizer's own chat format (``render_ids``: a Jinja template, or a tokenizer's own Python ``apply_chat_template``
+such as K3's, whose ``chat_template`` is None), and the eos, pad and image placeholder tokens from the tokenizer,
+config.json and generation_config.json.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 # Any one of these makes a directory a tokenizer's (transformers' own names, K2's tiktoken.model included);
 # a directory with none would get a tokenizer built from nothing (the byte tokenizer, for this model type).
@@ -30,7 +32,9 @@ REMOTE_CODE_FILES = ("tokenizer_config.json", "config.json", "processor_config.j
 IMAGE_TOKEN_KEYS = ("image_token_id", "media_placeholder_token_id", "image_token_index")
 
 _FIELD = "model.from_pretrained"
-_PROBE_QUESTION, _PROBE_ANSWER = "What is 6 times 7?", "The answer is 42."
+_PROBE_QUESTION = "What is 6 times 7?"
+# two answers ending in different tokens: what follows both alike is the end of the turn
+_PROBE_ANSWERS = ("The answer is 42.", "Forty-two, I think")
 
 
 def read_json(path: str, field: str = _FIELD) -> Optional[dict]:
@@ -118,11 +122,13 @@ def load_base_tokenizer(path: str, *, trust_remote_code: bool = False, field: st
 class ChatTokens:
     """What the trainer and generation need from a base's tokenizer.
 
-    ``end_of_turn``: the ids the chat template writes after an assistant's content, through the last special
-    token among them (``<|im_end|>``; a newline after it is not part of it). ``eos_ids``: the tokenizer's eos
-    and config.json's ``eos_token_id`` (int or list). ``pad_id``: the pad token, else config.json's
+    ``end_of_turn``: the ids the chat format writes after an assistant's content, through the last special
+    token among them (``<|im_end|>``; K3's ``<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>``; a
+    newline after it is not part of it). ``eos_ids``: the tokenizer's eos, config.json's and
+    generation_config.json's ``eos_token_id`` (int or list). ``pad_id``: the pad token, else config.json's
     ``pad_token_id``, else the first eos. ``image_token``/``image_token_id``: the image placeholder, None for
-    a text-only base.
+    a text-only base. ``image_prompts``: the chat format writes an image only from the ``image_prompts`` it is
+    given (K3's tokenizer, ``k3_image_prompt``), not from the content part alone.
     """
 
     end_of_turn: Tuple[int, ...]
@@ -131,6 +137,7 @@ class ChatTokens:
     padding_side: str
     image_token: Optional[str] = None
     image_token_id: Optional[int] = None
+    image_prompts: bool = False
 
     @property
     def stop_ids(self) -> Tuple[int, ...]:
@@ -145,32 +152,76 @@ def special_ids(tokenizer) -> set:
     return ids
 
 
-def find_end_of_turn(tokenizer, field: str = _FIELD) -> Tuple[int, ...]:
-    """The ids the chat template writes after an assistant's content, through the last special token,
-    read from a one-turn conversation rendered with the template."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"{field}: the base's tokenizer has no chat template; add chat_template.jinja (or "
-            f"chat_template in tokenizer_config.json) to the base directory"
-        )
+def k3_image_prompt(width: int, height: int) -> str:
+    """What K3's processor writes for one image of ``width`` x ``height`` pixels (its original size), handed to
+    the tokenizer as ``image_prompts`` (docs/k3-formats.md, "Images")."""
+    return f"<|media_begin|>image {int(width)}x{int(height)}<|media_content|><|media_pad|><|media_end|>"
+
+
+def ids_of(rendered) -> List[int]:
+    """The token ids of one conversation from what ``apply_chat_template(tokenize=True)`` returned: a flat list,
+    a batch of one (list of lists, a ``[1, T]`` tensor) or a dict/``BatchEncoding`` holding either."""
+    if hasattr(rendered, "keys") and "input_ids" in rendered.keys():
+        rendered = rendered["input_ids"]
+    if hasattr(rendered, "tolist"):
+        rendered = rendered.tolist()
+    if isinstance(rendered, (list, tuple)) and rendered and isinstance(rendered[0], (list, tuple)):
+        if len(rendered) != 1:
+            raise ValueError(f"the chat template returned {len(rendered)} rows for one conversation")
+        rendered = rendered[0]
+    if not isinstance(rendered, (list, tuple)) or not all(isinstance(t, int) for t in rendered):
+        raise ValueError(f"the chat template returned {type(rendered).__name__}, not token ids")
+    return [int(t) for t in rendered]
+
+
+def render_ids(tokenizer, messages: List[dict], add_generation_prompt: bool, **kwargs) -> List[int]:
+    """The ids of ``messages`` as the tokenizer's own chat format writes them: its ``apply_chat_template`` (a
+    Jinja template or the tokenizer's own Python) with tokenize and the generation prompt always stated, never
+    the tokenizer's defaults, and ``kwargs`` (tools, template switches, image_prompts) passed through."""
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True, **kwargs
+    )
+    return ids_of(out)
+
+
+def _common_suffix(a: List[int], b: List[int]) -> List[int]:
+    n = 0
+    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    return a[len(a) - n :]
+
+
+def find_end_of_turn(tokenizer, field: str = _FIELD, template_kwargs: Optional[dict] = None) -> Tuple[int, ...]:
+    """The ids the chat format writes after an assistant's content, through the last special token: what two
+    one-turn conversations with different answers, rendered to ids, end with alike after their common prompt
+    (the prompt with the generation prompt must be a prefix of both)."""
+    kwargs = dict(template_kwargs or {})
     user = {"role": "user", "content": _PROBE_QUESTION}
     try:
-        prompt = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
-        whole = tokenizer.apply_chat_template([user, {"role": "assistant", "content": _PROBE_ANSWER}], tokenize=False)
-    except Exception as e:  # a template's raise_exception or a Jinja error: the template is the bad input
+        prompt = render_ids(tokenizer, [user], True, **kwargs)
+        wholes = [
+            render_ids(tokenizer, [user, {"role": "assistant", "content": answer}], False, **kwargs)
+            for answer in _PROBE_ANSWERS
+        ]
+    except Exception as e:  # a template's raise_exception, a Jinja error, no template at all: the base's
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"{field}: the base's tokenizer has no chat template and its apply_chat_template does not "
+                f"render chats without one ({type(e).__name__}); add chat_template.jinja (or chat_template "
+                f"in tokenizer_config.json) to the base directory"
+            ) from e
         raise ValueError(
-            f"{field}: the chat template fails on a user and an assistant turn "
-            f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); fix the base's chat "
-            f"template"
+            f"{field}: the base's chat format fails on a user and an assistant turn "
+            f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); give the base a chat template "
+            f"(chat_template.jinja) or a tokenizer whose apply_chat_template renders chats"
         ) from e
-    answer_at = whole.find(_PROBE_ANSWER, len(prompt)) if whole.startswith(prompt) else -1
-    if answer_at < 0:
+    if not all(whole[: len(prompt)] == prompt and len(whole) > len(prompt) for whole in wholes):
         raise ValueError(
             f"{field}: the chat template does not render the prompt with the generation prompt as "
             f"a prefix of the conversation with the answer, so turns cannot be located; use a "
             f"template whose prompts render as prefixes"
         )
-    after = list(tokenizer.encode(whole[answer_at + len(_PROBE_ANSWER) :], add_special_tokens=False))
+    after = _common_suffix(wholes[0][len(prompt) :], wholes[1][len(prompt) :])
     special = special_ids(tokenizer)
     last = max((i for i, t in enumerate(after) if t in special), default=-1)
     if last < 0:
@@ -196,14 +247,37 @@ def _config_image_token(tokenizer, config_dict: dict) -> Optional[int]:
     return None
 
 
-def chat_tokens(tokenizer, config_dict: Optional[dict] = None, processor=None, *, field: str = _FIELD) -> ChatTokens:
-    """The base's ``ChatTokens``: from ``tokenizer`` (its chat template included), its ``config.json`` as a
-    dict, and its processor where it has one (for ``image_token``)."""
+def _needs_image_prompts(tokenizer, image_id: int, kwargs: dict) -> bool:
+    """Whether the chat format writes the image token only when handed ``image_prompts`` (K3's tokenizer)."""
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _PROBE_QUESTION}]}]
+    try:
+        if image_id in render_ids(tokenizer, chat, True, **kwargs):
+            return False
+        return render_ids(tokenizer, chat, True, image_prompts=[k3_image_prompt(28, 28)], **kwargs).count(image_id) == 1
+    except Exception:  # a template that refuses image parts or image_prompts writes images its own way, or never
+        return False
+
+
+def _eos_list(value) -> List:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def chat_tokens(
+    tokenizer,
+    config_dict: Optional[dict] = None,
+    processor=None,
+    *,
+    generation_config: Optional[dict] = None,
+    template_kwargs: Optional[dict] = None,
+    field: str = _FIELD,
+) -> ChatTokens:
+    """The base's ``ChatTokens``: from ``tokenizer`` (its chat format included, rendered with
+    ``template_kwargs``), its ``config.json`` and ``generation_config.json`` as dicts, and its processor where
+    it has one (for ``image_token``)."""
     config_dict = config_dict or {}
-    end_of_turn = find_end_of_turn(tokenizer, field)
-    eos = [tokenizer.eos_token_id]
-    config_eos = config_dict.get("eos_token_id")
-    eos += list(config_eos) if isinstance(config_eos, (list, tuple)) else [config_eos]
+    end_of_turn = find_end_of_turn(tokenizer, field, template_kwargs)
+    eos = [tokenizer.eos_token_id] + _eos_list(config_dict.get("eos_token_id"))
+    eos += _eos_list((generation_config or {}).get("eos_token_id"))
     eos_ids = tuple(dict.fromkeys(int(i) for i in eos if i is not None))
     pad_id = next(
         (int(i) for i in (tokenizer.pad_token_id, config_dict.get("pad_token_id")) if i is not None),
@@ -223,4 +297,5 @@ def chat_tokens(tokenizer, config_dict: Optional[dict] = None, processor=None, *
                 image_id = tokenizer.convert_tokens_to_ids(token)
                 break
     image_token = tokenizer.convert_ids_to_tokens(image_id) if image_id is not None else None
-    return ChatTokens(end_of_turn, eos_ids, pad_id, tokenizer.padding_side, image_token, image_id)
+    prompts = image_id is not None and _needs_image_prompts(tokenizer, image_id, dict(template_kwargs or {}))
+    return ChatTokens(end_of_turn, eos_ids, pad_id, tokenizer.padding_side, image_token, image_id, prompts)

@@ -126,6 +126,10 @@ class DataSection(_Section):
     )
     eval_fraction: float = _field(0.05, "use a fraction in [0, 0.5], e.g. 0.05 (0: no held-out set)", ge=0, le=0.5)
     pack: bool = True
+    # sft: OpenAI tool specs for every record without its own "tools", and the base's chat template switches
+    # (e.g. {"thinking": false, "thinking_effort": "high"}), passed to every rendering (docs/training.md)
+    tools: Optional[List[Dict[str, Any]]] = None
+    chat_template_kwargs: Dict[str, Any] = {}
 
     def _problems(self) -> List[Problem]:
         if self.kind == "arithmetic":
@@ -140,8 +144,17 @@ class DataSection(_Section):
                     )
                 ]
             )
+        if self.kind != "sft" and (self.tools is not None or self.chat_template_kwargs):
+            return [
+                (
+                    "tools" if self.tools is not None else "chat_template_kwargs",
+                    f'is read only when data.kind is "sft" (chat records), not {self.kind!r}; remove it',
+                )
+            ]
         if self.path is None:
             return [("path", f"is required when data.kind is {self.kind!r}; give the data file")]
+        if os.path.isdir(self.path) and self.kind == "sft":
+            return []  # a datasets save_to_disk directory; the reader names anything else it finds there
         if not os.path.isfile(self.path):
             what = "is a directory" if os.path.isdir(self.path) else "does not exist"
             return [

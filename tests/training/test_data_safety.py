@@ -92,7 +92,7 @@ def test_an_empty_assistant_turn_is_refused(tmp_path, content):
     path = write_lines(tmp_path / "train.jsonl", [chat("hi", "ok"), chat("hi", content)])
     assert message_of(lambda: sft_examples(path)) == (
         f"data.path: line 2 of {path}: messages[1] is an assistant turn with empty content, so it would teach "
-        "only to end at once; write the answer or remove the turn"
+        "only to end at once; write the answer (or its tool_calls) or remove the turn"
     )
 
 

@@ -23,7 +23,7 @@ import re
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,6 +40,8 @@ class Images:
 
     pixel_patches: torch.Tensor
     grid_hw: torch.Tensor
+    # each image's original (width, height), where read from files: a format such as K3's writes it
+    sizes: Optional[List[Tuple[int, int]]] = None
 
     def tokens_per_image(self, merge_size: int) -> List[int]:
         """Merged tokens of each image: ``h * w / merge_size**2``."""
@@ -75,6 +77,9 @@ def image_sources(where: str, record: dict, inline: List[str]) -> List[str]:
 def inline_source(at: str, item: dict) -> Optional[str]:
     """The source of an inline image item (None for a bare ``{"type": "image"}`` placeholder)."""
     source = item.get("image")
+    if source is None and item.get("image_url") is not None:  # OpenAI's {"type": "image_url", "image_url": {"url"}}
+        url = item["image_url"]
+        source = url.get("url") if isinstance(url, dict) else url
     require(
         source is None or (isinstance(source, str) and bool(source)),
         "data.path",
@@ -149,7 +154,7 @@ def load_images(where: str, sources: List[str], base_dir: str, image_processor) 
         out = image_processor(images, return_tensors="pt")
     except ValueError as e:
         raise ValueError(f"data.path: {where}: {e}") from None
-    return Images(out["pixel_patches"], out["grid_hw"])
+    return Images(out["pixel_patches"], out["grid_hw"], [tuple(image.size) for image in images])
 
 
 def expand_placeholders(text: str, tokens_per_image: Sequence[int], placeholder: str = IMAGE_PLACEHOLDER) -> str:
@@ -170,6 +175,8 @@ def record_has_images(record) -> bool:
         return True
     for message in record.get("messages") or ():
         content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list) and any(isinstance(i, dict) and i.get("type") == "image" for i in content):
+        if isinstance(content, list) and any(
+            isinstance(i, dict) and i.get("type") in ("image", "image_url") for i in content
+        ):
             return True
     return False

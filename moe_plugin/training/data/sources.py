@@ -81,15 +81,22 @@ def load_examples(
     section, seed: int = 0, tokenizer=None, tokens=None, processor=None
 ) -> Tuple[List[Example], List[Example]]:
     """(train, held_out) examples for the recipe's data section (duck-typed: ``kind``, ``path``, ``operation``,
-    ``num_documents``, ``eval_fraction``); ``seed`` draws the arithmetic questions. ``tokenizer``, ``tokens``
-    (its ``ChatTokens``) and ``processor`` are the base's (``ResolvedModel``); without a tokenizer, the byte
-    tokenizer of the presets."""
+    ``num_documents``, ``eval_fraction``, for sft ``tools`` and ``chat_template_kwargs``); ``seed`` draws the
+    arithmetic questions. ``tokenizer``, ``tokens`` (its ``ChatTokens``) and ``processor`` are the base's
+    (``ResolvedModel``); without a tokenizer, the byte tokenizer of the presets."""
     kind = section.kind
     if kind == "arithmetic":
         examples = arithmetic_examples(section.num_documents, seed, section.operation, tokenizer)
     elif kind == "sft":
         require(bool(section.path), "data.path", f"is required when data.kind is {kind!r}")
-        examples = sft_examples(section.path, tokenizer, processor, tokens)
+        examples = sft_examples(
+            section.path,
+            tokenizer,
+            processor,
+            tokens,
+            tools=getattr(section, "tools", None),
+            template_kwargs=getattr(section, "chat_template_kwargs", None) or None,
+        )
     elif kind == "text":
         require(bool(section.path), "data.path", f"is required when data.kind is {kind!r}")
         examples = text_examples(section.path, tokenizer)
