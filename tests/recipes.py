@@ -14,6 +14,9 @@ How a test's sections combine with the shape (``recipe(out, schedule={"steps": 4
 * ``whole(value)`` takes ``value`` as it is, unmerged: another model (``model=whole({"preset": "tiny"})``) or
   another kind of data (``data=whole({"kind": "sft", ...})``).
 
+``minimal(output_dir, ...)`` is the other family's start: a run as a user writes it, the tiny preset without
+AttnRes (or ``base``) and no progress bar, every other value the schema's default; the test adds what it sets.
+
 Recipes that test the recipe format itself (malformed or minimal dicts in tests/training/test_recipe.py and the
 like) stay literal: there the literal is the point.
 """
@@ -65,6 +68,18 @@ def recipe(output_dir, *, world: int = 1, ep: int = 1, batch: int = 4, base=None
         "eval": {"every": 0, "batches": 1},
         "checkpoint": {"every": 0, "keep": 1},
         "logging": {"every": 1, "progress_bar": False},
+    }
+    return _merged(shape, sections)
+
+
+def minimal(output_dir, *, base=None, **sections) -> dict:
+    """The smallest recipe that trains, with ``sections`` merged in as for ``recipe``: ``output_dir``, the tiny
+    preset without AttnRes (or ``base``, ``model.from_pretrained``) and ``logging.progress_bar`` off; every other
+    value is the schema's default (one process, megatron, arithmetic data, ``lora`` on by default)."""
+    shape = {
+        "output_dir": str(output_dir),
+        "model": {"from_pretrained": str(base)} if base is not None else TINY,
+        "logging": {"progress_bar": False},
     }
     return _merged(shape, sections)
 

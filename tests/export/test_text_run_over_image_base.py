@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from tests.recipes import minimal
 from tests.tolerances import chain_length, chain_rel
 from tests.training.launchers import REPO, launch
 
@@ -43,16 +44,16 @@ def job(tmp_path_factory):
     )
     # micro_batch_size 2 over 2 rows: every step holds both conversations, so step 1's loss is theirs whatever
     # the shuffle
-    recipe = {
-        "output_dir": str(tmp / "run"),
-        "seed": 3,
-        "model": {"from_pretrained": BASE},
-        "lora": {"r": 4, "alpha": 8, "target_modules": TARGET_MODULES, "target_parameters": TARGET_PARAMETERS},
-        "data": {"kind": "sft", "path": str(data), "seq_len": SEQ_LEN, "pack": False, "eval_fraction": 0.0},
-        "parallel": {"backend": "hf"},
-        "schedule": {"steps": STEPS, "micro_batch_size": 2, "lr": 1e-2, "decay": "constant"},
-        "logging": {"every": 1, "progress_bar": False},
-    }
+    recipe = minimal(
+        tmp / "run",
+        base=BASE,
+        seed=3,
+        lora={"r": 4, "alpha": 8, "target_modules": TARGET_MODULES, "target_parameters": TARGET_PARAMETERS},
+        data={"kind": "sft", "path": str(data), "seq_len": SEQ_LEN, "pack": False, "eval_fraction": 0.0},
+        parallel={"backend": "hf"},
+        schedule={"steps": STEPS, "micro_batch_size": 2, "lr": 1e-2, "decay": "constant"},
+        logging={"every": 1},
+    )
     (tmp / "recipe.json").write_text(json.dumps(recipe))
     printed = launch(
         [sys.executable, "-m", "moe_plugin.train", "--recipe", str(tmp / "recipe.json")],

@@ -14,6 +14,7 @@ import torch
 
 from moe_plugin.training.metrics.logger import Distribution
 from moe_plugin.training.metrics.moe import MoEMetrics, load_metrics, moe_layer_labels, rank_load_metrics, rank_loads
+from tests.recipes import minimal, whole
 
 
 def test_load_metrics_match_hand_computed_numbers():
@@ -178,16 +179,16 @@ def test_indexer_kl_is_the_models_own_when_the_indexer_trains():
 
 
 def _recipe(tmp_path, name: str, experts: int, mode: str = "offline") -> dict:
-    return {
-        "output_dir": str(tmp_path / name),
-        "seed": 0,
-        "model": {"preset": "tiny", "overrides": {"num_experts": experts}},
-        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "gate"]},
-        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 120, "seq_len": 64},
-        "parallel": {"backend": "hf"},
-        "schedule": {"steps": 3, "micro_batch_size": 2, "lr": 1e-2},
-        "logging": {"every": 1, "progress_bar": False, "wandb": {"mode": mode}},
-    }
+    return minimal(
+        tmp_path / name,
+        seed=0,
+        model=whole({"preset": "tiny", "overrides": {"num_experts": experts}}),
+        lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "gate"]},
+        data={"kind": "arithmetic", "operation": "-", "num_documents": 120, "seq_len": 64},
+        parallel={"backend": "hf"},
+        schedule={"steps": 3, "micro_batch_size": 2, "lr": 1e-2},
+        logging={"every": 1, "wandb": {"mode": mode}},
+    )
 
 
 def test_recipe_trainer_writes_an_offline_wandb_run_and_the_load_plot(tmp_path):

@@ -18,6 +18,7 @@ import torch
 from moe_plugin.training.data.pipeline import IGNORE, load_examples
 from moe_plugin.recipe.schema import recipe_from_dict
 from moe_plugin.recipe.resolved_model import resolve_model, tokenizer_files
+from tests.recipes import minimal
 
 REPO = Path(__file__).resolve().parents[2]
 BYTE_BASE, SUBWORD = REPO / "recipes/bases/tiny-arith", REPO / "recipes/bases/tiny-subword"
@@ -222,18 +223,18 @@ def test_adapter_and_merged_export_carry_the_bases_tokenizer_files(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _words(32)))
     recipe = recipe_from_dict(
-        {
-            "output_dir": str(tmp_path / "run"),
-            "seed": 1,
-            "model": {"from_pretrained": str(subword_base)},
-            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj"]},
-            "data": {"kind": "sft", "path": str(data), "seq_len": 64, "eval_fraction": 0.0},
-            "parallel": {"backend": "hf"},
-            "schedule": {"steps": 2, "micro_batch_size": 2, "warmup_steps": 0},
-            "eval": {"every": 0, "batches": 1},
-            "checkpoint": {"every": 0, "keep": 1},
-            "logging": {"every": 1, "progress_bar": False, "wandb": {"mode": "disabled"}},
-        }
+        minimal(
+            tmp_path / "run",
+            base=subword_base,
+            seed=1,
+            lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj"]},
+            data={"kind": "sft", "path": str(data), "seq_len": 64, "eval_fraction": 0.0},
+            parallel={"backend": "hf"},
+            schedule={"steps": 2, "micro_batch_size": 2, "warmup_steps": 0},
+            eval={"every": 0, "batches": 1},
+            checkpoint={"every": 0, "keep": 1},
+            logging={"every": 1, "wandb": {"mode": "disabled"}},
+        )
     )
     train(recipe)
     names = tokenizer_files(str(subword_base))

@@ -18,6 +18,7 @@ from moe_plugin.compat.deepspeed import load_engine_file, safe_checkpoint_loadin
 from moe_plugin.training.checkpoint import CheckpointManager
 from moe_plugin.training.trainer_state import read_trainer_state, write_trainer_state
 from moe_plugin.training.run_dir import MARKER, RunDirectory
+from tests.recipes import ZERO3, minimal
 from tests.training.run_safety_workers import payload_file
 
 RECIPE = {"output_dir": "out", "model": {"preset": "tiny"}, "data": {"kind": "arithmetic"}, "schedule": {"steps": 3}}
@@ -137,18 +138,17 @@ def test_a_changed_checkpoint_is_damaged_not_debris(tmp_path):
 def test_payloads_in_zero3_files_do_not_run_and_every_load_is_weights_only(tmp_path):
     from moe_plugin.testing.launch import run_distributed
 
-    recipe = {
-        "output_dir": str(tmp_path / "run"),
-        "seed": 5,
-        "deepspeed": "ds_configs/zero3_lora.json",
-        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
-        "lora": {"r": 2, "alpha": 4, "target_parameters": ["experts.w1"]},
-        "data": {"num_documents": 100, "seq_len": 32},
-        "parallel": {"backend": "megatron", "expert_parallel_size": 2},
-        "schedule": {"steps": 1, "micro_batch_size": 1, "lr": 1e-2},
-        "checkpoint": {"every": 1},
-        "logging": {"progress_bar": False, "wandb": {"mode": "disabled"}},
-    }
+    recipe = minimal(
+        tmp_path / "run",
+        seed=5,
+        deepspeed=ZERO3,
+        lora={"r": 2, "alpha": 4, "target_parameters": ["experts.w1"]},
+        data={"num_documents": 100, "seq_len": 32},
+        parallel={"backend": "megatron", "expert_parallel_size": 2},
+        schedule={"steps": 1, "micro_batch_size": 1, "lr": 1e-2},
+        checkpoint={"every": 1},
+        logging={"wandb": {"mode": "disabled"}},
+    )
     ranks = run_distributed(
         "tests/training/run_safety_workers.py:zero3_cases",
         world_size=2,

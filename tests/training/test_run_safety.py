@@ -17,21 +17,22 @@ from moe_plugin.training.checkpoint import CheckpointManager
 from moe_plugin.training.guards import DivergenceSection, StepGuard, TrainingStopped
 from moe_plugin.training.inputs import RECORD, read_recorded_inputs
 from moe_plugin.training.run_dir import MARKER
+from tests.recipes import minimal
 from tests.training.run_safety_workers import digests, plant, save_base
 
 
 def _recipe(tmp: Path, name: str, **schedule) -> dict:
-    return {
-        "output_dir": str(tmp / name),
-        "seed": 2,
-        "model": {"from_pretrained": str(tmp / "base")},
-        "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj"]},
-        "data": {"kind": "text", "path": str(tmp / "train.jsonl"), "seq_len": 32, "eval_fraction": 0.0},
-        "parallel": {"backend": "hf"},
-        "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-3, **schedule},
-        "checkpoint": {"every": 1, "keep": 3},
-        "logging": {"progress_bar": False, "wandb": {"mode": "disabled"}},
-    }
+    return minimal(
+        tmp / name,
+        base=tmp / "base",
+        seed=2,
+        lora={"r": 2, "alpha": 4, "target_modules": ["q_proj"]},
+        data={"kind": "text", "path": str(tmp / "train.jsonl"), "seq_len": 32, "eval_fraction": 0.0},
+        parallel={"backend": "hf"},
+        schedule={"steps": 2, "micro_batch_size": 1, "lr": 1e-3, **schedule},
+        checkpoint={"every": 1, "keep": 3},
+        logging={"wandb": {"mode": "disabled"}},
+    )
 
 
 def _train(recipe: dict, **kwargs):
@@ -200,16 +201,16 @@ def test_lr_1e6_warns_and_stops_on_divergence(one, capsys):
     from moe_plugin.recipe.schema import recipe_from_dict
 
     tmp, _ = one
-    recipe = {
-        "output_dir": str(tmp / "lr1e6"),
-        "seed": 1,
-        "model": {"from_pretrained": "recipes/bases/tiny-arith"},
-        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"]},
-        "data": {"kind": "arithmetic", "operation": "-", "num_documents": 200, "seq_len": 64},
-        "parallel": {"backend": "hf"},
-        "schedule": {"steps": 30, "micro_batch_size": 2, "lr": 1e6, "decay": "constant"},
-        "logging": {"every": 100, "progress_bar": False, "wandb": {"mode": "disabled"}},
-    }
+    recipe = minimal(
+        tmp / "lr1e6",
+        base="recipes/bases/tiny-arith",
+        seed=1,
+        lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "gate"]},
+        data={"kind": "arithmetic", "operation": "-", "num_documents": 200, "seq_len": 64},
+        parallel={"backend": "hf"},
+        schedule={"steps": 30, "micro_batch_size": 2, "lr": 1e6, "decay": "constant"},
+        logging={"every": 100, "wandb": {"mode": "disabled"}},
+    )
     cwd = os.getcwd()
     os.chdir(Path(__file__).parents[2])  # the recipe's base path is relative to the repository
     try:

@@ -13,9 +13,8 @@ import torch
 from moe_plugin.training.data.pipeline import eval_batches, label_token_count, load_examples, pack_examples
 from moe_plugin.training.loop import train
 from moe_plugin.recipe.schema import recipe_from_dict
+from tests.recipes import EXPERTS, ZERO3, minimal, whole
 from tests.training.launchers import BIN, REPO, free_port, launch
-
-EXPERTS = ["experts.w1", "experts.w2", "experts.w3"]
 
 
 def _mean(xs):
@@ -91,16 +90,14 @@ def test_arithmetic_recipe_fine_tunes_the_shipped_text_base(tmp_path):
 def test_megatron_full_parameter_training_exports_a_hugging_face_model(tmp_path):
     from moe_plugin.models import MoEPluginForCausalLM
 
-    recipe = {
-        "output_dir": str(tmp_path / "full"),
-        "seed": 2,
-        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
-        "lora": None,
-        "data": {"num_documents": 300, "seq_len": 64},
-        "parallel": {"backend": "megatron"},
-        "schedule": {"steps": 20, "lr": 3e-3},
-        "logging": {"progress_bar": False},
-    }
+    recipe = minimal(
+        tmp_path / "full",
+        seed=2,
+        lora=None,
+        data={"num_documents": 300, "seq_len": 64},
+        parallel={"backend": "megatron"},
+        schedule={"steps": 20, "lr": 3e-3},
+    )
     result = train(recipe_from_dict(recipe))
     assert _mean(result.losses[-5:]) < 0.8 * result.losses[0], result.losses
     model = MoEPluginForCausalLM.from_pretrained(str(tmp_path / "full" / "model")).eval()
@@ -108,16 +105,14 @@ def test_megatron_full_parameter_training_exports_a_hugging_face_model(tmp_path)
 
 
 def test_megatron_lora_with_expert_adapters_loads_in_plain_peft(tmp_path):
-    recipe = {
-        "output_dir": str(tmp_path / "lora"),
-        "seed": 4,
-        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
-        "lora": {"r": 4, "alpha": 8, "target_parameters": EXPERTS},
-        "data": {"num_documents": 300, "seq_len": 64},
-        "parallel": {"backend": "megatron"},
-        "schedule": {"steps": 8, "lr": 1e-2},
-        "logging": {"progress_bar": False},
-    }
+    recipe = minimal(
+        tmp_path / "lora",
+        seed=4,
+        lora={"r": 4, "alpha": 8, "target_parameters": EXPERTS},
+        data={"num_documents": 300, "seq_len": 64},
+        parallel={"backend": "megatron"},
+        schedule={"steps": 8, "lr": 1e-2},
+    )
     result = train(recipe_from_dict(recipe))
     model = load_adapter(str(tmp_path / "lora"))
     assert math.isclose(hf_eval_loss(model, recipe), result.eval_loss, rel_tol=1e-5)
@@ -131,14 +126,12 @@ def test_chat_sft_data(tmp_path):
         for b in range(10)
     ]
     path.write_text("\n".join(json.dumps(line) for line in lines))
-    recipe = {
-        "output_dir": str(tmp_path / "out"),
-        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
-        "data": {"kind": "sft", "path": str(path), "seq_len": 64},
-        "parallel": {"backend": "hf"},
-        "schedule": {"steps": 3},
-        "logging": {"progress_bar": False},
-    }
+    recipe = minimal(
+        tmp_path / "out",
+        data={"kind": "sft", "path": str(path), "seq_len": 64},
+        parallel={"backend": "hf"},
+        schedule={"steps": 3},
+    )
     result = train(recipe_from_dict(recipe))
     assert len(result.losses) == 3 and all(math.isfinite(x) for x in result.losses)
 
@@ -146,17 +139,16 @@ def test_chat_sft_data(tmp_path):
 def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
     """2 CPU processes, megatron EP=2 with ZeRO-3: the deepspeed launcher runs 2 steps, torchrun continues the
     same output_dir to 4 from its checkpoint, and the adapter reproduces the reported evaluation loss."""
-    recipe = {
-        "output_dir": str(tmp_path / "run"),
-        "seed": 5,
-        "deepspeed": "ds_configs/zero3_lora.json",
-        "model": {"preset": "tiny", "overrides": {"attn_res": False}},
-        "lora": {"r": 4, "alpha": 8, "target_parameters": EXPERTS},
-        "data": {"num_documents": 300, "seq_len": 64},
-        "parallel": {"backend": "megatron", "expert_parallel_size": 2},
-        "schedule": {"steps": 2, "micro_batch_size": 1, "lr": 1e-2},
-        "logging": {"every": 1},
-    }
+    recipe = minimal(
+        tmp_path / "run",
+        seed=5,
+        deepspeed=ZERO3,
+        lora={"r": 4, "alpha": 8, "target_parameters": EXPERTS},
+        data={"num_documents": 300, "seq_len": 64},
+        parallel={"backend": "megatron", "expert_parallel_size": 2},
+        schedule={"steps": 2, "micro_batch_size": 1, "lr": 1e-2},
+        logging=whole({"every": 1}),
+    )
     first = tmp_path / "first.json"
     first.write_text(json.dumps(recipe))
     out = launch(
