@@ -194,9 +194,21 @@ class MoEConfig:
         return self.latent_size or self.hidden_size
 
 
+# the vision towers this project builds: "vit", its own ViT (the shipped tiny image bases); "moonvit3d", Kimi
+# K3's MoonViT-3D tower with its patch-merger projector "patchmergerv2", under the release's names
+# (docs/multimodal.md 4)
+VISION_KINDS = ("vit", "moonvit3d")
+
+
 @dataclass
 class VisionConfig:
-    """ViT over 14-pixel patches with a 2x2 merge and an MLP projector (docs/architecture.md 4)."""
+    """A ViT over 14-pixel patches with a 2x2 merge and an MLP projector (docs/architecture.md 4).
+
+    ``kind`` picks the tower: ``"vit"`` (this project's: biases, rotary pairs (i, i + D/2), patches in merged-block
+    order) or ``"moonvit3d"`` (K3's MoonViT-3D: no biases, ``qkv_hidden_size`` wide attention, interleaved rotary
+    pairs, patches in raster order, a fixed sin-cos time table of ``pos_emb_time`` frames, ``norm_eps`` None: the
+    tower's norms take the eps of their input's dtype as the release's do; ``projector_eps`` is its projector norm's).
+    """
 
     hidden_size: int = 1024
     num_layers: int = 27
@@ -207,10 +219,17 @@ class VisionConfig:
     num_channels: int = 3
     max_grid: int = 64  # learned 2-D position table side; interpolated to each image's grid
     out_hidden_size: int = 7168
-    norm_eps: float = 1e-5
+    norm_eps: Optional[float] = 1e-5
     rope_theta: float = 10000.0  # base of the 2-D rotary frequencies inside the ViT's attention
+    kind: str = "vit"
+    qkv_hidden_size: Optional[int] = None  # width of q, k and v each (default hidden_size)
+    pos_emb_time: int = 4  # frames the moonvit3d time table covers (an image is one frame)
+    projector_eps: float = 1e-5  # the moonvit3d projector's post_norm
 
     def __post_init__(self):
+        require(self.kind in VISION_KINDS, "VisionConfig.kind", f"must be one of {VISION_KINDS}, got {self.kind!r}")
+        if self.qkv_hidden_size is None:
+            self.qkv_hidden_size = self.hidden_size
         _positive(
             self,
             "hidden_size",
@@ -222,18 +241,40 @@ class VisionConfig:
             "num_channels",
             "max_grid",
             "out_hidden_size",
+            "qkv_hidden_size",
+            "pos_emb_time",
         )
         require(self.rope_theta > 0, "VisionConfig.rope_theta", f"must be positive, got {self.rope_theta}")
         require(
-            self.hidden_size % self.num_heads == 0,
-            "VisionConfig.num_heads",
-            f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}",
+            self.norm_eps is None or self.norm_eps > 0,
+            "VisionConfig.norm_eps",
+            f"must be positive (or None: the input dtype's eps), got {self.norm_eps}",
         )
         require(
-            (self.hidden_size // self.num_heads) % 4 == 0,
-            "VisionConfig.num_heads",
-            "head dim (hidden_size / num_heads) must be a multiple of 4 for 2-D rotary positions",
+            self.norm_eps is not None or self.kind == "moonvit3d",
+            "VisionConfig.norm_eps",
+            "None (the dtype's eps) is the moonvit3d tower's; give the vit tower a number",
         )
+        require(
+            self.kind == "moonvit3d" or self.qkv_hidden_size == self.hidden_size,
+            "VisionConfig.qkv_hidden_size",
+            f"the vit tower attends at hidden_size ({self.hidden_size}), got {self.qkv_hidden_size}",
+        )
+        require(
+            self.qkv_hidden_size % self.num_heads == 0,
+            "VisionConfig.num_heads",
+            f"must divide qkv_hidden_size ({self.qkv_hidden_size}), got {self.num_heads}",
+        )
+        require(
+            (self.qkv_hidden_size // self.num_heads) % 4 == 0,
+            "VisionConfig.num_heads",
+            "head dim (qkv_hidden_size / num_heads) must be a multiple of 4 for 2-D rotary positions",
+        )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head, ``qkv_hidden_size / num_heads``."""
+        return self.qkv_hidden_size // self.num_heads
 
     @property
     def patch_dim(self) -> int:

@@ -267,8 +267,9 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.group = config.merge_size**2
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N / m^2, m^2 * hidden], the inner (row, col) order kept inside each token."""
+    def forward(self, x: torch.Tensor, grid_hw: Optional[Grid] = None) -> torch.Tensor:
+        """[N, hidden] -> [N / m^2, m^2 * hidden], the inner (row, col) order kept inside each token. ``grid_hw`` is
+        not needed (the layout puts each neighbourhood in consecutive rows); taken as every merger's call is."""
         check_tensor("x", x, ndim=2)
         if x.shape[0] % self.group:
             raise ValueError(f"x: expected a multiple of merge_size**2 ({self.group}) rows, got {x.shape[0]}")

@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..compat.megatron import adopt_subclass
 from ..config import ModelConfig, VisionConfig, require
-from ..layers.vision import MultimodalProjector, PatchMerger, VisionTower
+from ..layers.vision_encoder import build_image_encoder, encode_images
 from ..layers.vision_blank import blank_image_tokens
 from ..models.modeling_vl import scatter_image_tokens
 from .specs import build_gpt_model
@@ -54,13 +54,12 @@ class MultimodalGPTModel(GPTModel):
             "the image encoder lives on the first pipeline stage; build the other stages as plain GPTModel",
         )
         self.vision, self.image_token_id = vision, image_token_id
-        self.vision_tower = VisionTower(vision)
-        self.patch_merger = PatchMerger(vision)
-        self.mm_projector = MultimodalProjector(vision)
+        self.vision_tower, self.patch_merger, self.mm_projector = build_image_encoder(vision)
 
     def encode_images(self, pixel_patches: torch.Tensor, grid_hw: torch.Tensor) -> torch.Tensor:
-        """pixel_patches ``[N, C * P * P]``, grid_hw ``[num_images, 2]`` -> image tokens ``[N / m^2, hidden]``."""
-        return self.mm_projector(self.patch_merger(self.vision_tower(pixel_patches, grid_hw)))
+        """pixel_patches ``[N, C * P * P]``, grid_hw ``[num_images, 2]`` (``vision.kind`` moonvit3d: K3's
+        ``[N, C, P, P]`` and ``[num_images, 3]`` too) -> image tokens ``[N / m^2, hidden]``."""
+        return encode_images(self.vision_tower, self.patch_merger, self.mm_projector, pixel_patches, grid_hw)
 
     def embed_with_images(
         self,

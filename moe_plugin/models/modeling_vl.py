@@ -13,9 +13,10 @@ import torch
 from transformers import GenerationMixin
 
 from ..config import require
-from ..layers.vision import MultimodalProjector, PatchMerger, VisionTower
+from ..layers.vision_encoder import build_image_encoder, encode_images
 from .cache import HybridCache
 from .configuration import MoEPluginConfig
+from .image_tokens import expand_image_placeholders, tokens_per_image
 from .inputs import check_inputs, check_labels
 from .modeling import MoECausalLMOutput, MoEPluginForCausalLM, MoEPluginPreTrainedModel
 
@@ -62,9 +63,7 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
         if vision is None:
             raise ValueError("vision_config: the image+text model needs a vision_config (see presets)")
         self.language_model = MoEPluginForCausalLM(config)
-        self.vision_tower = VisionTower(vision)
-        self.patch_merger = PatchMerger(vision)
-        self.mm_projector = MultimodalProjector(vision)
+        self.vision_tower, self.patch_merger, self.mm_projector = build_image_encoder(vision)
         self.post_init()
         if self.generation_config is not None:
             # A generated placeholder would be an image slot without an image on the next step: never emit one.
@@ -94,8 +93,9 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
         )
 
     def encode_images(self, pixel_patches: torch.Tensor, grid_hw: torch.Tensor) -> torch.Tensor:
-        """pixel_patches ``[N, C * P * P]``, grid_hw ``[num_images, 2]`` -> image tokens ``[N / m^2, hidden]``."""
-        return self.mm_projector(self.patch_merger(self.vision_tower(pixel_patches, grid_hw)))
+        """pixel_patches ``[N, C * P * P]`` (moonvit3d: or ``[N, C, P, P]``), grid_hw ``[num_images, 2]`` (moonvit3d:
+        or ``[num_images, 3]``, K3's grid_thws) -> image tokens ``[N / m^2, hidden]``."""
+        return encode_images(self.vision_tower, self.patch_merger, self.mm_projector, pixel_patches, grid_hw)
 
     def forward(
         self,
@@ -112,7 +112,25 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
         **kwargs,
     ) -> MoECausalLMOutput:
         """input_ids ``[B, T]``; pixel_patches ``[N, 3*14*14]``; grid_hw ``[num_images, 2]``; the other arguments
-        as ``MoEPluginForCausalLM.forward`` (labels ``[B, T]`` unshifted, image placeholders never scored)."""
+        as ``MoEPluginForCausalLM.forward`` (labels ``[B, T]`` unshifted, image placeholders never scored).
+
+        K3's names are taken too: ``pixel_values`` ``[N, 3, 14, 14]`` and ``grid_thws`` ``[num_images, 3]``. Input ids
+        with one placeholder per image (K3's ``<|media_pad|>``) are expanded here to each image's tokens, their
+        labels -100 there (``image_tokens.expand_image_placeholders``; not with a cache: expand the prompt first)."""
+        pixel_patches, grid_hw = _k3_image_names(pixel_patches, grid_hw, kwargs)
+        if pixel_patches is not None and grid_hw is not None:
+            counts = tokens_per_image(grid_hw, self.language_model.model.model_config.vision.merge_size)
+            expanded = expand_image_placeholders(
+                input_ids, self.config.image_token_id, counts, attention_mask, labels, cu_seqlens, self._pad_id()
+            )
+            if expanded[0] is not input_ids:
+                require(
+                    cache is None,
+                    "input_ids",
+                    "hold one placeholder per image; with a cache expand them first "
+                    "(moe_plugin.models.image_tokens.expand_image_placeholders)",
+                )
+                input_ids, attention_mask, labels, cu_seqlens = expanded
         mc = self.language_model.model.model_config
         batch, length = check_inputs(
             input_ids, None, attention_mask, mc.vocab_size, mc.hidden_size, cache.seq_length if cache is not None else 0
@@ -140,9 +158,23 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
         grid_hw=None,
         **kwargs,
     ):
+        pixel_patches, grid_hw = _k3_image_names(pixel_patches, grid_hw, kwargs)
         inputs = self.language_model.prepare_inputs_for_generation(
             input_ids, cache=cache, attention_mask=attention_mask, **kwargs
         )
         if cache is None or cache.seq_length == 0:  # images enter with the prompt only
             inputs.update(pixel_patches=pixel_patches, grid_hw=grid_hw)
         return inputs
+
+    def _pad_id(self) -> int:
+        pad = getattr(self.config, "pad_token_id", None)
+        return pad if pad is not None else 0
+
+
+def _k3_image_names(pixel_patches, grid_hw, kwargs):
+    """(pixel_patches, grid_hw) from this project's names or K3's (``pixel_values``, ``grid_thws``), popped from
+    ``kwargs``; both spellings of one input at once is a ValueError naming it."""
+    values, thws = kwargs.pop("pixel_values", None), kwargs.pop("grid_thws", None)
+    require(pixel_patches is None or values is None, "pixel_values", "give pixel_values or pixel_patches, not both")
+    require(grid_hw is None or thws is None, "grid_thws", "give grid_thws or grid_hw, not both")
+    return (pixel_patches if values is None else values), (grid_hw if thws is None else thws)

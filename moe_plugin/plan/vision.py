@@ -1,11 +1,11 @@
 """The vision tower's share of a micro-batch's activations, read off the model's own encoder run on ``meta``
 (docs/planner.md, "The vision tower").
 
-``vision_activation_bytes`` builds ``VisionEncoder`` (tower, 2x2 merge, projector) on ``meta`` with the recipe's
-adapters (those of its targets that name vision modules; the seed's ``q_proj``, ``k_proj``, ``gate`` name none,
-so the tower is frozen whole) and runs it on ``images`` square pictures of ``image_size`` pixels, counted as
-``activations._run`` counts a decoder layer: what autograd saves for backward, and the most the forward holds
-beyond that and its output. A frozen tower without adapters saves nothing (no parameter or input needs a
+``vision_activation_bytes`` builds ``ImageEncoder`` (tower, 2x2 merge, projector, of the config's kind) on ``meta``
+with the recipe's adapters (those of its targets that name vision modules; the seed's ``q_proj``, ``k_proj``,
+``gate`` name none, so the tower is frozen whole) and runs it on ``images`` square pictures of ``image_size``
+pixels, counted as ``activations._run`` counts a decoder layer: what autograd saves for backward, and the most the
+forward holds beyond that and its output. A frozen tower without adapters saves nothing (no parameter or input needs a
 gradient): its cost is its working tensors, which come before every decoder layer's, so they add to nothing
 else the step holds but the model.
 
@@ -40,7 +40,7 @@ def vision_activation_bytes(
     """(saved bytes, working bytes, image tokens) of the vision encoder of ``vision_config`` (a
     ``VisionConfig``) on ``images`` square pictures of ``image_size`` pixels in ``dtype``; image tokens is
     how many placeholders they fill in the text (patches / merge_size^2)."""
-    from ..layers.vision import VisionEncoder
+    from ..layers.vision_encoder import ImageEncoder
     from .activations import _add_lora
     from .saved_bytes import _run
 
@@ -51,7 +51,7 @@ def vision_activation_bytes(
     h, w = image_grid(image_size, vision_config.patch_size, vision_config.merge_size)
     grid = torch.tensor([[h, w]] * images, dtype=torch.int64)
     with torch.device("meta"):
-        encoder = VisionEncoder(vision_config).to(dtype)
+        encoder = ImageEncoder(vision_config).to(dtype)
     _add_lora(encoder, lora_section)
     patches = torch.empty(images * h * w, vision_config.patch_dim, dtype=dtype, device="meta")
     working: list = []

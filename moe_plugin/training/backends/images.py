@@ -37,5 +37,4 @@ class ImageTextTrainingModel(MoEPluginForConditionalGeneration):
         if pixel_patches is not None:
             return embeds
         vision = self.config.to_model_config().vision
-        encode = lambda p, g: self.mm_projector(self.patch_merger(self.vision_tower(p, g)))  # noqa: E731
-        return embeds + blank_image_tokens(encode, vision, embeds.device).to(embeds.dtype)
+        return embeds + blank_image_tokens(self.encode_images, vision, embeds.device).to(embeds.dtype)
