@@ -17,6 +17,9 @@ How a test's sections combine with the shape (``recipe(out, schedule={"steps": 4
 ``minimal(output_dir, ...)`` is the other family's start: a run as a user writes it, the tiny preset without
 AttnRes (or ``base``) and no progress bar, every other value the schema's default; the test adds what it sets.
 
+``smallest(**sections)`` is the smallest recipe that parses (``outputs/test``, the tiny preset as it ships), for
+tests of the recipe's own checks; there each given section replaces the shape's whole, as the test writes it.
+
 Recipes that test the recipe format itself (malformed or minimal dicts in tests/training/test_recipe.py and the
 like) stay literal: there the literal is the point.
 """
@@ -82,6 +85,17 @@ def minimal(output_dir, *, base=None, **sections) -> dict:
         "logging": {"progress_bar": False},
     }
     return _merged(shape, sections)
+
+
+SMALLEST = {"output_dir": "outputs/test", "model": {"preset": "tiny"}}
+
+
+def smallest(**sections) -> dict:
+    """The smallest recipe that parses, ``SMALLEST``, with each of ``sections`` in place of its own (not merged:
+    a test of the recipe's checks gives the section under test exactly)."""
+    values = copy.deepcopy(SMALLEST)
+    values.update(sections)
+    return values
 
 
 def _merged(shape: dict, changes: dict) -> dict:

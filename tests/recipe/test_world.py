@@ -1,24 +1,15 @@
 """moe_plugin/recipe/world.py: the launcher's world size and the recipe's expert-parallel layout checked against
 it and the model, each refusal asserted on its message."""
 
-import copy
-
 import pytest
 
 from moe_plugin.recipe.schema import recipe_from_dict
 from moe_plugin.recipe.world import check_layout, env_world_size
-
-BASE = {"output_dir": "outputs/test", "model": {"preset": "tiny"}}
-
-
-def _with(**sections):
-    values = copy.deepcopy(BASE)
-    values.update(sections)
-    return values
+from tests.recipes import smallest
 
 
 def _layout(ep, backend="megatron"):
-    return recipe_from_dict(_with(parallel={"expert_parallel_size": ep, "backend": backend}))
+    return recipe_from_dict(smallest(parallel={"expert_parallel_size": ep, "backend": backend}))
 
 
 def test_check_layout():
@@ -35,7 +26,7 @@ def test_check_layout():
         r"parallel\.backend \"megatron\"",
     ):
         check_layout(_layout(2, "hf"), world_size=2, num_experts=8, expert_format="mxfp4")
-    full = recipe_from_dict(_with(parallel={"expert_parallel_size": 2, "backend": "hf"}, lora=None))
+    full = recipe_from_dict(smallest(parallel={"expert_parallel_size": 2, "backend": "hf"}, lora=None))
     with pytest.raises(
         ValueError,
         match=r"^parallel\.expert_parallel_size: is 2, but full training \(\"lora\": "

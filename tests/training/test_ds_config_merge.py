@@ -1,25 +1,17 @@
 """The DeepSpeed config merge (moe_plugin/training/ds_config.py): the recipe's numbers filled into the recipe's
 DeepSpeed JSON or the default, each conflict and refusal asserted on its message."""
 
-import copy
 import json
 
 import pytest
 
 from moe_plugin.recipe.schema import recipe_from_dict
 from moe_plugin.training.ds_config import ZERO3_SETTINGS, deepspeed_config
-
-BASE = {"output_dir": "outputs/test", "model": {"preset": "tiny"}}
-
-
-def _with(**sections):
-    values = copy.deepcopy(BASE)
-    values.update(sections)
-    return values
+from tests.recipes import smallest
 
 
 def _ds_recipe(tmp_path, ds=None, **sections):
-    values = _with(**sections)
+    values = smallest(**sections)
     if ds is not None:
         (tmp_path / "ds.json").write_text(json.dumps(ds))
         values["deepspeed"] = str(tmp_path / "ds.json")
@@ -27,14 +19,14 @@ def _ds_recipe(tmp_path, ds=None, **sections):
 
 
 def test_deepspeed_config_missing(tmp_path):
-    recipe = recipe_from_dict(_with(deepspeed=str(tmp_path / "nope.json")))
+    recipe = recipe_from_dict(smallest(deepspeed=str(tmp_path / "nope.json")))
     with pytest.raises(ValueError, match=f"^deepspeed: the DeepSpeed config '{tmp_path}/nope.json' does not exist"):
         deepspeed_config(recipe, 1)
 
 
 def test_deepspeed_config_invalid_json_names_the_file(tmp_path):
     (tmp_path / "ds.json").write_text('{\n  "zero_optimization": {\n}')
-    recipe = recipe_from_dict(_with(deepspeed=str(tmp_path / "ds.json")))
+    recipe = recipe_from_dict(smallest(deepspeed=str(tmp_path / "ds.json")))
     with pytest.raises(ValueError, match=f"^{tmp_path}/ds.json, line 3 column 2: not valid JSON"):
         deepspeed_config(recipe, 1)
 
@@ -119,16 +111,16 @@ def test_fp16_is_refused(tmp_path):
 
 
 def test_the_default_config(tmp_path):
-    assert deepspeed_config(recipe_from_dict(BASE), 1)["zero_optimization"] == {"stage": 0}
+    assert deepspeed_config(recipe_from_dict(smallest()), 1)["zero_optimization"] == {"stage": 0}
     with open("ds_configs/zero3_lora.json") as f:
         shipped = json.load(f)["zero_optimization"]
     assert ZERO3_SETTINGS == shipped
-    assert deepspeed_config(recipe_from_dict(BASE), 2)["zero_optimization"] == shipped
-    ep2 = recipe_from_dict(_with(parallel={"expert_parallel_size": 2}))
+    assert deepspeed_config(recipe_from_dict(smallest()), 2)["zero_optimization"] == shipped
+    ep2 = recipe_from_dict(smallest(parallel={"expert_parallel_size": 2}))
     assert deepspeed_config(ep2, 2)["zero_optimization"] == shipped
 
 
 def test_a_relative_deepspeed_path_resolves_against_base_dir(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    recipe = recipe_from_dict(_with(deepspeed="ds.json"))
+    recipe = recipe_from_dict(smallest(deepspeed="ds.json"))
     assert deepspeed_config(recipe, 2, base_dir=str(tmp_path))["zero_optimization"] == {"stage": 3}

@@ -1,7 +1,6 @@
 """The recipe schema and the DeepSpeed config merge: each bad input is asserted on its message (the layout check:
 tests/recipe/test_world.py)."""
 
-import copy
 import glob
 import json
 
@@ -13,15 +12,9 @@ from moe_plugin.models.presets import preset_config
 from moe_plugin.training.ds_config import deepspeed_config
 from moe_plugin.recipe.schema import LoraSection, RecipeError, load_recipe, recipe_from_dict
 from moe_plugin.recipe.world import check_layout
+from tests.recipes import smallest
 
-BASE = {"output_dir": "outputs/test", "model": {"preset": "tiny"}}
 SHIPPED_BASE = "recipes/bases/tiny-arith"
-
-
-def _with(**sections):
-    values = copy.deepcopy(BASE)
-    values.update(sections)
-    return values
 
 
 def _problems(values):
@@ -33,38 +26,38 @@ def _problems(values):
 
 @pytest.mark.parametrize("steps, shown", [("10", "'10' (a str)"), (2.5, "2.5 (a float)"), (True, "true (a bool)")])
 def test_steps_must_be_an_integer(steps, shown):
-    assert _problems(_with(schedule={"steps": steps})) == {
+    assert _problems(smallest(schedule={"steps": steps})) == {
         "schedule.steps": f"must be an integer, got {shown}; write a whole number without quotes, e.g. 60"
     }
 
 
 def test_a_float_field_takes_an_int_but_not_a_string_or_a_bool():
-    recipe = recipe_from_dict(_with(schedule={"lr": 1}))
+    recipe = recipe_from_dict(smallest(schedule={"lr": 1}))
     assert recipe.schedule.lr == 1.0 and type(recipe.schedule.lr) is float
-    problems = _problems(_with(schedule={"lr": "3e-3", "min_lr": False}))
+    problems = _problems(smallest(schedule={"lr": "3e-3", "min_lr": False}))
     assert problems["schedule.lr"].startswith("must be a number, got '3e-3' (a str)")
     assert problems["schedule.min_lr"].startswith("must be a number, got false (a bool)")
 
 
 def test_logging_every_zero_is_refused():
-    message = _problems(_with(logging={"every": 0}))["logging.every"]
+    message = _problems(smallest(logging={"every": 0}))["logging.every"]
     assert message.startswith("must be > 0, got 0;") and "steps between log lines" in message
 
 
 def test_lora_alpha_zero_says_the_adapter_would_do_nothing():
-    message = _problems(_with(lora={"alpha": 0}))["lora.alpha"]
+    message = _problems(smallest(lora={"alpha": 0}))["lora.alpha"]
     assert message.startswith("must be > 0, got 0;") and "an adapter that does nothing" in message
 
 
 def test_negative_weight_decay_is_refused():
-    assert _problems(_with(schedule={"weight_decay": -0.1}))["schedule.weight_decay"].startswith(
+    assert _problems(smallest(schedule={"weight_decay": -0.1}))["schedule.weight_decay"].startswith(
         "must be >= 0, got -0.1;"
     )
 
 
 @pytest.mark.parametrize("section", ["data", "schedule", "lora", "model"])
 def test_a_list_instead_of_an_object(section):
-    assert _problems(_with(**{section: [1, 2]}))[section].startswith("must be a JSON object, got a list;")
+    assert _problems(smallest(**{section: [1, 2]}))[section].startswith("must be a JSON object, got a list;")
 
 
 def test_a_recipe_that_is_not_an_object():
@@ -72,47 +65,47 @@ def test_a_recipe_that_is_not_an_object():
 
 
 def test_target_modules_as_a_string():
-    assert _problems(_with(lora={"target_modules": "q_proj"})) == {
+    assert _problems(smallest(lora={"target_modules": "q_proj"})) == {
         "lora.target_modules": "must be a list, got 'q_proj' (a str); use a list, e.g. [\"q_proj\"]"
     }
 
 
 def test_no_lora_target_at_all():
-    message = _problems(_with(lora={"target_modules": [], "target_parameters": []}))["lora.target_modules"]
+    message = _problems(smallest(lora={"target_modules": [], "target_parameters": []}))["lora.target_modules"]
     assert "nothing would train" in message and '"lora": null' in message
 
 
 def test_lora_null_trains_every_parameter_and_absent_lora_takes_the_defaults():
-    assert recipe_from_dict(_with(lora=None)).lora is None
-    lora = recipe_from_dict(BASE).lora
+    assert recipe_from_dict(smallest(lora=None)).lora is None
+    lora = recipe_from_dict(smallest()).lora
     assert lora == LoraSection() and lora.target_modules == ["q_proj", "k_proj", "gate"] and lora.alpha == 16.0
 
 
 def test_unknown_preset():
-    assert _problems(_with(model={"preset": "huge"})) == {
+    assert _problems(smallest(model={"preset": "huge"})) == {
         "model.preset": "unknown preset 'huge'; choose one of ['k3', 'tiny']"
     }
 
 
 def test_both_preset_and_from_pretrained():
-    message = _problems(_with(model={"preset": "tiny", "from_pretrained": SHIPPED_BASE}))["model"]
+    message = _problems(smallest(model={"preset": "tiny", "from_pretrained": SHIPPED_BASE}))["model"]
     assert message.startswith("both model.preset and model.from_pretrained are given; give exactly one")
 
 
 def test_neither_preset_nor_from_pretrained():
-    assert _problems(_with(model={}))["model"].startswith("neither model.preset nor model.from_pretrained")
+    assert _problems(smallest(model={}))["model"].startswith("neither model.preset nor model.from_pretrained")
 
 
 def test_from_pretrained_directory_that_is_missing(tmp_path):
     missing = str(tmp_path / "nowhere")
-    assert _problems(_with(model={"from_pretrained": missing}))["model.from_pretrained"].startswith(
+    assert _problems(smallest(model={"from_pretrained": missing}))["model.from_pretrained"].startswith(
         f"{missing!r} does not exist"
     )
 
 
 def test_from_pretrained_directory_without_config_json(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
-    assert _problems(_with(model={"from_pretrained": str(tmp_path)}))["model.from_pretrained"].startswith(
+    assert _problems(smallest(model={"from_pretrained": str(tmp_path)}))["model.from_pretrained"].startswith(
         f"{str(tmp_path)!r} has no config.json"
     )
 
@@ -120,14 +113,14 @@ def test_from_pretrained_directory_without_config_json(tmp_path):
 def test_from_pretrained_adapter_directory_points_at_its_base(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base-7"}))
-    message = _problems(_with(model={"from_pretrained": str(tmp_path)}))["model.from_pretrained"]
+    message = _problems(smallest(model={"from_pretrained": str(tmp_path)}))["model.from_pretrained"]
     assert "holds a LoRA adapter (adapter_config.json), not a base model" in message
     assert "point model.from_pretrained at its base model ('/models/base-7'" in message
 
 
 def test_unknown_keys_at_every_depth_all_in_one_error():
     with pytest.raises(RecipeError) as caught:
-        recipe_from_dict(_with(optimiser={}, schedule={"stepz": 3}, lora={"r": 8, "alfa": 16}))
+        recipe_from_dict(smallest(optimiser={}, schedule={"stepz": 3}, lora={"r": 8, "alfa": 16}))
     problems = dict(caught.value.problems)
     assert set(problems) == {"optimiser", "schedule.stepz", "lora.alfa"}
     assert problems["optimiser"].startswith("unknown key; allowed keys are ['checkpoint', 'data', 'deepspeed',")
@@ -138,7 +131,7 @@ def test_unknown_keys_at_every_depth_all_in_one_error():
 
 def test_model_config_problems_come_once_the_rest_is_valid():
     # checking an override key needs transformers (and so torch): the first pass reports what pydantic finds
-    values = _with(schedule={"stepz": 3}, model={"preset": "tiny", "overrides": {"hiden_size": 32}})
+    values = smallest(schedule={"stepz": 3}, model={"preset": "tiny", "overrides": {"hiden_size": 32}})
     assert set(_problems(values)) == {"schedule.stepz"}
     values["schedule"] = {}
     assert _problems(values) == {"model.overrides.hiden_size": "not a model config key; did you mean 'hidden_size'?"}
@@ -151,36 +144,38 @@ def test_the_model_type_the_recipe_spells_out_is_the_configs():
 
 
 def test_an_invalid_override_value_names_overrides():
-    message = _problems(_with(model={"preset": "tiny", "overrides": {"num_experts_per_token": 0}}))["model.overrides"]
+    message = _problems(smallest(model={"preset": "tiny", "overrides": {"num_experts_per_token": 0}}))[
+        "model.overrides"
+    ]
     assert message.startswith("the model config is invalid:") and "num_experts_per_token" in message
 
 
 def test_cross_field_schedule_checks():
-    problems = _problems(_with(schedule={"steps": 10, "warmup_steps": 10, "lr": 1e-3, "min_lr": 1e-2}))
+    problems = _problems(smallest(schedule={"steps": 10, "warmup_steps": 10, "lr": 1e-3, "min_lr": 1e-2}))
     assert problems["schedule.min_lr"] == "0.01 is above schedule.lr (0.001); use a floor <= lr"
     assert problems["schedule.warmup_steps"].startswith("10 leaves no step after the warm-up")
 
 
 def test_data_path_is_required_and_must_exist_for_files(tmp_path):
-    assert _problems(_with(data={"kind": "sft"}))["data.path"].startswith("is required when data.kind is 'sft'")
+    assert _problems(smallest(data={"kind": "sft"}))["data.path"].startswith("is required when data.kind is 'sft'")
     missing = str(tmp_path / "chat.jsonl")
-    assert _problems(_with(data={"kind": "text", "path": missing}))["data.path"].startswith(
+    assert _problems(smallest(data={"kind": "text", "path": missing}))["data.path"].startswith(
         f"{missing!r} does not exist"
     )
     (tmp_path / "chat.jsonl").write_text("")
-    assert recipe_from_dict(_with(data={"kind": "sft", "path": missing})).data.path == missing
-    assert _problems(_with(data={"kind": "literal"}))["data.kind"].startswith(
+    assert recipe_from_dict(smallest(data={"kind": "sft", "path": missing})).data.path == missing
+    assert _problems(smallest(data={"kind": "literal"}))["data.kind"].startswith(
         'must be one of "arithmetic", "sft", "text", got \'literal\' (a str)'
     )
 
 
 def test_output_dir_is_required_and_not_empty():
     assert _problems({"model": {"preset": "tiny"}})["output_dir"].startswith("is required;")
-    assert _problems(_with(output_dir=""))["output_dir"].startswith("is empty;")
+    assert _problems(smallest(output_dir=""))["output_dir"].startswith("is empty;")
 
 
 def test_to_dict_round_trips_and_holds_every_section():
-    recipe = recipe_from_dict(_with(schedule={"steps": 7}, lora=None))
+    recipe = recipe_from_dict(smallest(schedule={"steps": 7}, lora=None))
     values = recipe.to_dict()
     assert set(values) == {
         "output_dir",
@@ -210,17 +205,17 @@ def test_load_recipe_names_the_file(tmp_path):
     with pytest.raises(ValueError, match=f"recipe {broken}, line 3 column 1: not valid JSON"):
         load_recipe(str(broken))
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps(_with(schedule={"steps": "10"})))
+    bad.write_text(json.dumps(smallest(schedule={"steps": "10"})))
     with pytest.raises(RecipeError, match=f"recipe {bad}: schedule.steps: must be an integer"):
         load_recipe(str(bad))
 
 
 def test_model_sources_and_configs(tmp_path):
-    preset = recipe_from_dict(_with(model={"preset": "tiny", "overrides": {"num_experts": 4}})).model
+    preset = recipe_from_dict(smallest(model={"preset": "tiny", "overrides": {"num_experts": 4}})).model
     assert preset.source_format() == "preset"
     assert preset.model_config() == preset_config("tiny", num_experts=4).to_model_config()
 
-    hf = recipe_from_dict(_with(model={"from_pretrained": SHIPPED_BASE, "overrides": {"num_experts_per_token": 1}}))
+    hf = recipe_from_dict(smallest(model={"from_pretrained": SHIPPED_BASE, "overrides": {"num_experts_per_token": 1}}))
     with open(f"{SHIPPED_BASE}/config.json") as f:
         saved = json.load(f)
     assert hf.model.source_format() == "hf"
@@ -232,7 +227,7 @@ def test_model_sources_and_configs(tmp_path):
     )
 
     (tmp_path / "config.json").write_text(json.dumps(config_to_k3(preset_config("tiny"))))
-    k3 = recipe_from_dict(_with(model={"from_pretrained": str(tmp_path), "overrides": {"num_experts": 4}})).model
+    k3 = recipe_from_dict(smallest(model={"from_pretrained": str(tmp_path), "overrides": {"num_experts": 4}})).model
     assert k3.source_format() == "k3"
     expected = preset_config("tiny", vision_config=None, image_token_id=None, num_experts=4).to_model_config()
     assert k3.model_config() == expected
@@ -300,6 +295,6 @@ def test_shipped_recipes_and_ds_configs_load_and_merge(recipe_path, ds_path, sub
 def test_absurd_sizes_are_refused_naming_the_field_and_the_largest(section, key, value, largest):
     """Before: seq_len 1e30 ended in an OverflowError traceback deep in the data pipeline, and steps 1e20 trained."""
     with pytest.raises(RecipeError) as caught:
-        recipe_from_dict(_with(**{section: {key: value}}))
+        recipe_from_dict(smallest(**{section: {key: value}}))
     message = str(caught.value)
     assert f"{section}.{key}: must be <=" in message and largest in message and "\n" not in message, message

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 
 from moe_plugin.recipe.schema import DEFAULT_ROUTER_AUX_LOSS_COEFF, RecipeError, recipe_from_dict
-
-BASE = {"output_dir": "outputs/test", "model": {"preset": "tiny"}}
+from tests.recipes import smallest
 
 
 def _recipe(**sections):
-    return recipe_from_dict({**BASE, **sections})
+    return recipe_from_dict(smallest(**sections))
 
 
 def _problems(**sections):
