@@ -8,6 +8,7 @@ from .modeling_vl import MoEPluginForConditionalGeneration
 from .presets import PRESETS, preset_config
 from .processing import MoEProcessor
 from .tokenizer import ByteTokenizer
+from .k3_config import KimiK3Config
 from .k3_format import (
     A_LOG_PAD_MULTIPLE,
     a_log_padded_length,
@@ -47,16 +48,34 @@ class _CausalLMByArchitectures:
         return cls.pick(config).from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
 
 
+class _K3Models(_CausalLMByArchitectures):
+    """The Auto model classes' entry for the published ``KimiK3Config``: the image+text model when the config has
+    a vision tower (the release's ``architectures`` name its own remote class, which is left as it is)."""
+
+    config_class = KimiK3Config
+
+    @staticmethod
+    def pick(config) -> type:
+        return MoEPluginForConditionalGeneration if config.vision_config is not None else MoEPluginForCausalLM
+
+
 AutoConfig.register(MoEPluginConfig.model_type, MoEPluginConfig, exist_ok=True)
+# the published K3 config.json ("kimi_k3", its auto_map naming remote code the directory may not hold) reads as
+# this project's KimiK3Config: a class registered from outside transformers wins over auto_map, with or without
+# trust_remote_code (docs/k3-formats.md, "The release as downloaded: config")
+AutoConfig.register(KimiK3Config.model_type, KimiK3Config, exist_ok=True)
 # an image base loads whole under AutoModelForCausalLM (as transformers' own image+text models do), e.g. under
 # peft's AutoPeftModelForCausalLM, which builds its base with that class
 AutoModelForCausalLM.register(MoEPluginConfig, _CausalLMByArchitectures, exist_ok=True)
 AutoModelForImageTextToText.register(MoEPluginConfig, MoEPluginForConditionalGeneration, exist_ok=True)
+AutoModelForCausalLM.register(KimiK3Config, _K3Models, exist_ok=True)
+AutoModelForImageTextToText.register(KimiK3Config, _K3Models, exist_ok=True)
 AutoTokenizer.register(MoEPluginConfig, slow_tokenizer_class=ByteTokenizer, exist_ok=True)
 
 __all__ = [
     "A_LOG_PAD_MULTIPLE",
     "ByteTokenizer",
+    "KimiK3Config",
     "MoEPluginConfig",
     "MoEPluginForCausalLM",
     "MoEPluginForConditionalGeneration",

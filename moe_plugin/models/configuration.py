@@ -80,6 +80,17 @@ _LAYER_KIND = {v: k for k, v in _HF_LAYER_TYPE.items()}
 class MoEPluginConfig(PretrainedConfig):
     model_type = HF_MODEL_TYPE
     keys_to_ignore_at_inference = ["cache"]
+    # model_type -> the subclass that reads another layout of this family (k3_config registers "kimi_k3"), so that
+    # MoEPluginConfig.from_pretrained of a K3 directory (the models' config_class) reads it in its own layout
+    # rather than taking its outer keys as this layout's
+    LAYOUTS = {}
+
+    @classmethod
+    def from_dict(cls, config_dict: Dict[str, Any], **kwargs):
+        layout = MoEPluginConfig.LAYOUTS.get(config_dict.get("model_type"))
+        if layout is not None and not issubclass(cls, layout):
+            return layout.from_dict(config_dict, **kwargs)
+        return super().from_dict(config_dict, **kwargs)
 
     def __init__(
         self,

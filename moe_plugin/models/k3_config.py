@@ -1,246 +1,208 @@
-"""K3's ``config.json`` to this project's ``MoEPluginConfig`` and back (docs/architecture.md 2.3, "Published layout").
+"""K3's ``config.json`` as published, read as it is (docs/k3-formats.md, "The release as downloaded: config").
 
-K3's text config (``model_type`` "kimi_linear") uses the same key names as ``MoEPluginConfig`` wherever the
-two have the same knob; the differences handled here are:
+``KimiK3Config`` is the config of the published multimodal layout, ``model_type`` "kimi_k3": the outer keys
+(``media_placeholder_token_id``, ``image_placeholder``, token ids, ``auto_map``, ...), a ``text_config``
+(``model_type`` "kimi_linear", read by ``k3_keys``, its ``quantization_config`` by ``k3_quant``) and a
+``vision_config`` (``vt_*`` / ``mm_*`` keys, read by ``k3_vision``). It is a ``MoEPluginConfig``, so the
+models take it as it is; it is registered with ``AutoConfig`` for "kimi_k3" (``moe_plugin.models``), so
+``AutoConfig.from_pretrained`` reads a downloaded K3 directory without its remote code.
 
-- the layer schedule: K3 lists ``linear_attn_config.kda_layers`` / ``full_attn_layers`` (1-indexed), this
-  project keeps one ``layer_types`` entry per layer;
-- Attention Residuals: on in K3 exactly when ``attn_res_block_size`` is present (not null);
-- grouped routing: K3 switches it with ``use_grouped_topk``; off means one group;
-- keys whose only supported value is K3's (``moe_router_activation_func`` "sigmoid", ``moe_layer_freq`` 1,
-  ``mla_use_nope`` true, ``linear_attn_config.use_full_rank_gate`` true): anything else is a ValueError
-  naming the key;
-- the DSA indexer: K3 has none, so it is off unless the caller (or a config this module wrote) asks for it;
-- multi-token prediction (``num_nextn_predict_layers``): accepted, but the model has no MTP layers (their
-  tensors are handled by the state-dict adapter, ``k3_format``);
-- the multimodal config nests the text config under ``text_config`` beside a ``vision_config`` whose keys
-  may be K3's (``num_hidden_layers``, ``num_attention_heads``, ``merge_kernel_size``, ``pos_emb_height``) or
-  this project's (``VisionConfig`` field names).
+What is read, refused and kept:
 
-Keys K3 has and the model does not need (``architectures``, ``max_position_embeddings``, ...) are ignored.
+- every key the model needs is read; a value this project does not build is a ValueError naming the key
+  (``text_config.moe_router_activation_func``, ``vision_config.norm_type``, ...);
+- the image token is ``media_placeholder_token_id`` (``<|media_pad|>``), also reachable as ``image_token_id``;
+  ``image_placeholder`` is a string the processor replaces, not a token, and stays an attribute;
+- every other key, known or not, is kept and written back unchanged by ``to_dict`` / ``save_pretrained``; a key
+  the config changed since it was read (``hidden_size`` set, an override) is written with its new value.
+
+``config_from_k3`` reads either layout (the multimodal one above, or a bare "kimi_linear" text config, which
+gives a plain ``MoEPluginConfig``); ``config_to_k3`` writes it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping
+import copy
+import inspect
+from typing import Any, Dict, Mapping, Optional
 
-from ..config import K3_TEXT_MODEL_TYPE, K3_VL_MODEL_TYPE
+from ..config import K3_VL_MODEL_TYPE
 from .configuration import MoEPluginConfig
-from .k3_quant import expert_format_from_k3, quantization_config_for
+from .k3_keys import text_config_of, text_kwargs
+from .k3_vision import vision_config_to_k3, vision_kwargs
 
-_REQUIRED = object()
-_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-# K3 keys copied unchanged (same name, same meaning in MoEPluginConfig), with the default used when absent
-_SAME_KEYS: Dict[str, Any] = {
-    "vocab_size": _REQUIRED,
-    "hidden_size": _REQUIRED,
-    "num_hidden_layers": _REQUIRED,
-    "num_attention_heads": _REQUIRED,
-    "rms_norm_eps": 1e-5,
-    "activation_situ_beta": 4.0,
-    "activation_situ_linear_beta": 25.0,
-    "q_lora_rank": _REQUIRED,
-    "kv_lora_rank": _REQUIRED,
-    "qk_nope_head_dim": _REQUIRED,
-    "qk_rope_head_dim": _REQUIRED,
-    "v_head_dim": _REQUIRED,
-    "mla_use_output_gate": False,
-    "num_experts": _REQUIRED,
-    "num_experts_per_token": _REQUIRED,
-    "num_shared_experts": 0,
-    "moe_intermediate_size": _REQUIRED,
-    "routed_expert_hidden_size": None,
-    "latent_moe_use_norm": True,
-    "moe_renormalize": True,
-    "routed_scaling_factor": 1.0,
-    "first_k_dense_replace": 0,
-    "intermediate_size": 0,
-    "tie_word_embeddings": False,
-}
-# this project's keys that K3 lacks; written by config_to_k3 and read back, so a round trip keeps them
-_EXTENSION_KEYS = ("use_dsa_indexer", "index_topk", "index_n_heads", "index_head_dim")
-_HIDDEN_ACT = {"situ": "situ", "silu": "swiglu", "swiglu": "swiglu"}
-# K3 vision key -> VisionConfig field
-_VISION_KEYS = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads"}
-_VISION_FIELDS = (
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "intermediate_size",
-    "patch_size",
-    "merge_size",
-    "num_channels",
-    "max_grid",
-    "norm_eps",
-    "rope_theta",
+__all__ = ["KimiK3Config", "config_from_k3", "config_to_k3"]
+
+# MoEPluginConfig's own keys: given to KimiK3Config beside the published ones, they are overrides
+_MODEL_KEYS = frozenset(inspect.signature(MoEPluginConfig.__init__).parameters) - {"self", "kwargs"}
+# MoEPluginConfig keys the published layout also has at its outer level (they are outer keys when given there)
+_OUTER_TOO = frozenset(("tie_word_embeddings", "image_token_id"))
+# what transformers passes into a config besides the file's keys; never written back as the release's
+_RUNTIME_KEYS = frozenset(
+    (
+        "model_type",
+        "transformers_version",
+        "name_or_path",
+        "_name_or_path",
+        "attn_implementation",
+        "experts_implementation",
+        "num_labels",
+        "torch_dtype",
+        "_commit_hash",
+        "output_attentions",
+    )
 )
 
 
-def _get(cfg: Mapping[str, Any], key: str, where: str, default: Any = _REQUIRED) -> Any:
-    value = cfg.get(key, default)
-    if value is _REQUIRED:
-        raise ValueError(f"{where}{key}: required in a K3 config, but it is missing")
-    return value
-
-
-def _expect(cfg: Mapping[str, Any], key: str, where: str, supported: Any, default: Any) -> None:
-    value = cfg.get(key, default)
-    if value != supported:
-        raise ValueError(f"{where}{key}: only {supported!r} is supported, got {value!r}")
-
-
-def _layer_types(lin: Mapping[str, Any], num_layers: int, where: str) -> List[str]:
-    kda, full = lin.get("kda_layers"), lin.get("full_attn_layers")
-    if kda is None and full is None:
-        raise ValueError(f"{where}linear_attn_config.full_attn_layers: required (with or instead of kda_layers)")
-    every = set(range(1, num_layers + 1))
-    full_set = set(full) if full is not None else every - set(kda)
-    kda_set = set(kda) if kda is not None else every - full_set
-    for key, layers in (("full_attn_layers", full_set), ("kda_layers", kda_set)):
-        outside = sorted(i for i in layers if i not in every)
-        if outside:
-            raise ValueError(
-                f"{where}linear_attn_config.{key}: entries are 1-indexed layers in [1, {num_layers}], got {outside}"
-            )
-    if kda_set & full_set or kda_set | full_set != every:
-        raise ValueError(
-            f"{where}linear_attn_config.kda_layers: with full_attn_layers it must list every layer "
-            f"1..{num_layers} exactly once; both: {sorted(kda_set & full_set)}, neither: "
-            f"{sorted(every - kda_set - full_set)}"
-        )
-    return ["mla" if i in full_set else "kda" for i in range(1, num_layers + 1)]
-
-
-def _text_kwargs(text: Mapping[str, Any], where: str) -> Dict[str, Any]:
-    kwargs = {key: _get(text, key, where, default) for key, default in _SAME_KEYS.items()}
-    kwargs.update({key: text[key] for key in _TOKEN_KEYS + _EXTENSION_KEYS if key in text})
-    kwargs.setdefault("use_dsa_indexer", False)  # K3 has no indexer; asking for one starts it fresh
-    kwargs["expert_format"] = expert_format_from_k3(text, where)  # packed routed experts (quantization_config)
-
-    act = text.get("hidden_act", "situ")
-    if act not in _HIDDEN_ACT:
-        raise ValueError(f"{where}hidden_act: expected one of {sorted(_HIDDEN_ACT)}, got {act!r}")
-    kwargs["hidden_act"] = _HIDDEN_ACT[act]
-    block = text.get("attn_res_block_size")
-    kwargs["attn_res"] = block is not None
-    if block is not None:
-        kwargs["attn_res_block_size"] = block
-
-    _expect(text, "moe_router_activation_func", where, "sigmoid", "sigmoid")
-    _expect(text, "moe_layer_freq", where, 1, 1)
-    _expect(text, "mla_use_nope", where, True, True)  # no rotary embedding exists in the model
-    if text.get("use_grouped_topk", False):
-        kwargs["num_expert_group"] = _get(text, "num_expert_group", where)
-        kwargs["topk_group"] = _get(text, "topk_group", where)
-    mtp = text.get("num_nextn_predict_layers", 0) or 0
-    if not isinstance(mtp, int) or mtp < 0:
-        raise ValueError(f"{where}num_nextn_predict_layers: must be a non-negative integer, got {mtp!r}")
-
-    lin = _get(text, "linear_attn_config", where)
-    lin_where = f"{where}linear_attn_config."
-    _expect(lin, "use_full_rank_gate", lin_where, True, True)  # the low-rank g_a/g_b output gate is not built
-    lower = lin.get("gate_lower_bound")
-    kwargs["layer_types"] = _layer_types(lin, kwargs["num_hidden_layers"], where)
-    kwargs["linear_attn_config"] = dict(
-        num_heads=_get(lin, "num_heads", lin_where),
-        head_dim=_get(lin, "head_dim", lin_where),
-        short_conv_kernel_size=lin.get("short_conv_kernel_size", 4),
-        # no lower bound is Kimi-Linear's softplus gate; the bound value is then unused
-        gate_form=lin.get("gate_form", "k3" if lower is not None else "kimi_linear"),
-        gate_lower_bound=lower if lower is not None else -5.0,
-        gate_rank=lin.get("gate_rank"),
-        chunk_size=lin.get("chunk_size", 64),
-    )
-    return kwargs
-
-
-def _vision_kwargs(vision: Mapping[str, Any]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for key, value in vision.items():
-        field = _VISION_KEYS.get(key, key)
-        if field in _VISION_FIELDS:
-            out[field] = value
-    merge = vision.get("merge_kernel_size")
-    if merge is not None:
-        merge = list(merge) if isinstance(merge, (list, tuple)) else [merge, merge]
-        if len(merge) != 2 or merge[0] != merge[1]:
-            raise ValueError(f"vision_config.merge_kernel_size: only a square merge is supported, got {merge}")
-        out["merge_size"] = merge[0]
-    if "pos_emb_height" in vision:
-        if vision.get("pos_emb_width", vision["pos_emb_height"]) != vision["pos_emb_height"]:
-            raise ValueError("vision_config.pos_emb_width: must equal pos_emb_height (a square position table)")
-        out["max_grid"] = vision["pos_emb_height"]
+def _merged(original: Mapping[str, Any], before: Mapping[str, Any], after: Mapping[str, Any]) -> Dict[str, Any]:
+    """``original`` (a section as read) with what changed from ``before`` to ``after`` (the section as this
+    project writes it, when read and now) applied: unchanged keys keep their original values and order."""
+    out = copy.deepcopy(dict(original))
+    for key, value in after.items():
+        if key in before and before[key] == value:
+            continue
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and isinstance(before.get(key), dict):
+            out[key] = _merged(out[key], before[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    for key in before:
+        if key not in after:
+            out.pop(key, None)
     return out
 
 
-def config_from_k3(k3: Mapping[str, Any], **overrides: Any) -> MoEPluginConfig:
-    """``MoEPluginConfig`` from K3's ``config.json`` (a text config, or ``text_config`` + ``vision_config``).
+class KimiK3Config(MoEPluginConfig):
+    """The published Kimi K3 ``config.json`` (see the module doc). ``text_config``: K3's text config;
+    ``vision_config``: K3's (``vt_*`` keys) or this project's (``VisionConfig`` field names), or None;
+    other keyword arguments: the published outer keys, or ``MoEPluginConfig`` keys as overrides.
+    Without a ``text_config`` it is ``MoEPluginConfig``'s defaults in this layout."""
 
-    ``overrides`` are ``MoEPluginConfig`` keys applied last, e.g. ``use_dsa_indexer=True`` to add a fresh
-    DSA indexer to the full-attention layers. Unsupported or missing values raise ValueError naming the K3
-    key (prefixed ``text_config.`` inside a multimodal config).
+    model_type = K3_VL_MODEL_TYPE
+    attribute_map = {"media_placeholder_token_id": "image_token_id"}
+
+    def __init__(
+        self,
+        text_config: Optional[Mapping[str, Any]] = None,
+        vision_config: Optional[Mapping[str, Any]] = None,
+        **kwargs,
+    ):
+        outer = [k for k in kwargs if k not in _RUNTIME_KEYS and (k not in _MODEL_KEYS or k in _OUTER_TOO)]
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in _MODEL_KEYS and k not in outer}
+        read: Dict[str, Any] = {}
+        if text_config is not None:
+            read = text_kwargs(text_config, "text_config.")
+        if vision_config is not None:
+            read["vision_config"] = vision_kwargs(vision_config, "vision_config.")  # engineer C's mapping
+        token_key = next((k for k in ("media_placeholder_token_id", "image_token_id") if k in kwargs), None)
+        token = kwargs.pop(token_key) if token_key is not None else None
+        kwargs.pop("image_token_id", None)  # given beside media_placeholder_token_id: the K3 key wins
+        if token is None and text_config is not None and "image_token_id" in text_config:
+            token_key, token = "text_config.image_token_id", text_config["image_token_id"]
+        _check_image_token(token_key or "media_placeholder_token_id", token, read)
+        if token is not None:
+            read["image_token_id"] = token
+        for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+            if key in kwargs:  # the outer value is the model's (the text config's copy is written back beside it)
+                read[key] = kwargs.pop(key)
+        # the sections as read, and as this project writes them for what was read (to see later changes)
+        self._k3_outer = outer
+        self._k3_text = copy.deepcopy(dict(text_config)) if text_config is not None else None
+        self._k3_vision = copy.deepcopy(dict(vision_config)) if vision_config is not None else None
+        as_read = MoEPluginConfig(**read) if read else None
+        self._k3_read = _sections(as_read) if as_read is not None else None
+        super().__init__(**{**read, **overrides}, **kwargs)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The published layout: the outer keys as read (current values), ``model_type`` "kimi_k3",
+        ``text_config`` and ``vision_config`` with every key read and what changed since."""
+        flat = super().to_dict()
+        out: Dict[str, Any] = {}
+        for key in self._k3_outer:
+            if key == "media_placeholder_token_id":
+                out[key] = self.image_token_id
+            elif key in flat:
+                out[key] = flat[key]
+        out["model_type"] = self.model_type
+        text, vision = _sections(self)
+        read_text, read_vision = self._k3_read if self._k3_read is not None else ({}, None)
+        out["text_config"] = _merged(self._k3_text or {}, read_text, text)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if key in out and key in out["text_config"]:
+                out["text_config"][key] = out[key]
+        if vision is not None:
+            out["vision_config"] = _merged(self._k3_vision or {}, read_vision or {}, vision)
+        if "media_placeholder_token_id" not in self._k3_outer and self.image_token_id is not None:
+            out["image_token_id"] = self.image_token_id
+        if "tie_word_embeddings" not in out:
+            out["tie_word_embeddings"] = self.tie_word_embeddings
+        return out
+
+    def to_diff_dict(self) -> Dict[str, Any]:
+        # every key, not a diff against KimiK3Config(): the release's keys are written back whatever they hold
+        return self.to_dict()
+
+
+def _check_image_token(key: str, token: Any, read: Mapping[str, Any]) -> None:
+    """ValueError naming ``key`` (K3's ``media_placeholder_token_id``) unless the image token is an id of the
+    vocabulary, or absent without a vision tower."""
+    if token is None:
+        if read.get("vision_config") is not None:
+            raise ValueError(
+                f"{key}: required with a vision_config (the id of the image placeholder token, <|media_pad|> "
+                "in K3); add it to config.json"
+            )
+        return
+    vocab = read.get("vocab_size")
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0 or (vocab is not None and token >= vocab):
+        raise ValueError(
+            f"{key}: must be a token id below text_config.vocab_size ({vocab}), got {token!r} (K3's is the id of "
+            "<|media_pad|>; image_placeholder is a string the processor replaces, not a token)"
+        )
+
+
+def _sections(config: MoEPluginConfig):
+    """(K3 text config, K3 vision config or None) of ``config`` as this project writes them."""
+    vision = config.to_model_config().vision
+    return text_config_of(config), (vision_config_to_k3(vision) if vision is not None else None)
+
+
+# a MoEPluginConfig.from_pretrained of a K3 directory reads it as the published layout
+MoEPluginConfig.LAYOUTS[K3_VL_MODEL_TYPE] = KimiK3Config
+
+
+def config_from_k3(k3: Mapping[str, Any], **overrides: Any) -> MoEPluginConfig:
+    """The config of K3's ``config.json``: a ``KimiK3Config`` for the published layout (``text_config`` +
+    ``vision_config``), a plain ``MoEPluginConfig`` for a bare "kimi_linear" text config.
+
+    ``overrides`` are ``MoEPluginConfig`` keys applied last, e.g. ``use_dsa_indexer=True`` to add a fresh DSA
+    indexer to the full-attention layers. Unsupported or missing values raise ValueError naming the K3 key
+    (prefixed ``text_config.`` / ``vision_config.`` inside a multimodal config).
     """
     if "text_config" in k3:
-        kwargs = _text_kwargs(k3["text_config"], "text_config.")
-        vision = k3.get("vision_config")
-        kwargs["vision_config"] = _vision_kwargs(vision) if vision is not None else None
-        token = k3.get("image_token_id", k3["text_config"].get("image_token_id"))
-        if token is not None:
-            kwargs["image_token_id"] = token
-    else:
-        kwargs = _text_kwargs(k3, "")
-        kwargs["vision_config"] = None
-    kwargs.update(overrides)
-    return MoEPluginConfig(**kwargs)
+        return KimiK3Config(**{k: v for k, v in k3.items() if k != "model_type"}, **overrides)
+    return MoEPluginConfig(**{**text_kwargs(k3, ""), "vision_config": None, **overrides})
 
 
 def config_to_k3(config: MoEPluginConfig, multimodal: bool = False) -> Dict[str, Any]:
     """K3's ``config.json`` for ``config``; with ``multimodal`` the ``text_config`` + ``vision_config`` form.
 
+    A ``KimiK3Config`` gives the keys it was read with (every one), changed where the config changed.
     ``config_from_k3(config_to_k3(c))`` rebuilds ``c``: this project's knobs that K3 lacks (the DSA indexer,
     ``gate_rank``, ``chunk_size``) are written as extra keys, which K3 readers ignore.
     """
-    c = config
-    mc = c.to_model_config()
-    lin = c.linear_attn_config
-    text: Dict[str, Any] = {"model_type": K3_TEXT_MODEL_TYPE}
-    text.update({key: getattr(c, key) for key in _SAME_KEYS})
-    text["hidden_act"] = c.hidden_act
-    text["attn_res_block_size"] = c.attn_res_block_size if c.attn_res else None
-    text["linear_attn_config"] = dict(
-        kda_layers=[i + 1 for i, t in enumerate(mc.layer_types) if t == "kda"],
-        full_attn_layers=[i + 1 for i, t in enumerate(mc.layer_types) if t == "mla"],
-        num_heads=lin["num_heads"],
-        head_dim=lin["head_dim"],
-        short_conv_kernel_size=lin["short_conv_kernel_size"],
-        gate_lower_bound=lin["gate_lower_bound"] if mc.kda.gate_form == "k3" else None,
-        use_full_rank_gate=True,
-        gate_form=mc.kda.gate_form,
-        gate_rank=mc.kda.gate_rank,
-        chunk_size=mc.kda.chunk_size,
-    )
-    text.update(
-        mla_use_nope=True,
-        moe_router_activation_func="sigmoid",
-        moe_layer_freq=1,
-        use_grouped_topk=c.num_expert_group > 1,
-        num_expert_group=c.num_expert_group,
-        topk_group=c.topk_group,
-        num_nextn_predict_layers=0,
-    )
-    text.update({key: getattr(c, key) for key in _EXTENSION_KEYS})
-    if quantization_config_for(c.expert_format) is not None:
-        text["quantization_config"] = quantization_config_for(c.expert_format)
-    text.update({key: getattr(c, key) for key in _TOKEN_KEYS if getattr(c, key, None) is not None})
+    if isinstance(config, KimiK3Config):
+        published = config.to_dict()
+        return published if multimodal else published["text_config"]
+    text = text_config_of(config)
     if not multimodal:
         return text
+    mc = config.to_model_config()
     if mc.vision is None:
         raise ValueError("vision_config: a multimodal K3 config needs the model's vision_config")
-    vision = {field: getattr(mc.vision, field) for field in _VISION_FIELDS}
     return {
         "model_type": K3_VL_MODEL_TYPE,
         "text_config": text,
-        "vision_config": vision,
-        "image_token_id": c.image_token_id,
-        "tie_word_embeddings": c.tie_word_embeddings,
+        "vision_config": vision_config_to_k3(mc.vision),
+        "image_token_id": config.image_token_id,
+        "tie_word_embeddings": config.tie_word_embeddings,
     }

@@ -1,7 +1,6 @@
-"""The published K3 release as downloaded: its config.json read as it is, and the tiny release writer
-(moe_plugin/testing/k3_release.py) checked against the release's facts kept as data in tests/fixtures/k3/
-(config.json: the published file, every key; weight_families.tsv: the release's 60 tensor-name families with
-shapes and dtypes)."""
+"""The tiny K3 release writer (moe_plugin/testing/k3_release.py) checked against the release's facts kept as
+data in tests/fixtures/k3/ (config.json: the published file, every key; weight_families.tsv: the release's 60
+tensor-name families with shapes and dtypes) and the K3 tokenizer fixture (tests/fixtures/k3_tokenizer/)."""
 
 import json
 import os
