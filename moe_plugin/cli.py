@@ -74,6 +74,17 @@ def plan(argv: List[str]) -> Optional[int]:
     return plan_main(argv)
 
 
+@subcommand(
+    "data",
+    "show what a recipe trains on, record by record (ids, labels, trained spans) without loading the model: "
+    "moe-plugin data --recipe R [--records N --ids --dump FILE.jsonl]",
+)
+def data(argv: List[str]) -> Optional[int]:
+    from .training.data.command import main as data_main  # the tokenizer and the data: only when asked
+
+    return data_main(argv)
+
+
 def parser() -> argparse.ArgumentParser:
     """The top-level parser: lists the subcommands; their own arguments are parsed by each subcommand."""
     p = argparse.ArgumentParser(

@@ -88,7 +88,11 @@ def _drop_unrendered(tokenizer, messages: List[dict], whole: List[int], where: s
                 continue
             trial = list(messages)
             trial[i] = {k: v for k, v in message.items() if k != name}
-            if _render(tokenizer, trial, False, where, len(messages), kwargs_for(len(messages))) == whole:
+            try:
+                same = render_ids(tokenizer, trial, False, **kwargs_for(len(messages))) == whole
+            except Exception:  # the template needs the field (a tool result without its call): it renders it
+                same = False
+            if same:
                 names.append(f"messages[{i}].{name}")
                 messages[i] = trial[i]
                 message = trial[i]

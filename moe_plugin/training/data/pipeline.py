@@ -59,6 +59,8 @@ class Row:
     labels: torch.LongTensor
     cu_seqlens: torch.LongTensor
     images: Optional[Images] = None
+    # where each of its examples comes from (file and line), in order: for ``moe-plugin data``'s dump
+    sources: Tuple[str, ...] = ()
 
 
 @dataclass
@@ -187,6 +189,7 @@ def pack_examples(examples: List[Example], seq_len: int, pack: bool = True, pad_
                 torch.tensor(labels, dtype=torch.int64),
                 torch.tensor(bounds, dtype=torch.int64),
                 concat_images([e.images for e in members]),
+                tuple(e.where for e in members),
             )
         )
     return rows
