@@ -201,6 +201,37 @@ def _check_per_expert(source: RunSource, targets: Dict[str, Target], tmp: str, e
     return result
 
 
+def _plain_config(config):
+    """``config`` as this project's own ``MoEPluginConfig`` (the Hugging Face layout a merged-hf export is in),
+    also when it was read from a K3 directory (``k3_config.KimiK3Config`` writes the release's form)."""
+    from ..models.configuration import MoEPluginConfig
+
+    if type(config) is MoEPluginConfig:
+        return config
+    values = MoEPluginConfig.to_dict(config)
+    values.pop("model_type", None)
+    return MoEPluginConfig(**{k: v for k, v in values.items() if not k.startswith("_k3")})
+
+
+def _base_k3_config(source: RunSource, written: dict, requantise: bool) -> Optional[dict]:
+    """The base's own ``config.json`` when the base is in K3's layout, for a merged-k3 export: every key kept
+    (architectures, auto_map, media_placeholder_token_id, the vision keys), the dtype the tensors are in; a
+    packed base merged to dense experts drops its ``quantization_config`` (the experts are no longer packed)."""
+    import copy
+
+    from ..models.loading import read_k3_config
+
+    base = read_k3_config(source.base_path)
+    if base is None:
+        return None
+    config = copy.deepcopy(base)
+    if written.get("expert_format") is not None and not requantise:
+        for section in (config, config.get("text_config")):
+            if isinstance(section, dict):
+                section.pop("quantization_config", None)
+    return config
+
+
 def _write_merged_dir(source: RunSource, targets, tmp: str, layout: str, max_bytes: int, requantise: bool):
     from ..models.k3_config import config_to_k3
 
@@ -210,10 +241,12 @@ def _write_merged_dir(source: RunSource, targets, tmp: str, layout: str, max_byt
     # dense experts carry a dense config; requantised ones the base's (its quantization_config)
     config = source.hf_config if requantise else dense_config(source.hf_config)
     if layout == "hf":
-        config.save_pretrained(tmp)
+        _plain_config(config).save_pretrained(tmp)
     else:
-        k3 = config_to_k3(config, multimodal=has_vision(source.base_path))
-        k3["torch_dtype"] = written["float_dtype"]
+        k3 = _base_k3_config(source, written, requantise)
+        if k3 is None:  # a Hugging Face-layout base: its config in K3's form
+            k3 = config_to_k3(config, multimodal=has_vision(source.base_path))
+            k3["torch_dtype"] = written["float_dtype"]
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(k3, f, indent=2, sort_keys=True)
     _tokenizer(source, tmp)
@@ -247,7 +280,9 @@ def _check_merged(
         )
     # an image+text export reloads as the image+text model; the adapters are its language model's
     cls = MoEPluginForConditionalGeneration if has_vision(tmp) else MoEPluginForCausalLM
-    model = (cls.from_pretrained(tmp) if layout == "hf" else load_k3_checkpoint(tmp, model_cls=cls)).float().eval()
+    # read in fp32 (transformers 5 defaults to the config's dtype, which would round the fp32 families once more)
+    loaded = cls.from_pretrained(tmp, dtype=torch.float32) if layout == "hf" else load_k3_checkpoint(tmp, model_cls=cls)
+    model = loaded.float().eval()
     if not on_image_model(targets):  # a text adapter's reference is the text model
         model = getattr(model, "language_model", model)
     result.logits_rel_diff = relative_diff(logits_of(model, source.hf_config.vocab_size), ref_logits)

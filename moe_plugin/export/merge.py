@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -25,6 +26,7 @@ from safetensors.torch import save_file
 
 from ..config import require
 from ..fileio import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, safetensors_weight_map
+from ..precision import FP32_TENSORS
 from ..weights.names import (
     TEXT_PREFIX,
     VISION_PREFIXES,
@@ -137,7 +139,10 @@ def delta_for(target: Target, state: Mapping[str, torch.Tensor]) -> torch.Tensor
     return dense_delta(a, b, target.scaling)
 
 
-def _merged(tensor: torch.Tensor, delta: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+def _merged(name: str, tensor: torch.Tensor, delta: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """base + delta in fp32, written back in the base's dtype, except a tensor the model holds in fp32
+    (``precision.FP32_TENSORS``: the router), which stays fp32: rounding a merged router to bf16 would move
+    near-tied expert choices, and fp32 is a stored dtype the loader accepts for it (``precision.STORED_FP32``)."""
     require(
         tuple(delta.shape) == tuple(tensor.shape),
         "adapter",
@@ -145,7 +150,8 @@ def _merged(tensor: torch.Tensor, delta: torch.Tensor, in_place: bool = False) -
     )
     if in_place and tensor.dtype == torch.float32:  # no second copy of an expert stack
         return tensor.add_(delta)
-    return (tensor.float() + delta).to(tensor.dtype)
+    keep = any(re.search(pattern, name) for pattern in FP32_TENSORS)
+    return (tensor.float() + delta).to(torch.float32 if keep else tensor.dtype)
 
 
 def _write(writer: ShardWriter, name: str, tensor: torch.Tensor, layout: str, prefix: str) -> None:
@@ -190,7 +196,7 @@ def write_merged(
         target = streamed.get(name)
         base = tensor
         if target is not None:  # a requantised stack's changed values are counted against the base
-            tensor = _merged(tensor, delta_for(target, state), in_place=not (requantise and name in stacks))
+            tensor = _merged(name, tensor, delta_for(target, state), in_place=not (requantise and name in stacks))
             merged.append(name)
         if on_tensor is not None:
             on_tensor(name, tensor)

@@ -39,6 +39,8 @@ _TOKENIZER_FILE_NAMES = (
     "chat_template.json",
     "preprocessor_config.json",
     "processor_config.json",
+    # not the tokenizer's, but what generate() stops on (K3's eos <|end_of_msg|> is not the tokenizer's eos)
+    "generation_config.json",
 )
 
 
@@ -191,8 +193,42 @@ def tokenizer_files(path: str) -> List[str]:
             for item in ref if isinstance(ref, (list, tuple)) else [ref]:
                 module = f"{str(item).split('--')[-1].rsplit('.', 1)[0]}.py" if item else None
                 if module and os.path.isfile(os.path.join(path, module)):
-                    names.add(module)
+                    names.update(_with_relative_imports(path, module))
     return sorted(names)
+
+
+def _relative_imports(source: str) -> List[str]:
+    """The sibling module names a Python source imports relatively (``from .x import y``, ``from . import x``):
+    what transformers' remote code loader needs beside the module (K3's tokenization_kimi.py imports
+    encoding_k3.py)."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.append(node.module.split(".")[0])
+            else:
+                found.extend(alias.name.split(".")[0] for alias in node.names)
+    return found
+
+
+def _with_relative_imports(path: str, module: str) -> List[str]:
+    """``module`` (a .py file in ``path``) and the .py files of ``path`` it imports relatively, transitively."""
+    seen, todo = [], [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.append(name)
+        with open(os.path.join(path, name), encoding="utf-8", errors="replace") as f:
+            source = f.read()
+        todo.extend(f"{m}.py" for m in _relative_imports(source) if os.path.isfile(os.path.join(path, f"{m}.py")))
+    return seen
 
 
 def copy_tokenizer_files(base: str, directory: str) -> List[str]:
