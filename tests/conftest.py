@@ -1,7 +1,48 @@
-"""Suite-wide tiers (docs/testing.md): ``gpu`` tests are skipped, with the reason, where CUDA is absent."""
+"""The suite's tiers (docs/testing.md), kept honest here rather than by convention:
+
+- ``gpu`` tests are skipped, with the reason, where CUDA is absent;
+- a test that starts Python processes (``run_distributed``, the launchers, ``python -m ...``, pip) must be marked
+  ``distributed``: while an unmarked test (its fixtures included, of any scope) sets up, runs or tears down,
+  starting one fails it, so ``bash scripts/test.sh --fast`` (``-m "not distributed and not slow"``) launches
+  nothing. Helper binaries a library starts for itself (W&B's ``wandb-core``) are not processes of the test's.
+"""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+
+_popen_init = subprocess.Popen.__init__
+_running = {"test": None}  # the nodeid of an unmarked test in setup/call/teardown, else None
+
+
+_VENV_BIN = os.path.dirname(sys.executable)  # python, deepspeed, torchrun, pip, moe-plugin
+
+
+def _starts_python(args) -> bool:
+    program = str(args if isinstance(args, (str, bytes, os.PathLike)) else args[0])
+    program = program.split()[0] if isinstance(args, str) else program
+    return os.path.basename(program).startswith("python") or os.path.dirname(program) == _VENV_BIN
+
+
+def _guarded_popen_init(self, args, *rest, **kwargs):
+    test = _running["test"]
+    if test is not None and _starts_python(args):
+        raise AssertionError(
+            f"{test} starts a process ({args!r}) but is not marked distributed: add @pytest.mark.distributed "
+            "(or the module's pytestmark) so the fast tier leaves it out (docs/testing.md)"
+        )
+    _popen_init(self, args, *rest, **kwargs)
+
+
+def pytest_configure(config):
+    subprocess.Popen.__init__ = _guarded_popen_init
+
+
+def pytest_unconfigure(config):
+    subprocess.Popen.__init__ = _popen_init
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,3 +52,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running["test"] = None if item.get_closest_marker("distributed") else item.nodeid
+    try:
+        return (yield)
+    finally:
+        _running["test"] = None

@@ -55,6 +55,7 @@ def _in_process(capsys, argv, cmd):
 # ------------------------------------------------------------------------------------------------ train
 
 
+@pytest.mark.distributed
 def test_a_bad_recipe_is_refused_before_torch_loads(tmp_path):
     bad = _recipe(tmp_path, "bad", schedule__steps="10")
     # torch set to None in sys.modules: any import of it fails, so the refusal below never needed it
@@ -70,6 +71,7 @@ def test_a_bad_recipe_is_refused_before_torch_loads(tmp_path):
     ]
 
 
+@pytest.mark.distributed
 def test_an_error_found_after_deepspeed_loads_is_the_only_stderr_line(tmp_path):
     """A valid recipe whose DeepSpeed config is broken is refused inside the trainer, after torch and DeepSpeed
     loaded: stderr holds that one line and nothing else (DeepSpeed's accelerator guess printed a warning above it)."""
@@ -189,6 +191,7 @@ def _launch(args, timeout=600):
 MOE_DEBUG = "MOE_PLUGIN_DEBUG"
 
 
+@pytest.mark.distributed
 def test_under_the_launcher_every_ranks_error_and_a_rank_1_only_error_reach_the_user(tmp_path):
     bad = _recipe(tmp_path, "bad", schedule__steps="10")
     proc = _launch(["--module", "moe_plugin.train", "--recipe", bad])

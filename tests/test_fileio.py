@@ -156,6 +156,7 @@ def _save_version(target: Path, version: int) -> None:
         (Path(d) / "manifest.json").write_text(str(version))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode,kills", [("exchange", 30), ("renames", 20)])
 def test_sigkill_at_random_moments_leaves_the_old_or_the_new_complete_directory(tmp_path, mode, kills):
     target, started = tmp_path / "out" / "ckpt", tmp_path / "started"
@@ -177,6 +178,7 @@ def test_sigkill_at_random_moments_leaves_the_old_or_the_new_complete_directory(
     assert _complete_version(target) == 1
 
 
+@pytest.mark.distributed
 def test_kill_right_after_the_atomic_swap_keeps_the_new_directory(tmp_path):
     target, started = tmp_path / "ckpt", tmp_path / "started"
     _save_version(target, 2)
@@ -190,6 +192,7 @@ def test_kill_right_after_the_atomic_swap_keeps_the_new_directory(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "started"]
 
 
+@pytest.mark.distributed
 def test_kill_between_the_two_renames_is_undone_by_the_next_reader_or_save(tmp_path):
     target, started = tmp_path / "ckpt", tmp_path / "started"
     _save_version(target, 2)

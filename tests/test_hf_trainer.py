@@ -79,12 +79,14 @@ def runs(tmp_path_factory):
     }
 
 
+@pytest.mark.distributed
 def test_two_processes_train_with_deepspeed_zero3(runs):
     for result in runs["two"]:
         got = result[0]
         assert got["deepspeed"] and got["world"] == 2 and got["distributed_type"] == "DistributedType.DEEPSPEED"
 
 
+@pytest.mark.distributed
 def test_two_processes_equal_one_process_and_the_loss_falls(runs):
     one = runs["one"]
     assert len(one["losses"]) == STEPS and not one["deepspeed"]
@@ -99,6 +101,7 @@ def test_two_processes_equal_one_process_and_the_loss_falls(runs):
     assert sum(losses[-2:]) / 2 < losses[0] - 0.05, losses
 
 
+@pytest.mark.distributed
 def test_adapter_loads_in_plain_peft_with_the_same_outputs(runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -127,6 +130,7 @@ def _keys(run_dir: str) -> set:
     return {k for row in offline_history(run_dir) for k in row if not k.startswith("_")}
 
 
+@pytest.mark.distributed
 def test_offline_wandb_run_holds_the_moe_keys_bounded_in_the_experts(runs):
     from tests.training.wandb_records import offline_history
 
@@ -166,6 +170,7 @@ def _adapter(path: str) -> dict:
     return load_file(os.path.join(path, "adapter_model.safetensors"))
 
 
+@pytest.mark.distributed
 def test_expert_parallel_holds_half_the_experts_and_equals_one_process(runs):
     one = runs["one_experts"]
     assert len(one["losses"]) == STEPS
@@ -182,6 +187,7 @@ def test_expert_parallel_holds_half_the_experts_and_equals_one_process(runs):
     assert sum(losses[-2:]) / 2 < losses[0] - 0.05, losses
 
 
+@pytest.mark.distributed
 def test_expert_parallel_adapter_is_whole_and_loads_in_plain_peft(runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -209,6 +215,7 @@ def test_expert_parallel_adapter_is_whole_and_loads_in_plain_peft(runs):
     assert float((logits - untrained).abs().max()) > 1e-3
 
 
+@pytest.mark.distributed
 def test_gradient_checkpointing_under_zero3_equals_the_same_run_without_it(runs):
     """TrainingArguments(gradient_checkpointing=True) on 2 processes x ZeRO-3: transformers' switch sets the model's
     "full" activation checkpointing (moe_plugin/layers/recompute.py, non-reentrant, routing kept): the logged losses,
@@ -236,6 +243,7 @@ def test_parallelize_experts_refuses_a_peft_model_and_a_missing_process_group(tm
         parallelize_experts(peft_model, 2)
 
 
+@pytest.mark.distributed
 def test_parallelize_experts_reads_the_index_and_each_shard_header_once(tmp_path):
     """Experts ZeRO-3 partitioned over all ranks are read again from the checkpoint: on a 2-layer model whose
     layers are both MoE, saved in several shards, the index is read once and each shard's header once (they

@@ -15,6 +15,7 @@ every import would otherwise reach it.
 
 from __future__ import annotations
 
+import pytest
 import ast
 import shutil
 import textwrap
@@ -305,6 +306,7 @@ def distributed_imports(root: Path = ROOT) -> List[str]:
     return out
 
 
+@pytest.mark.distributed
 def test_single_device_code_never_imports_distributed_code(tmp_path):
     """ops/, layers/ and models/ import none of torch.distributed, DeepSpeed and megatron-core, and importing
     them (with the Auto classes registered) loads none of those; a planted lazy import is named."""

@@ -20,6 +20,8 @@ import pytest
 
 import moe_plugin
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "moe_plugin"
 TIMEOUT_S = 900  # building, a venv and imports of torch/transformers on a loaded 2-core machine

@@ -170,6 +170,7 @@ def _check_against_checkpoint(result: dict, checkpoint: dict, held: bool = True)
     assert all(math.isfinite(x) for x in result["losses"])
 
 
+@pytest.mark.distributed
 def test_bf16_trainer_one_process_keeps_the_fp32_tensors_exact(one_process, base):
     checkpoint = load_file(str(base / "model.safetensors"))
     _check_against_checkpoint(one_process["hf"], checkpoint)
@@ -179,6 +180,7 @@ def test_bf16_trainer_one_process_keeps_the_fp32_tensors_exact(one_process, base
     assert bf16 != fp32  # it did run in bf16
 
 
+@pytest.mark.distributed
 def test_bf16_zero3_two_processes_keeps_the_fp32_tensors_exact(two_processes, base):
     checkpoint = load_file(str(base / "model.safetensors"))
     for rank, result in enumerate(two_processes):
@@ -193,6 +195,7 @@ def test_bf16_zero3_two_processes_keeps_the_fp32_tensors_exact(two_processes, ba
                 assert torch.equal(full["trained"]["state"][name], value), (rank, name)
 
 
+@pytest.mark.distributed
 def test_bf16_zero3_preset_keeps_the_values_an_fp32_run_draws(two_processes):
     for result in two_processes:
         bf16, fp32 = result["preset"]["built"], result["preset_fp32"]["built"]

@@ -20,6 +20,8 @@ from moe_plugin.testing.launch import run_distributed
 from tests.export.saved_files import directory_tensors
 from tests.recipes import recipe
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 WORKER = "tests/training/trainer_workers.py:run_recipes"
 LR, STEPS = 2e-2, 2
 BOUND = 1e-3 * LR * STEPS  # tests/training/test_trainer.py's bound for values trained through Adam

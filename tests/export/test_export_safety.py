@@ -26,6 +26,8 @@ from tests.export.saved_files import directory_tensors
 from tests.recipes import OMIT
 from tests.recipes import recipe as recipe_for
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 WORKER = "tests/training/trainer_workers.py:run_recipes"
 ENGINE_FILES = [
     "zero_pp_rank_0_mp_rank_00_model_states.pt",

@@ -18,6 +18,8 @@ import torch
 from tests.tolerances import chain_length, chain_rel
 from tests.training.launchers import BIN, REPO, free_port, launch
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 FORMATS = ("peft", "per-expert", "merged-hf", "merged-k3")
 STEPS, EVERY, PICTURES = 4, 2, 16
 HELD_OUT = os.path.join(REPO, "recipes", "data", "backgrounds_heldout.jsonl")

@@ -22,6 +22,8 @@ from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from tests.export.saved_files import directory_tensors
 from tests.recipes import recipe
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 WORKER = "tests/training/trainer_workers.py:run_recipes"
 PACKED = ("mxfp4", "int4")
 KINDS = [(to, False) for to in FORMATS] + [("merged-hf", True), ("merged-k3", True)]

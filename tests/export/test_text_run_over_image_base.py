@@ -89,6 +89,7 @@ def _bound(config, tokens: int, vocab: int = 0) -> float:
     return chain_rel(chain_length(tokens, config.num_hidden_layers, width, vocab))
 
 
+@pytest.mark.distributed
 def test_the_run_trains_the_text_model_on_the_bases_text_weights(job):
     """The adapter is the text model's (no vision module, no ``language_model.``), and step 1's loss is the base
     language model's own loss on the two conversations: the trainer loaded the base's text weights."""
@@ -125,6 +126,7 @@ def test_the_run_trains_the_text_model_on_the_bases_text_weights(job):
     )
 
 
+@pytest.mark.distributed
 def test_every_export_reloads_with_plain_transformers_to_the_trained_models_logits(job):
     import moe_plugin
     from peft import AutoPeftModelForCausalLM, PeftModel
@@ -159,6 +161,7 @@ def test_every_export_reloads_with_plain_transformers_to_the_trained_models_logi
         assert _relative(got, trained) <= bound, (name, _relative(got, trained), bound)
 
 
+@pytest.mark.distributed
 def test_the_merged_export_keeps_the_bases_vision_tower_bit_for_bit(job):
     from moe_plugin.weights.names import VISION_PREFIXES
     from tests.export.saved_files import directory_tensors

@@ -95,6 +95,7 @@ def check(case, ranks):
     assert any(len(s) == k for s in want) and any(len(s) < k for s in want)  # top-k bites, and runs short
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_context_parallel_equals_one_process(world_size):
     results = run_distributed(f"{WORKERS}:run", world_size=world_size, timeout_s=300, cases=CASES)

@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "layers", "packed_memory_worker.py")
 EXPERTS, GROUP = 16, 4  # packed_memory_worker.SIZE

@@ -26,6 +26,8 @@ from moe_plugin.testing.launch import run_distributed
 from moe_plugin.training.data.pipeline import label_token_count
 from tests.recipes import recipe as recipe_for
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 TOL = 1e-5
 WORLD = 4
 COEFF = 0.5

@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 TOL = 1e-5
 SCENARIOS = ("mixed", "starved", "one_expert")
 TOP_K = {"mixed": 2, "starved": 2, "one_expert": 1}

@@ -31,6 +31,7 @@ def reference(ranks):
     return per_rank, expert_sum
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("scenario", ["mixed", "starved"])
 def test_latent_ep2_matches_single_device(ep_check, rel_err, scenario):
     ranks = ep_check(f"latent/{scenario}")
@@ -48,6 +49,7 @@ def test_latent_ep2_matches_single_device(ep_check, rel_err, scenario):
             assert err < TOL, f"rank {rank} grad of {name}: rel err {err:.2e}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("scenario", ["mixed", "starved"])
 def test_dispatcher_moves_latent_width_tokens(ep_check, scenario):
     for rank, got in enumerate(ep_check(f"latent/{scenario}")):
@@ -59,6 +61,7 @@ def test_dispatcher_moves_latent_width_tokens(ep_check, scenario):
         )
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("scenario", ["mixed", "starved"])
 def test_one_host_read_a_layer_at_ep2(ep_check, scenario):
     """Forward and backward of one layer at EP 2 read the device once: both split lists of the exchange in one
@@ -67,6 +70,7 @@ def test_one_host_read_a_layer_at_ep2(ep_check, scenario):
         assert got["host_reads"] == {("moe", "tolist"): 1}, f"rank {rank}: host reads {got['host_reads']}"
 
 
+@pytest.mark.distributed
 def test_starved_latent_expert(ep_check):
     ranks = ep_check("latent/starved")
     load = sum(r["load"] for r in ranks)
@@ -75,11 +79,13 @@ def test_starved_latent_expert(ep_check):
     assert ranks[1]["received"][0].tolist() == [int(load[2]), 0], "EP rank 1's expert 3 must receive no tokens"
 
 
+@pytest.mark.distributed
 def test_state_dict_names_match_single_device_layer(ep_check):
     got = ep_check("latent/mixed")[0]
     assert got["state_keys"] == sorted(got["global_state"]), "LatentMoELayer must keep StableLatentMoE's names"
 
 
+@pytest.mark.distributed
 def test_latent_moe_spec_in_megatron_gpt_model(ep_check):
     for rank, got in enumerate(ep_check("gpt/latent")):
         assert got["mlp_types"] == ["LatentMoELayer"] * 2 and all(got["is_moe_layer"]), got["mlp_types"]
@@ -112,6 +118,7 @@ def test_config_mismatch_names_the_field(field, value):
         check_megatron_config(TransformerConfig(**fields), moe)
 
 
+@pytest.mark.distributed
 def test_experts_start_equal_to_the_ep1_slice_and_distinct(ep_check):
     ranks = ep_check("latent/init")
     for rank, got in enumerate(ranks):
@@ -149,6 +156,7 @@ def loop_load(x, mask, router, bias, top_k):
     return load
 
 
+@pytest.mark.distributed
 def test_latent_load_accumulates_skips_padding_and_balances_globally(ep_check):
     ranks = ep_check("latent/balance")
     total = 0

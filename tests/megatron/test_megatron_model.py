@@ -23,6 +23,8 @@ from moe_plugin.models.modeling import MoEPluginForCausalLM
 from moe_plugin.models.presets import preset_config
 from moe_plugin.testing.launch import run_distributed
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 TOL = 1e-5
 WORKERS = Path(__file__).with_name("model_workers.py")
 LORA = dict(

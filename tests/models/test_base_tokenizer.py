@@ -152,6 +152,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.distributed
 def test_remote_code_tokenizer_refused_without_trust_and_loaded_with_it(tmp_path):
     # a fresh process, so that no earlier import of the fixture's module can hide one made here
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")

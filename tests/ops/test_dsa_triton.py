@@ -34,6 +34,7 @@ def report() -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", ["random_int64", "topk24_tiles16", "causal_int32", "noncontiguous_int32"])
 def test_fp32_kernels_equal_reference_and_blocked_pair(report, case):
     """out, lse, dq, dk, dv of the kernels against the reference and the blocked pair to fp32 rounding; dtypes
@@ -44,11 +45,13 @@ def test_fp32_kernels_equal_reference_and_blocked_pair(report, case):
     assert res["exact"]
 
 
+@pytest.mark.distributed
 def test_cases_cover_empty_queries_and_causal_rows(report):
     assert report["cases"]["random_int64"]["empty_queries"] == 1  # a query whose slots are all -1
     assert report["cases"]["causal_int32"]["empty_queries"] == 0
 
 
+@pytest.mark.distributed
 def test_fp16_kernels_recompute_the_fp32_log_sum_exp(report):
     """fp16 inputs: the saved lse is fp16, the backward recomputes it in fp32 (RECOMPUTE_LSE)."""
     res = report["cases"]["fp16"]
@@ -57,6 +60,7 @@ def test_fp16_kernels_recompute_the_fp32_log_sum_exp(report):
     assert res["exact"]
 
 
+@pytest.mark.distributed
 def test_the_custom_op_runs_the_pair_where_gpu_kernel_gives_it(report):
     """``sparse_attention`` with ``gpu_kernel`` answering as for CUDA: one call of each kernel, and output and
     gradients (through the op's autograd) equal the reference's."""

@@ -75,6 +75,7 @@ def check(case, ranks):
         close(got, grad, f"{name} gradient of {param}")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_context_parallel_equals_one_process(world_size):
     results = run_distributed(f"{WORKERS}:run", world_size=world_size, timeout_s=300, cases=CASES)

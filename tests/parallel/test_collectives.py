@@ -2,9 +2,12 @@
 ``all_gather_single`` (moe_plugin/compat/deepspeed.py, moe_plugin/compat/megatron.py): the same
 results, and none of the deprecation warnings that their old aliases print (they broke the progress bar)."""
 
+import pytest
 import torch
 
 from moe_plugin.testing.launch import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts processes
 
 
 def test_collectives_give_the_same_results_without_deprecation_warnings():

@@ -162,6 +162,7 @@ def test_deepspeed_gets_no_shared_memory_op(clean):
     assert ds_torch.build_shm_op is upstream
 
 
+@pytest.mark.distributed
 def test_deepspeed_starts_on_gloo_without_building_an_op(monkeypatch, tmp_path):
     extensions = tmp_path / "torch_extensions"  # where a JIT build of the shm op would land
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))

@@ -41,6 +41,7 @@ def test_an_unstarted_layout_removes_the_expert_marks_and_refuses_expert_paralle
         ParallelLayout(world=2, expert=2).tag_expert_parameters(module, zero3=False)
 
 
+@pytest.mark.distributed
 def test_start_gives_the_ranks_groups_and_tags_of_the_layout():
     results = run_distributed(f"{WORKERS}:start_layout", world_size=2, timeout_s=300, init_process_group=False)
     for rank, r in enumerate(results):

@@ -113,6 +113,7 @@ def test_bad_device_backend_and_timeout(monkeypatch, unprepared, kwargs, match):
         init_distributed(**kwargs)
 
 
+@pytest.mark.distributed
 def test_ranks_started_by_initialize_megatron_share_the_seeded_generator():
     results = run_distributed(
         f"{WORKERS}:start_megatron_and_draw", world_size=2, timeout_s=200, init_process_group=False, seed=7

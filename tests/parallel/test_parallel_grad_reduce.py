@@ -13,6 +13,7 @@ from moe_plugin.testing.launch import run_distributed
 WORKERS = Path(__file__).with_name("grad_reduce_workers.py")
 
 
+@pytest.mark.distributed
 def test_dense_averaged_and_expert_scaled_by_data_parallel_size():
     results = run_distributed(f"{WORKERS}:reduce_marked_gradients", world_size=2, timeout_s=120)
     for rank, got in enumerate(results):

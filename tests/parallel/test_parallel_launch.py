@@ -14,6 +14,7 @@ from moe_plugin.testing.launch import default_process_group_timeout, resolve_fun
 WORKERS = Path(__file__).with_name("launch_workers.py")
 
 
+@pytest.mark.distributed
 def test_results_come_back_in_rank_order():
     results = run_distributed(f"{WORKERS}:report", world_size=2, timeout_s=120, offset=10)
     assert [r["rank"] for r in results] == [0, 1]
@@ -23,6 +24,7 @@ def test_results_come_back_in_rank_order():
     assert all(torch.equal(r["tensor"], torch.full((2,), float(i))) for i, r in enumerate(results))
 
 
+@pytest.mark.distributed
 def test_gloo_run_hides_gpus_and_times_out_collectives_before_the_launcher(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # as on a GPU runner: the children must not see it
     results = run_distributed(f"{WORKERS}:report", world_size=2, timeout_s=120)
@@ -38,6 +40,7 @@ def test_nccl_run_keeps_gpus_visible(monkeypatch, tmp_path):
     assert launch._child_env(2, tmp_path, "gloo", 10.0)["CUDA_VISIBLE_DEVICES"] == ""
 
 
+@pytest.mark.distributed
 def test_a_port_taken_by_another_job_does_not_matter(monkeypatch):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))
@@ -51,6 +54,7 @@ def test_a_port_taken_by_another_job_does_not_matter(monkeypatch):
     assert [r["sum"] for r in results] == [3.0, 3.0]
 
 
+@pytest.mark.distributed
 def test_a_failing_rank_raises_with_its_traceback_and_every_output():
     with pytest.raises(RuntimeError) as info:
         run_distributed(f"{WORKERS}:fail_on", world_size=2, timeout_s=120, rank=1)
@@ -62,6 +66,7 @@ def test_a_failing_rank_raises_with_its_traceback_and_every_output():
     )
 
 
+@pytest.mark.distributed
 def test_a_rank_stuck_in_a_collective_fails_with_its_traceback():
     with pytest.raises(RuntimeError) as info:
         run_distributed(f"{WORKERS}:stall_on", world_size=2, timeout_s=100, process_group_timeout_s=2, rank=0)
@@ -71,6 +76,7 @@ def test_a_rank_stuck_in_a_collective_fails_with_its_traceback():
     assert "rank 0 stalls" in message
 
 
+@pytest.mark.distributed
 def test_timeout_stops_the_ranks_and_reports_their_output():
     # the clock starts once both ranks are ready, so however slow their imports, 10 s is enough to print
     with pytest.raises(TimeoutError, match="did not finish within 10 s after every rank was ready") as info:
@@ -80,12 +86,14 @@ def test_timeout_stops_the_ranks_and_reports_their_output():
     assert "rank 0 was still running" in message and "rank 1 was still running" in message
 
 
+@pytest.mark.distributed
 def test_start_up_does_not_count_against_the_timeout(monkeypatch):
     monkeypatch.setenv("LAUNCH_WORKERS_IMPORT_DELAY_S", "12")  # each rank's start-up: 12 s more
     results = run_distributed(f"{WORKERS}:report", world_size=2, timeout_s=10, offset=1)
     assert [r["sum"] for r in results] == [3.0, 3.0], "a run shorter than timeout_s must not time out"
 
 
+@pytest.mark.distributed
 def test_a_start_up_that_never_ends_is_bounded(monkeypatch):
     monkeypatch.setenv("LAUNCH_WORKERS_IMPORT_DELAY_S", "600")  # the ranks never get to report ready
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[0, 1\] did not start up within 5 s") as info:
@@ -106,6 +114,7 @@ def test_bad_worker_path(path, match):
         resolve_function(path)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -6,11 +6,14 @@ memory). Measurement: ``moe_plugin.testing.plan_measure`` (torch.profiler's allo
 
 from __future__ import annotations
 
+import pytest
 import copy
 import tempfile
 
 from moe_plugin.testing.launch import run_distributed
 from moe_plugin.testing.plan_measure import CALIBRATION, layout_recipe, measured_ds_config, planned_peak
+
+pytestmark = pytest.mark.distributed  # every test here starts processes
 
 WORLD, CP, TOKENS = 4, 4, 32768
 

@@ -240,14 +240,17 @@ def _check(world: int) -> None:
             assert full < 1.15 * selective, (rank, off, selective, full)
 
 
+@pytest.mark.distributed
 def test_planned_peak_matches_one_process_runs():
     _check(1)
 
 
+@pytest.mark.distributed
 def test_planned_peak_matches_two_process_zero3_runs():
     """EP 1 and 2 under ZeRO-3 on 2 gloo processes, dense and MXFP4 experts, sequences of 256 to 1024."""
     _check(2)
 
 
+@pytest.mark.distributed
 def test_planned_peak_matches_four_process_zero3_runs():
     _check(4)

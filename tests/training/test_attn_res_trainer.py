@@ -22,6 +22,8 @@ from moe_plugin.testing.launch import run_distributed
 from tests.recipes import recipe, whole
 from tests.tolerances import chain_length, check_run
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 WORKER = "tests/training/attn_res_trainer_workers.py:run"
 LR = 2e-2
 STEPS = 3

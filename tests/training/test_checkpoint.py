@@ -199,6 +199,7 @@ def _shard(directory, rank):
     return torch.load(os.path.join(directory, "global_step", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
 
 
+@pytest.mark.distributed
 def test_two_ranks_save_into_one_directory_and_a_failure_raises_on_both(tmp_path):
     root = tmp_path / "checkpoints"
     results = run_distributed(
@@ -227,6 +228,7 @@ def test_two_ranks_save_into_one_directory_and_a_failure_raises_on_both(tmp_path
     assert sorted(os.listdir(root)) == ["step-00000010", "step-00000020"], "the failed save's staging is gone"
 
 
+@pytest.mark.distributed
 def test_rank_1_killed_while_writing_leaves_the_previous_checkpoint(tmp_path):
     root = tmp_path / "checkpoints"
     previous = CheckpointManager(root, rank=0, world_size=1, barrier=lambda: None)

@@ -15,6 +15,8 @@ from moe_plugin.testing.launch import run_distributed
 from tests.tolerances import check_run
 from tests.training.test_multimodal_trainer import CHAIN, LR, MAX_NORM, TOKENS, _base, _data, _named, _recipe
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 WORKER = "tests/training/context_parallel_workers.py:run_recipes"
 # name -> (context_parallel_size, expert_parallel_size, activation checkpointing, balance coefficient)
 LAYOUTS = {

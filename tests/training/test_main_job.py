@@ -12,6 +12,7 @@ pictures by ``generate`` as the trainer reported."""
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import re
@@ -21,6 +22,8 @@ import torch
 from moe_plugin.recipe.schema import DEFAULT_ROUTER_AUX_LOSS_COEFF
 from tests.training.launchers import BIN, REPO, free_port, launch
 from tests.training.wandb_records import offline_history
+
+pytestmark = pytest.mark.distributed  # every test here starts processes
 
 HELD_OUT = 24  # pictures answered (the full job answers 60)
 STEPS = 150  # the job's own: the balance figures the README reports are its final ones

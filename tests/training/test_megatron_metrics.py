@@ -52,6 +52,7 @@ def _counts(line: str):
     return int(total.replace(",", "")), int(trainable.replace(",", ""))
 
 
+@pytest.mark.distributed
 def test_megatron_logs_the_indexer_kl_of_its_loss(runs):
     _, ranks = runs
     for rank in ranks:
@@ -65,6 +66,7 @@ def test_megatron_logs_the_indexer_kl_of_its_loss(runs):
             assert rank["logged"][step]["moe/indexer_kl"] == pytest.approx(expected, rel=1e-12, abs=0)
 
 
+@pytest.mark.distributed
 def test_hf_backend_logs_its_indexer_kl_once(runs):
     hf, _ = runs
     assert len(hf["kls"]) == STEPS
@@ -72,6 +74,7 @@ def test_hf_backend_logs_its_indexer_kl_once(runs):
         assert hf["logged"][step]["moe/indexer_kl"] == pytest.approx(hf["kls"][step - 1], rel=1e-12, abs=0)
 
 
+@pytest.mark.distributed
 def test_model_line_counts_every_experts_rank_and_the_processes(runs):
     hf, ranks = runs
     assert "(hf backend, 1 process, expert parallel 1," in hf["describe"]

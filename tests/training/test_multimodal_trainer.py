@@ -22,6 +22,8 @@ from examples.shapes import write_shapes_dataset
 from tests.recipes import recipe, whole
 from tests.tolerances import chain_length, chain_rel, check_run
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 WORKER = "tests/training/multimodal_workers.py:run_recipes"
 SEQ = 128
 LR = 2e-2

@@ -15,6 +15,8 @@ from moe_plugin.testing.launch import run_distributed
 from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from tests.recipes import recipe
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 WORKER = "tests/training/packed_trainer_workers.py:run_packed"
 IDS = [(7 * i + 3) % 384 for i in range(48)]
 

@@ -122,6 +122,7 @@ def runs(tmp_path_factory):
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "which", ["4 processes EP 2 -> 2 processes EP 1", "4 processes EP 2 -> 1 process", "1 process -> 4 processes EP 2"]
 )
@@ -137,6 +138,7 @@ def test_a_checkpoint_resumes_at_another_layout(runs, which):
     assert not failures, failures[:8]
 
 
+@pytest.mark.distributed
 def test_the_layout_free_state_names_every_adapter_with_its_moments_whole(runs):
     """What the checkpoint holds: every trainable tensor, expert adapters over all experts, with its moments."""
     _, whole_recipe = runs["whole"]
@@ -155,6 +157,7 @@ def test_the_layout_free_state_names_every_adapter_with_its_moments_whole(runs):
     )
 
 
+@pytest.mark.distributed
 def test_a_resume_that_changes_the_global_batch_is_refused_naming_the_field(runs, tmp_path):
     """Refused in the claim, before the model is built: the checkpoint's global batch is 4 rows."""
     _, whole_recipe = runs["whole"]
@@ -173,6 +176,7 @@ def test_a_resume_that_changes_the_global_batch_is_refused_naming_the_field(runs
         train(recipe_from_dict(recipe))
 
 
+@pytest.mark.distributed
 def test_a_damaged_newest_checkpoint_is_skipped_and_the_previous_one_resumes(runs):
     """Written at 4 processes EP 2 with checkpoints at steps 2 and 4; rank 1's optimizer file of step 4 cut short;
     on 2 processes: step 4 is named and skipped (kept as it is), step 2 resumes, and the run equals the
@@ -187,6 +191,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_previous_one_resumes(run
     assert ".damaged-step-00000004" in kept  # the new step 4 set the damaged one aside, never removed it
 
 
+@pytest.mark.distributed
 def test_raising_the_steps_continues_a_finished_run_as_one_longer_run(runs):
     constant, finished, longer = runs["longer"]
     assert finished["resumed_from"] is None and len(finished["losses"]) == 2
@@ -217,6 +222,7 @@ def test_an_earlier_versions_checkpoint_is_refused_at_another_layout(tmp_path):
         check_resume_layout(other, (2, str(step)), 2, stored)
 
 
+@pytest.mark.distributed
 def test_export_step_reads_the_layout_free_state_as_it_read_deepspeeds_files(runs, tmp_path):
     """``adapter_from_checkpoint`` of the EP 2 checkpoint: from trainable.safetensors, and (as for a checkpoint of
     an earlier version) from DeepSpeed's per-rank files once those are removed: the same tensors."""
@@ -236,6 +242,7 @@ def test_export_step_reads_the_layout_free_state_as_it_read_deepspeeds_files(run
         assert new[name].shape == old[name].shape and torch.equal(new[name], old[name]), name
 
 
+@pytest.mark.distributed
 def test_full_training_resumes_at_another_layout(runs):
     """``"lora": null`` at EP 2 x ZeRO-3 on 4 processes after step 2, resumed on 2 processes at EP 1: every
     trainable parameter (the expert stacks all-gathered over EP) and its moments resharded."""
@@ -245,6 +252,7 @@ def test_full_training_resumes_at_another_layout(runs):
         assert abs(a - b) <= 1e-5 * abs(a), (whole["losses"], got["losses"])
 
 
+@pytest.mark.distributed
 def test_the_hugging_face_backend_resumes_at_another_layout(runs):
     """The recipe's hf backend at EP 2 x ZeRO-3 on 4 processes (expert parallelism applied from outside the
     Hugging Face model) after step 2, resumed on 1 process without expert parallelism."""

@@ -141,6 +141,7 @@ def _wait_for_line(stream, timeout_s):
     return line[0] if line else ""
 
 
+@pytest.mark.distributed
 def test_another_process_holds_the_lock_until_it_dies(tmp_path):
     path = str(tmp_path / "run")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -135,6 +135,7 @@ def test_a_changed_checkpoint_is_damaged_not_debris(tmp_path):
     assert manager.damaged() == [f"{tmp_path}/step-00000001/engine.pt is 3 bytes, its COMPLETE marker lists 5"]
 
 
+@pytest.mark.distributed
 def test_payloads_in_zero3_files_do_not_run_and_every_load_is_weights_only(tmp_path):
     from moe_plugin.testing.launch import run_distributed
 

@@ -4,6 +4,7 @@ evaluation loss the trainer reported (an independent check of every exported nam
 
 from __future__ import annotations
 
+import pytest
 import json
 import math
 import os
@@ -136,6 +137,7 @@ def test_chat_sft_data(tmp_path):
     assert len(result.losses) == 3 and all(math.isfinite(x) for x in result.losses)
 
 
+@pytest.mark.distributed
 def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
     """2 CPU processes, megatron EP=2 with ZeRO-3: the deepspeed launcher runs 2 steps, torchrun continues the
     same output_dir to 4 from its checkpoint, and the adapter reproduces the reported evaluation loss."""

@@ -16,6 +16,8 @@ from moe_plugin.recipe.schema import DEFAULT_ROUTER_AUX_LOSS_COEFF
 from tests.recipes import TINY, recipe, whole
 from tests.tolerances import chain_length, chain_rel, check_run
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 WORKER = "tests/training/trainer_workers.py:run_all"
 LR = 2e-2
 MAX_NORM = 0.05

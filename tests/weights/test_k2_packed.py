@@ -171,6 +171,7 @@ def _rel(a, b) -> float:
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-12)
 
 
+@pytest.mark.distributed
 def test_k2_checkpoint_at_ep2_zero3_holds_each_ranks_experts_and_equals_fp32(checkpoints, tmp_path):
     ids = [(7 * i + 3) % 384 for i in range(48)]
     scenarios = [

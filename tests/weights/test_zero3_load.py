@@ -10,6 +10,8 @@ from safetensors.torch import save_file
 from moe_plugin.models import MoEPluginForCausalLM, preset_config, save_k3_checkpoint
 from moe_plugin.testing.launch import run_distributed
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 WORKERS = Path(__file__).with_name("zero3_workers.py")
 
 
