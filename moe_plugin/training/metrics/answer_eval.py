@@ -84,13 +84,11 @@ def answer(model, processor, question: Question, max_new_tokens: int = 16, token
     the model's generation config)."""
     from ..data.chat_template import expand_image_tokens
 
+    from ...models.base_tokenizer import render_ids
+
     tokenizer = getattr(processor, "tokenizer", processor)
-    ids = [
-        int(t)
-        for t in tokenizer.apply_chat_template(
-            question.messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
-    ]
+    # the tokenizer's own rendering in whatever shape it returns (K3's is a batch of one)
+    ids = render_ids(tokenizer, question.messages, True)
     inputs = {}
     if question.images:
         vision = processor.image_processor(question.images, return_tensors="pt")
