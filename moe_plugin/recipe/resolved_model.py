@@ -123,7 +123,7 @@ def resolve_model(model_section) -> ResolvedModel:
     """The ``ResolvedModel`` of the recipe's ``model`` section. A base without a tokenizer, or whose tokenizer
     or config maps to code in its directory while ``model.trust_remote_code`` is false, is refused with a
     one-line ValueError naming the field and the fix (before anything from the directory runs)."""
-    from ..models.base_tokenizer import chat_tokens, check_remote_code, load_base_tokenizer
+    from ..models.base_tokenizer import chat_tokens, check_remote_code, load_base_tokenizer, read_json
 
     trust = bool(getattr(model_section, "trust_remote_code", False))
     if model_section.from_pretrained is None:
@@ -150,7 +150,9 @@ def resolve_model(model_section) -> ResolvedModel:
         for k, v in hf_config.to_dict().items()
         if k in ("image_token_id", "eos_token_id", "pad_token_id") and v is not None
     }
-    tokens = chat_tokens(tokenizer, {**config_json, **ids}, processor)
+    # stop ids: generation_config.json's eos too (K3's <|end_of_msg|>, not the tokenizer's [EOS])
+    generation = read_json(os.path.join(path, "generation_config.json"))
+    tokens = chat_tokens(tokenizer, {**config_json, **ids}, processor, generation_config=generation)
     _check_vocabulary(path, tokenizer, model_config)
     return ResolvedModel(path, _format_of(config_json), hf_config, model_config, tokenizer, processor, tokens)
 
