@@ -163,10 +163,12 @@ def _processor(path: Optional[str], tokenizer, model_config):
     if model_config.vision is None:
         return None
     from ..models.image_processing import ImageProcessor
+    from ..models.k3_image_processing import load_image_processor
     from ..models.processing import MoEProcessor
 
     saved = path is not None and os.path.isfile(os.path.join(path, "preprocessor_config.json"))
-    return MoEProcessor(tokenizer, ImageProcessor.from_pretrained(path) if saved else ImageProcessor())
+    # K3's media_proc_cfg or this project's settings, whichever the base saved
+    return MoEProcessor(tokenizer, load_image_processor(path) if saved else ImageProcessor())
 
 
 def _check_vocabulary(path: str, tokenizer, model_config) -> None:
