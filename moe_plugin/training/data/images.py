@@ -44,8 +44,8 @@ class Images:
     sizes: Optional[List[Tuple[int, int]]] = None
 
     def tokens_per_image(self, merge_size: int) -> List[int]:
-        """Merged tokens of each image: ``h * w / merge_size**2``."""
-        return [int(h) * int(w) // merge_size**2 for h, w in self.grid_hw.tolist()]
+        """Merged tokens of each image: ``h * w / merge_size**2`` (``grid_hw`` may be K3's ``[n, 3]`` (t, h, w))."""
+        return [int(row[-2]) * int(row[-1]) // merge_size**2 for row in self.grid_hw.tolist()]
 
 
 def concat_images(parts: Sequence[Optional[Images]]) -> Optional[Images]:
@@ -154,7 +154,9 @@ def load_images(where: str, sources: List[str], base_dir: str, image_processor) 
         out = image_processor(images, return_tensors="pt")
     except ValueError as e:
         raise ValueError(f"data.path: {where}: {e}") from None
-    return Images(out["pixel_patches"], out["grid_hw"], [tuple(image.size) for image in images])
+    from ...models.k3_image_processing import image_outputs  # either processor's names (K3's: pixel_values)
+
+    return Images(*image_outputs(out), [tuple(image.size) for image in images])
 
 
 def expand_placeholders(text: str, tokens_per_image: Sequence[int], placeholder: str = IMAGE_PLACEHOLDER) -> str:
