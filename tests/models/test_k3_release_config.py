@@ -169,3 +169,13 @@ def test_shrunk_release_config_agrees_and_runs(release):
         out = model(input_ids=ids, labels=ids)
     assert out.logits.shape == (2, 12, written["text_config"]["vocab_size"])
     assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+    # an image through the shrunk vision_config: one <|media_pad|> (media_placeholder_token_id) per image in the
+    # ids, a 4 x 4 patch grid is 2 x 2 merged tokens (the release's ceil(h/28) x ceil(w/28)), so 5 ids become 8
+    image = torch.tensor([[1, 2, written["media_placeholder_token_id"], 3, 4]])
+    grid = torch.tensor([[1, 4, 4]])  # K3's grid_thws: (t, h, w) in patches
+    pixels = torch.randn(16, 3, 14, 14, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        seen = model(input_ids=image, pixel_values=pixels, grid_thws=grid).logits
+        other = model(input_ids=image, pixel_values=-pixels, grid_thws=grid).logits
+    assert seen.shape == (1, 8, written["text_config"]["vocab_size"]) and torch.isfinite(seen).all()
+    assert not torch.allclose(seen[:, -1], other[:, -1])  # the text after the image sees it
