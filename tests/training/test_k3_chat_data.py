@@ -223,3 +223,45 @@ def test_unrendered_fields_are_named_in_one_warning(tmp_path):
     assert "reasoning_content (first: messages[1].reasoning_content of line 1 of" in warning
     assert "weight (first: messages[0].weight of line 1" in warning
     assert "greet" not in ByteTokenizer().decode(examples[0].input_ids)
+
+
+def test_k3_fixture_defaults_are_the_releases(k3):
+    chat = [TOOL_CHAT[1]]
+    text = k3.apply_chat_template(chat)  # tokenize=False, a generation prompt, thinking, effort max by default
+    assert isinstance(text, str) and text.endswith(ASSISTANT_HEADER + "<|open|>think<|sep|>")
+    assert '<|open|>message role="system" type="thinking-effort"<|sep|>' in text and "thinking_effort=max" in text
+    assert k3.apply_chat_template(chat, thinking=False).endswith(ASSISTANT_HEADER + "<|open|>response<|sep|>")
+    batch = k3.apply_chat_template([chat, chat], tokenize=True)
+    assert len(batch) == 2 and batch[0] == batch[1] == k3.apply_chat_template(chat, tokenize=True)
+    with pytest.raises(ValueError, match="thinking_effort must be one of"):
+        k3.apply_chat_template(chat, thinking_effort="medium")
+    assert k3.bos_token_id == K3_IDS["bos_token_id"] and k3.bos_token_id not in k3_rendering(k3, chat)
+
+
+def test_openai_records_from_parquet_and_a_saved_dataset(k3, tmp_path):
+    import datasets
+
+    tokens = chat_tokens(k3, K3_CONFIG)
+    # one shape for every row (what Arrow needs): arguments as JSON strings, content strings
+    records = [
+        {"messages": [TOOL_CHAT[1], {"role": "assistant", "content": "Yes.", "reasoning_content": "ok"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello.", "reasoning_content": ""},
+            ]
+        },
+    ]
+    jsonl = tmp_path / "chats.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    want = sft_examples(str(jsonl), k3, tokens=tokens)
+    parquet = tmp_path / "chats.parquet"
+    datasets.Dataset.from_list(records).to_parquet(str(parquet))
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(str(saved))
+    for path in (parquet, saved):
+        got = sft_examples(str(path), k3, tokens=tokens)
+        assert got == want and got[0].where == f"row 1 of {path}"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"^data.path: .*empty is a directory but not a dataset written by"):
+        sft_examples(str(tmp_path / "empty"), k3, tokens=tokens)
