@@ -84,11 +84,15 @@ def answer(model, processor, question: Question, max_new_tokens: int = 16, token
     the model's generation config)."""
     from ..data.chat_template import expand_image_tokens
 
-    from ...models.base_tokenizer import render_ids
+    from ...models.base_tokenizer import k3_image_prompt, render_ids
 
     tokenizer = getattr(processor, "tokenizer", processor)
-    # the tokenizer's own rendering in whatever shape it returns (K3's is a batch of one)
-    ids = render_ids(tokenizer, question.messages, True)
+    # the tokenizer's own rendering in whatever shape it returns (K3's is a batch of one); a format that writes
+    # each image from its size (K3's) is handed the images' prompts, as K3's processor does
+    kwargs = {}
+    if question.images and tokens is not None and tokens.image_prompts:
+        kwargs["image_prompts"] = [k3_image_prompt(*image.size) for image in question.images]
+    ids = render_ids(tokenizer, question.messages, True, **kwargs)
     inputs = {}
     if question.images:
         vision = processor.image_processor(question.images, return_tensors="pt")
