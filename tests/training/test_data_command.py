@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from moe_plugin.cli import main as cli_main
 from moe_plugin.models import preset_config
+from moe_plugin.models.base_tokenizer import k3_image_prompt
 from moe_plugin.recipe.resolved_model import resolve_model
 from moe_plugin.recipe.schema import load_recipe
 from moe_plugin.training.data.command import render_labels
@@ -143,3 +144,41 @@ def test_data_command_bad_input_is_one_line(tmp_path, capsys):
     assert cli_main(["data", "--recipe", str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moe-plugin data: error: recipe ")
+
+
+def test_data_command_on_the_tiny_k3_release_with_an_image(tmp_path, capsys):
+    from PIL import Image
+
+    from moe_plugin.testing.k3_release import write_k3_release
+
+    base = tmp_path / "k3"
+    write_k3_release(base, tokenizer_dir=K3_TOKENIZER)
+    Image.new("RGB", (40, 30), (255, 0, 0)).save(tmp_path / "red.png")
+    record = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "image": "red.png"}, {"type": "text", "text": "Color?"}]},
+            {"role": "assistant", "content": "red", "reasoning_content": "It looks red."},
+        ]
+    }
+    data_path = tmp_path / "chats.jsonl"
+    data_path.write_text(json.dumps(record) + "\n")
+    recipe_path = write_recipe(
+        tmp_path, base, {"kind": "sft", "path": str(data_path), "seq_len": 256, "eval_fraction": 0}
+    )
+    dump = tmp_path / "dump.jsonl"
+    assert cli_main(["data", "--recipe", recipe_path, "--dump", str(dump)]) == 0
+    out = capsys.readouterr().out
+    _, (example,), rows = pipeline_rows(recipe_path)
+    (line,) = [json.loads(x) for x in dump.read_text().splitlines()]
+    assert line["input_ids"] == rows[0].input_ids.tolist() and line["labels"] == rows[0].labels.tolist()
+    # the image as K3's processor writes it (its original size), its placeholder expanded and never trained
+    k3 = AutoTokenizer.from_pretrained(K3_TOKENIZER, trust_remote_code=True, local_files_only=True)
+    pad = K3_IDS["media_placeholder_token_id"]
+    rendered = k3.apply_chat_template(
+        record["messages"], add_generation_prompt=False, tokenize=True, image_prompts=[k3_image_prompt(40, 30)]
+    )
+    n = example.input_ids.count(pad)
+    first = rendered.index(pad)
+    assert n >= 1 and example.input_ids == rendered[:first] + [pad] * n + rendered[first + 1 :]
+    assert all(label == -100 for t, label in zip(example.input_ids, example.labels) if t == pad)
+    assert "<|media_begin|>image 40x30<|media_content|>" in out and "[[It looks red.<|close|>think" in out
