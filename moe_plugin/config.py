@@ -196,7 +196,7 @@ class MoEConfig:
 
 # the vision towers this project builds: "vit", its own ViT (the shipped tiny image bases); "moonvit3d", Kimi
 # K3's MoonViT-3D tower with its patch-merger projector "patchmergerv2", under the release's names
-# (docs/multimodal.md 4)
+# (docs/multimodal.md 7)
 VISION_KINDS = ("vit", "moonvit3d")
 
 

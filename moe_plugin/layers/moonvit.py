@@ -1,4 +1,4 @@
-"""K3's vision encoder, MoonViT-3D, with its patch-merger projector (docs/multimodal.md 4), under the release's names.
+"""K3's vision encoder, MoonViT-3D, with its patch-merger projector (docs/multimodal.md 7), under the release's names.
 
 Parameters (``weight`` each, no biases), as the published checkpoint names them below ``vision_tower.`` and
 ``mm_projector.``:

@@ -1,4 +1,4 @@
-"""The image encoder a ``VisionConfig`` asks for: tower, merge and projector, by ``kind`` (docs/multimodal.md 4).
+"""The image encoder a ``VisionConfig`` asks for: tower, merge and projector, by ``kind`` (docs/multimodal.md 7).
 
 Both faces (``moe_plugin.models.modeling_vl``, ``moe_plugin.megatron.multimodal``) build theirs here, so a kind
 is added in one place. The three modules are owned by the model as ``vision_tower``, ``patch_merger`` (no

@@ -1,4 +1,4 @@
-"""One image placeholder per image, as K3's prompts hold it, expanded to the image's tokens (docs/multimodal.md 4).
+"""One image placeholder per image, as K3's prompts hold it, expanded to the image's tokens (docs/multimodal.md 7).
 
 K3's chat format writes ``<|media_begin|>image WxH<|media_content|><|media_pad|><|media_end|>`` per image: one
 placeholder id (``media_placeholder_token_id``) however many tokens the image has. This project's own processor

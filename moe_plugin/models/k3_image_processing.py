@@ -1,6 +1,6 @@
 """K3's image processor rules (its ``preprocessor_config.json``, ``media_proc_cfg``), offline: Pillow and numpy.
 
-For each image (docs/multimodal.md 4):
+For each image (docs/multimodal.md 7):
 
 1. the "navit" resize: ``scale = min(1, sqrt(in_patch_limit / (max(1, w // p) * max(1, h // p))),
    side_limit * p / w, side_limit * p / h)``; the new size is ``max(1, int(side * scale))`` per side, at most

@@ -1,4 +1,4 @@
-"""K3's ``vision_config`` (its ``vt_*`` / ``mm_*`` keys) to ``VisionConfig`` and back (docs/multimodal.md 4).
+"""K3's ``vision_config`` (its ``vt_*`` / ``mm_*`` keys) to ``VisionConfig`` and back (docs/multimodal.md 7).
 
 Every key of the published ``vision_config`` is either mapped to a ``VisionConfig`` field or has one supported
 value (the release's), checked here; any other value, and any key this module does not know, is a ValueError
@@ -56,7 +56,7 @@ _REQUIRED = ("vt_hidden_size", "vt_num_hidden_layers", "vt_num_attention_heads",
 _OWN_ALIASES = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads"}
 _OWN_FIELDS = tuple(f.name for f in dataclasses.fields(VisionConfig))
 
-# The published vision_config of moonshotai/Kimi-K3, every key (docs/multimodal.md 4; the k3 preset's tower).
+# The published vision_config of moonshotai/Kimi-K3, every key (docs/multimodal.md 7; the k3 preset's tower).
 K3_VISION_CONFIG: Dict[str, Any] = {
     "_attn_implementation": "flash_attention_2",
     "activation_func": "gelu_pytorch_tanh",
@@ -107,8 +107,8 @@ def vision_config_from_k3(vision: Mapping[str, Any], where: str = "vision_config
     for key, supported in _FIXED.items():
         if key in vision and vision[key] != supported:
             raise ValueError(
-                f"{where}{key}: only {supported!r} (K3's MoonViT-3D) is supported, got {vision[key]!r}; a tower "
-                "built otherwise is not one this project knows (train the base text-only with model.ignore_vision)"
+                f"{where}{key}: only {supported!r} (K3's MoonViT-3D) is supported, got {vision[key]!r}; this project "
+                "does not build such a tower (a recipe trains the base text-only with model.ignore_vision: true)"
             )
     for key, allowed in _RUNTIME.items():
         if vision.get(key) not in allowed:

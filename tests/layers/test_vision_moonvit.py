@@ -2,7 +2,7 @@
 
 No MoonViT implementation installs on this CPU machine (transformers 4.x ships none; the release's
 modeling_kimi_k3.py imports flash-linear-attention at import time), so the reference below re-derives the published
-code's math in plain loop form, from the release's own definitions (docs/multimodal.md 4): the conv patch embedding,
+code's math in plain loop form, from the release's own definitions (docs/multimodal.md 7): the conv patch embedding,
 the 64 x 64 table through ``F.interpolate(mode="bilinear")`` unless the grid is the table's size, the sin-cos time
 table built with numpy as the release builds it, rotary angles as the release's complex ``freqs_cis`` table (a
 512 x 512 polar grid, x = column first) applied with ``view_as_complex`` on adjacent pairs, the eager attention

@@ -81,7 +81,7 @@ def test_bad_settings_raise():
 
 
 # --- K3's processor rules (moe_plugin/models/k3_image_processing.py) ---------------------------------------------
-# The reference is the release's navit rule re-stated from its media_utils (docs/multimodal.md 4), plus sizes
+# The reference is the release's navit rule re-stated from its media_utils (docs/multimodal.md 7), plus sizes
 # worked by hand; the pixel checks build the expected patches from the image by slicing.
 
 

@@ -1,6 +1,6 @@
 """K3's vision tower on both faces: the release's tensor names load strictly into the Hugging Face model and into
 megatron's ``MultimodalGPTModel`` encoder, and both encode the same tokens; one ``<|media_pad|>`` per image (K3's
-prompts) is expanded in the model to the image's tokens, with labels -100 there (docs/multimodal.md 4).
+prompts) is expanded in the model to the image's tokens, with labels -100 there (docs/multimodal.md 7).
 
 The megatron face is checked through ``MultimodalGPTModel.attach_encoder`` / ``encode_images`` (its own code path)
 on an instance without megatron's decoder: building ``GPTModel`` needs megatron's process groups, which this
@@ -87,3 +87,33 @@ def test_expansion_pads_rows_on_their_side_and_shifts_packed_documents():
 def test_a_placeholder_count_of_neither_form_is_refused():
     with pytest.raises(ValueError, match=r"^input_ids: hold 2 image placeholders for 3 images of 9 tokens"):
         expand_image_placeholders(torch.tensor([[PAD, 1, PAD]]), PAD, [3, 3, 3])
+
+
+def test_a_release_with_a_tower_this_project_does_not_build_is_refused_or_trained_text_only(tmp_path):
+    """The recipe names the refusal's key; ``model.ignore_vision: true`` reads the base as its text model."""
+    import json
+    from types import SimpleNamespace
+
+    from pydantic import ValidationError
+
+    from moe_plugin.recipe.model_section import ModelSection
+    from moe_plugin.recipe.resolved_model import base_hf_config
+    from moe_plugin.testing.k3_release import write_k3_release
+    from moe_plugin.training.backends.images import wants_images
+
+    base = tmp_path / "k3"
+    write_k3_release(str(base), seed=0)
+    config = json.loads((base / "config.json").read_text())
+    config["vision_config"]["mm_projector_type"] = "patchmerger"
+    (base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValidationError, match=r"vision_config.mm_projector_type: only 'patchmergerv2'"):
+        ModelSection(from_pretrained=str(base), trust_remote_code=True)
+    section = ModelSection(from_pretrained=str(base), trust_remote_code=True, ignore_vision=True)
+    text = base_hf_config(section).to_model_config()
+    assert text.vision is None and text.hidden_size == config["text_config"]["hidden_size"]
+    data = tmp_path / "data.jsonl"
+    record = {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}]}
+    data.write_text(json.dumps(record) + "\n")
+    recipe = SimpleNamespace(model=section, data=SimpleNamespace(kind="sft", path=str(data)))
+    with pytest.raises(ValueError, match=r"^model.ignore_vision: is true, .* but the data holds images"):
+        wants_images(recipe, text)
