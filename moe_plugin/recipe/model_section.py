@@ -89,6 +89,9 @@ class ModelSection(_Section):
     overrides: Dict[str, Any] = _field(default_factory=dict, example={"num_experts": 8})
     # run the code a base's tokenizer or config maps to in its directory (auto_map), as transformers does
     trust_remote_code: bool = False
+    # train an image+text base as its text model: its vision_config is not read (a tower this project does not
+    # build is then no obstacle) and its vision tensors are not loaded (docs/multimodal.md 7)
+    ignore_vision: bool = False
 
     def source_format(self) -> Literal["preset", "hf", "k3"]:
         """ "preset", "hf" (a ``save_pretrained`` directory) or "k3" (a K3-layout checkpoint)."""

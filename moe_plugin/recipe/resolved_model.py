@@ -110,12 +110,16 @@ def base_hf_config(model_section, config_json: Optional[dict] = None):
     from ..models.presets import preset_config
 
     overrides = dict(model_section.overrides)
+    if getattr(model_section, "ignore_vision", False):  # the text model: the vision_config is never read
+        overrides.update(vision_config=None)
     if model_section.from_pretrained is None:
         return preset_config(model_section.preset, **overrides)
     path = model_section.from_pretrained
     config_json = config_json if config_json is not None else _read_config_json(path)
     if _format_of(config_json) == "hf":
         return MoEPluginConfig.from_pretrained(path, **overrides)
+    if "text_config" in config_json and "vision_config" in overrides:  # K3's layout: its own vision_config key
+        config_json = {**config_json, "vision_config": overrides.pop("vision_config")}
     return config_from_k3(config_json, **overrides)
 
 

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from ...config import require
 from ...layers.vision_blank import blank_image_tokens
 from ...models.modeling_vl import MoEPluginForConditionalGeneration
 from ..data.pipeline import has_images
@@ -17,6 +18,14 @@ __all__ = ["wants_images", "ImageTextTrainingModel"]
 def wants_images(recipe, model_config) -> bool:
     """The image model is built when the base has a vision tower and the data holds images; otherwise the text
     model (a text-only run of an image base never builds, loads or partitions the tower)."""
+    if getattr(recipe.model, "ignore_vision", False):
+        require(
+            not has_images(recipe.data),
+            "model.ignore_vision",
+            "is true, so the base trains as its text model, but the data holds images; drop the images from the "
+            "data or set model.ignore_vision to false",
+        )
+        return False
     return model_config.vision is not None and has_images(recipe.data)
 
 
