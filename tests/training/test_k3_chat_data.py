@@ -265,3 +265,19 @@ def test_openai_records_from_parquet_and_a_saved_dataset(k3, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"^data.path: .*empty is a directory but not a dataset written by"):
         sft_examples(str(tmp_path / "empty"), k3, tokens=tokens)
+
+
+def test_recipe_data_tools_and_switches(tmp_path):
+    from moe_plugin.recipe.schema import recipe_from_dict
+    from tests.recipes import smallest
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text("{}\n")
+    sft = {"kind": "sft", "path": str(path), "tools": TOOLS, "chat_template_kwargs": {"thinking": False}}
+    data = recipe_from_dict(smallest(data=sft)).data
+    assert data.tools == TOOLS and data.chat_template_kwargs == {"thinking": False}
+    assert recipe_from_dict(smallest(data={"kind": "sft", "path": str(tmp_path)})).data.path == str(tmp_path)
+    with pytest.raises(ValueError, match=r"data.tools: is read only when data.kind is \"sft\""):
+        recipe_from_dict(smallest(data={"kind": "text", "path": str(path), "tools": TOOLS}))
+    with pytest.raises(ValueError, match=r"data.chat_template_kwargs"):
+        recipe_from_dict(smallest(data={"kind": "sft", "path": str(path), "chat_template_kwargs": ["thinking"]}))
