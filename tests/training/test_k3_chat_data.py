@@ -281,3 +281,19 @@ def test_recipe_data_tools_and_switches(tmp_path):
         recipe_from_dict(smallest(data={"kind": "text", "path": str(path), "tools": TOOLS}))
     with pytest.raises(ValueError, match=r"data.chat_template_kwargs"):
         recipe_from_dict(smallest(data={"kind": "sft", "path": str(path), "chat_template_kwargs": ["thinking"]}))
+
+
+def test_a_message_the_template_ignores_is_named():
+    from moe_plugin.models.tokenizer import CHAT_TEMPLATE, ByteTokenizer
+
+    tok = ByteTokenizer()
+    # a template that leaves system messages out, as some do
+    tok.chat_template = CHAT_TEMPLATE.replace(
+        "{% for message in messages %}", "{% for message in messages if message['role'] != 'system' %}"
+    )
+    chat = [{"role": "system", "content": "Be brief."}, *TOOL_CHAT[-2:]]
+    found = []
+    ids, labels = tokenize_chat(tok, chat, where="x", unrendered=found)
+    assert found == ["messages[0]"]
+    assert ids == tok.apply_chat_template(chat, add_generation_prompt=False, return_dict=True)["input_ids"]
+    assert tok.decode([t for t in labels if t != IGNORE]) == "You are welcome.<|im_end|>"

@@ -78,24 +78,33 @@ def _last(span: List[int], token: int) -> int:
     return max((k + 1 for k, t in enumerate(span) if t == token), default=-1)
 
 
-def _drop_unrendered(tokenizer, messages: List[dict], whole: List[int], where: str, kwargs_for) -> List[str]:
-    """Names (``messages[i].field``) of the optional fields the whole rendering does not change with; they are
-    removed from ``messages`` in place, so every prefix renders as the whole does."""
-    names = []
+def _same_without(tokenizer, trial: List[dict], whole: List[int], kwargs: dict) -> bool:
+    try:
+        return render_ids(tokenizer, trial, False, **kwargs) == whole
+    except Exception:  # the template needs what was left out (a tool result without its call): it renders it
+        return False
+
+
+def _drop_unrendered(tokenizer, messages: List[dict], whole: List[int], kwargs: dict) -> List[str]:
+    """Names of what the whole rendering does not change with: optional fields (``messages[i].field``) and
+    whole system or tool messages (``messages[i]``, a template that ignores a role); they are removed from
+    ``messages`` in place, so every prefix renders as the whole does. ``kwargs``: the whole's render kwargs."""
+    names, unused = [], []
     for i, message in enumerate(messages):
         for name in OPTIONAL_FIELDS:
             if not message.get(name):
                 continue
             trial = list(messages)
             trial[i] = {k: v for k, v in message.items() if k != name}
-            try:
-                same = render_ids(tokenizer, trial, False, **kwargs_for(len(messages))) == whole
-            except Exception:  # the template needs the field (a tool result without its call): it renders it
-                same = False
-            if same:
+            if _same_without(tokenizer, trial, whole, kwargs):
                 names.append(f"messages[{i}].{name}")
-                messages[i] = trial[i]
-                message = trial[i]
+                messages[i] = message = trial[i]
+        if message["role"] in ("system", "tool") and not image_count(message):
+            if _same_without(tokenizer, messages[:i] + messages[i + 1 :], whole, kwargs):
+                names.append(f"messages[{i}]")
+                unused.append(i)
+    for i in reversed(unused):
+        del messages[i]
     return names
 
 
@@ -125,7 +134,7 @@ def tokenize_chat(
     base = dict(template_kwargs or {})
     if tools:
         base["tools"] = list(tools)
-    counts = [image_count(m) for m in messages]
+    counts = [image_count(m) for m in messages]  # images per message: a prefix hands on the prompts of its own
     prompts = None
     if tokens.image_prompts and sum(counts):
         if image_sizes is None or len(image_sizes) != sum(counts):
@@ -140,7 +149,8 @@ def tokenize_chat(
         return base if prompts is None else {**base, "image_prompts": prompts[: sum(counts[:upto])]}
 
     ids = _render(tokenizer, messages, False, where, len(messages), kwargs_for(len(messages)))
-    dropped = _drop_unrendered(tokenizer, messages, ids, where, kwargs_for)
+    dropped = _drop_unrendered(tokenizer, messages, ids, kwargs_for(len(messages)))
+    counts = [image_count(m) for m in messages]  # a message left out held no image: only positions move
     if dropped and unrendered is None:
         raise ValueError(
             f"{where}: the base's chat format does not render {', '.join(dropped)}, so it would not be "
