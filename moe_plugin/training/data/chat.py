@@ -168,7 +168,9 @@ class Unrendered:
         if names:
             self.records += 1
         for name in names:
-            self.first.setdefault(name.split(".", 1)[-1], (name, where))
+            # grouped by field; a message the format leaves out whole by "message"
+            field = name.split(".", 1)[1] if "." in name else "message"
+            self.first.setdefault(field, (name, where))
 
     def describe(self) -> str:
         if not self.records:
