@@ -43,6 +43,8 @@ TOOL_CHAT = [
                 "type": "function",
                 "function": {"name": "get_weather", "arguments": {"city": "London", "days": 2, "metric": True}},
             },
+            # arguments that are not JSON: the format writes them as a JSON block
+            {"id": "call_c", "type": "function", "function": {"name": "get_weather", "arguments": "city=Rome"}},
         ],
     },
     # results out of call order: the format puts them back by tool_call_id
@@ -110,6 +112,7 @@ def test_k3_tool_chat_ids_and_labels_are_the_tokenizers_rendering(k3):
     assert '<|open|>argument key="days" type="number"<|sep|>2<|close|>argument' in trained
     assert '<|open|>argument key="metric" type="boolean"<|sep|>true' in trained
     assert '<|open|>argument key="city" type="string"<|sep|>Paris' in trained
+    assert '<|open|>call tool="get_weather" index="3"<|sep|><|open|>json type="object"<|sep|>city=Rome' in trained
     for untrained in (
         "Be brief.",
         "Weather in Paris",
@@ -297,3 +300,23 @@ def test_a_message_the_template_ignores_is_named():
     assert found == ["messages[0]"]
     assert ids == tok.apply_chat_template(chat, add_generation_prompt=False, return_dict=True)["input_ids"]
     assert tok.decode([t for t in labels if t != IGNORE]) == "You are welcome.<|im_end|>"
+
+
+def test_ids_in_every_shape_a_template_returns():
+    import torch
+    from transformers import BatchEncoding
+
+    from moe_plugin.models.base_tokenizer import ids_of
+
+    for shape in (
+        [5, 6],
+        [[5, 6]],
+        torch.tensor([[5, 6]]),
+        {"input_ids": [5, 6]},
+        BatchEncoding({"input_ids": [[5, 6]]}),
+    ):
+        assert ids_of(shape) == [5, 6]
+    with pytest.raises(ValueError, match="returned 2 rows for one conversation"):
+        ids_of([[1], [2]])
+    with pytest.raises(ValueError, match="returned str, not token ids"):
+        ids_of("text")
