@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict
 
 from .configuration import MoEPluginConfig
+from .k3_vision import K3_VISION_CONFIG, vision_kwargs
 
 
 def _k3_layer_types():
@@ -106,7 +107,7 @@ def k3(**overrides: Any) -> Dict[str, Any]:
             first_k_dense_replace=1,
             intermediate_size=33792,
             tie_word_embeddings=False,
-            vision_config=dict(hidden_size=1024, num_layers=27, num_heads=16, intermediate_size=4096),
+            vision_config=vision_kwargs(K3_VISION_CONFIG),  # the release's MoonViT-3D (docs/multimodal.md 7)
             image_token_id=163605,
         )
         | overrides

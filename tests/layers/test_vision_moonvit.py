@@ -80,6 +80,9 @@ def test_the_published_vision_config_maps_key_for_key_and_back():
         7168,
     )
     assert vision_config_to_k3(config) == published
+    from moe_plugin.models.presets import preset_config  # the k3 preset's tower is the release's
+
+    assert preset_config("k3").to_model_config().vision == config
 
 
 def test_full_size_tower_has_the_published_names_and_shapes():
