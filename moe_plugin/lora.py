@@ -28,6 +28,8 @@ from .compat.deepspeed import full_numel, full_shape
 from .compat.peft import quiet_wrapping, register_custom_module
 from .config import require
 from .expert_adapters import slice_experts
+from .layers.gated_dsa import GatedMLAAttention
+from .layers.kda import KDAAttention
 from .layers.packed_experts import PackedStackedExperts
 from .layers.stacked_experts import StackedExperts
 from .lora_packed import PackedParamWrapper
@@ -39,6 +41,8 @@ __all__ = [
     "mark_expert_adapters",
     "init_expert_adapters",
     "count_parameters",
+    "targets_by_layer_kind",
+    "REPORT_ATTRIBUTE",
 ]
 
 # The seed's LoRA targets: the attention query/key projections and the router.
@@ -65,13 +69,89 @@ def lora_config(
     return config
 
 
+# where add_lora leaves its targets report on the model it returns (the trainer prints it at start)
+REPORT_ATTRIBUTE = "lora_targets_report"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# the attention kinds of a decoder layer, by the layer class that owns them (megatron's subclasses included)
+_ATTENTION_KINDS = ((KDAAttention, "KDA"), (GatedMLAAttention, "MLA"))
+
+
+def _matches(name: str, keys: Sequence[str]) -> set:
+    """The keys of ``keys`` that ``name`` ends with, as peft matches a target list (whole dotted parts)."""
+    return {k for k in keys if name == k or name.endswith("." + k)}
+
+
+def _layer_kinds(model: nn.Module) -> dict:
+    """``{layer index: (kind, [the attention's nn.Linear names, in module order])}`` of the decoder layers of
+    ``model`` (an image+text model's language model, either face), by the attention module each layer holds."""
+    kinds: dict = {}
+    for name, module in model.named_modules():
+        for cls, kind in _ATTENTION_KINDS:
+            layer = _LAYER.search(name + ".")
+            if isinstance(module, cls) and layer and int(layer.group(1)) not in kinds:
+                # the projections a user would target: the DSA indexer (this project's, frozen) is left out
+                linears = [
+                    n.rsplit(".", 1)[-1]
+                    for n, m in module.named_modules()
+                    if isinstance(m, nn.Linear) and "indexer" not in n.split(".")
+                ]
+                kinds[int(layer.group(1))] = (kind, [n for n in dict.fromkeys(linears) if "lora_" not in n])
+    return kinds
+
+
+def targets_by_layer_kind(model: nn.Module, config: LoraConfig) -> str:
+    """One line saying in which decoder layers of each attention kind (KDA, MLA) each LoRA target of ``config``
+    matched, before the adapters go on. Targets that match alike are named together; a kind a target misses in
+    full names that kind's attention projections, e.g. ``q_proj, k_proj matched in 3 of 3 KDA layers; 0 of 1
+    MLA layers (MLA has q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, g_proj, o_proj)``: K3's MLA layers
+    have no ``q_proj``/``k_proj``, so those targets leave a quarter of its layers' attention unadapted."""
+    modules = sorted(config.target_modules or ()) if not isinstance(config.target_modules, str) else []
+    params = list(config.target_parameters or ())
+    kinds = _layer_kinds(model)
+    if not kinds:
+        return ""
+    totals: dict = {}
+    for kind, _ in kinds.values():
+        totals[kind] = totals.get(kind, 0) + 1
+    hits: dict = {t: {} for t in modules + params}  # target -> {kind: set of layers}
+    for name, module in model.named_modules():
+        layer = _LAYER.search(name + ".")
+        if layer is None or int(layer.group(1)) not in kinds or "lora_" in name:
+            continue
+        index = int(layer.group(1))
+        kind = kinds[index][0]
+        found = _matches(name, modules) | {
+            k for p, _ in module.named_parameters(recurse=False) for k in _matches(f"{name}.{p}", params)
+        }
+        for target in found:
+            hits[target].setdefault(kind, set()).add(index)
+    if isinstance(config.target_modules, str):
+        return f"LoRA targets: the pattern {config.target_modules!r} (not reported by layer kind)"
+    groups: dict = {}
+    for target, found in hits.items():
+        groups.setdefault(tuple((kind, len(found.get(kind, ()))) for kind in totals), []).append(target)
+    phrases = []
+    for counts, targets in groups.items():
+        parts = []
+        for kind, n in counts:
+            part = f"{n} of {totals[kind]} {kind} layers"
+            if n == 0:
+                names = next(linears for k, linears in kinds.values() if k == kind)
+                part += f" ({kind} has {', '.join(names)})"
+            parts.append(part)
+        phrases.append(f"{', '.join(targets)} matched in " + "; ".join(parts))
+    return "LoRA targets by layer kind: " + " | ".join(phrases)
+
+
 def add_lora(model: nn.Module, config: LoraConfig, wrap: bool = False):
     """Put LoRA adapters on ``model`` (base frozen, adapters trainable) and mark the expert adapters.
 
     wrap: return a peft ``PeftModel`` (what ``save_pretrained`` writes as a PEFT adapter directory; the
     Hugging Face face); False injects in place and returns ``model`` itself, keeping parameter names and
-    module paths (the megatron face, whose names map through ``moe_plugin.megatron.weights``).
+    module paths (the megatron face, whose names map through ``moe_plugin.megatron.weights``). The returned
+    model carries ``targets_by_layer_kind``'s line as ``lora_targets_report`` (``REPORT_ATTRIBUTE``).
     """
+    report = targets_by_layer_kind(model, config)
     if wrap:
         with quiet_wrapping():
             model = get_peft_model(model, config)
@@ -80,6 +160,7 @@ def add_lora(model: nn.Module, config: LoraConfig, wrap: bool = False):
         for name, p in model.named_parameters():
             p.requires_grad_(".lora_" in name)
     mark_expert_adapters(model)
+    object.__setattr__(model, REPORT_ATTRIBUTE, report)  # a plain attribute, not a module or buffer
     return model
 
 
