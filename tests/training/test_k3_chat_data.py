@@ -320,3 +320,12 @@ def test_ids_in_every_shape_a_template_returns():
         ids_of([[1], [2]])
     with pytest.raises(ValueError, match="returned str, not token ids"):
         ids_of("text")
+
+
+def test_a_switch_that_changes_nothing_is_named(k3, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [TOOL_CHAT[1], TOOL_CHAT[5]]}) + "\n")
+    tokens = chat_tokens(k3, K3_CONFIG)
+    with pytest.warns(UserWarning, match=r"^data.chat_template_kwargs: thinkng=False changes nothing") as caught:
+        sft_examples(str(path), k3, tokens=tokens, template_kwargs={"thinkng": False, "thinking_effort": "low"})
+    assert not [w for w in caught if "thinking_effort" in str(w.message)]

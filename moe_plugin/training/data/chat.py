@@ -266,6 +266,20 @@ def check_template_kwargs(tokenizer, template_kwargs: Optional[dict], tools: Opt
             f"{name}: the base's chat format rejects {describe(template_kwargs or tools)} "
             f"({type(e).__name__}: {first}); use values its template takes"
         ) from None
+    # a switch that changes nothing is misspelt, unread by this template, or its default: say which key
+    whole = render_ids(tokenizer, probe, True, **kwargs)
+    for key in template_kwargs or {}:
+        rest = {k: v for k, v in kwargs.items() if k != key}
+        try:
+            same = render_ids(tokenizer, probe, True, **rest) == whole
+        except Exception:  # the template needs the key: it reads it
+            same = False
+        if same:
+            warnings.warn(
+                f"data.chat_template_kwargs: {key}={template_kwargs[key]!r} changes nothing in the base's chat "
+                f"format (its default, or a key its template does not read); check the name",
+                stacklevel=3,
+            )
 
 
 def iter_sft_examples(
