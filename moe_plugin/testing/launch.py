@@ -27,7 +27,9 @@ a rank stuck in a collective fails there with its own traceback before the launc
 ``TimeoutError`` (which also carries every rank's output tail).
 
 Starting processes costs seconds (importing torch and megatron-core), so callers should run several
-checks inside one launch and assert on the returned values in the parent.
+checks inside one launch and assert on the returned values in the parent. CPU ranks are forked from a process
+that has imported those libraries once (``warm_start``; ``MOE_PLUGIN_WARM_START=0`` spawns them from scratch):
+each is still a fresh process, with the environment, working directory and output file described above.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from . import warm_start
 from ..parallel.distributed import INIT_METHOD_ENV, TIMEOUT_ENV, destroy_distributed, init_distributed, prepare_device
 
 _PACKAGE_ROOT = Path(os.path.abspath(__file__)).parents[2]  # the directory holding moe_plugin/
@@ -124,14 +127,20 @@ def run_distributed(
             work / "call.pt",
         )
         env = _child_env(world_size, work, backend, process_group_timeout_s)
-        procs: List[subprocess.Popen] = []
+        procs: list = []  # subprocess.Popen, or warm_start.ForkedRank (the same poll/kill/wait)
+        # CPU ranks fork from a process that has the libraries imported already (testing/warm_start.py)
+        starter = warm_start.WarmStarter.for_env(env) if backend == "gloo" and warm_start.enabled() else None
         try:
             for rank in range(world_size):
+                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                if starter is not None:
+                    procs.append(starter.start_rank(work, rank, rank_env, os.getcwd()))
+                    continue
                 with open(work / f"rank{rank}.log", "wb") as log:
                     procs.append(
                         subprocess.Popen(
                             [sys.executable, "-m", "moe_plugin.testing.launch", str(work), str(rank)],
-                            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                            env=rank_env,
                             cwd=os.getcwd(),
                             stdout=log,
                             stderr=subprocess.STDOUT,
@@ -168,7 +177,7 @@ def _ready_file(work: Path, rank: int) -> Path:
     return work / f"rank{rank}.ready"
 
 
-def _wait(procs: List[subprocess.Popen], work: Path, timeout_s: float, startup_timeout_s: float) -> None:
+def _wait(procs: list, work: Path, timeout_s: float, startup_timeout_s: float) -> None:
     started = time.monotonic()
     deadline = None  # set once every rank is ready
     while True:
@@ -196,7 +205,7 @@ def _wait(procs: List[subprocess.Popen], work: Path, timeout_s: float, startup_t
         time.sleep(0.05)
 
 
-def _stop(procs: List[subprocess.Popen]) -> None:
+def _stop(procs: list) -> None:
     for p in procs:
         if p.poll() is None:
             p.kill()
