@@ -17,7 +17,7 @@ import moe_plugin  # noqa: F401  (registers the Auto classes)
 from moe_plugin.models.configuration import MoEPluginConfig
 from moe_plugin.models.k3_config import KimiK3Config, config_from_k3, config_to_k3
 from moe_plugin.models.modeling_vl import MoEPluginForConditionalGeneration
-from moe_plugin.recipe.resolved_model import base_hf_config
+from moe_plugin.recipe.resolved_model import base_hf_config, resolve_model
 from moe_plugin.testing.k3_release import read_published_config, release_tensor_specs, write_k3_release
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
@@ -159,6 +159,10 @@ def test_shrunk_release_config_agrees_and_runs(release):
     mc = trainer.to_model_config()
     assert mc.layer_types == ["kda", "kda", "kda", "mla"] and mc.first_k_dense == 1 and mc.attn_res
     assert mc.moe.expert_format == "mxfp4" and mc.vision.kind == "moonvit3d"
+    # the whole base as the trainer resolves it (its remote-code tokenizer trusted) holds the same config
+    resolved = resolve_model(SimpleNamespace(**vars(_section(release)), trust_remote_code=True))
+    assert resolved.format == "k3" and resolved.hf_config.to_dict() == written
+    assert resolved.model_config == mc and resolved.tokens.image_token_id == written["media_placeholder_token_id"]
     # the recipe's overrides apply on top, as AutoConfig's keyword arguments do
     assert base_hf_config(_section(release, use_dsa_indexer=True)).to_model_config().mla.use_indexer
     torch.manual_seed(0)
