@@ -95,12 +95,14 @@ def answer(model, processor, question: Question, max_new_tokens: int = 16, token
     ids = render_ids(tokenizer, question.messages, True, **kwargs)
     inputs = {}
     if question.images:
-        vision = processor.image_processor(question.images, return_tensors="pt")
-        merge = processor.image_processor.merge_size
+        from ...models.image_tokens import tokens_per_image
+        from ...models.k3_image_processing import image_outputs  # either processor's names (K3's pixel_values)
+
+        pixels, grid = image_outputs(processor.image_processor(question.images, return_tensors="pt"))
         image_id = tokens.image_token_id if tokens is not None else processor.image_token_id
-        counts = [int(h) * int(w) // merge**2 for h, w in vision["grid_hw"].tolist()]
+        counts = tokens_per_image(grid, processor.image_processor.merge_size)
         ids, _ = expand_image_tokens(ids, ids, image_id, counts, where=question.where)
-        inputs = {"pixel_patches": vision["pixel_patches"], "grid_hw": vision["grid_hw"]}
+        inputs = {"pixel_patches": pixels, "grid_hw": grid}
     inputs["input_ids"] = torch.tensor([ids], dtype=torch.int64)
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     stops = {} if tokens is None else {"eos_token_id": list(tokens.stop_ids), "pad_token_id": tokens.pad_id}
