@@ -1,7 +1,7 @@
 """The training recipes the tests run, built in one place: ``recipe(output_dir, ...)`` is the shape most of the
 suite's runs share (the tiny model, LoRA r=4 alpha=8 on attention, router and experts, 300 arithmetic documents
 of 64 tokens, one evaluation batch, no checkpoints, a log line a step), and a test says only what its run does
-differently. The dicts are the ones ``moe_plugin.recipe.schema.recipe_from_dict`` reads (docs/recipes.md).
+differently. The dicts are the ones ``moe_plugin.recipe.schema.recipe_from_dict`` reads (docs/testing.md).
 
 How a test's sections combine with the shape (``recipe(out, schedule={"steps": 4})``):
 

@@ -274,4 +274,7 @@ def _report_ready(work: Path, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1], sys.argv[2]))
+    if sys.argv[1:] == ["--warm-start"]:
+        warm_start.serve(_child_main)
+    else:
+        sys.exit(_child_main(sys.argv[1], sys.argv[2]))

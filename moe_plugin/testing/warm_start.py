@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 ENV = "MOE_PLUGIN_WARM_START"
 # the libraries every rank imports; imported once in the starter
@@ -89,7 +89,7 @@ class WarmStarter:
         # the libraries' import-time warnings go to a log of the starter's own, not into the caller's output
         self._log = tempfile.NamedTemporaryFile(prefix="moe_plugin_warm_start_", suffix=".log", delete=False)
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moe_plugin.testing.warm_start"],
+            [sys.executable, "-m", "moe_plugin.testing.launch", "--warm-start"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -140,8 +140,9 @@ class WarmStarter:
             os.unlink(self._log.name)
 
 
-def _run_rank(request: dict) -> int:
-    """In the forked child: become the rank the launcher asked for, run it, return its exit code."""
+def _run_rank(request: dict, child_main: Callable[[str, str], int]) -> int:
+    """In the forked child: become the rank the launcher asked for, run it (``child_main(work, rank)``, the
+    launcher's rank entry), return its exit code."""
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -154,19 +155,17 @@ def _run_rank(request: dict) -> int:
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    from .launch import _child_main
-
-    return _child_main(request["work"], str(request["rank"]))
+    return child_main(request["work"], str(request["rank"]))
 
 
-def _serve() -> None:
+def serve(child_main: Callable[[str, str], int]) -> None:
+    """The starter's loop (``python -m moe_plugin.testing.launch --warm-start``): import, then fork a rank
+    running ``child_main`` per request."""
     # the answers go out on the original stdout, which nothing else may write to: libraries print on import
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     for name in _PRELOAD:
         __import__(name)
-    from . import launch  # noqa: F401  (the rank entry, imported once here)
-
     ranks: Dict[int, tuple] = {}  # pid -> (work, rank)
     requests = sys.stdin
     try:
@@ -188,7 +187,7 @@ def _serve() -> None:
             if pid == 0:
                 code = 1
                 try:
-                    code = _run_rank(request)
+                    code = _run_rank(request, child_main)
                 finally:
                     sys.stdout.flush()
                     sys.stderr.flush()
@@ -201,7 +200,3 @@ def _serve() -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-if __name__ == "__main__":
-    _serve()
