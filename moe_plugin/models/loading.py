@@ -17,6 +17,7 @@ from torch import nn
 from ..config import K3_TEXT_MODEL_TYPE, K3_VL_MODEL_TYPE
 from ..weights.checks import config_dtype
 from ..weights.loader import load_state
+from ..weights.names import stores_stacked_experts
 
 from ..layers.attn_res import AttnResProjection
 from ..layers.kda import KDAAttention, ShortConvolution
@@ -131,7 +132,8 @@ def read_k3_config(path: Any) -> Optional[Dict[str, Any]]:
 
 
 def is_k3_layout(path: Any) -> bool:
-    return read_k3_config(path) is not None
+    # a K3 config.json over stacked experts is a K3 base saved by save_pretrained: this project's own tensor names
+    return read_k3_config(path) is not None and not stores_stacked_experts(os.fspath(path))
 
 
 def _dtype(value: Any, path: str) -> torch.dtype:

@@ -98,8 +98,15 @@ def _read_config_json(path: str) -> dict:
     return config
 
 
-def _format_of(config_json: dict) -> Format:
-    return "hf" if config_json.get("model_type") == HF_MODEL_TYPE else "k3"
+def _format_of(config_json: dict, path: Optional[str] = None) -> Format:
+    """The tensors' layout: "hf" for this project's config.json, or (given ``path``) for a K3 config.json over
+    stacked experts (a K3 base written back by save_pretrained: the config keeps K3's layout, the tensors are
+    this project's); "k3" otherwise."""
+    if config_json.get("model_type") == HF_MODEL_TYPE:
+        return "hf"
+    from ..weights.names import stores_stacked_experts
+
+    return "hf" if path is not None and stores_stacked_experts(path) else "k3"
 
 
 def base_hf_config(model_section, config_json: Optional[dict] = None):
@@ -158,7 +165,8 @@ def resolve_model(model_section) -> ResolvedModel:
     generation = read_json(os.path.join(path, "generation_config.json"))
     tokens = chat_tokens(tokenizer, {**config_json, **ids}, processor, generation_config=generation)
     _check_vocabulary(path, tokenizer, model_config)
-    return ResolvedModel(path, _format_of(config_json), hf_config, model_config, tokenizer, processor, tokens)
+    layout = _format_of(config_json, path)
+    return ResolvedModel(path, layout, hf_config, model_config, tokenizer, processor, tokens)
 
 
 def _processor(path: Optional[str], tokenizer, model_config):

@@ -82,6 +82,16 @@ def has_vision(base_path: str) -> bool:
     return any(n.startswith(VISION_PREFIXES) for n in safetensors_weight_map(base_path))
 
 
+def stores_stacked_experts(base_path: str) -> bool:
+    """Whether the checkpoint at ``base_path`` holds its routed experts stacked (``...experts.w1``: this project's
+    ``save_pretrained``, whatever its config.json's layout) rather than one tensor per expert (K3's published
+    layout). False when it has no readable safetensors (the loader then says why)."""
+    try:
+        return any(_STACKED.match(n) for n in safetensors_weight_map(base_path))
+    except ValueError:
+        return False
+
+
 A_LOG_PAD_MULTIPLE = 128  # K3: 96 heads stored as 128 entries
 
 _MEGATRON_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.w[123]$")

@@ -47,6 +47,7 @@ from .names import (
     VISION_PREFIXES,
     is_indexer_tensor,
     is_mtp,
+    is_stacked_expert,
     k3_expert_name,
     needs_k3_conversion,
     parse_k3_expert,
@@ -124,10 +125,11 @@ def _config_model_type(path: Optional[str]) -> Optional[str]:
 
 def detect_layout(path: Optional[str], names: Iterable[str]) -> str:
     """ "k3" or "hf": by ``config.json``'s ``model_type`` in ``path`` (K3's "kimi_linear" / "kimi_k3", or this
-    project's "moe_plugin"), else by the tensor names (K3 stores one tensor per expert)."""
+    project's "moe_plugin"), else by the tensor names (K3 stores one tensor per expert). A K3 config.json over
+    stacked experts (``...experts.w1``) is a K3 base written back by ``save_pretrained``: "hf"."""
     model_type = _config_model_type(path)
     if model_type in (K3_TEXT_MODEL_TYPE, K3_VL_MODEL_TYPE):
-        return "k3"
+        return "hf" if any(is_stacked_expert(name) for name in names) else "k3"
     if model_type == HF_MODEL_TYPE:
         return "hf"
     return "k3" if any(parse_k3_expert(name) or is_k2_expert(name) for name in names) else "hf"
