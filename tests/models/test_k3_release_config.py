@@ -19,6 +19,8 @@ from moe_plugin.models.k3_config import KimiK3Config, config_from_k3, config_to_
 from moe_plugin.models.modeling_vl import MoEPluginForConditionalGeneration
 from moe_plugin.recipe.resolved_model import base_hf_config, resolve_model
 from moe_plugin.testing.k3_release import read_published_config, release_tensor_specs, write_k3_release
+from moe_plugin.weights import detect_layout, load_state
+from moe_plugin.fileio import safetensors_weight_map
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 TOKENIZER = os.path.join(FIXTURES, "k3_tokenizer")
@@ -183,3 +185,31 @@ def test_shrunk_release_config_agrees_and_runs(release):
         other = model(input_ids=image, pixel_values=-pixels, grid_thws=grid).logits
     assert seen.shape == (1, 8, written["text_config"]["vocab_size"]) and torch.isfinite(seen).all()
     assert not torch.allclose(seen[:, -1], other[:, -1])  # the text after the image sees it
+
+
+def _key_paths(d, prefix=""):
+    paths = set()
+    for key, value in d.items():
+        paths.add(prefix + key)
+        if isinstance(value, dict):
+            paths |= _key_paths(value, prefix + key + ".")
+    return paths
+
+
+def test_release_written_back_by_save_pretrained_reloads(release, tmp_path):
+    """A model of the release saved by save_pretrained keeps the release's config (every key) over this
+    project's tensor names; its layout is told by the tensors (stacked experts), so from_pretrained and the
+    trainer's loader (weights.load_state) read it back equal."""
+    model = AutoModelForImageTextToText.from_pretrained(release)
+    model.save_pretrained(tmp_path)
+    written = json.loads((release / "config.json").read_text())
+    assert _key_paths(json.loads((tmp_path / "config.json").read_text())) >= _key_paths(written)
+    assert detect_layout(str(release), safetensors_weight_map(release)) == "k3"
+    assert detect_layout(str(tmp_path), safetensors_weight_map(tmp_path)) == "hf"
+    ids = torch.randint(0, written["text_config"]["vocab_size"], (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        assert torch.equal(AutoModelForImageTextToText.from_pretrained(tmp_path)(input_ids=ids).logits, want)
+        fresh = MoEPluginForConditionalGeneration(AutoConfig.from_pretrained(tmp_path)).to(model.dtype)
+        load_state(fresh, str(tmp_path), names="hf", config=fresh.config.to_model_config())
+        assert torch.equal(fresh.eval()(input_ids=ids).logits, want)
