@@ -124,10 +124,11 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
                 input_ids, self.config.image_token_id, counts, attention_mask, labels, cu_seqlens, self._pad_id()
             )
             if expanded[0] is not input_ids:
+                # a cache (generate) would hold the expanded length while the caller counts the given ids
                 require(
-                    cache is None,
+                    cache is None and not use_cache,
                     "input_ids",
-                    "hold one placeholder per image; with a cache expand them first "
+                    "hold one placeholder per image; with a cache (use_cache, generate) expand them first "
                     "(moe_plugin.models.image_tokens.expand_image_placeholders)",
                 )
                 input_ids, attention_mask, labels, cu_seqlens = expanded

@@ -117,3 +117,11 @@ def test_a_release_with_a_tower_this_project_does_not_build_is_refused_or_traine
     recipe = SimpleNamespace(model=section, data=SimpleNamespace(kind="sft", path=str(data)))
     with pytest.raises(ValueError, match=r"^model.ignore_vision: is true, .* but the data holds images"):
         wants_images(recipe, text)
+
+
+def test_one_pad_per_image_with_a_cache_asks_for_the_expansion_first(faces):
+    hf, _, _, vision = faces
+    pixels, grid = inputs(vision)
+    one = torch.tensor([[5, PAD, 7, PAD, 8, PAD]])
+    with pytest.raises(ValueError, match=r"^input_ids: hold one placeholder per image; with a cache"):
+        hf(one, pixel_values=pixels, grid_thws=grid, use_cache=True)
