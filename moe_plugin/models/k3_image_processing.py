@@ -182,11 +182,6 @@ class K3ImageProcessor:
             return BatchFeature({"pixel_values": pixels, "grid_thws": grid})
         raise ValueError(f"return_tensors: expected 'pt' or 'np', got {return_tensors!r}")
 
-    @staticmethod
-    def make_image_prompt(width: int, height: int) -> str:
-        """K3's text for one image of the original size ``width`` x ``height``: one ``<|media_pad|>``."""
-        return f"<|media_begin|>image {width}x{height}<|media_content|><|media_pad|><|media_end|>"
-
     def to_dict(self) -> dict:
         return {"image_processor_type": "KimiK3VisionProcessor", "media_proc_cfg": dict(self.media_proc_cfg)}
 
