@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Union
 from transformers import BatchFeature
 
 from .image_processing import ImageInput, ImageProcessor
+from .image_tokens import tokens_per_image
 from .k3_image_processing import image_outputs
 from .tokenizer import ByteTokenizer
 
@@ -90,11 +91,8 @@ class MoEProcessor:
         if num_images:
             vision = self.image_processor(images, return_tensors=return_tensors)
             data.update(vision)
-            grid = image_outputs(vision)[1]
-            tokens_per_image = [
-                int(row[-2]) * int(row[-1]) // self.image_processor.merge_size**2 for row in grid.tolist()
-            ]
-            texts = self._expand_placeholders(texts, tokens_per_image)
+            counts = tokens_per_image(image_outputs(vision)[1], self.image_processor.merge_size)
+            texts = self._expand_placeholders(texts, counts)
         data.update(self.tokenizer(texts, padding=padding, return_tensors=return_tensors, **tokenizer_kwargs))
         return BatchFeature(data)
 
