@@ -45,7 +45,9 @@ class Images:
 
     def tokens_per_image(self, merge_size: int) -> List[int]:
         """Merged tokens of each image: ``h * w / merge_size**2`` (``grid_hw`` may be K3's ``[n, 3]`` (t, h, w))."""
-        return [int(row[-2]) * int(row[-1]) // merge_size**2 for row in self.grid_hw.tolist()]
+        from ...models.image_tokens import tokens_per_image
+
+        return tokens_per_image(self.grid_hw, merge_size)
 
 
 def concat_images(parts: Sequence[Optional[Images]]) -> Optional[Images]:
