@@ -33,6 +33,7 @@ from ..config import require
 from ..expert_adapters import split_experts
 from ..fileio import atomic_directory
 from ..output_paths import check_output_dir, real_path
+from .configs import base_k3_config, plain_config
 from .merge import check_packed_base, has_vision, write_merged
 from .packed import dense_base_model, dense_config, dense_stream, packed_stacks
 from .source import RunLocation, RunSource, locate_run, open_run
@@ -40,6 +41,7 @@ from .targets import Target, on_image_model, per_expert_key, select_targets
 from .verify import (
     LOGITS_RTOL,
     LOW_PRECISION_RTOL,
+    ROUNDED_RTOL,
     CheckResult,
     base_model,
     compare_deltas,
@@ -47,6 +49,7 @@ from .verify import (
     merged_differences,
     reference,
     relative_diff,
+    rounded_reference_logits,
 )
 
 __all__ = ["FORMATS", "ExportReport", "export_run", "MANIFEST"]
@@ -74,11 +77,21 @@ class ExportReport:
     requantised_changed_values: Optional[int] = None
     requantised_values: Optional[int] = None
 
+    def _rounded(self) -> str:
+        rounded = self.check.rounded_to
+        return f" with its merged tensors rounded to {rounded} as written" if rounded else ""
+
     def summary(self) -> str:
         text = (
             f"{self.format} export written to {self.out}: {len(self.targets)} targets ({self.expert_deltas} "
             f"expert deltas); check passed: {self.check.deltas_checked} deltas compared, logits within "
-            f"{self.check.logits_rel_diff:.2e} of the adapted model (allowed {self.check.tolerance:g})"
+            f"{self.check.logits_rel_diff:.2e} of the adapted model"
+            + (
+                f" with its merged tensors rounded to {self.check.rounded_to} as written"
+                if self.check.rounded_to
+                else ""
+            )
+            + f" (allowed {self.check.tolerance:g})"
         )
         if self.requantised_values is not None:
             text += (
@@ -113,7 +126,7 @@ def _write_peft(source: RunSource, targets: Dict[str, Target], tmp: str) -> List
     state = {k: source.state[k].contiguous() for t in targets.values() for k in (t.key_a, t.key_b)}
     save_file(state, os.path.join(tmp, ADAPTER_FILE), metadata={"format": "pt"})
     config.save_pretrained(tmp)
-    return [ADAPTER_FILE, "adapter_config.json"]
+    return [ADAPTER_FILE, "adapter_config.json", *_tokenizer(source, tmp)]
 
 
 def _check_peft(source: RunSource, targets: Dict[str, Target], tmp: str, expected, ref_logits) -> CheckResult:
@@ -156,7 +169,7 @@ def _write_per_expert(source: RunSource, targets: Dict[str, Target], tmp: str) -
     config.task_type, config.inference_mode = "CAUSAL_LM", True
     config.base_model_name_or_path = os.path.abspath(source.base_path)
     config.save_pretrained(tmp)
-    return [ADAPTER_FILE, "adapter_config.json"]
+    return [ADAPTER_FILE, "adapter_config.json", *_tokenizer(source, tmp)]
 
 
 def _check_per_expert(source: RunSource, targets: Dict[str, Target], tmp: str, expected, ref_logits) -> CheckResult:
@@ -201,37 +214,6 @@ def _check_per_expert(source: RunSource, targets: Dict[str, Target], tmp: str, e
     return result
 
 
-def _plain_config(config):
-    """``config`` as this project's own ``MoEPluginConfig`` (the Hugging Face layout a merged-hf export is in),
-    also when it was read from a K3 directory (``k3_config.KimiK3Config`` writes the release's form)."""
-    from ..models.configuration import MoEPluginConfig
-
-    if type(config) is MoEPluginConfig:
-        return config
-    values = MoEPluginConfig.to_dict(config)
-    values.pop("model_type", None)
-    return MoEPluginConfig(**{k: v for k, v in values.items() if not k.startswith("_k3")})
-
-
-def _base_k3_config(source: RunSource, written: dict, requantise: bool) -> Optional[dict]:
-    """The base's own ``config.json`` when the base is in K3's layout, for a merged-k3 export: every key kept
-    (architectures, auto_map, media_placeholder_token_id, the vision keys), the dtype the tensors are in; a
-    packed base merged to dense experts drops its ``quantization_config`` (the experts are no longer packed)."""
-    import copy
-
-    from ..models.loading import read_k3_config
-
-    base = read_k3_config(source.base_path)
-    if base is None:
-        return None
-    config = copy.deepcopy(base)
-    if written.get("expert_format") is not None and not requantise:
-        for section in (config, config.get("text_config")):
-            if isinstance(section, dict):
-                section.pop("quantization_config", None)
-    return config
-
-
 def _write_merged_dir(source: RunSource, targets, tmp: str, layout: str, max_bytes: int, requantise: bool):
     from ..models.k3_config import config_to_k3
 
@@ -241,9 +223,9 @@ def _write_merged_dir(source: RunSource, targets, tmp: str, layout: str, max_byt
     # dense experts carry a dense config; requantised ones the base's (its quantization_config)
     config = source.hf_config if requantise else dense_config(source.hf_config)
     if layout == "hf":
-        _plain_config(config).save_pretrained(tmp)
+        plain_config(config).save_pretrained(tmp)
     else:
-        k3 = _base_k3_config(source, written, requantise)
+        k3 = base_k3_config(source.base_path, written, requantise)
         if k3 is None:  # a Hugging Face-layout base: its config in K3's form
             k3 = config_to_k3(config, multimodal=has_vision(source.base_path))
             k3["torch_dtype"] = written["float_dtype"]
@@ -265,6 +247,12 @@ def _check_merged(
     dtypes = {s.dtype for n, s in stored_tensors(safetensors_weight_map(tmp)).items() if not n.endswith("scale")}
     low = bool(dtypes & {"bfloat16", "float16"})
     result = CheckResult(tolerance=LOW_PRECISION_RTOL if low else LOGITS_RTOL)
+    if low and not requantised:
+        # the reference rounds each merged tensor as the export writes it: what is left is the export's own error
+        written = torch.bfloat16 if "bfloat16" in dtypes else torch.float16
+        base = dense_base_model(source) if packed_stacks(source.hf_config) else base_model(source)
+        ref_logits = rounded_reference_logits(base, targets, expected, written, source.hf_config.vocab_size)
+        result.tolerance, result.rounded_to = ROUNDED_RTOL, str(written).removeprefix("torch.")
     if requantised:
         from .requantised import requantised_check
 

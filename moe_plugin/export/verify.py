@@ -33,14 +33,20 @@ __all__ = [
     "reference",
     "base_model",
     "logits_of",
+    "rounded_reference_logits",
     "compare_deltas",
     "LOGITS_RTOL",
     "LOW_PRECISION_RTOL",
+    "ROUNDED_RTOL",
     "FIXED_BATCH",
 ]
 
 LOGITS_RTOL = 1e-5
 LOW_PRECISION_RTOL = 2e-2
+# a low-precision merge against the reference rounded as it is written (rounded_reference_logits): fp32 rounding
+# of the forward pass, plus the odd merged value on the other side of a bf16 rounding tie (the export's delta and
+# peft's are computed in another order)
+ROUNDED_RTOL = 1e-3
 DELTA_RTOL = 1e-4  # of the largest element of an expert's (or a dense target's) delta
 FIXED_BATCH = (2, 24)  # rows x tokens
 FIXED_IMAGE_GRID = (4, 6)  # patch rows x columns of the image model's fixed picture (in row 0)
@@ -58,6 +64,7 @@ class CheckResult:
     deltas_checked: int = 0  # dense targets + expert deltas compared
     problems: List[str] = field(default_factory=list)
     requantised_ties: Optional[int] = None  # requantised exports: values on the other side of a rounding tie
+    rounded_to: Optional[str] = None  # low-precision merges: the dtype the reference's merged tensors are rounded to
 
     def raise_if_failed(self, what: str) -> None:
         if self.logits_rel_diff > self.tolerance:
@@ -127,6 +134,29 @@ def logits_of(model, vocab_size: int) -> torch.Tensor:
     ids[0, 2 : 2 + tokens] = config.image_token_id
     patches = torch.randn(rows * cols, vision.patch_dim, generator=g)
     return model(input_ids=ids, pixel_patches=patches, grid_hw=torch.tensor([[rows, cols]])).logits.float()
+
+
+@torch.no_grad()
+def rounded_reference_logits(
+    model, targets: Mapping[str, Target], deltas: Mapping[str, torch.Tensor], dtype: torch.dtype, vocab_size: int
+) -> torch.Tensor:
+    """Logits on the fixed batch of the adapted model as a merge written in ``dtype`` holds it: ``model`` (the
+    base, fp32, changed in place) with each target's delta ``deltas[name]`` added in fp32 and the sum rounded
+    to ``dtype`` once, as ``merge._merged`` writes it (a tensor the model keeps in fp32, the router, stays
+    fp32). Against this reference a low-precision merge differs only by what it got wrong, not by its rounding,
+    which in a small MoE can move expert choices and the logits by tens of percent."""
+    import re
+
+    from ..precision import FP32_TENSORS
+
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name in targets:
+        tensor = tensors[name]
+        merged = tensor.float() + deltas[name].to(tensor.device)
+        if not any(re.search(pattern, name) for pattern in FP32_TENSORS):
+            merged = merged.to(dtype).float()
+        tensor.copy_(merged)
+    return logits_of(model.eval(), vocab_size)
 
 
 def relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -172,7 +172,9 @@ def test_merged_exports_write_the_bases_dtype_and_hold_one_layers_experts(runs, 
     assert manifest["requantised_changed_values"] is None and "written in float32" in report.summary()
     assert manifest["peak_expert_layers"] == 1
     config = json.load(open(os.path.join(directory, "config.json")))
-    assert "quantization_config" not in config and config.get("expert_format", "dense") == "dense"
+    text = config.get("text_config", config)  # merged-k3 keeps the base's own form (text_config inside)
+    assert "quantization_config" not in text and "quantization_config" not in config
+    assert config.get("expert_format", "dense") == "dense"
     twin = _twin(runs[fmt]).state_dict()
     adapters = _expert_adapters(_adapted_twin(runs[fmt]))
     written = {}
@@ -229,7 +231,8 @@ def test_requantised_exports_hold_the_requantised_merge_and_count_the_changes(ru
         )
         config = json.load(open(os.path.join(directory, "config.json")))
         formats = {"mxfp4": "mxfp4-pack-quantized", "int4": "pack-quantized"}
-        assert config["quantization_config"]["format"] == formats[fmt]
+        # merged-k3 keeps the base's own config.json, its quantization_config inside text_config as K3 has it
+        assert config.get("text_config", config)["quantization_config"]["format"] == formats[fmt]
         assert all(
             ".weight_packed" in n or "experts." not in n or n.endswith(("weight_scale", "weight_shape")) for n in stored
         )
