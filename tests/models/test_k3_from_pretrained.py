@@ -90,3 +90,16 @@ def test_eval_answers_loads_an_adapter_over_the_release(release, tmp_path):
     assert torch.equal(q.base_layer.weight, stored[Q_PROJ].to(q.base_layer.weight.dtype))
     want = model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj").get_delta_weight("default")
     assert torch.allclose(q.get_delta_weight("default").float(), want.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_a_release_base_saved_by_save_pretrained_reloads(release, tmp_path):
+    """save_pretrained keeps the release's config.json over this project's stacked tensors: from_pretrained
+    tells the layouts apart by the tensors and reloads it as it was saved."""
+    path, _ = release
+    model = MoEPluginForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "saved")
+    again = MoEPluginForConditionalGeneration.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    want, got = model.state_dict(), again.state_dict()
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
