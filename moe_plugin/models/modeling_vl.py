@@ -49,7 +49,8 @@ def scatter_image_tokens(
     require(
         tokens.shape[0] == count,
         "input_ids",
-        f"{count} image placeholders for {tokens.shape[0]} image tokens; expand the placeholders with MoEProcessor",
+        f"{count} image placeholders for {tokens.shape[0]} image tokens; expand the placeholders with MoEProcessor "
+        "or moe_plugin.models.image_tokens.expand_image_placeholders (one per image token)",
     )
     return embeds.masked_scatter(placeholders.unsqueeze(-1), tokens.to(embeds.dtype))
 
