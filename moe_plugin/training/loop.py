@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ..fileio import write_json_atomic
 from ..lora import REPORT_ATTRIBUTE
+from ..weights.base_loading import PRECISION_NOTE
 from ..compat import check_all
 from ..compat.deepspeed import use_current_collectives
 from ..parallel.distributed import choose_device
@@ -164,9 +165,11 @@ class Trainer:
                 dist_init_required=False,
             )
             self.logger = make_logger(self.rank, recipe.logging, self.output_dir, recipe.to_dict())
-            # which LoRA targets matched in which layer kinds (K3's MLA layers have no q_proj/k_proj: lora.py)
-            if getattr(model, REPORT_ATTRIBUTE, ""):
-                self.logger.message(getattr(model, REPORT_ATTRIBUTE))
+            # which LoRA targets matched in which layer kinds (K3's MLA layers have no q_proj/k_proj: lora.py), and
+            # what the precision policy did with the tensors the base stores in fp32 (docs/precision.md)
+            for attribute in (REPORT_ATTRIBUTE, PRECISION_NOTE):
+                if getattr(model, attribute, ""):
+                    self.logger.message(getattr(model, attribute))
             # hooks on the routers (drift, indexer KL); per-EP-rank load against the planned capacity factor
             self.moe_metrics = MoEMetrics(
                 self.engine.module, self.layout.expert, recipe.parallel.capacity_factor, warn=self.logger.message

@@ -8,7 +8,11 @@ from ..precision import apply_precision
 from .loader import load_state
 from .names import VISION_PREFIXES
 
-__all__ = ["load_base"]
+__all__ = ["load_base", "PRECISION_NOTE"]
+
+# where load_base leaves the loader's precision line on the model (which fp32-stored tensors were kept, which
+# cast: docs/precision.md), for the trainer to print at start
+PRECISION_NOTE = "base_precision_note"
 
 
 def load_base(model: nn.Module, resolved, names: str) -> None:
@@ -22,4 +26,8 @@ def load_base(model: nn.Module, resolved, names: str) -> None:
     # a text-only run of an image base builds the text model (images.wants_images): the base's vision tower is
     # no part of it, so it is left in the checkpoint (the exports copy it through); an image model reads it
     text_only = not any(n.startswith(VISION_PREFIXES) for n, _ in model.named_parameters())
-    load_state(model, resolved.path, names=names, config=resolved.model_config, strict=True, ignore_vision=text_only)
+    stats = load_state(
+        model, resolved.path, names=names, config=resolved.model_config, strict=True, ignore_vision=text_only
+    )
+    if stats.precision:
+        object.__setattr__(model, PRECISION_NOTE, stats.precision)  # a plain attribute, not a module or buffer

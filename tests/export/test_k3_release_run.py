@@ -74,11 +74,13 @@ def job(tmp_path_factory):
     return {"base": str(base), "run": str(tmp / "run"), "printed": printed, "exports": exports}
 
 
-def test_the_trainer_reports_the_targets_by_layer_kind(job):
+def test_the_trainer_reports_the_targets_by_layer_kind_and_the_fp32_families(job):
     assert (
         "LoRA targets by layer kind: k_proj, q_proj matched in 3 of 3 KDA layers; 0 of 1 MLA layers (MLA has "
         "q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, g_proj, o_proj)"
     ) in job["printed"], job["printed"][:2000]
+    # and what the precision policy did with the tensors the release stores in fp32 under its bf16 dtype
+    assert "tensor(s) stored in float32 under the checkpoint's dtype bfloat16, accepted by rule" in job["printed"]
 
 
 def test_the_runs_adapter_carries_every_tokenizer_file(job):
