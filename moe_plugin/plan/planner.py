@@ -95,6 +95,7 @@ def plan_recipe(
     kernels: str = "cpu",
     from_checkpoint: Optional[bool] = None,
     context_parallel=None,
+    summaries: bool = True,
 ) -> Plan:
     """Plan ``recipe`` (a validated ``Recipe``) at a layout; arguments left ``None`` come from the recipe and
     its DeepSpeed config (``devices`` from its ``train_batch_size``; ``images``, pictures per micro-batch
@@ -111,7 +112,8 @@ def plan_recipe(
     (plan/context_parallel.py), or ``"auto"``: the smallest power of two dividing the devices and the row at
     which the plan fits ``device_memory``, planned at it, the search in ``Plan.context_search``).
     ``cache`` keeps counts and meta-measured activation models between calls (keyed by the model's
-    structure)."""
+    structure). ``summaries``: also plan one 1 M-token row and every checkpointing mode (``Plan.million_context``,
+    ``Plan.modes``); False plans the layout alone, the same peak in a fraction of the time."""
     return _plan(
         recipe,
         devices,
@@ -128,7 +130,7 @@ def plan_recipe(
         image_size,
         kernels,
         from_checkpoint,
-        context=True,
+        context=summaries,
         context_parallel=context_parallel,
     )
 

@@ -219,5 +219,7 @@ def planned_peak(recipe_values: dict, world: int, cache: dict) -> float:
     from ..plan.planner import plan_recipe
 
     # the trainer drops no token: every expert computes exactly its rows, a capacity factor of 1
-    plan = plan_recipe(recipe_from_dict(recipe_values), devices=world, overhead_bytes=0.0, cache=cache, capacity=1.0)
+    plan = plan_recipe(
+        recipe_from_dict(recipe_values), devices=world, overhead_bytes=0.0, cache=cache, capacity=1.0, summaries=False
+    )
     return plan.memory.peak
