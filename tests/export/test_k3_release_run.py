@@ -139,3 +139,16 @@ def test_every_export_carries_the_tokenizer(job, to):
     text = "The sky is blue, 2 + 3 = 5."
     ids = AutoTokenizer.from_pretrained(out, trust_remote_code=True).encode(text)
     assert ids == AutoTokenizer.from_pretrained(job["base"], trust_remote_code=True).encode(text)
+
+
+def test_the_loading_hint_trusts_the_remote_tokenizer(job):
+    """eval.answers' hint for loading the adapter names trust_remote_code for K3's remote-code tokenizer, and
+    its tokenizer line runs."""
+    from transformers import AutoTokenizer
+
+    from moe_plugin.training.metrics.answer_eval import loading_hint
+
+    adapter = os.path.join(job["run"], "adapter")
+    hint = loading_hint(job["base"], adapter, images=False)
+    assert f"AutoTokenizer.from_pretrained({adapter!r}, trust_remote_code=True)" in hint
+    assert AutoTokenizer.from_pretrained(adapter, trust_remote_code=True).encode("blue")

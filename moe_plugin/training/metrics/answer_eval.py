@@ -127,16 +127,27 @@ def chance_level(expected: Sequence[str]) -> float:
     return collections.Counter(expected).most_common(1)[0][1] / len(expected)
 
 
+def _remote_tokenizer(adapter: str) -> bool:
+    """Whether the tokenizer copied beside the adapter is remote code (an ``auto_map``, as K3's is)."""
+    try:
+        with open(os.path.join(adapter, "tokenizer_config.json"), encoding="utf-8") as f:
+            return bool(json.load(f).get("auto_map"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def loading_hint(base: str, adapter: str, images: bool) -> str:
-    """How a user loads the adapter with plain peft (``import moe_plugin`` registers the Auto classes)."""
+    """How a user loads the adapter with plain peft (``import moe_plugin`` registers the Auto classes); a
+    remote-code tokenizer (K3's ``tokenization_kimi.py``, copied beside the adapter) needs trust_remote_code."""
     auto = "AutoModelForImageTextToText" if images else "AutoModelForCausalLM"
+    trust = ", trust_remote_code=True" if _remote_tokenizer(adapter) else ""
     return (
         f"load it with plain peft:\n"
         f"    import moe_plugin  # registers the Auto classes\n"
         f"    from peft import PeftModel\n"
         f"    from transformers import {auto}, AutoTokenizer\n"
         f"    model = PeftModel.from_pretrained({auto}.from_pretrained({base!r}), {adapter!r})\n"
-        f"    tokenizer = AutoTokenizer.from_pretrained({adapter!r})  # the base's tokenizer and chat template"
+        f"    tokenizer = AutoTokenizer.from_pretrained({adapter!r}{trust})  # the base's tokenizer and chat template"
         + ("\n    processor = moe_plugin.MoEProcessor(tokenizer)  # its images" if images else "")
     )
 
