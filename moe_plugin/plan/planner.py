@@ -227,7 +227,7 @@ def _plan(
         f"the model has no vision tower, so it takes no pictures; drop --images (got {images})",
     )
     if images:
-        h, w = image_grid(image_size, mc.vision.patch_size, mc.vision.merge_size)
+        h, w = image_grid(image_size, mc.vision.patch_size, mc.vision.merge_size, mc.vision.kind)
         per_image = h * w // mc.vision.merge_size**2
         require(
             images * per_image <= micro_batch * seq_len,

@@ -26,10 +26,19 @@ from ..config import require
 __all__ = ["image_grid", "vision_activation_bytes"]
 
 
-def image_grid(image_size: int, patch_size: int, merge_size: int) -> Tuple[int, int]:
-    """The (h, w) patch grid of a square ``image_size`` picture: sides rounded to whole merged patches, as
-    ``models.image_processing`` resizes (at least one merged patch)."""
+def image_grid(image_size: int, patch_size: int, merge_size: int, kind: str = "vit") -> Tuple[int, int]:
+    """The (h, w) patch grid of a square ``image_size`` picture as the base's processor makes it: for the
+    ``vit`` tower sides rounded to whole merged patches, as ``models.image_processing`` resizes (at least one
+    merged patch); for K3's ``moonvit3d`` the navit resize and padding of ``models.k3_image_processing``."""
     factor = patch_size * merge_size
+    if kind == "moonvit3d":
+        from ..models.k3_image_processing import K3ImageProcessor, navit_size
+
+        cfg = K3ImageProcessor().media_proc_cfg  # the release's limits
+        w, h, pad_w, pad_h, _ = navit_size(
+            image_size, image_size, patch_size, merge_size, cfg["in_patch_limit"], cfg["patch_limit_on_one_side"]
+        )
+        return (h + pad_h) // patch_size, (w + pad_w) // patch_size
     side = max(factor, round(image_size / factor) * factor) // patch_size
     return side, side
 
@@ -48,7 +57,7 @@ def vision_activation_bytes(
     require(image_size > 0, "--image-size", f"must be positive, got {image_size}")
     if images == 0:
         return 0.0, 0.0, 0
-    h, w = image_grid(image_size, vision_config.patch_size, vision_config.merge_size)
+    h, w = image_grid(image_size, vision_config.patch_size, vision_config.merge_size, vision_config.kind)
     grid = torch.tensor([[h, w]] * images, dtype=torch.int64)
     with torch.device("meta"):
         encoder = ImageEncoder(vision_config).to(dtype)

@@ -52,6 +52,23 @@ def test_picture_grid_is_the_image_processors_resize():
         assert image_grid(side, 14, 2) == (h // 14, w // 14), side
 
 
+def test_picture_grid_of_k3s_tower_is_its_processors_navit_resize():
+    import numpy as np
+    from PIL import Image
+
+    from moe_plugin.models.k3_image_processing import K3ImageProcessor
+
+    processor = K3ImageProcessor()
+    for side in (10, 300, 896, 1000, 8000):
+        image = Image.fromarray(np.zeros((side, side, 3), np.uint8)) if side <= 1000 else None
+        if image is not None:
+            t, h, w = processor([image])["grid_thws"][0].tolist()
+        else:  # too big to draw quickly: the processor's own sizing
+            nw, nh, pw, ph, _ = processor.resize_config(side, side)
+            h, w = (nh + ph) // 14, (nw + pw) // 14
+        assert image_grid(side, 14, 2, "moonvit3d") == (h, w), side
+
+
 def test_plan_adds_the_vision_tower_and_names_bad_picture_counts():
     recipe = recipe_from_dict(layout_recipe("/tmp/never", 1, 1, 512))  # the tiny preset, with its tower
     text = plan_recipe(recipe, devices=1)
