@@ -4,6 +4,8 @@
     python3 -m benchmarks.gpu_check
 
 Checks, each printed as one line and written to benchmarks/RESULTS.md:
+0. The suite's ``gpu`` tests (``pytest -m gpu tests``: the GPU kernels against their references), which CI and
+   the CPU tiers skip (docs/testing.md).
 1. KDA: ``chunk_kda`` on CUDA dispatches to flash-linear-attention's Triton kernel and agrees with the
    project's torch path (MOE_PLUGIN_DISABLE_KERNELS=1) in fp32; forward+backward time of both at T=8192.
 2. Sparse attention (DSA) at T=8192, top-k 2048, forward+backward: the op on CUDA (its Triton kernels,
@@ -43,6 +45,20 @@ def _time(fn: Callable[[], object], iters: int = 5) -> float:
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check_gpu_tests(lines: List[str]) -> None:
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+        capture_output=True,
+        text=True,
+    )
+    summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
+    if done.returncode != 0:
+        print(done.stdout[-6000:], flush=True)
+    lines.append(f"gpu tests (pytest -m gpu): {summary}")
 
 
 def check_kda(lines: List[str]) -> None:
@@ -232,6 +248,7 @@ def main() -> List[str]:
         sys.exit("gpu_check: no CUDA device; run it on the lent GPU machine")
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"]
     checks = (
+        check_gpu_tests,
         check_kda,
         check_sparse_attention,
         check_moe,
