@@ -1,6 +1,7 @@
 """A LoRA run of the product's trainer over the tiny Kimi K3 release (``moe_plugin.testing.k3_release``: the
 published config.json shrunk with every key, bf16 with the fp32 families, MXFP4 per-expert experts, the vision
-tower, the K3-style remote-code tokenizer), end to end as a new K3 user meets it:
+tower, the K3-style remote-code tokenizer), end to end as a new K3 user meets it, for a text run and an image
+run:
 
 - the trainer prints which LoRA targets matched in which layer kinds (q_proj/k_proj miss the MLA layer, and
   the line names MLA's projections);
@@ -33,20 +34,30 @@ BESIDE = ("generation_config.json", "preprocessor_config.json")
 FP32_FAMILIES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def _records(tmp, kind: str):
+    """The run's data: two text conversations, or two pictures of a colour asked about (the image model)."""
+    if kind == "text":
+        return [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in RECORDS]
+    from PIL import Image
+
+    records = []
+    for i, colour in enumerate(("red", "blue")):
+        Image.new("RGB", (56, 56), colour).save(tmp / f"{i}.png")
+        question = [{"type": "image", "image": f"{i}.png"}, {"type": "text", "text": "What color is it?"}]
+        records.append([{"role": "user", "content": question}, {"role": "assistant", "content": colour}])
+    return records
+
+
+@pytest.fixture(scope="module", params=["text", "image"])
+def job(request, tmp_path_factory):
+    """A text run (the text model over the image base) or an image run (the image+text model), and its exports."""
     from moe_plugin.cli import main
 
-    tmp = tmp_path_factory.mktemp("k3_release_run")
+    tmp = tmp_path_factory.mktemp(f"k3_release_{request.param}_run")
     base = tmp / "base"
     write_k3_release(base, tokenizer_dir=TOKENIZER)
-    data = tmp / "text.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
-            for q, a in RECORDS
-        )
-    )
+    data = tmp / "data.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in _records(tmp, request.param)))
     recipe = {
         "output_dir": str(tmp / "run"),
         "seed": 3,
