@@ -79,6 +79,18 @@ def test_defaults_scale_and_no_state():
     assert rel(o_default, o_scaled) <= 1e-10
 
 
+def test_low_precision_inputs_give_outputs_in_vs_dtype():
+    """bf16 q, k, v, beta with the fp32 gate the KDA layer computes (its A_log and dt_bias are kept fp32): both
+    forms compute in fp32 and hand o back in v's dtype (the layer's o_proj is bf16), the state in fp32, and the
+    decoding step's output equals the chunked form's within bf16 rounding."""
+    q, k, v, g, beta, h0 = make_inputs(B=2, T=9, dtype=torch.float32)
+    q, k, v, beta = (x.bfloat16() for x in (q, k, v, beta))
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.dtype == o_ref.dtype == torch.bfloat16 and s.dtype == s_ref.dtype == torch.float32
+    assert rel(o.float(), o_ref.float()) <= 1e-2 and rel(s, s_ref) <= 1e-4
+
+
 def test_recurrent_matches_a_plain_loop():
     """The reference itself against the recurrence written out per head with matrices."""
     q, k, v, g, beta, h0 = make_inputs(B=1, T=7, H=2, K=4, V=3)

@@ -39,7 +39,7 @@ def naive_recurrent_kda(
     dims = check_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    dtype = compute_dtype(q, g, initial_state)
+    dtype, out_dtype = compute_dtype(q, g, initial_state), v.dtype  # v is rebound to the compute dtype below
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     q = q * dims.scale
     outputs, finals = [], []
@@ -55,7 +55,7 @@ def naive_recurrent_kda(
         finals.append(state)
     o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
     final = (finals[0] if cu_seqlens is None else torch.cat(finals)) if output_final_state else None
-    return o.to(v.dtype), final
+    return o.to(out_dtype), final
 
 
 def _step(
