@@ -3,13 +3,15 @@
 - ``gpu`` tests are skipped, with the reason, where CUDA is absent;
 - a test that starts Python processes (``run_distributed``, the launchers, ``python -m ...``, pip) must be marked
   ``distributed``: while an unmarked test (its fixtures included, of any scope) sets up, runs or tears down,
-  starting one fails it, so ``bash scripts/test.sh --fast`` (``-m "not distributed and not slow"``) launches
-  nothing. Helper binaries a library starts for itself (W&B's ``wandb-core``) are not processes of the test's.
+  starting one from the project's code (tests/, moe_plugin/) fails it, so ``bash scripts/test.sh --fast``
+  (``-m "not distributed and not slow"``) launches nothing. What a library starts for itself (W&B's
+  ``wandb-core``, inductor's compile checks) is not a process of the test's.
 """
 
 import os
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 import torch
@@ -27,9 +29,26 @@ def _starts_python(args) -> bool:
     return os.path.basename(program).startswith("python") or os.path.dirname(program) == _VENV_BIN
 
 
+_LIBRARIES = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+
+
+def _started_by_a_library() -> bool:
+    """True when the nearest caller outside the standard library is an installed package (site-packages)."""
+    stdlib = os.path.dirname(os.__file__)
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_LIBRARIES):
+            return True
+        if not path.startswith(stdlib) and path != __file__:
+            return False
+        frame = frame.f_back
+    return False
+
+
 def _guarded_popen_init(self, args, *rest, **kwargs):
     test = _running["test"]
-    if test is not None and _starts_python(args):
+    if test is not None and _starts_python(args) and not _started_by_a_library():
         raise AssertionError(
             f"{test} starts a process ({args!r}) but is not marked distributed: add @pytest.mark.distributed "
             "(or the module's pytestmark) so the fast tier leaves it out (docs/testing.md)"
