@@ -256,6 +256,33 @@ _GROUPS = "deepspeed.utils.groups"
 _GROUP_FUNCTIONS = ("_create_expert_and_data_parallel", "_get_expert_parallel_group", "_get_expert_data_parallel_group")
 
 
+# DeepSpeed's registry of the groups it created (module-level dicts of deepspeed.utils.groups), each emptied by
+# forget_groups when the process group they were made from is destroyed
+_GROUP_REGISTRIES = (
+    "_EXPERT_PARALLEL_GROUP",
+    "_EXPERT_PARALLEL_GROUP_RANKS",
+    "_EXPERT_DATA_PARALLEL_GROUP",
+    "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+    "_ALL_TO_ALL_GROUP",
+)
+
+
+# and the groups it keeps one of (None until made)
+_GROUP_SINGLES = ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP")
+
+
+def forget_groups() -> None:
+    """Empty DeepSpeed's registry of the groups it made: they were made from the default process group, so once
+    that is destroyed they are dead, and DeepSpeed would hand them out again (the expert groups by name,
+    ``ep_size_{EP}``) to a process group started later in the same process, at another world size too."""
+    groups = resolve("deepspeed", _DIST, TESTED_DEEPSPEED, _GROUPS)
+    for name in _GROUP_REGISTRIES:
+        resolve("deepspeed", _DIST, TESTED_DEEPSPEED, _GROUPS, name).clear()
+    for name in _GROUP_SINGLES:
+        resolve("deepspeed", _DIST, TESTED_DEEPSPEED, _GROUPS, name)
+        setattr(groups, name, None)
+
+
 def expert_groups(ep_size: int, name: str) -> Tuple[Any, Any]:
     """Create DeepSpeed's expert and expert-data-parallel groups for ``ep_size`` and return them, as
     ``(expert_parallel, expert_data_parallel)``, from DeepSpeed's registry under ``name``."""
@@ -281,7 +308,7 @@ _SAFE_GLOBALS = (
 def check() -> None:
     """Every DeepSpeed name this module uses exists in the installed DeepSpeed (RuntimeError naming the first
     that does not, the installed version and ``TESTED_DEEPSPEED``)."""
-    for function in _GROUP_FUNCTIONS:
+    for function in _GROUP_FUNCTIONS + _GROUP_REGISTRIES + _GROUP_SINGLES:
         resolve("deepspeed", _DIST, TESTED_DEEPSPEED, _GROUPS, function)
     _target()
     for module, name in _SAFE_GLOBALS:

@@ -211,10 +211,15 @@ def initialize_megatron(
 
 
 def destroy_distributed() -> None:
-    """Tear down megatron's parallel state (if megatron was used) and the default process group."""
+    """Tear down megatron's parallel state (if megatron was used), DeepSpeed's expert groups (if DeepSpeed was
+    used) and the default process group: a group started later in this process finds nothing of this one."""
     if "megatron.core.parallel_state" in sys.modules:
         parallel_state = sys.modules["megatron.core.parallel_state"]
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+    if "deepspeed.utils.groups" in sys.modules:
+        from ..compat.deepspeed import forget_groups
+
+        forget_groups()
     if dist.is_initialized():
         dist.destroy_process_group()

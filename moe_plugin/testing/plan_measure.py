@@ -30,6 +30,7 @@ __all__ = [
     "layout_recipes",
     "measured_layouts",
     "measure_worker",
+    "measure_phases_worker",
     "planned_peak",
     "tensor_peak",
 ]
@@ -210,6 +211,44 @@ def measure_worker(recipes: List[dict], threads: int = 1) -> List[Dict[str, floa
         out.append({"peak_bytes": peaks.pop("all"), "phases": peaks, "loss": losses[-1], "losses": losses})
         del prof
         _settle()
+    return out
+
+
+def measure_phases_worker(phases: List[dict]) -> List[Optional[List[Dict[str, float]]]]:
+    """Several worlds' measurements in one launch: ``phases`` in order, each ``{"world": w, "recipes": [...],
+    "threads": t}``, run by ranks ``0 .. w - 1`` as a world of its own (``measure_worker``); per phase this
+    rank's results, or None where it takes no part.
+
+    Launch it with ``init_process_group=False`` on the largest world: each phase starts its own process group
+    from the environment set here (this rank, the phase's world size, a rendezvous file of the phase's own), its
+    ``Trainer``s run in it as in a launch of that size, and it is destroyed before the next phase.
+    """
+    from ..parallel.distributed import INIT_METHOD_ENV, destroy_distributed, init_distributed
+
+    launch_env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", INIT_METHOD_ENV)}
+    rank = int(launch_env["RANK"])
+    out: List[Optional[List[Dict[str, float]]]] = []
+    try:
+        for index, phase in enumerate(phases):
+            if rank >= phase["world"]:
+                out.append(None)
+                continue
+            os.environ.update(
+                {
+                    "WORLD_SIZE": str(phase["world"]),
+                    "LOCAL_RANK": str(rank),
+                    INIT_METHOD_ENV: f"{launch_env[INIT_METHOD_ENV]}-phase{index}",
+                }
+            )
+            init_distributed("cpu")  # one group a phase, as run_distributed starts one for a launch of its size
+            try:
+                out.append(measure_worker(phase["recipes"], phase.get("threads", 1)))
+            finally:
+                destroy_distributed()
+    finally:
+        for name, value in launch_env.items():
+            if value is not None:
+                os.environ[name] = value
     return out
 
 

@@ -4,22 +4,18 @@ lengths). The goal is 15 %; the test asserts 25 % so that a busy machine does no
 
 from __future__ import annotations
 
-import tempfile
 
 import pytest
 import torch
 
 from moe_plugin.plan.counts import count_model, rank_share
 from moe_plugin.plan.planner import parse_bytes, plan_recipe
-from moe_plugin.testing.launch import run_distributed
 from moe_plugin.testing.plan_measure import (
     CALIBRATION,
     CHECKPOINTED_SHAPE,
     SHAPE,
     layout_recipe,
-    layout_recipes,
     measured_layouts,
-    planned_peak,
     tensor_peak,
 )
 from moe_plugin.recipe.schema import LoraSection, recipe_from_dict
@@ -57,21 +53,24 @@ def test_the_capacity_factor_is_the_recipes_unless_given():
     """The planner's dispatch assumption is the recipe's parallel.capacity_factor, the same key the trainer warns
     against; --capacity overrides it."""
     values = layout_recipe("/tmp/never", 4, 2, 256, shape=CALIBRATION)
-    default = plan_recipe(recipe_from_dict(values), devices=4)
+    default = plan_recipe(recipe_from_dict(values), devices=4, summaries=False)
     values["parallel"]["capacity_factor"] = 2.0
-    wide = plan_recipe(recipe_from_dict(values), devices=4)
+    wide = plan_recipe(recipe_from_dict(values), devices=4, summaries=False)
     assert default.layout.capacity == 1.25 and wide.layout.capacity == 2.0
-    assert plan_recipe(recipe_from_dict(values), devices=4, capacity=1.25).memory.peak == default.memory.peak
+    assert (
+        plan_recipe(recipe_from_dict(values), devices=4, capacity=1.25, summaries=False).memory.peak
+        == default.memory.peak
+    )
     assert wide.memory.peak > default.memory.peak  # more rows per local expert, larger all-to-all buffers
 
 
 def test_a_checkpoint_base_has_no_preset_build_and_gpu_kernels_save_less():
     recipe = recipe_from_dict(layout_recipe("/tmp/never", 4, 2, 256))
-    preset = plan_recipe(recipe, devices=4)
-    loaded = plan_recipe(recipe, devices=4, from_checkpoint=True)
+    preset = plan_recipe(recipe, devices=4, summaries=False)
+    loaded = plan_recipe(recipe, devices=4, from_checkpoint=True, summaries=False)
     assert preset.memory.build_peak > 0 and loaded.memory.build_peak == 0
     assert loaded.memory.step_peak == preset.memory.step_peak  # the step does not care how the base came
-    gpu = plan_recipe(recipe, devices=4, kernels="gpu")
+    gpu = plan_recipe(recipe, devices=4, kernels="gpu", summaries=False)
     assert gpu.memory.activations_by_segment["kda"] < preset.memory.activations_by_segment["kda"]
     assert gpu.memory.activations_by_segment["moe"] == preset.memory.activations_by_segment["moe"]
     with pytest.raises(ValueError, match="--kernels"):
@@ -114,8 +113,8 @@ def test_seed_layout_plan_by_hand():
     recipe = load_recipe("recipes/k3_seed_layout.json")
     cache: dict = {}
     bf16 = plan_recipe(recipe, cache=cache)
-    mxfp4 = plan_recipe(recipe, expert_format="mxfp4", cache=cache)
-    ckpt = plan_recipe(recipe, checkpointing="full", cache=cache)
+    mxfp4 = plan_recipe(recipe, expert_format="mxfp4", cache=cache, summaries=False)
+    ckpt = plan_recipe(recipe, checkpointing="full", cache=cache, summaries=False)
     mc = bf16.layout
     assert (mc.devices, mc.ep, mc.micro_batch, mc.seq_len) == (128, 64, 1, 4096)
     from moe_plugin.models import preset_config
@@ -133,7 +132,7 @@ def test_seed_layout_plan_by_hand():
     kept = ckpt.memory.activations_by_segment["kept by the layers"]
     assert dispatched <= kept < 2 * dispatched, (kept, dispatched)
     assert ckpt.memory.activations < bf16.memory.activations / 5
-    selective = plan_recipe(recipe, checkpointing="selective", cache=cache)
+    selective = plan_recipe(recipe, checkpointing="selective", cache=cache, summaries=False)
     assert ckpt.memory.step_peak < selective.memory.step_peak < bf16.memory.step_peak  # (peak: the preset build)
     assert bf16.modes == {"off": bf16.memory.peak, "selective": selective.memory.peak, "full": ckpt.memory.peak}
 
@@ -200,20 +199,9 @@ def test_meta_working_bytes_match_the_allocator_of_a_real_layer(expert_format):
     assert working >= (2 * shape[1] - 1) * mc.vocab_size * 4
 
 
-_CACHE: dict = {}  # plans of the same layouts are shared between the worlds
-
-
-def _check(world: int) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        recipes = layout_recipes(tmp, world)
-        planned = [planned_peak(r, world, _CACHE) for r in recipes]
-        measured = run_distributed(
-            "moe_plugin.testing.plan_measure:measure_worker",
-            world_size=world,
-            timeout_s=3000,
-            recipes=recipes,
-            threads=max(1, 2 // world),
-        )
+def _check(world: int, measured_plans) -> None:
+    planned, measured = measured_plans[f"world {world}"]  # one launch for every world (tests/plan/conftest.py)
+    assert len(measured) == world
     layouts = measured_layouts(world)
     for rank in range(world):
         peaks = [m["peak_bytes"] for m in measured[rank]]
@@ -241,16 +229,16 @@ def _check(world: int) -> None:
 
 
 @pytest.mark.distributed
-def test_planned_peak_matches_one_process_runs():
-    _check(1)
+def test_planned_peak_matches_one_process_runs(measured_plans):
+    _check(1, measured_plans)
 
 
 @pytest.mark.distributed
-def test_planned_peak_matches_two_process_zero3_runs():
+def test_planned_peak_matches_two_process_zero3_runs(measured_plans):
     """EP 1 and 2 under ZeRO-3 on 2 gloo processes, dense and MXFP4 experts, sequences of 256 to 1024."""
-    _check(2)
+    _check(2, measured_plans)
 
 
 @pytest.mark.distributed
-def test_planned_peak_matches_four_process_zero3_runs():
-    _check(4)
+def test_planned_peak_matches_four_process_zero3_runs(measured_plans):
+    _check(4, measured_plans)
