@@ -39,7 +39,7 @@ def recipe():
 
 
 def _plan(recipe, cache, **kw):
-    args = dict(devices=8, seq_len=T, kernels="cpu", from_checkpoint=True, cache=cache)
+    args = dict(devices=8, seq_len=T, kernels="cpu", from_checkpoint=True, cache=cache, summaries=False)
     args.update(kw)
     return plan_recipe(recipe, **args)
 

@@ -50,22 +50,30 @@ def test_the_device_count_search_plans_one_device_as_plan_recipe_does():
     """With a stage-3 config one device is ZeRO-3 for ``plan_recipe``; a memory just under that plan's peak
     does not fit one device, so the search cannot answer 1 (it planned one device without ZeRO-3 before)."""
     recipe, cache = _zero3_recipe(), {}
-    one = plan_recipe(recipe, devices=1, cache=cache)
+    one = plan_recipe(recipe, devices=1, cache=cache, summaries=False)
     assert one.layout.zero3
     memory = one.memory.peak - 1
-    found = plan_recipe(recipe, devices=1, device_memory=memory, knobs=True, cache=cache).min_devices
-    fits = [d for d in range(1, 9) if plan_recipe(recipe, devices=d, device_memory=memory, cache=cache).fits]
+    found = plan_recipe(recipe, devices=1, device_memory=memory, knobs=True, cache=cache, summaries=False)
+    found = found.min_devices
+    fits = [
+        d
+        for d in range(1, 9)
+        if plan_recipe(recipe, devices=d, device_memory=memory, cache=cache, summaries=False).fits
+    ]
     assert fits, "premise: some count up to 8 fits"
     assert found == fits[0] and found > 1
 
 
 def test_the_framework_overhead_follows_the_kernels_not_the_device_size():
     recipe, cache = _zero3_recipe(), {}
-    small_gpu = plan_recipe(recipe, devices=2, kernels="gpu", device_memory=16e9, cache=cache)
-    large_cpu = plan_recipe(recipe, devices=2, kernels="cpu", device_memory=141e9, cache=cache)
+    small_gpu = plan_recipe(recipe, devices=2, kernels="gpu", device_memory=16e9, cache=cache, summaries=False)
+    large_cpu = plan_recipe(recipe, devices=2, kernels="cpu", device_memory=141e9, cache=cache, summaries=False)
     assert small_gpu.memory.overhead == GPU_OVERHEAD_BYTES
     assert large_cpu.memory.overhead == CPU_OVERHEAD_BYTES
-    assert plan_recipe(recipe, devices=2, kernels="gpu", cache=cache).memory.overhead == GPU_OVERHEAD_BYTES
+    assert (
+        plan_recipe(recipe, devices=2, kernels="gpu", cache=cache, summaries=False).memory.overhead
+        == GPU_OVERHEAD_BYTES
+    )
 
 
 class _Saved:

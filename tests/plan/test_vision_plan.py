@@ -71,9 +71,9 @@ def test_picture_grid_of_k3s_tower_is_its_processors_navit_resize():
 
 def test_plan_adds_the_vision_tower_and_names_bad_picture_counts():
     recipe = recipe_from_dict(layout_recipe("/tmp/never", 1, 1, 512))  # the tiny preset, with its tower
-    text = plan_recipe(recipe, devices=1)
+    text = plan_recipe(recipe, devices=1, summaries=False)
     assert text.layout.images == 0 and "vision" not in text.memory.activations_by_segment
-    with_images = plan_recipe(recipe, devices=1, images=2, image_size=224)
+    with_images = plan_recipe(recipe, devices=1, images=2, image_size=224, summaries=False)
     saved, working, _ = vision_activation_bytes(recipe_vision(recipe), recipe.lora, 2, 224, torch.float32)
     assert with_images.memory.activations_by_segment["vision"] == saved
     assert with_images.counts["vision"]["parameters"] > 0 and text.counts["vision"]["parameters"] == 0
