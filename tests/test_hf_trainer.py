@@ -79,6 +79,7 @@ def runs(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_processes_train_with_deepspeed_zero3(runs):
     for result in runs["two"]:

@@ -20,7 +20,7 @@ from moe_plugin.testing.launch import run_distributed
 from tests.export.saved_files import directory_tensors
 from tests.recipes import recipe
 
-pytestmark = pytest.mark.distributed  # every test here starts processes
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test here starts processes; shared runs of minutes
 
 WORKER = "tests/training/trainer_workers.py:run_recipes"
 LR, STEPS = 2e-2, 2

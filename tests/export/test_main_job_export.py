@@ -18,7 +18,7 @@ import torch
 from tests.tolerances import chain_length, chain_rel
 from tests.training.launchers import BIN, REPO, free_port, launch
 
-pytestmark = pytest.mark.distributed  # every test here starts processes
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test here starts processes; shared runs of minutes
 
 FORMATS = ("peft", "per-expert", "merged-hf", "merged-k3")
 STEPS, EVERY, PICTURES = 4, 2, 16

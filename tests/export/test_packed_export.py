@@ -22,7 +22,7 @@ from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from tests.export.saved_files import directory_tensors
 from tests.recipes import recipe
 
-pytestmark = pytest.mark.distributed  # every test here starts processes
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test here starts processes; shared runs of minutes
 
 WORKER = "tests/training/trainer_workers.py:run_recipes"
 PACKED = ("mxfp4", "int4")

@@ -56,6 +56,7 @@ def test_the_plan_follows_the_layers_table(monkeypatch):
     assert all(without.kept[i] == planned.kept[i] for i in range(MC.num_layers) if i not in moe)
 
 
+@pytest.mark.slow
 def test_plan_command_takes_the_modes_and_says_which_fits(tmp_path, capsys):
     recipe = tmp_path / "r.json"
     recipe.write_text(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.distributed  # every test here starts processes
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test here starts processes; shared runs of minutes
 
 
 def test_a_32k_row_over_4_context_ranks_trains_and_matches_the_plan(measured_plans):

@@ -124,6 +124,7 @@ def test_a_bf16_moe_layer_saves_what_the_trainer_held_layer_saves():
     assert sum(meta.values()) == pytest.approx(counter.nbytes, rel=0.01), (meta, counter.nbytes)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_the_seed_plan_takes_under_a_minute_of_cpu():
     """The full-size K3 plan as the README runs it (knobs, the device-count search): the child's CPU time,

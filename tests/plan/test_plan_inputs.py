@@ -109,6 +109,7 @@ def test_the_recipes_own_absurd_sizes_are_refused_by_name(section, key, value, f
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_the_largest_accepted_row_length_plans_in_well_under_a_minute():
     # a 1e9-token row used to be padded as a Python list and run out of memory; 16M tokens is the largest
     recipe = recipe_from_dict(TINY)

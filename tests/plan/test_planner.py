@@ -102,6 +102,7 @@ def test_meta_forward_saves_what_the_real_layer_saves(expert_format, extras):
             assert meta[segment] == pytest.approx(value, rel=0.01), (index, segment, real, meta)
 
 
+@pytest.mark.slow
 def test_seed_layout_plan_by_hand():
     """The shipped seed layout: experts per device against the config's numbers (E x 3 x F x L per MoE layer,
     over EP 64 and the expert-data-parallel pair), BF16 and MXFP4; activations with full checkpointing are a
@@ -228,17 +229,20 @@ def _check(world: int, measured_plans) -> None:
             assert full < 1.15 * selective, (rank, off, selective, full)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_planned_peak_matches_one_process_runs(measured_plans):
     _check(1, measured_plans)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_planned_peak_matches_two_process_zero3_runs(measured_plans):
     """EP 1 and 2 under ZeRO-3 on 2 gloo processes, dense and MXFP4 experts, sequences of 256 to 1024."""
     _check(2, measured_plans)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_planned_peak_matches_four_process_zero3_runs(measured_plans):
     _check(4, measured_plans)

@@ -15,7 +15,7 @@ from moe_plugin.testing.launch import run_distributed
 from tests.tolerances import check_run
 from tests.training.test_multimodal_trainer import CHAIN, LR, MAX_NORM, TOKENS, _base, _data, _named, _recipe
 
-pytestmark = pytest.mark.distributed  # every test here starts processes
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test here starts processes; shared runs of minutes
 
 WORKER = "tests/training/context_parallel_workers.py:run_recipes"
 # name -> (context_parallel_size, expert_parallel_size, activation checkpointing, balance coefficient)

@@ -23,7 +23,7 @@ from moe_plugin.recipe.schema import DEFAULT_ROUTER_AUX_LOSS_COEFF
 from tests.training.launchers import BIN, REPO, free_port, launch
 from tests.training.wandb_records import offline_history
 
-pytestmark = pytest.mark.distributed  # every test here starts processes
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test here starts processes; shared runs of minutes
 
 HELD_OUT = 24  # pictures answered (the full job answers 60)
 STEPS = 150  # the job's own: the balance figures the README reports are its final ones

@@ -22,7 +22,7 @@ from examples.shapes import write_shapes_dataset
 from tests.recipes import recipe, whole
 from tests.tolerances import chain_length, chain_rel, check_run
 
-pytestmark = pytest.mark.distributed  # every test here starts processes
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test here starts processes; shared runs of minutes
 
 WORKER = "tests/training/multimodal_workers.py:run_recipes"
 SEQ = 128

@@ -15,7 +15,7 @@ from moe_plugin.testing.launch import run_distributed
 from moe_plugin.testing.packed_checkpoints import write_tiny_packed_checkpoint
 from tests.recipes import recipe
 
-pytestmark = pytest.mark.distributed  # every test here starts processes
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test here starts processes; shared runs of minutes
 
 WORKER = "tests/training/packed_trainer_workers.py:run_packed"
 IDS = [(7 * i + 3) % 384 for i in range(48)]

@@ -126,6 +126,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize(
     "which", ["4 processes EP 2 -> 2 processes EP 1", "4 processes EP 2 -> 1 process", "1 process -> 4 processes EP 2"]
 )
+@pytest.mark.slow
 def test_a_checkpoint_resumes_at_another_layout(runs, which):
     whole, whole_recipe = runs["whole"]
     got, recipe, change = runs["resumed"][which]

@@ -137,6 +137,7 @@ def test_chat_sft_data(tmp_path):
     assert len(result.losses) == 3 and all(math.isfinite(x) for x in result.losses)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
     """2 CPU processes, megatron EP=2 with ZeRO-3: the deepspeed launcher runs 2 steps, torchrun continues the

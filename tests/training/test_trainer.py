@@ -16,7 +16,7 @@ from moe_plugin.recipe.schema import DEFAULT_ROUTER_AUX_LOSS_COEFF
 from tests.recipes import TINY, recipe, whole
 from tests.tolerances import chain_length, chain_rel, check_run
 
-pytestmark = pytest.mark.distributed  # every test here starts processes
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test here starts processes; shared runs of minutes
 
 WORKER = "tests/training/trainer_workers.py:run_all"
 LR = 2e-2
