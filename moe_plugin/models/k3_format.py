@@ -35,7 +35,7 @@ from torch import nn
 
 from ..compat.transformers import convert_file_size_to_int
 from ..fileio import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, atomic_directory
-from ..weights.loader import load_state, state_from_tensors
+from ..weights.loader import state_from_tensors
 from ..weights.names import (
     A_LOG_PAD_MULTIPLE,
     TEXT_PREFIX,
@@ -51,6 +51,7 @@ from ..weights.names import (
 )
 from .configuration import MoEPluginConfig
 from .k3_config import config_from_k3, config_to_k3
+from .loading import load_k3_weights
 from .modeling import MoEPluginForCausalLM
 from .modeling_vl import MoEPluginForConditionalGeneration
 
@@ -157,19 +158,8 @@ def load_k3_checkpoint(
     with open(config_path) as f:
         config = config_from_k3(json.load(f), **config_overrides)
     model = model_cls(config)
-    if dtype is not None:
-        model.to(dtype)
-    load_state(
-        model,
-        path,
-        names="hf",
-        config=config.to_model_config(),
-        strict=strict,
-        layout="k3",
-        ignore_vision=ignore_vision,
-        ignore_mtp=ignore_mtp,
-    )
-    return model.eval()
+    load_k3_weights(model, path, dtype, strict=strict, ignore_vision=ignore_vision, ignore_mtp=ignore_mtp)
+    return model
 
 
 def _shard_plan(items: List[Tuple[str, torch.Tensor]], max_bytes: int) -> List[List[Tuple[str, torch.Tensor]]]:

@@ -148,6 +148,28 @@ def _dtype(value: Any, path: str) -> torch.dtype:
     return value
 
 
+def load_k3_weights(
+    model: nn.Module, path: str, dtype: Optional[torch.dtype], strict: bool, ignore_vision: bool, ignore_mtp: bool
+):
+    """Cast a model built from a K3-layout directory's config to ``dtype`` (the policy's fp32 tensors stay fp32:
+    ``MoEPluginPreTrainedModel._apply``), stream the directory's tensors into it (``weights.load_state``) and put
+    it in eval mode; the load's stats. The one loading step of ``load_k3_layout`` and ``load_k3_checkpoint``."""
+    if dtype is not None and dtype != torch.float32:
+        model.to(dtype)
+    stats = load_state(
+        model,
+        path,
+        names="hf",
+        config=model.config.to_model_config(),
+        strict=strict,
+        layout="k3",
+        ignore_vision=ignore_vision,
+        ignore_mtp=ignore_mtp,
+    )
+    model.eval()
+    return stats
+
+
 def load_k3_layout(cls: type, path: Any, strict: bool = True, **kwargs: Any):
     """``cls.from_pretrained(path, **kwargs)`` for a directory in K3's layout: the model built from the
     release's ``config.json`` (``k3_config.config_from_k3``, or the ``config`` passed) and its tensors streamed
@@ -177,20 +199,8 @@ def load_k3_layout(cls: type, path: Any, strict: bool = True, **kwargs: Any):
     if config is None or isinstance(config, (str, os.PathLike)):
         config = config_from_k3(read_k3_config(path))
     model = cls(config)
-    if dtype != torch.float32:
-        model.to(dtype)  # the policy's fp32 tensors stay fp32 (MoEPluginPreTrainedModel._apply)
     text_only = not any(n.startswith(("vision_tower.", "mm_projector.")) for n, _ in model.named_parameters())
-    stats = load_state(
-        model,
-        path,
-        names="hf",
-        config=config.to_model_config(),
-        strict=strict,
-        layout="k3",
-        ignore_vision=text_only,
-        ignore_mtp=True,
-    )
-    model.eval()
+    stats = load_k3_weights(model, path, dtype, strict=strict, ignore_vision=text_only, ignore_mtp=True)
     if not want_info:
         return model
     info = {"missing_keys": list(stats.fresh), "unexpected_keys": list(stats.unknown), "mismatched_keys": []}
