@@ -6,7 +6,6 @@ streams it through the project's read planner instead of transformers' loader (`
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any, Dict, List, Optional
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import K3_TEXT_MODEL_TYPE, K3_VL_MODEL_TYPE
-from ..weights.checks import config_dtype
+from ..weights.checks import config_dtype, read_config_file
 from ..weights.loader import load_state
 from ..weights.names import stores_stacked_experts
 
@@ -121,11 +120,7 @@ def read_k3_config(path: Any) -> Optional[Dict[str, Any]]:
     file = os.path.join(os.fspath(path), CONFIG_NAME)
     if not os.path.isfile(file):
         return None
-    try:
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise ValueError(f"path: {file} is not valid JSON ({err}); re-download or re-save the checkpoint") from None
+    config = read_config_file(file)
     if not isinstance(config, dict) or config.get("model_type") not in (K3_TEXT_MODEL_TYPE, K3_VL_MODEL_TYPE):
         return None
     return config

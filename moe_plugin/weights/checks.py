@@ -39,17 +39,22 @@ _CONFIG = "config.json"
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
 
 
+def read_config_file(file: str):
+    """A checkpoint's ``config.json`` as read (ValueError naming the file when it is not JSON)."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"path: {file} is not valid JSON ({err}); re-download or re-save the checkpoint") from None
+
+
 def config_dtype(path: Optional[str]) -> Optional[str]:
     """The floating dtype name a checkpoint directory's ``config.json`` declares for its weights (``dtype`` or
     ``torch_dtype``, at the top or in ``text_config``), or None where it declares none."""
     file = os.path.join(path, _CONFIG) if path else None
     if file is None or not os.path.isfile(file):
         return None
-    try:
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise ValueError(f"path: {file} is not valid JSON ({err}); re-download or re-save the checkpoint") from None
+    config = read_config_file(file)
     for section in (config, config.get("text_config") if isinstance(config, dict) else None):
         if not isinstance(section, dict):
             continue
