@@ -185,7 +185,7 @@ def count_checkpoint_reads(base: str) -> dict:
     stored = {}
     for file in sorted(f for f in os.listdir(base) if f.endswith(".safetensors")):
         stored.update(load_file(os.path.join(base, file)))
-    layers = [m for m in model.modules() if type(m).__name__ == "ExpertParallelMoE"]
+    layers = [m for m in model.modules() if type(m).__name__ == "StableLatentMoE"]
     match = True
     for name, p in model.named_parameters():
         if ".experts.w" in name:

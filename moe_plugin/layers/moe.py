@@ -1,10 +1,12 @@
-"""Stable Latent MoE on one device (docs/architecture.md 3), with K3's module names.
+"""Stable Latent MoE on one device (docs/architecture.md 3), with K3's module names, and the one MoE forward.
 
-The forward is split into stages (``route``, ``to_latent``, ``experts``, ``from_latent``, ``shared_path``)
-so that the expert-parallel adapter can put its all-to-all between ``permute`` and ``experts`` and reuse
-everything else unchanged. How the token copies reach the experts and come back is the layer's ``dispatch``
-slot (``TokenDispatch``: ``ops.moe``'s permute and combine over every expert); the planner fills it with its
-own routing assumption (``plan.routing``), so its meta run is this forward, unpatched.
+``LatentMoEMixin.moe_forward`` is the MoE forward of both faces of the model: the single-device
+``StableLatentMoE`` here and megatron's ``LatentMoELayer`` (``moe_plugin.megatron.latent_moe``, a thin adapter to
+megatron's calling convention). How the token copies reach the experts and come back is the layer's
+``dispatch`` slot: ``TokenDispatch`` (this device, every expert), ``parallel.expert_dispatch.
+ExpertParallelDispatch`` (all-to-all over the expert-parallel ranks, overlapped in chunks with compute; put in
+from outside by ``parallel.expert_parallel.apply_expert_parallel``) or the planner's balanced routing
+(``plan.routing``), so its meta run is this forward, unpatched.
 """
 
 from __future__ import annotations
@@ -60,10 +62,10 @@ def expert_load(indices: torch.Tensor, num_experts: int, padding_mask: Optional[
 
 
 class TokenDispatch:
-    """How a ``StableLatentMoE`` sends its token copies to its experts and takes their outputs back: on this
-    device, sorted by expert over all ``E`` (``ops.moe.permute`` / ``unpermute``). Stateless; the layer's
-    ``dispatch`` attribute holds one, and whoever replaces it (the planner's balanced routing) keeps the two
-    methods' contracts."""
+    """How an MoE layer sends its token copies to its experts and takes their outputs back: on this device,
+    sorted by expert over all ``E`` (``ops.moe.permute`` / ``unpermute``). Stateless; the layer's ``dispatch``
+    attribute holds one. Whoever replaces it keeps ``run``'s contract (the planner's balanced routing overrides
+    ``send`` and ``combine``; expert parallelism overrides ``run``)."""
 
     def send(
         self, z: torch.Tensor, indices: torch.Tensor, num_experts: int
@@ -75,6 +77,30 @@ class TokenDispatch:
     def combine(self, y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The experts' rows ``[M, L]`` back onto the N tokens, weighted by ``weights`` ``[N, k]``: ``[N, L]``."""
         return unpermute(y_sorted, order, weights)
+
+    def run(
+        self,
+        z: torch.Tensor,
+        indices: torch.Tensor,
+        weights: torch.Tensor,
+        num_experts: int,
+        experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        region: Callable,
+        side: Callable[[], Optional[torch.Tensor]],
+    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """z ``[N, L]`` the latent tokens, indices / weights ``[N, k]`` the router's choices -> ``(u [N, L]`` the
+        weighted sum of each token's expert outputs, ``counts [E_held]`` int64 as ``send`` gives them,
+        ``side()``'s value)``. ``experts(rows [M, L], counts) -> [M, L]`` runs the layer's experts;
+        ``region(fn, *tensors)`` is the layer's recompute region "experts" (``layers.recompute``): here it holds
+        the experts and the combine. ``side`` is work that needs no dispatched token (the shared experts); a
+        dispatcher that communicates runs it while tokens travel."""
+        z_sorted, counts, order = self.send(z, indices, num_experts)
+
+        def experts_combined(rows, counts, order, weights):
+            return self.combine(experts(rows, counts), order, weights)
+
+        u = region(experts_combined, z_sorted, counts, order, weights)
+        return u, counts, side()
 
 
 class MoERouter(nn.Linear):
@@ -174,6 +200,48 @@ class LatentMoEMixin:
             u = self.routed_expert_norm(u)
         return self.routed_expert_up_proj(u)
 
+    def moe_forward(
+        self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The MoE forward of both faces: x ``[N, hidden]``, padding_mask ``[N]`` bool (True = padding: routed and
+        sent like any token, but not counted in the load) -> ``(y [N, hidden], load [E])``, load the detached
+        float count of this call's non-padded token copies per global expert (also added to ``last_load``).
+
+        The routing and the dispatch run once and are kept; ``recompute_mode``'s regions (``layers.recompute``)
+        are the experts (with the local combine) and what follows the combine, so "off" and the recompute modes
+        accumulate gradients alike and a recompute never exchanges again. The shared experts are the
+        dispatch's side work: an expert-parallel dispatch runs them while tokens travel."""
+        weights, indices, scores = self.route_tokens(x)
+        self._record_balance(scores, indices, padding_mask)
+        mode, ckpt = self.recompute_mode, self.recompute_checkpoint_fn
+
+        def region(fn, *tensors):
+            return recomputed(mode, "experts", fn, *tensors, checkpoint_fn=ckpt)
+
+        def side():
+            return recomputed(mode, "moe_out", self.shared_path, x, checkpoint_fn=ckpt)
+
+        num_experts = self.moe_config.num_experts
+        u, counts, shared = self.dispatch.run(
+            self.to_latent(x), indices, weights, num_experts, self._expert_rows, region, side
+        )
+        y = recomputed(mode, "moe_out", self.from_latent, u, checkpoint_fn=ckpt)
+        if padding_mask is None and counts.shape[0] == num_experts:
+            load = counts.detach().float()  # the dispatch counted every expert's copies already
+        else:
+            load = expert_load(indices, num_experts, padding_mask)
+        self._record_load(load)
+        return (y if shared is None else y + shared), load
+
+    def _expert_rows(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """rows ``[M, L]`` grouped by the layer's experts -> their outputs ``[M, L]``, unweighted. The experts are
+        called as a module, so a peft wrapper around them applies."""
+        return self.experts(rows, tokens_per_expert)
+
+    def shared_path(self, x_flat: torch.Tensor) -> Optional[torch.Tensor]:
+        """x_flat: ``[N, hidden]`` -> ``[N, hidden]``, or None without shared experts."""
+        return self.shared_experts(x_flat) if self.moe_config.num_shared_experts > 0 else None
+
     def _record_load(self, load: torch.Tensor) -> None:
         if torch.is_grad_enabled():
             self.last_load = load if self.last_load is None else self.last_load + load
@@ -271,48 +339,18 @@ class StableLatentMoE(LatentMoEMixin, nn.Module):
         """x_flat: ``[N, hidden]`` -> weights ``[N, k]`` fp32, indices ``[N, k]`` int64, scores ``[N, E]`` fp32."""
         return self.route_tokens(x_flat)
 
-    def shared_path(self, x_flat: torch.Tensor) -> Optional[torch.Tensor]:
-        """x_flat: ``[N, hidden]`` -> ``[N, hidden]``, or None without shared experts."""
-        return self.shared_experts(x_flat) if self.config.num_shared_experts > 0 else None
-
-    def _experts_combined(
-        self, z_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """The dispatched tokens ``[N * k, L]`` through their experts, combined per token with the router's
-        weights ``[N, k]``: ``[N, L]``."""
-        return self.dispatch.combine(self.experts(z_sorted, tokens_per_expert), order, weights)
-
-    def _after_combine(self, u: torch.Tensor, x_flat: torch.Tensor) -> torch.Tensor:
-        """u ``[N, L]`` combined expert outputs, x_flat ``[N, hidden]`` the MoE input -> ``[N, hidden]``."""
-        y = self.from_latent(u)
-        shared = self.shared_path(x_flat)
-        return y if shared is None else y + shared
-
     def forward(
         self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """hidden_states: ``[B, T, hidden]`` -> ``(y [B, T, hidden], load [E])``.
+        """hidden_states: ``[B, T, hidden]`` -> ``(y [B, T, hidden], load [E])`` (``moe_forward``).
 
         load is the detached float count of token copies each expert received in this call, to be summed
         over a global batch for ``update_routing_bias`` (``last_load`` also accumulates it, see the mixin).
         padding_mask: ``[B, T]`` bool, True = padding: such tokens are routed (harmless) but not counted.
         """
         shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        weights, indices, scores = self.route(x)
-        self._record_balance(scores, indices, padding_mask)
-        z_sorted, tokens_per_expert, order = self.dispatch.send(self.to_latent(x), indices, self.num_experts)
-        # routing and dispatch above are kept; the experts and what follows the combine may be recomputed
-        mode, ckpt = self.recompute_mode, self.recompute_checkpoint_fn
-        u = recomputed(
-            mode, "experts", self._experts_combined, z_sorted, tokens_per_expert, order, weights, checkpoint_fn=ckpt
-        )
-        y = recomputed(mode, "moe_out", self._after_combine, u, x, checkpoint_fn=ckpt)
-        if padding_mask is None and tokens_per_expert.shape[0] == self.num_experts:
-            load = tokens_per_expert.detach().float()  # the dispatch counted every expert's copies already
-        else:
-            load = expert_load(indices, self.num_experts, padding_mask)
-        self._record_load(load)
+        mask = None if padding_mask is None else padding_mask.reshape(-1)
+        y, load = self.moe_forward(hidden_states.reshape(-1, shape[-1]), mask)
         return y.view(shape), load
 
 

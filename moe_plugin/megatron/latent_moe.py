@@ -38,12 +38,11 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from ..compat.megatron import pop_router
 from ..config import MoEConfig, require
 from ..layers.mlp import GLUMLP
-from ..layers.moe import LatentMoEMixin, MoERouter, expert_load, experts_kwargs
-from ..ops.moe import permute, unpermute
+from ..layers.moe import LatentMoEMixin, MoERouter, experts_kwargs
 from ..layers.packed_experts import PackedStackedExperts
-from ..layers.recompute import recomputed
 from ..layers.stacked_experts import StackedExperts
-from . import expert_exchange
+from ..parallel.expert_dispatch import dispatch_for
+from ..parallel.layout import experts_held
 from .expert_tags import tag_expert_parameter
 
 # megatron routing/balancing options that LatentMoELayer's route never reads: each must keep its default, and
@@ -163,6 +162,8 @@ class MegatronStackedExperts(StackedExperts):
             ep_group = parallel_state.get_expert_model_parallel_group()
             expert_dp_group = parallel_state.get_expert_data_parallel_group()
         seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        ep_size = get_pg_size(ep_group)
+        first, _ = experts_held(num_local_experts * ep_size, ep_size, get_pg_rank(ep_group))
         # experts_kwargs: the packed format when the next class in the MRO is PackedStackedExperts
         super().__init__(
             num_local_experts,
@@ -174,14 +175,14 @@ class MegatronStackedExperts(StackedExperts):
             dtype=config.params_dtype,
             device=_param_device(config),
             seed=seed,
-            first_expert=get_pg_rank(ep_group) * num_local_experts,
+            first_expert=first,
             **experts_kwargs(moe),
         )
         for p in self.parameters():
             # megatron's mark for expert parameters (its DDP reduces their gradients over the
             # expert-data-parallel group), and ZeRO-3's placement within that group: set here, inside
             # __init__, so that deepspeed.zero.Init partitions them within their group as they are built
-            tag_expert_parameter(p, get_pg_size(ep_group), expert_dp_group)
+            tag_expert_parameter(p, ep_size, expert_dp_group)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: Optional[torch.Tensor]):
         """tokens: ``[M, L]`` grouped by local expert; tokens_per_expert: ``[E_local]``; probs: ``[M]`` or None.
@@ -267,6 +268,7 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
         self.gate = pop_router(self).to(_param_device(config))  # the router stays fp32
         self._build_latent_modules(dtype=config.params_dtype, device=_param_device(config))
         self.last_load = None
+        self.dispatch = dispatch_for(self.ep_group)
         require(
             get_pg_size(self.token_dispatcher.tp_group) == 1,
             "expert_tensor_parallel_size",
@@ -293,52 +295,20 @@ class LatentMoELayer(LatentMoEMixin, MoELayer):
         self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask: Optional[torch.Tensor] = None
     ):
         """hidden_states ``[S, B, hidden]``, padding_mask ``[B, S]`` bool (True = padding) -> ``(y [S, B, hidden],
-        None)``, ``MoELayer``'s interface. The shared experts run first (``MoELayer``'s order); the route, the
-        sort by expert and the exchange run once and are kept, and ``recompute_mode``'s regions
-        (``layers.recompute``) are the experts and what follows the combine, so that "off" and the recompute
-        modes accumulate gradients alike. At EP 1 the dispatch is ``StableLatentMoE.forward``'s."""
+        None)``, ``MoELayer``'s interface over the one MoE forward (``LatentMoEMixin.moe_forward``, with this
+        layer's ``dispatch``)."""
         require(
             intermediate_tensors is None,
             "intermediate_tensors",
             "LatentMoELayer runs whole (no partial CUDA-graph capture of the MoE layer); leave it None",
         )
-        if padding_mask is not None:  # [B, S] -> [S, B], as MoELayer.forward
-            padding_mask = padding_mask.transpose(0, 1).bool()
-        mode, ckpt = self.recompute_mode, self.recompute_checkpoint_fn
-        shared = recomputed(mode, "moe_out", self.shared_experts_compute, hidden_states, checkpoint_fn=ckpt)
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        weights, indices, scores = self.route_tokens(x)
-        # padded tokens are routed (their copies are sent like any other) but left out of the load
-        self._record_load(expert_load(indices, self.moe.num_experts, padding_mask))
-        self._record_balance(scores, indices, padding_mask)  # the same term as StableLatentMoE (inside balancing)
-        z_sorted, tokens_per_expert, order = permute(self.to_latent(x), indices, self.moe.num_experts)
-        if get_pg_size(self.ep_group) == 1:
-            u = recomputed(
-                mode, "experts", self._experts_combined, z_sorted, tokens_per_expert, order, weights, checkpoint_fn=ckpt
-            )
-            y = recomputed(mode, "moe_out", self.from_latent, u, checkpoint_fn=ckpt)
-        else:  # the exchange runs outside the regions: a recompute never sends again
-            plan = expert_exchange.plan_exchange(tokens_per_expert, self.ep_group)
-            rows = expert_exchange.send_to_experts(z_sorted, plan)
-            rows = recomputed(mode, "experts", self._experts_rows, rows, plan.tokens_per_expert, checkpoint_fn=ckpt)
-            back = expert_exchange.return_from_experts(rows, plan)
-            y = recomputed(mode, "moe_out", self._combined_from_latent, back, order, weights, checkpoint_fn=ckpt)
-        y = y.view(hidden_states.shape)
-        return (y if shared is None else y + shared), None
+        if padding_mask is not None:  # [B, S] -> [S, B] flattened, the order of the tokens
+            padding_mask = padding_mask.transpose(0, 1).reshape(-1).bool()
+        y, _ = self.moe_forward(hidden_states.reshape(-1, hidden_states.shape[-1]), padding_mask)
+        return y.view(hidden_states.shape), None
 
-    def _experts_rows(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """rows ``[M, L]`` grouped by local expert -> their experts' outputs ``[M, L]``, unweighted. The experts
-        are called as a module, so a peft wrapper around them applies."""
+    def _expert_rows(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """rows ``[M, L]`` grouped by local expert -> their experts' outputs ``[M, L]``, unweighted (megatron's
+        experts interface, probs None)."""
         y, _ = self.experts(rows, tokens_per_expert, None)
         return y
-
-    def _experts_combined(
-        self, z_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """EP 1: the sorted copies ``[N * k, L]`` through every expert, combined per token with the router's
-        weights ``[N, k]``: ``[N, L]``."""
-        return unpermute(self._experts_rows(z_sorted, tokens_per_expert), order, weights)
-
-    def _combined_from_latent(self, back: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The copies' expert outputs ``[N * k, L]`` back in ``permute``'s order -> ``[N, hidden]``."""
-        return self.from_latent(unpermute(back, order, weights))

@@ -1,19 +1,19 @@
 """Expert parallelism applied to a model from outside it: ``apply_expert_parallel(model, layout)``, the one
 place for the megatron model, the recipe's Hugging Face backend and ``moe_plugin.hf_trainer.MoETrainer``.
 
-The model code stays single-device. What applying does depends on the face:
+The model code stays single-device, and both faces run the one MoE forward (``layers.moe.LatentMoEMixin``);
+expert parallelism is two things given to each MoE layer, the same on both faces: its experts are this rank's
+(``ParallelLayout.experts_held``, the one rule) and its ``dispatch`` slot holds the expert-parallel all-to-all
+(``parallel.expert_dispatch.ExpertParallelDispatch``, with the recipe's ``moe_overlap_chunks``).
 
 * **megatron** (``megatron.specs.build_gpt_model`` under a started layout): megatron-core already built each
   MoE layer with this rank's ``E / EP`` experts from its parallel state; applying checks that they are the
-  layout's.
+  layout's and sets the dispatcher's chunks.
 * **Hugging Face** (``MoEPluginForCausalLM`` or the image model): every ``StableLatentMoE``
-  (``model.layers.{i}.block_sparse_moe``) becomes the megatron path's own layer, an ``ExpertParallelMoE``
-  (``moe_plugin.megatron.latent_moe.LatentMoELayer`` with megatron-core's all-to-all token dispatcher over the
-  layout's expert-parallel group), holding only this rank's contiguous experts (``MegatronStackedExperts``,
-  tagged for ZeRO-3 within the expert-data-parallel group, ``parallel.layout``). The router, the latent
-  projections, the norm and the shared experts are the Hugging Face layer's own modules, moved over (so their
-  loaded, possibly ZeRO-3 partitioned, weights are kept); the parameter names do not change
-  (``...block_sparse_moe.experts.w1`` is ``[E / EP, F, L]`` on each rank). A layout whose groups were not
+  (``model.layers.{i}.block_sparse_moe``) keeps its router, latent projections, norm and shared experts (their
+  loaded, possibly ZeRO-3 partitioned, weights are kept) and gets a ``StackedExperts`` of this rank's experts,
+  tagged for ZeRO-3 within the expert-data-parallel group (``parallel.layout``); the parameter names do not
+  change (``...block_sparse_moe.experts.w1`` is ``[E / EP, F, L]`` on each rank). A layout whose groups were not
   started (the recipe's Hugging Face backend without expert parallelism) leaves the model as it is.
 
 Where the local experts' values come from (Hugging Face face):
@@ -37,20 +37,26 @@ from torch import nn
 from ..compat.deepspeed import is_zero3_param, partition_like
 from ..config import require
 from ..layers.moe import StableLatentMoE
+from ..layers.stacked_experts import StackedExperts
+from ..megatron.expert_tags import tag_expert_parameter
 from ..megatron.latent_moe import LatentMoELayer
+from .expert_dispatch import ExpertParallelDispatch, dispatch_for
 from .layout import ParallelLayout
 
-__all__ = ["apply_expert_parallel", "expert_parallel_size", "ExpertParallelMoE"]
+__all__ = ["apply_expert_parallel", "expert_parallel_size"]
 
 _WEIGHTS = ("w1", "w2", "w3")
 
 
-def apply_expert_parallel(model: nn.Module, layout: ParallelLayout, checkpoint: Optional[str] = None) -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module, layout: ParallelLayout, checkpoint: Optional[str] = None, overlap_chunks: int = 1
+) -> nn.Module:
     """Give ``model`` the expert parallelism of ``layout`` in place (module docstring); returns it.
 
     Collective: every rank calls it with the same arguments, after ``layout.start()`` and before the adapters
     are added. ``checkpoint``: where a Hugging Face model's ZeRO-3 partitioned experts are read again from
-    (default: ``model.config._name_or_path``). The torch RNG state is left as it was.
+    (default: ``model.config._name_or_path``). ``overlap_chunks``: the dispatcher's chunks (the recipe's
+    ``parallel.moe_overlap_chunks``; 1 = no overlap). The torch RNG state is left as it was.
     """
     require(
         layout.started or layout.expert == 1,
@@ -60,43 +66,26 @@ def apply_expert_parallel(model: nn.Module, layout: ParallelLayout, checkpoint: 
     built = [(n, m) for n, m in model.named_modules() if isinstance(m, LatentMoELayer)]
     if any(isinstance(m, StableLatentMoE) for m in model.modules()):
         if layout.started:  # the face asked for the expert groups (the recipe's hf backend does at EP > 1)
-            _parallelize_hf_layers(model, layout, checkpoint)
+            _parallelize_hf_layers(model, layout, checkpoint, overlap_chunks)
         return model
     for name, layer in built:  # megatron built them from its parallel state: check it was this layout's
+        first, last = layout.experts_held(layer.moe.num_experts)
         require(
-            layer.num_local_experts * layout.expert == layer.moe.num_experts,
+            list(layer.local_expert_indices) == list(range(first, last)),
             f"{name}.experts",
-            f"hold {layer.num_local_experts} of {layer.moe.num_experts} experts, but the layout's expert "
-            f"parallelism is {layout.expert}: build the model after layout.start()",
+            f"hold experts {list(layer.local_expert_indices)} of {layer.moe.num_experts}, but the layout's "
+            f"expert parallelism {layout.expert} gives this rank [{first}, {last}): build the model after "
+            "layout.start()",
         )
+        layer.dispatch = dispatch_for(layout.expert_group, overlap_chunks)
     return model
 
 
-class ExpertParallelMoE(LatentMoELayer):
-    """``LatentMoELayer`` with ``StableLatentMoE``'s calling convention: ``forward(hidden_states [B, T, hidden],
-    padding_mask [B, T] bool, True = padding) -> (y [B, T, hidden], load [E])``, load this call's detached
-    token copies per global expert of this rank's tokens (zeros when none was recorded)."""
-
-    def _record_load(self, load: torch.Tensor) -> None:
-        self._call_load = load
-        super()._record_load(load)
-
-    def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        self._call_load = None
-        # megatron's layers are sequence-first
-        y, _ = super().forward(hidden_states.transpose(0, 1), padding_mask=padding_mask)
-        load = self._call_load
-        if load is None:
-            load = torch.zeros(self.moe.num_experts, device=hidden_states.device)
-        return y.transpose(0, 1).contiguous(), load
-
-
 def expert_parallel_size(model: nn.Module) -> int:
-    """The expert-parallel size ``apply_expert_parallel`` gave a Hugging Face ``model`` (1 if it was not
-    parallelized)."""
+    """The expert-parallel size of ``model``'s MoE layers (1 if their dispatch stays on this device)."""
     for m in model.modules():
-        if isinstance(m, ExpertParallelMoE):
-            return int(m.token_dispatcher.ep_size)
+        if isinstance(getattr(m, "dispatch", None), ExpertParallelDispatch):
+            return m.dispatch.size
     return 1
 
 
@@ -151,19 +140,18 @@ def refuse_peft_model(model: nn.Module) -> None:
     )
 
 
-def _parallelize_hf_layers(model: nn.Module, layout: ParallelLayout, checkpoint: Optional[str]) -> None:
-    """Every ``StableLatentMoE`` of a Hugging Face model becomes an ``ExpertParallelMoE`` holding this rank's
-    experts (module docstring)."""
+def _parallelize_hf_layers(
+    model: nn.Module, layout: ParallelLayout, checkpoint: Optional[str], overlap_chunks: int
+) -> None:
+    """Every ``StableLatentMoE`` of a Hugging Face model gets this rank's experts and the expert-parallel
+    dispatch (module docstring)."""
     refuse_peft_model(model)
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, StableLatentMoE)]
     require(bool(layers), "model", "has no StableLatentMoE layer to parallelize")
-    from ..megatron.specs import transformer_config
-
     model_config = model.config.to_model_config()
-    ep_size, ep_rank = layout.expert, layout.ep_rank
     index = None  # the checkpoint's index and shard headers, read at the first partitioned layer only
-    for name, old in layers:
-        moe = old.moe_config
+    for name, layer in layers:
+        moe = layer.moe_config
         require(
             moe.expert_format == "dense",
             f"{name}.experts",
@@ -171,43 +159,36 @@ def _parallelize_hf_layers(model: nn.Module, layout: ParallelLayout, checkpoint:
             "of the Hugging Face model takes dense experts (the megatron backend also takes packed ones)",
         )
         require(
-            moe.num_experts % ep_size == 0,
+            moe.num_experts % layout.expert == 0,
             "ep_size",
-            f"must divide the number of experts ({moe.num_experts}) of {name}, got {ep_size}",
+            f"must divide the number of experts ({moe.num_experts}) of {name}, got {layout.expert}",
         )
-        experts = old.experts
-        tc = transformer_config(model_config, use_cpu_initialization=True, params_dtype=experts.w1.dtype)
-        with torch.random.fork_rng(devices=[]):  # the new layer's draws are overwritten below
-            new = ExpertParallelMoE(tc, moe, layer_number=_layer_number(name))
-        for child in (
-            "gate",
-            "routed_expert_down_proj",
-            "routed_expert_norm",
-            "routed_expert_up_proj",
-            "shared_experts",
-        ):
-            if child in old._modules or child in new._modules:
-                setattr(new, child, old._modules.get(child))
-        local = new.num_local_experts
-        first, last = ep_rank * local, (ep_rank + 1) * local
-        ours = {f"{name}.experts.{w}": getattr(new.experts, w) for w in _WEIGHTS}
+        first, last = layout.experts_held(moe.num_experts)
+        experts = layer.experts
+        with torch.random.fork_rng(devices=[]):  # the new experts' draws are overwritten below
+            mine = StackedExperts(
+                last - first,
+                moe.expert_dim,
+                moe.expert_intermediate_size,
+                moe.activation,
+                moe.situ_beta,
+                moe.situ_linear_beta,
+                dtype=experts.w1.dtype,
+                device=experts.w1.device,
+                first_expert=first,
+            )
+        for p in mine.parameters():
+            tag_expert_parameter(p, layout.expert, layout.expert_data_group)
+        ours = {f"{name}.experts.{w}": getattr(mine, w) for w in _WEIGHTS}
         if is_zero3_param(experts.w1):
             path = _checkpoint_of(model, checkpoint)
             index = _checkpoint_index(path) if index is None else index
             _load_local_experts(ours, first, last, path, model_config, index)
             # partitioned as zero.Init does, within the group the tags name (the expert-data-parallel group)
-            partition_like(experts.w1, new.experts.parameters())
+            partition_like(experts.w1, mine.parameters())
         else:
-            for w in _WEIGHTS:
-                getattr(new.experts, w).data.copy_(getattr(experts, w).data[first:last])
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, new.train(old.training))
-    return model
-
-
-def _layer_number(name: str) -> Optional[int]:
-    parts = name.split(".")
-    for a, b in zip(parts, parts[1:]):
-        if a == "layers" and b.isdigit():
-            return int(b) + 1  # megatron counts layers from 1
-    return None
+            with torch.no_grad():
+                for w in _WEIGHTS:
+                    getattr(mine, w).copy_(getattr(experts, w)[first:last])
+        layer.experts = mine
+        layer.dispatch = dispatch_for(layout.expert_group, overlap_chunks)

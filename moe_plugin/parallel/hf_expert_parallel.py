@@ -3,8 +3,8 @@
 
 ``parallelize_experts(model, ep_size)`` builds the ``ParallelLayout`` of the Trainer's processes with that
 expert-parallel size, starts its groups (unless this process started that layout already) and applies it to the
-single-device model (``apply_expert_parallel``: each ``StableLatentMoE`` becomes an ``ExpertParallelMoE``
-holding this rank's ``E / EP`` experts). After ``get_peft_model``, ``prepare_expert_adapters(model, seed)`` draws
+single-device model (``apply_expert_parallel``: each ``StableLatentMoE`` keeps this rank's ``E / EP`` experts
+and dispatches over the expert-parallel group). After ``get_peft_model``, ``prepare_expert_adapters(model, seed)`` draws
 each expert's ``lora_A`` by its global index, so EP=n starts as EP=1, and marks and tags the expert adapters.
 ``adapter_state(model)`` is the whole adapter (ZeRO-3 gathered, expert adapters all-gathered over the
 expert-parallel group): what ``moe_plugin.hf_trainer.MoETrainer`` saves, and what the recipe trainer's
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import require
-from .expert_parallel import ExpertParallelMoE, apply_expert_parallel, expert_parallel_size, refuse_peft_model
+from .expert_parallel import apply_expert_parallel, expert_parallel_size, refuse_peft_model
 from .layout import ParallelLayout, started_layout
 
 __all__ = [
@@ -29,7 +29,6 @@ __all__ = [
     "prepare_expert_adapters",
     "adapter_state",
     "whole_experts",
-    "ExpertParallelMoE",
 ]
 
 

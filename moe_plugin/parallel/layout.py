@@ -36,7 +36,7 @@ model without DeepSpeed-MoE layers, so the tags are the project's job (``megatro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 from torch import nn
@@ -46,9 +46,23 @@ from ..config import require
 from ..megatron.expert_tags import group_name, tag_expert_parameter
 from .grad_reduce import is_expert_parameter
 
-__all__ = ["ParallelLayout", "started_layout", "hide_expert_marks"]
+__all__ = ["ParallelLayout", "started_layout", "hide_expert_marks", "experts_held"]
 
 _STARTED: List["ParallelLayout"] = []  # the layout whose groups this process started (one at most)
+
+
+def experts_held(num_experts: int, expert: int, ep_rank: int) -> Tuple[int, int]:
+    """The one rule for which routed experts an expert-parallel rank holds: ``[first, last)``, the contiguous
+    ``E / expert`` experts from ``ep_rank x E / expert`` (megatron-core's ``local_expert_indices``, DeepSpeed's
+    and the checkpoints' expert-parallel slices agree). ValueError naming the size that does not divide."""
+    require(
+        num_experts % expert == 0,
+        "parallel.expert_parallel_size",
+        f"must divide the number of routed experts ({num_experts}), got {expert}",
+    )
+    require(0 <= ep_rank < expert, "ep_rank", f"must be in [0, {expert}), got {ep_rank}")
+    local = num_experts // expert
+    return ep_rank * local, (ep_rank + 1) * local
 
 
 def _positive(name: str, value: object) -> int:
@@ -214,6 +228,30 @@ class ParallelLayout:
         from megatron.core import parallel_state
 
         return parallel_state.get_expert_model_parallel_rank()
+
+    def experts_held(self, num_experts: int, ep_rank: Optional[int] = None) -> Tuple[int, int]:
+        """``[first, last)``: the routed experts this rank (or expert-parallel rank ``ep_rank``) holds of an MoE
+        layer with ``num_experts`` (``experts_held``, the one rule)."""
+        return experts_held(num_experts, self.expert, self.ep_rank if ep_rank is None else ep_rank)
+
+    @property
+    def expert_group(self):
+        """The expert-parallel process group of this rank (megatron's); None before ``start``."""
+        if not self.started:
+            return None
+        from megatron.core import parallel_state
+
+        return parallel_state.get_expert_model_parallel_group()
+
+    @property
+    def expert_data_group(self):
+        """The group holding the same experts as this rank (megatron's expert-data-parallel group); None
+        before ``start``."""
+        if not self.started:
+            return None
+        from megatron.core import parallel_state
+
+        return parallel_state.get_expert_data_parallel_group()
 
     # ---- the expert tags ----
 

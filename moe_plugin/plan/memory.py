@@ -52,6 +52,9 @@ class Layout:
     # context-parallel ranks per row (plan/context_parallel.py): each holds seq_len / context tokens of a row;
     # the world is data x context, and ZeRO-3 shards over all of it (so the shares below divide by the world)
     context: int = 1
+    # the expert-parallel dispatch's overlapped chunks (parallel.moe_overlap_chunks): at most one chunk's
+    # dispatch and one chunk's return are in flight at once, each a send and a receive buffer of rows / N
+    overlap_chunks: int = 1
 
 
 @dataclass
@@ -63,7 +66,7 @@ class MemoryPlan:
     activations: float  # saved for backward over the whole micro-batch
     activations_by_segment: Dict[str, float]
     transient: float  # working tensors at the step's peak beyond the saved ones (a layer's forward, logit grads)
-    dispatch: float  # expert-parallel all-to-all send and receive buffers
+    dispatch: float  # expert-parallel all-to-all send and receive buffers in flight (per chunk: Layout)
     build_peak: float  # while the model is built and partitioned
     overhead: float
     step_peak: float
@@ -149,7 +152,9 @@ def plan_memory(
             forward_peak = max(forward_peak, held + working)
         transient = max(forward_peak, head_peak) - activations
     n = L.micro_batch * L.seq_len // L.context  # this rank's tokens: its slice of each row
-    dispatch = (2 * n * mc.moe.top_k * L.capacity * mc.moe.expert_dim * pb) if ep > 1 else 0.0
+    rows = n * mc.moe.top_k * L.capacity  # the copies this rank's experts receive
+    in_flight = min(1.0, 2.0 / L.overlap_chunks)  # N = 1: the whole send and receive; N >= 2: 2 chunks of 1 / N
+    dispatch = (2 * rows * in_flight * mc.moe.expert_dim * pb) if ep > 1 else 0.0
     resting = sum(base.values()) + sum(adapters.values())
     step_peak = resting + gathered + buckets + activations + transient + dispatch
     build_peak = 0.0

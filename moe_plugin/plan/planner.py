@@ -266,6 +266,7 @@ def _plan(
         image_size=image_size,
         kernels=kernels,
         context=1 if auto else cp,
+        overlap_chunks=recipe.parallel.moe_overlap_chunks,
     )
     search: Dict[str, object] = {}
     if auto:

@@ -168,7 +168,9 @@ class DataSection(_Section):
 
 class ParallelSection(_Section):
     """``capacity_factor``: the per-rank load, over its balanced share, that the plan's dispatch buffers assume
-    (``moe-plugin plan`` reads it); the trainer warns when a rank's measured load goes past it."""
+    (``moe-plugin plan`` reads it); the trainer warns when a rank's measured load goes past it.
+    ``moe_overlap_chunks``: N > 1 sends a rank's experts' tokens in N chunks, each chunk's experts running while
+    the next chunk travels (``parallel.expert_dispatch``); the numbers are bitwise those of 1."""
 
     backend: Literal["megatron", "hf"] = "megatron"
     expert_parallel_size: int = _field(
@@ -179,6 +181,10 @@ class ParallelSection(_Section):
     )
     # ranks that split every packed row into contiguous slices (docs/context-parallel.md); megatron backend
     context_parallel_size: int = _field(1, "use 1 (no context parallelism) or a divisor of the world size", ge=1)
+    # the expert-parallel dispatch in this many overlapped chunks of a rank's experts (docs/moe-overlap.md)
+    moe_overlap_chunks: int = _field(
+        1, "use 1 (each all-to-all waited in turn) or up to the experts a rank holds, e.g. 2 or 4", ge=1
+    )
 
     def _problems(self) -> List[Problem]:
         if self.context_parallel_size > 1 and self.backend != "megatron":

@@ -50,6 +50,12 @@ def check_layout(recipe: Recipe, world_size: int, num_experts: int, expert_forma
             f"{ep} processes, or use one of {both}"
         )
     lines = [f"{field}: {problem}" for problem in problems]
+    chunks = recipe.parallel.moe_overlap_chunks
+    if chunks > 1 and ep > 1 and num_experts % ep == 0 and chunks > num_experts // ep:
+        lines.append(
+            f"parallel.moe_overlap_chunks: {chunks} is more than the {num_experts // ep} experts a rank holds at "
+            f"expert parallelism {ep} (chunks group a rank's experts); use 1 to {num_experts // ep}"
+        )
     cp = recipe.parallel.context_parallel_size
     if world_size % cp:
         lines.append(

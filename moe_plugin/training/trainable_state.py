@@ -164,11 +164,11 @@ def _local(name: str, p: nn.Parameter, value: torch.Tensor, layout, r: int) -> t
         return value
     factor = adapter_factor(name)
     if factor is None:  # a base expert stack [E, ...]
-        local = value.shape[0] // layout.expert
-        return value[layout.ep_rank * local : (layout.ep_rank + 1) * local]
+        first, last = layout.experts_held(value.shape[0])
+        return value[first:last]
     experts = value.shape[0 if factor == "A" else 1] // r
-    local = experts // layout.expert
-    return slice_experts(value, factor, layout.ep_rank * local, (layout.ep_rank + 1) * local, experts)
+    first, last = layout.experts_held(experts)
+    return slice_experts(value, factor, first, last, experts)
 
 
 @torch.no_grad()

@@ -186,7 +186,6 @@ def _latent_moe(scenario: str, seed: int) -> dict:
 
     from moe_plugin.config import MoEConfig
     from moe_plugin.layers.moe import StableLatentMoE
-    from moe_plugin.megatron import expert_exchange
     from moe_plugin.megatron.latent_moe import LatentMoELayer, megatron_moe_fields
     from moe_plugin.training.metrics.host_reads import count_host_reads
 
@@ -217,20 +216,13 @@ def _latent_moe(scenario: str, seed: int) -> dict:
         state[f"experts.{kind}"] = global_state[f"experts.{kind}"][local[0] : local[-1] + 1]
     layer.load_state_dict(state)
 
-    widths, original = [], expert_exchange.send_to_experts
+    from moe_plugin.testing.expert_dispatch import dispatched_shapes
 
-    def spy(tokens, plan):
-        widths.append(tuple(tokens.shape))
-        return original(tokens, plan)
-
-    expert_exchange.send_to_experts = spy
-    try:
+    with dispatched_shapes() as widths:
         x, grad_out = _rank_tokens(seed, moe.hidden_size, None)
         received = _spy_tokens_per_expert(layer.experts)
         with count_host_reads(layer) as reads:
             y, x_grad = _forward_backward(layer, x, grad_out)
-    finally:
-        expert_exchange.send_to_experts = original
     grads = {name: _grad(p) for name, p in layer.named_parameters()}
     return {
         "moe": LATENT,
@@ -256,7 +248,6 @@ def _gpt_with_latent_moe(seed: int) -> dict:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from moe_plugin.config import MoEConfig
-    from moe_plugin.megatron import expert_exchange
     from moe_plugin.megatron.latent_moe import LatentMoELayer, latent_moe_spec, megatron_moe_fields
 
     moe = MoEConfig(**LATENT)
@@ -275,13 +266,12 @@ def _gpt_with_latent_moe(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 32, (2, 8), generator=g)
     labels = torch.randint(0, 32, (2, 8), generator=g)
-    widths, original = [], expert_exchange.send_to_experts
-    expert_exchange.send_to_experts = lambda t, plan: (widths.append(t.shape[-1]), original(t, plan))[1]
-    try:
+    from moe_plugin.testing.expert_dispatch import dispatched_shapes
+
+    with dispatched_shapes() as shapes:
         loss = model(tokens, None, None, labels=labels).mean()  # positions unused: no position embedding
         loss.backward()
-    finally:
-        expert_exchange.send_to_experts = original
+    widths = [shape[-1] for shape in shapes]
     layers = model.decoder.layers
     return {
         "moe": LATENT,

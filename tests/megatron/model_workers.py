@@ -95,7 +95,8 @@ def _count_reads(weights_module):
 def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
     from megatron.core import parallel_state
 
-    from moe_plugin.megatron import expert_exchange, weights
+    from moe_plugin.megatron import weights
+    from moe_plugin.testing.expert_dispatch import dispatched_shapes
     from moe_plugin.lora import add_lora, lora_config
     from moe_plugin.megatron.lora import adapter_state_to_hf
     from moe_plugin.megatron.specs import build_gpt_model
@@ -137,22 +138,13 @@ def _train_step(case_dir: str, scenario: str, extras: bool) -> dict:
         out["adapter_roundtrip"] = adapter_state_to_hf(model, config)
         out["roundtrip_after_lora"] = weights.megatron_to_hf_state_dict(model, config)
 
-    widths, original = [], expert_exchange.send_to_experts
-
-    def spy(tokens, plan):
-        widths.append(tuple(tokens.shape))
-        return original(tokens, plan)
-
-    expert_exchange.send_to_experts = spy
     received = _spy_received(model)
     groups_used = _spy_groups_used(model, config.moe.num_groups)
-    try:
+    with dispatched_shapes() as widths:
         tokens = setup["batches"][rank]
         logits = model(tokens, None, None)
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
         loss.backward()
-    finally:
-        expert_exchange.send_to_experts = original
     out["widths"] = widths
     out["loads"] = [layer.mlp.pop_load() for layer in model.decoder.layers if layer.is_moe_layer]
     out["groups_used"] = groups_used

@@ -67,7 +67,9 @@ class HFBackend(Backend):
         if not zero3:
             model.to(self.device)
         load_base(model, self.resolved, names="hf")
-        apply_expert_parallel(model, self.layout, checkpoint=self.resolved.path)
+        apply_expert_parallel(
+            model, self.layout, checkpoint=self.resolved.path, overlap_chunks=self.recipe.parallel.moe_overlap_chunks
+        )
         section = self.recipe.lora
         if section is not None:
             torch.manual_seed(self.recipe.seed)

@@ -59,7 +59,7 @@ class MegatronBackend(Backend):
         with zero_init(ds_config) if partition_while_building(ds_config, self.recipe) else contextlib.nullcontext():
             build = build_multimodal_gpt_model if wants_images(self.recipe, mc) else build_gpt_model
             model = build(mc, tc, indexer_loss=self._indexer_loss_coeff() > 0)
-        apply_expert_parallel(model, self.layout)
+        apply_expert_parallel(model, self.layout, overlap_chunks=self.recipe.parallel.moe_overlap_chunks)
         if not zero3:
             model.to(self.device)
         load_base(model, self.resolved, names="megatron")

@@ -137,7 +137,9 @@ class MoEMetrics:
     ``collect(loads)`` returns ``load_metrics(loads)`` and ``rank_load_metrics(loads, ep_size)`` (the trainer
     hands every step to ``add_step`` and calls ``collect()``: the steps since the last log) plus
     ``moe/<label>/routing_drift`` for each MoE layer whose ``gate`` carries a LoRA adapter, ``moe/routing_drift``
-    (over all of them), ``moe/indexer_kl`` and the balance term ``moe/aux_loss`` with ``moe/<label>/aux_loss``
+    (over all of them), ``moe/indexer_kl``, ``moe/a2a_exposed_s`` (under expert parallelism: the seconds per step a
+    rank spent blocked on the expert all-to-alls, forward and backward, the mean over ranks: what the dispatch's
+    overlap did not hide) and the balance term ``moe/aux_loss`` with ``moe/<label>/aux_loss``
     (the mean over the training micro-batches of every rank since the last call: the steps' term), each over the
     training forwards (gradients enabled) since the last call and summed over every rank; a metric with no
     such forward is left out. A layer whose busiest EP rank exceeds ``capacity_factor`` times its balanced
@@ -163,9 +165,11 @@ class MoEMetrics:
         self._base_logits: Dict[int, torch.Tensor] = {}
         self.drifting = [i for i, (_, layer) in enumerate(self.layers) if hasattr(layer.gate, "base_layer")]
         # per drifting layer: (choices that differ from the base router's, choices); per MoE layer the balance
-        # term; then the balance count (micro-batches), the KL sum and count
+        # term; then the seconds waited on the expert all-to-alls, the balance count (micro-batches), the KL sum
+        # and count
         self._aux = 2 * len(self.drifting)
-        self._sums = torch.zeros(self._aux + len(self.layers) + 3, dtype=torch.float64)
+        self._sums = torch.zeros(self._aux + len(self.layers) + 4, dtype=torch.float64)
+        self._steps = 0  # add_step calls since the last collect
         # the same slots on the forwards' device: the hooks add device values there, read once per collect()
         self._pending: Optional[torch.Tensor] = None
         for slot, i in enumerate(self.drifting):
@@ -236,6 +240,7 @@ class MoEMetrics:
         without loads reports the steps since the last call, the expert load of their sum (one step's few rows
         say little about the router: its tokens' choices are correlated) and the per-rank load of the worst
         step (what the dispatch buffers must hold)."""
+        self._steps += 1
         if loads is None:
             return
         loads = loads.detach().double()  # kept on its device until collect()
@@ -252,19 +257,25 @@ class MoEMetrics:
         if loads is None and self._window is not None:
             loads, peak = self._window, self._rank_peak
         self._window = self._rank_peak = None
+        self._sums[-4] += self._pop_waited()
         sums, self._sums = self._sums, torch.zeros_like(self._sums)
+        steps, self._steps = self._steps, 0
         if self._pending is not None:  # the one read of the device-side sums
             sums, self._pending = sums + self._pending.cpu(), None
         if loads is not None:
             loads = loads.detach().cpu()
         if peak is not None:
             peak = peak.cpu()
+        world = 1
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
             sums = sums.to(device)
             dist.all_reduce(sums)
             sums = sums.cpu()
+            world = dist.get_world_size()
         out: Dict[str, Value] = {}
+        if self._communicates():
+            out["moe/a2a_exposed_s"] = float(sums[-4]) / world / max(steps, 1)
         if loads is not None:
             out.update(load_metrics(loads, self._row_labels(loads)))
             out.update(self._rank_loads(loads, peak))
@@ -283,6 +294,17 @@ class MoEMetrics:
             out.update({f"moe/{label}/aux_loss": float(t) for label, t in zip(self.labels, terms)})
             out["moe/aux_loss"] = float(terms.sum())
         return out
+
+    def _dispatches(self) -> list:
+        """The MoE layers' dispatchers that communicate (``parallel.expert_dispatch``: they count the seconds
+        spent blocked on their all-to-alls)."""
+        return [layer.dispatch for _, layer in self.layers if hasattr(getattr(layer, "dispatch", None), "pop_waited")]
+
+    def _communicates(self) -> bool:
+        return bool(self._dispatches())
+
+    def _pop_waited(self) -> float:
+        return sum(d.pop_waited() for d in self._dispatches())
 
     def _rank_loads(self, loads: torch.Tensor, peak: Optional[torch.Tensor] = None) -> Dict[str, Value]:
         """``rank_load_metrics`` of ``loads`` (or, given ``peak`` ``[L, ep]``, each rank's worst step), warning
