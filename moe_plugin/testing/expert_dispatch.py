@@ -165,3 +165,23 @@ def overlap_parity(seed: int = 0, chunk_counts=(1, 2, 4), group=None) -> dict:
         "reused_buffer": reused,
         "waited": waited,
     }
+
+
+def overlap_failures(ranks: list, chunk_counts=(1, 2, 4)) -> list:
+    """What is wrong in every rank's ``overlap_parity`` result (empty: the overlap is bitwise the sequential
+    schedule, equals one device, and both planted bugs are caught)."""
+    failures = []
+    for rank, got in enumerate(ranks):
+        for case, keys in got["differs"].items():
+            if keys:
+                failures.append(f"rank {rank} {case}: differs from chunks {chunk_counts[0]} in {keys}")
+        missing = {f"{m}/{n}" for m in ("off", "full") for n in chunk_counts} - set(got["differs"])
+        if missing:
+            failures.append(f"rank {rank}: cases not run: {sorted(missing)}")
+        if not got["one_device_err"] < 1e-5:
+            failures.append(f"rank {rank}: rel err {got['one_device_err']:.2e} against the single-device layer")
+        if "y" not in got["wrong_order"]:
+            failures.append(f"rank {rank}: chunks combined in reverse order went unnoticed")
+        if "in flight" not in got["reused_buffer"]:
+            failures.append(f"rank {rank}: a receive buffer reused in flight was not refused: {got['reused_buffer']!r}")
+    return failures

@@ -53,6 +53,7 @@ def run_all_checks(ep_size: int = 2, seed: int = 0) -> dict:
     checks.append(("latent/init", lambda: _expert_init(seed)))
     checks.append(("latent/balance", lambda: _balance(seed)))
     checks.append(("bad_ep_size", _bad_ep_size))
+    checks.append(("overlap", lambda: _overlap(seed)))
     for name, check in checks:
         try:
             results[name] = check()
@@ -61,6 +62,13 @@ def run_all_checks(ep_size: int = 2, seed: int = 0) -> dict:
             print(f"rank {dist.get_rank()} check {name}: {results[name]['error']}", file=sys.stderr, flush=True)
         dist.barrier()  # a failed check must not leave the other rank inside a collective of the next one
     return results
+
+
+def _overlap(seed: int) -> dict:
+    """The expert-parallel dispatch in 1, 2 and 4 chunks, bit for bit (moe_plugin.testing.expert_dispatch)."""
+    from moe_plugin.testing.expert_dispatch import overlap_parity
+
+    return overlap_parity(seed)
 
 
 def _bad_ep_size() -> dict:

@@ -206,3 +206,15 @@ def test_unread_megatron_router_options_are_refused(field, value, instead):
     with pytest.raises(ValueError, match=f"TransformerConfig.{field}") as info:
         check_megatron_config(config, moe)
     assert instead in str(info.value)
+
+
+@pytest.mark.distributed
+def test_overlapped_dispatch_is_bitwise_the_sequential_one_at_ep2(ep_check):
+    """parallel.moe_overlap_chunks 1, 2, 4 at EP 2: outputs, input and parameter gradients bit for bit equal, with
+    recompute "off" and "full"; equal to one device; a chunk combined out of order and a buffer reused in flight
+    are caught (moe_plugin.testing.expert_dispatch.overlap_parity)."""
+    from moe_plugin.testing.expert_dispatch import overlap_failures
+
+    ranks = ep_check("overlap")
+    assert {r["ep"] for r in ranks} == {2}
+    assert not overlap_failures(ranks), overlap_failures(ranks)

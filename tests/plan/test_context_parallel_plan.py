@@ -167,3 +167,14 @@ def test_the_search_asks_for_more_devices_when_none_dividing_them_fits():
     assert list(found["tried"]) == [1, 2, 4, 8, 16]
     none = smallest_context(peak, devices=4, seq_len=8, ep=1, device_memory=1.0, largest_devices=1 << 16)
     assert none["cp"] is None and list(none["tried"]) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("chunks,share", [(1, 1.0), (2, 1.0), (4, 0.5)])
+def test_dispatch_buffers_per_overlapped_chunk(recipe, cache, chunks, share):
+    """parallel.moe_overlap_chunks N: at most one chunk's dispatch and one chunk's return are in flight, each a
+    send and a receive of 1 / N of the rows, so the buffers are min(1, 2 / N) of one exchange's."""
+    chunked = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"moe_overlap_chunks": chunks})})
+    mc = _mc()
+    m = _plan(chunked, {}, checkpointing="full", context_parallel=2).memory
+    n = T // 2
+    assert m.dispatch == pytest.approx(2 * n * mc.moe.top_k * 1.25 * mc.moe.expert_dim * 2 * share)

@@ -43,3 +43,18 @@ def test_env_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(ValueError, match="WORLD_SIZE: must be a positive integer, got 'two'"):
         env_world_size()
+
+
+def test_overlap_chunks_group_a_ranks_experts():
+    """parallel.moe_overlap_chunks cuts the experts a rank holds into chunks: more chunks than experts is refused
+    with the field and the range that works; below 1 the schema refuses it."""
+    chunked = recipe_from_dict(smallest(parallel={"expert_parallel_size": 2, "moe_overlap_chunks": 4}))
+    check_layout(chunked, world_size=2, num_experts=8)  # 4 experts a rank: 4 chunks of one
+    with pytest.raises(
+        ValueError,
+        match=r"^parallel\.moe_overlap_chunks: 4 is more than the 2 experts a rank holds at expert parallelism 4 "
+        r"\(chunks group a rank's experts\); use 1 to 2",
+    ):
+        check_layout(recipe_from_dict(smallest(parallel={"expert_parallel_size": 4, "moe_overlap_chunks": 4})), 4, 8)
+    with pytest.raises(ValueError, match=r"parallel\.moe_overlap_chunks"):
+        recipe_from_dict(smallest(parallel={"moe_overlap_chunks": 0}))

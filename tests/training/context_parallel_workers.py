@@ -28,4 +28,7 @@ def run_recipes(recipes: list) -> list:
             result.update(steps_with_gradients(trainer), grad_norms=list(trainer.result.grad_norms))
         results.append(result)
         dist.barrier()
+    from moe_plugin.testing.expert_dispatch import overlap_parity
+
+    results.append({"overlap": overlap_parity(chunk_counts=(1, 2, 4))})  # EP = the 4 ranks: 4 experts a rank
     return results

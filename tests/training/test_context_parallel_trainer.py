@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 from moe_plugin.testing.launch import run_distributed
 from tests.tolerances import check_run
@@ -18,18 +19,20 @@ from tests.training.test_multimodal_trainer import CHAIN, LR, MAX_NORM, TOKENS, 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test here starts processes; shared runs of minutes
 
 WORKER = "tests/training/context_parallel_workers.py:run_recipes"
-# name -> (context_parallel_size, expert_parallel_size, activation checkpointing, balance coefficient)
+# name -> (context_parallel_size, expert_parallel_size, activation checkpointing, balance coefficient,
+# parallel.moe_overlap_chunks: the 8 experts are 4 a rank at EP 2)
 LAYOUTS = {
-    "cp2_ep2": (2, 2, "off", 0.0),
-    "cp2_ep2_balance": (2, 2, "off", 1.0),
-    "cp2_ep2_full": (2, 2, "full", 0.0),
-    "cp4_ep2": (4, 2, "off", 0.0),
+    "cp2_ep2": (2, 2, "off", 0.0, 1),
+    "cp2_ep2_balance": (2, 2, "off", 1.0, 1),
+    "cp2_ep2_full": (2, 2, "full", 0.0, 2),
+    "cp4_ep2": (4, 2, "off", 0.0, 4),
 }
 
 
-def _cp_recipe(tmp, name, base, data, world, cp, ep, checkpointing, balance):
+def _cp_recipe(tmp, name, base, data, world, cp, ep, checkpointing, balance, chunks=1):
     recipe = _recipe(tmp, f"{name}-w{world}", base, data, "megatron", world, ep, checkpointing)
     recipe["parallel"]["context_parallel_size"] = cp
+    recipe["parallel"]["moe_overlap_chunks"] = chunks
     recipe["schedule"]["micro_batch_size"] = 4 // (world // cp)  # the same 4 rows a step in every layout
     if balance:
         recipe["lora"]["router_balance"] = {"aux_loss_coeff": balance}
@@ -52,12 +55,13 @@ def runs(tmp_path_factory):
         recipes=[_cp_recipe(tmp, name, base, data, 4, *layout) for name, layout in LAYOUTS.items()],
     )
     by_name = {name: [ranks[i] for ranks in four] for i, name in enumerate(LAYOUTS)}
+    by_name["overlap"] = [ranks[len(LAYOUTS)]["overlap"] for ranks in four]
     return {"ref": one[0], "ref_balance": one[1]}, by_name
 
 
 def test_the_layouts_are_what_the_recipes_ask(runs):
     _, four = runs
-    for name, (cp, ep, _, _) in LAYOUTS.items():
+    for name, (cp, ep, *_) in LAYOUTS.items():
         got = four[name]
         sizes = {(r["layout"]["context"], r["layout"]["expert"], r["layout"]["data"]) for r in got}
         assert sizes == {(cp, ep, 4 // cp)}
@@ -83,3 +87,37 @@ def test_the_balance_term_moves_the_gradients(runs):
     plain, balanced = one["ref"]["step_grads"][0], one["ref_balance"]["step_grads"][0]
     gate = [n for n in plain if ".gate." in n and "lora_B" in n]
     assert gate and any(float((plain[n] - balanced[n]).abs().max()) > 1e-6 for n in gate)
+
+
+def test_overlapped_chunks_are_bitwise_the_sequential_schedule(runs):
+    """CP 2 x EP 2 x ZeRO-3 with full activation checkpointing in 2 overlapped chunks trains bit for bit as the
+    same layout without checkpointing in 1 (recompute and chunks both change no bit): every step's loss, gradient
+    norm and adapter."""
+    _, four = runs
+    for rank, (chunked, plain) in enumerate(zip(four["cp2_ep2_full"], four["cp2_ep2"])):
+        assert chunked["losses"] == plain["losses"], (rank, chunked["losses"], plain["losses"])
+        assert chunked["grad_norms"] == plain["grad_norms"], rank
+        for step, (a, b) in enumerate(zip(chunked["adapters"], plain["adapters"])):
+            differ = [n for n in b if not torch.equal(a[n], b[n])]
+            assert not differ, (rank, step, differ[:4])
+
+
+def test_overlapped_dispatch_is_bitwise_the_sequential_one_at_ep4(runs):
+    """The MoE layer at EP 4 (the launch's 4 ranks) in 1, 2 and 4 chunks, recompute off and full: bit for bit
+    (moe_plugin.testing.expert_dispatch.overlap_parity), and both planted bugs caught."""
+    from moe_plugin.testing.expert_dispatch import overlap_failures
+
+    _, four = runs
+    assert {r["ep"] for r in four["overlap"]} == {4}
+    assert not overlap_failures(four["overlap"]), overlap_failures(four["overlap"])
+
+
+def test_exposed_all_to_all_time_is_logged(runs):
+    """Every logged step under expert parallelism reports moe/a2a_exposed_s, the seconds a rank was blocked on
+    the expert all-to-alls (at least the counts' exchange, which nothing overlaps); one process has none."""
+    one, four = runs
+    for name in ("cp2_ep2", "cp4_ep2"):
+        for rank, got in enumerate(four[name]):
+            exposed = [step["moe/a2a_exposed_s"] for step in got["logged"]]
+            assert len(exposed) == len(got["losses"]) and all(0 < s < 60 for s in exposed), (name, rank, exposed)
+    assert all("moe/a2a_exposed_s" not in step for step in one["ref"]["logged"])

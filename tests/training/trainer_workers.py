@@ -61,7 +61,13 @@ def steps_with_gradients(trainer) -> dict:
             loads.append(None if trainer.last_loads is None else trainer.last_loads.clone())
             adapters.append(_adapter(trainer))
             metrics = trainer.moe_metrics.collect()  # collective: the step's MoE metrics, as the loop logs them
-            logged.append({k: v for k, v in metrics.items() if k.endswith(("aux_loss", "rank_load_max_over_mean"))})
+            logged.append(
+                {
+                    k: v
+                    for k, v in metrics.items()
+                    if k.endswith(("aux_loss", "rank_load_max_over_mean", "a2a_exposed_s"))
+                }
+            )
     finally:
         for handle in handles:
             handle.remove()
