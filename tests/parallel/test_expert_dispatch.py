@@ -4,7 +4,6 @@ bounds, the layout's rule for a rank's experts, and the exposed time the metrics
 tests/megatron/test_megatron_latent_moe.py (EP 2) and tests/training/test_context_parallel_trainer.py (EP 4)."""
 
 import pytest
-import torch
 from torch import nn
 
 from moe_plugin.parallel.expert_dispatch import chunk_bounds, sort_key
