@@ -36,6 +36,9 @@ def overlap_worker(shape: Dict[str, int], iters: int = 5, threads: int = 1, devi
     from moe_plugin.testing.expert_dispatch import _expert_parallel_copy
 
     torch.set_num_threads(threads)
+    if device == "cuda":  # one GPU a rank (NCCL refuses two ranks on one device)
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
     torch.manual_seed(0)
     moe = MoEConfig(
         hidden_size=shape["hidden"],

@@ -1,26 +1,27 @@
-"""Stable Latent MoE as a megatron-core ``MoELayer``: tokens cross the expert-parallel all-to-all at latent width.
+"""Stable Latent MoE as a megatron-core ``MoELayer``: a thin adapter over the one MoE forward.
 
 ``LatentMoELayer`` is a subclass of megatron-core's ``MoELayer`` (so ``TransformerLayer.is_moe_layer`` holds
 and megatron's MoE machinery recognises it), built by megatron from its spec, with megatron's process groups
 (``pg_collection``: the expert-parallel group), its shared-expert stage and its experts interface. Its forward
-is the model's own:
+is ``layers.moe.LatentMoEMixin.moe_forward``, the single-device layer's own:
 
 * the router: K3's (``gate``, fp32 sigmoid scores, top-k chosen on scores + ``e_score_correction_bias``,
   weights renormalised and scaled) through ``moe_plugin.ops.moe.route``;
 * ``routed_expert_down_proj`` (hidden -> latent) before the dispatch, so what crosses the all-to-all is
   ``[N * top_k, latent]``; after the combine ``routed_expert_norm`` (RMSNorm) and ``routed_expert_up_proj``
   (latent -> hidden), plus the shared experts on the full hidden;
-* the dispatch: ``ops.moe.permute`` / ``unpermute`` as ``StableLatentMoE`` does, and across expert-parallel
-  ranks ``expert_exchange`` (megatron-core's all-to-all-v, one host read a layer for its split sizes).
-  megatron's alltoall dispatcher (still built by ``MoELayer``, unused) reads the device 8 times a layer to
-  size its permute and chunk sort, 11 under EP (issue 24; ``benchmarks/host_reads.py``). Expert tensor
-  parallelism is refused.
+* the dispatch: the layer's ``dispatch`` slot, ``parallel.expert_dispatch.dispatch_for`` its expert-parallel
+  group: this device's sort and combine at EP 1, the chunked, overlapped all-to-all over the ranks otherwise
+  (one host read a layer). megatron's alltoall dispatcher (still built by ``MoELayer``, unused) reads the device
+  8 times a layer to size its permute and chunk sort, 11 under EP (issue 24; ``benchmarks/host_reads.py``).
+  Expert tensor parallelism is refused.
 
 Parameter names are ``StableLatentMoE``'s (``gate.weight``, ``gate.e_score_correction_bias``,
 ``experts.w1/w2/w3`` stacked ``[E_local, ...]``, ``routed_expert_down_proj``, ``routed_expert_norm``,
 ``routed_expert_up_proj``, ``shared_experts.{gate,up,down}_proj``), so a single-device state dict loads after
-slicing the experts to this rank's ``local_expert_indices``. The modules themselves are the single-device
-layer's (``moe_plugin.layers.moe``); this file only adapts them to megatron's calling conventions.
+slicing the experts to this rank's ``local_expert_indices`` (``ParallelLayout.experts_held``). The modules
+themselves are the single-device layer's (``moe_plugin.layers.moe``); this file only adapts them to megatron's
+calling conventions.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def check_megatron_config(config: TransformerConfig, moe: MoEConfig) -> None:
     require(
         not config.moe_shared_expert_overlap,
         "TransformerConfig.moe_shared_expert_overlap",
-        "is not supported: the shared experts run on the full hidden, outside the dispatcher",
+        "must be False: the shared experts already run while the tokens travel (the layer's dispatch, "
+        "parallel.moe_overlap_chunks; docs/moe-overlap.md), without megatron's CUDA side stream",
     )
     require(
         config.moe_expert_capacity_factor is None,
