@@ -23,7 +23,7 @@ from ..ops.moe import document_balance, permute, quantile_balance_bias, route, u
 from .mlp import GLUMLP
 from .norm import RMSNorm
 from .packed_experts import PackedStackedExperts
-from .recompute import recomputed
+from .recompute import RECOMPUTED, recomputed
 from .stacked_experts import StackedExperts
 
 BIAS_METHODS = ("sign", "quantile")
@@ -87,13 +87,15 @@ class TokenDispatch:
         experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         region: Callable,
         side: Callable[[], Optional[torch.Tensor]],
+        keep_plan: bool = False,
     ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """z ``[N, L]`` the latent tokens, indices / weights ``[N, k]`` the router's choices -> ``(u [N, L]`` the
         weighted sum of each token's expert outputs, ``counts [E_held]`` int64 as ``send`` gives them,
         ``side()``'s value)``. ``experts(rows [M, L], counts) -> [M, L]`` runs the layer's experts;
         ``region(fn, *tensors)`` is the layer's recompute region "experts" (``layers.recompute``): here it holds
         the experts and the combine. ``side`` is work that needs no dispatched token (the shared experts); a
-        dispatcher that communicates runs it while tokens travel."""
+        dispatcher that communicates runs it while tokens travel. ``keep_plan``: this call will be run again in
+        the backward (``"full_routing"``); a dispatcher that exchanges counts keeps them for that rerun."""
         z_sorted, counts, order = self.send(z, indices, num_experts)
 
         def experts_combined(rows, counts, order, weights):
@@ -214,24 +216,31 @@ class LatentMoEMixin:
         weights, indices, scores = self.route_tokens(x)
         self._record_balance(scores, indices, padding_mask)
         mode, ckpt = self.recompute_mode, self.recompute_checkpoint_fn
+        num_experts = self.moe_config.num_experts
+        # "full_routing": everything after the routing is one region, recomputed with the forward's routing
+        # (and its exchange plan, kept by the dispatch: the counts are not exchanged again)
+        keep_plan = "dispatch" in RECOMPUTED[mode] and torch.is_grad_enabled()
 
         def region(fn, *tensors):
             return recomputed(mode, "experts", fn, *tensors, checkpoint_fn=ckpt)
 
-        def side():
-            return recomputed(mode, "moe_out", self.shared_path, x, checkpoint_fn=ckpt)
+        def dispatched(x, indices, weights):
+            def side():
+                return recomputed(mode, "moe_out", self.shared_path, x, checkpoint_fn=ckpt)
 
-        num_experts = self.moe_config.num_experts
-        u, counts, shared = self.dispatch.run(
-            self.to_latent(x), indices, weights, num_experts, self._expert_rows, region, side
-        )
-        y = recomputed(mode, "moe_out", self.from_latent, u, checkpoint_fn=ckpt)
+            u, counts, shared = self.dispatch.run(
+                self.to_latent(x), indices, weights, num_experts, self._expert_rows, region, side, keep_plan=keep_plan
+            )
+            y = recomputed(mode, "moe_out", self.from_latent, u, checkpoint_fn=ckpt)
+            return (y if shared is None else y + shared), counts
+
+        y, counts = recomputed(mode, "dispatch", dispatched, x, indices, weights, checkpoint_fn=ckpt)
         if padding_mask is None and counts.shape[0] == num_experts:
             load = counts.detach().float()  # the dispatch counted every expert's copies already
         else:
             load = expert_load(indices, num_experts, padding_mask)
         self._record_load(load)
-        return (y if shared is None else y + shared), load
+        return y, load
 
     def _expert_rows(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """rows ``[M, L]`` grouped by the layer's experts -> their outputs ``[M, L]``, unweighted. The experts are

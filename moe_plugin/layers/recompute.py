@@ -2,11 +2,11 @@
 
 A mode (the recipe's ``schedule.activation_checkpointing``) names the regions of a layer whose saved tensors
 are dropped after the forward and recomputed in the backward (``RECOMPUTED``); everything else is kept.
-What no mode recomputes is the routing: the router's scores, top-k ids and weights, the dispatch layout and
-the dispatched tokens are computed once, outside every region, and the recompute reuses them. So the router
-runs once per layer per forward whatever the mode, the expert-load and balance records see each token once,
-a recompute can never pick other experts than the forward did (ties, bf16), and the expert-parallel
-all-to-all is never run again in the backward (it stays free to overlap with compute).
+What no mode recomputes is the routing: the router's scores, top-k ids and weights are computed once, outside
+every region, and the recompute reuses them. So the router runs once per layer per forward whatever the mode,
+the expert-load and balance records see each token once, and a recompute can never pick other experts than the
+forward did (ties, bf16). Every mode but ``"full_routing"`` also keeps the dispatch layout and the dispatched
+tokens, so the expert-parallel all-to-all is never run again in the backward.
 
 * ``"off"``: nothing is recomputed.
 * ``"selective"``: each layer keeps its input, its attention's and MLP's inputs, the router's choices and the
@@ -16,6 +16,12 @@ all-to-all is never run again in the backward (it stays free to overlap with com
 * ``"full"``: each layer keeps only its input and the routing (its MoE input, which the router reads, and the
   dispatched tokens): a layer is split into [everything before the router] -> route (kept) -> dispatch (kept)
   -> [experts + combine] -> [latent norm, up-projection, shared experts]; a dense layer is one region.
+* ``"full_routing"``: as ``"full"``, but the MoE keeps only its input and its routing decision (top-k ids and
+  weights, and under expert parallelism the exchange's counts and split sizes): [everything before the router]
+  -> route (kept) -> [the dispatch, the experts, the combine, the latent norm and up-projection, the shared
+  experts]. The backward sorts and sends the tokens again (the all-to-alls run twice; the counts' exchange and
+  its host read do not), so the dispatched tokens (``N x top_k`` rows a layer) are never held between forward
+  and backward. The routing is the forward's, so the gradients are bitwise those of ``"full"``.
 
 Regions are ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the autograd graph is the one
 the forward built (so gradients are bitwise those of ``"off"`` where the recomputed ops are deterministic),
@@ -46,7 +52,7 @@ __all__ = [
     "is_recomputing",
 ]
 
-MODES = ("off", "selective", "full")
+MODES = ("off", "selective", "full", "full_routing")
 
 # every region a layer may recompute, and what is in it
 REGIONS: Dict[str, str] = {
@@ -58,12 +64,15 @@ REGIONS: Dict[str, str] = {
     "layer": "a layer up to its router (AttnRes mixes, norms, attention, the residual add); a dense layer whole",
     "experts": "the routed experts' GLU on the dispatched tokens, weighted by the router, and the local combine",
     "moe_out": "after the combine: the latent norm and up-projection, and the shared experts' GLU",
+    "dispatch": "the MoE after its routing: the dispatch (and its all-to-alls), the experts, the combine, the "
+    "latent norm and up-projection and the shared experts",
 }
 
 RECOMPUTED: Dict[str, FrozenSet[str]] = {
     "off": frozenset(),
     "selective": frozenset({"attn_res_mix", "attention", "mlp_norm", "dense_mlp", "experts", "moe_out"}),
     "full": frozenset({"layer", "experts", "moe_out"}),
+    "full_routing": frozenset({"layer", "dispatch"}),
 }
 
 # what every mode keeps (the planner prints it beside its numbers)
@@ -72,6 +81,7 @@ KEPT: Dict[str, str] = {
     "selective": "each layer's input, its attention's and MLP's inputs, the MoE input and the routing (scores, "
     "top-k ids and weights), the dispatched tokens",
     "full": "each layer's input, the MoE input and the routing (scores, top-k ids and weights), the dispatched tokens",
+    "full_routing": "each layer's input, the MoE input and the routing (top-k ids and weights, the exchange's counts)",
 }
 
 _STATE = threading.local()

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from ..config import require
 from ..layers.moe import TokenDispatch
+from ..layers.recompute import is_recomputing
 from ..ops.moe import inverse_order, permute, unpermute
 
 __all__ = ["ExpertParallelDispatch", "dispatch_for", "ExchangePlan", "plan_exchange", "chunk_bounds"]
@@ -212,6 +213,11 @@ class ExpertParallelDispatch(TokenDispatch):
         self.group, self.size = group, dist.get_world_size(group)
         self.chunks = chunks
         self.waited = 0.0  # seconds blocked on this layer's all-to-alls since pop_waited
+        self._kept_plans: List[ExchangePlan] = []  # forwards whose backward will run them again
+
+    def __deepcopy__(self, memo) -> "ExpertParallelDispatch":
+        # a copied layer dispatches over the same group (a process group cannot be copied)
+        return ExpertParallelDispatch(self.group, self.chunks)
 
     def pop_waited(self) -> float:
         value, self.waited = self.waited, 0.0
@@ -226,10 +232,13 @@ class ExpertParallelDispatch(TokenDispatch):
         experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         region: Callable,
         side: Callable[[], Optional[torch.Tensor]],
+        keep_plan: bool = False,
     ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """``TokenDispatch.run``'s contract: z ``[N, L]``, indices/weights ``[N, k]`` -> the combined expert
         outputs ``[N, L]`` (outside the ``region``: only the experts are in it), the ``[E]`` copies per global
-        expert this rank routed, and ``side()``'s value, computed while chunk 0 travels."""
+        expert this rank routed, and ``side()``'s value, computed while chunk 0 travels. With ``keep_plan`` the
+        exchange plan (counts, split sizes, orders) is kept for the backward's rerun of this call, which sends
+        the tokens again but neither exchanges the counts nor reads the host."""
         ep = self.size
         require(
             num_experts % ep == 0,
@@ -239,9 +248,14 @@ class ExpertParallelDispatch(TokenDispatch):
         bounds = chunk_bounds(num_experts // ep, self.chunks)
         key = sort_key(num_experts, ep, bounds, indices.device)
         z_sorted, tokens_per_key, order = permute(z, key[indices], num_experts)
-        start = time.perf_counter()
-        plan = plan_exchange(tokens_per_key, self.group, bounds)
-        self.waited += time.perf_counter() - start  # the counts' exchange is synchronous: all of it is exposed
+        if is_recomputing() and self._kept_plans:  # "full_routing"'s backward: the forward's counts and splits
+            plan = self._kept_plans.pop()
+        else:
+            start = time.perf_counter()
+            plan = plan_exchange(tokens_per_key, self.group, bounds)
+            self.waited += time.perf_counter() - start  # the counts' exchange is synchronous: all of it is exposed
+            if keep_plan:  # the backward recomputes this call: last kept, first recomputed
+                self._kept_plans.append(plan)
         sends = z_sorted.split(plan.send_rows)
         chunks = len(sends)
         transfers = [

@@ -60,7 +60,7 @@ def plan_checkpointed(
     mode: str,
     context: int = 1,
 ) -> CheckpointedPlan:
-    """The ``CheckpointedPlan`` of ``mc`` in ``mode`` ("selective" or "full"); the other arguments as
+    """The ``CheckpointedPlan`` of ``mc`` in ``mode`` ("selective", "full" or "full_routing"); the other arguments as
     ``activations.plan_activations`` (long micro-batches extended linearly from two runs, as there; ``context``:
     the context-parallel size, ``seq_len`` one rank's slice)."""
     cache = {} if cache is None else cache

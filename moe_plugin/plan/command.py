@@ -114,7 +114,7 @@ def _plan(argv: List[str]) -> int:
     p.add_argument("--seq-len", type=int)
     p.add_argument(
         "--checkpointing",
-        choices=["off", "selective", "full"],
+        choices=["off", "selective", "full", "full_routing"],
         help="activation checkpointing to plan (default: the recipe's schedule.activation_checkpointing)",
     )
     p.add_argument("--expert-format", choices=["dense", "mxfp4", "int4"])

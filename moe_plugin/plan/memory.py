@@ -40,7 +40,7 @@ class Layout:
     micro_batch: int
     seq_len: int
     grad_accum: int = 1
-    checkpointing: str = "off"  # layers.recompute's mode: "off", "selective" or "full"
+    checkpointing: str = "off"  # layers.recompute's mode (MODES): "off", "selective", "full", "full_routing"
     capacity: float = 1.25
     precision_bytes: int = 2  # bf16 (2) or fp32 (4)
     zero: Dict[str, int] = field(default_factory=lambda: dict(ZERO3_DEFAULTS))

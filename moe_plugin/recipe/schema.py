@@ -219,7 +219,7 @@ class ScheduleSection(_Section):
     clip_grad_norm: Optional[float] = _field(1.0, "use a positive norm, e.g. 1.0, or null for no clipping", gt=0)
     precision: Literal["fp32", "bf16"] = "fp32"
     # what the backward recomputes instead of keeping (moe_plugin/layers/recompute.py; the router never is)
-    activation_checkpointing: Literal["off", "selective", "full"] = "off"
+    activation_checkpointing: Literal["off", "selective", "full", "full_routing"] = "off"
 
     def _problems(self) -> List[Problem]:
         problems: List[Problem] = []

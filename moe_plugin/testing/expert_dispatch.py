@@ -86,6 +86,17 @@ def _step(layer, x, grad, padding_mask, mode: str):
     return {"y": y.detach(), "x_grad": x.grad, **{f"grad:{n}": g for n, g in grads.items()}}
 
 
+MODES = ("off", "full", "full_routing")  # the recompute modes the parity check runs
+
+
+def _host_reads_of(layer, x, grad, padding_mask, mode: str) -> dict:
+    from ..training.metrics.host_reads import count_host_reads
+
+    with count_host_reads(layer) as reads:
+        _step(layer, x, grad, padding_mask, mode)
+    return {f"{kind}/{what}": n for (kind, what), n in reads.detail().items()}
+
+
 def _bitwise(a: dict, b: dict) -> list:
     """The keys whose tensors differ in any bit (shape, dtype or value)."""
     import torch
@@ -96,9 +107,11 @@ def _bitwise(a: dict, b: dict) -> list:
 def overlap_parity(seed: int = 0, chunk_counts=(1, 2, 4), group=None) -> dict:
     """On every rank of ``group`` (default: the whole world, so EP = world size): one ``StableLatentMoE`` whose
     experts are spread over the group, forward and backward at each of ``chunk_counts`` under recompute "off"
-    and "full", compared bit for bit with ``chunks`` 1; and the planted bugs. Returns (all plain data):
+    "full" and "full_routing" (``MODES``), compared bit for bit with ``chunks`` 1 and with "off"; and the planted
+    bugs. Returns (all plain data):
 
-    ``differs``: ``{"<mode>/<N>": [keys that differ from N = 1 of that mode]}`` and ``"full_vs_off"``;
+    ``differs``: ``{"<mode>/<N>": [keys that differ from N = 1 of that mode]}`` and ``"<mode>_vs_off"``;
+    ``full_routing_host_reads``: the host reads of one "full_routing" forward and backward (``{"moe/tolist": 1}``);
     ``one_device_err``: the largest relative error of N = max against the single-device layer on this rank's
     tokens (the experts' gradients summed over ranks are not compared: they see every rank's tokens);
     ``wrong_order``: keys that differ when the chunks are combined in reverse order (must be non-empty);
@@ -120,14 +133,18 @@ def overlap_parity(seed: int = 0, chunk_counts=(1, 2, 4), group=None) -> dict:
     padding_mask = torch.zeros(2, 12, dtype=torch.bool)
     padding_mask[1, -3:] = True  # routed and sent like any token, not counted in the load
     out, differs, waited = {}, {}, {}
-    for mode in ("off", "full"):
+    for mode in MODES:
         for n in chunk_counts:
             ep_layer = _expert_parallel_copy(layer, group, n)
             out[(mode, n)] = _step(ep_layer, x, grad, padding_mask, mode)
             waited[f"{mode}/{n}"] = ep_layer.dispatch.pop_waited()
             differs[f"{mode}/{n}"] = _bitwise(out[(mode, n)], out[(mode, chunk_counts[0])])
-    differs["full_vs_off"] = _bitwise(out[("full", chunk_counts[0])], out[("off", chunk_counts[0])])
+    for mode in MODES[1:]:
+        differs[f"{mode}_vs_off"] = _bitwise(out[(mode, chunk_counts[0])], out[("off", chunk_counts[0])])
+    # "full_routing" reruns the dispatch in the backward with the forward's exchange plan: no count is exchanged
+    # and nothing is read from the host again (one tolist in the forward)
     top = max(chunk_counts)
+    reads = _host_reads_of(_expert_parallel_copy(layer, group, top), x, grad, padding_mask, "full_routing")
     ref = _step(layer, x, grad, padding_mask, "off")
     err = 0.0
     for key in ("y", "x_grad"):
@@ -164,6 +181,7 @@ def overlap_parity(seed: int = 0, chunk_counts=(1, 2, 4), group=None) -> dict:
         "wrong_order": _bitwise(wrong, out[("off", top)]),
         "reused_buffer": reused,
         "waited": waited,
+        "full_routing_host_reads": reads,
     }
 
 
@@ -175,13 +193,15 @@ def overlap_failures(ranks: list, chunk_counts=(1, 2, 4)) -> list:
         for case, keys in got["differs"].items():
             if keys:
                 failures.append(f"rank {rank} {case}: differs from chunks {chunk_counts[0]} in {keys}")
-        missing = {f"{m}/{n}" for m in ("off", "full") for n in chunk_counts} - set(got["differs"])
+        missing = {f"{m}/{n}" for m in MODES for n in chunk_counts} - set(got["differs"])
         if missing:
             failures.append(f"rank {rank}: cases not run: {sorted(missing)}")
         if not got["one_device_err"] < 1e-5:
             failures.append(f"rank {rank}: rel err {got['one_device_err']:.2e} against the single-device layer")
         if "y" not in got["wrong_order"]:
             failures.append(f"rank {rank}: chunks combined in reverse order went unnoticed")
+        if got["full_routing_host_reads"] != {"moe/tolist": 1}:
+            failures.append(f"rank {rank}: full_routing read the host {got['full_routing_host_reads']}, not once")
         if "in flight" not in got["reused_buffer"]:
             failures.append(f"rank {rank}: a receive buffer reused in flight was not refused: {got['reused_buffer']!r}")
     return failures

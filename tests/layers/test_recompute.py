@@ -85,7 +85,7 @@ def test_modes_give_off_bitwise_with_the_router_run_once(attn_res, expert_format
         calls[mode] = dict(counts)
     loss, grads, loads, expert_load, saved = runs["off"]
     assert any("experts" in n for n in grads) and any("gate" in n for n in grads)
-    for mode in ("selective", "full"):
+    for mode in ("selective", "full", "full_routing"):
         got = runs[mode]
         assert torch.equal(got[0], loss), mode
         assert sorted(got[1]) == sorted(grads), mode
@@ -104,12 +104,15 @@ def test_modes_give_off_bitwise_with_the_router_run_once(attn_res, expert_format
         assert calls["selective"]["attn_res_mix"] == 2 * len(_layers(model)) - 1
         assert calls["full"]["attn_res_mix"] == 2 * len(_layers(model))
     assert runs["full"][4] < runs["selective"][4] < saved, [runs[m][4] for m in MODES]
+    # "full_routing" keeps the MoE's routing only: the sorted copies it sent are recomputed too
+    assert runs["full_routing"][4] < runs["full"][4], [runs[m][4] for m in MODES]
 
 
 def test_the_table_names_the_regions_every_mode_recomputes():
     assert RECOMPUTED["off"] == frozenset()
-    # routing is no region of any mode: it is computed once and kept
-    assert all(not {"route", "dispatch"} & regions for regions in RECOMPUTED.values())
+    # routing is no region of any mode: it is computed once and kept; only "full_routing" reruns the dispatch
+    assert all("route" not in regions for regions in RECOMPUTED.values())
+    assert [mode for mode, regions in RECOMPUTED.items() if "dispatch" in regions] == ["full_routing"]
     assert "layer" in RECOMPUTED["full"] and "attention" in RECOMPUTED["selective"]
     assert check_mode("full") == "full"
     with pytest.raises(ValueError, match=r"^schedule.activation_checkpointing: expected one of"):
@@ -164,7 +167,7 @@ def test_the_recipe_key_names_the_same_modes():
     with pytest.raises(
         ValueError,
         match=r'schedule.activation_checkpointing: must be one of "off", "selective", '
-        r'"full", got \'on\'',
+        r'"full", "full_routing", got \'on\'',
     ):
         recipe_from_dict(
             {"output_dir": "out", "model": {"preset": "tiny"}, "schedule": {"activation_checkpointing": "on"}}

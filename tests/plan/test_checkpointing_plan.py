@@ -23,7 +23,7 @@ MC = preset_config("tiny").to_model_config()  # Attention Residuals on, KDA and 
 SHAPE = (1, 256, MC.hidden_size)
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective", "full", "full_routing"])
 def test_meta_keeps_what_the_real_layer_keeps(mode):
     cu = packed_boundaries(1, 256, [100, 156])
     lora = LoraSection()
@@ -81,3 +81,17 @@ def test_plan_command_takes_the_modes_and_says_which_fits(tmp_path, capsys):
     assert "activation checkpointing full" in out and "modes that fit: selective, full" in out
     assert main(plan_args + ["--checkpointing", "on"]) == 2
     assert "--checkpointing" in capsys.readouterr().err
+
+
+def test_full_routing_keeps_the_routing_not_the_dispatched_tokens():
+    """ "full_routing" recomputes the MoE's dispatch in the backward: an MoE layer keeps less than under "full" by
+    at least its dispatched tokens (N x top_k latent rows); a dense layer keeps the same."""
+    args = (MC, LoraSection(), 1, 256, MC.moe.num_experts, 1.0, torch.float32)
+    full = plan_checkpointed(*args, {}, None, "cpu", "full")
+    routing = plan_checkpointed(*args, {}, None, "cpu", "full_routing")
+    dispatched = 256 * MC.moe.top_k * MC.moe.expert_dim * 4
+    for i in range(MC.num_layers):
+        if MC.is_moe_layer(i):
+            assert routing.kept[i] <= full.kept[i] - dispatched, (i, routing.kept[i], full.kept[i], dispatched)
+        else:
+            assert routing.kept[i] == full.kept[i], i
