@@ -4,10 +4,11 @@ A row of ``total`` tokens is cut into ``size`` equal contiguous slices; rank ``r
 ``[start, end)`` = ``[r L, (r+1) L)`` with ``L = total / size``. Contiguous slices (not megatron's zigzag) keep
 each KDA chunk's state exchange a chain over the ranks (docs/context-parallel.md).
 
-The ops never import ``torch.distributed``: the one collective they need comes in as ``gather``, a
-differentiable all-gather that ``moe_plugin.parallel.context_parallel`` builds over the context group.
-``gather(x)`` takes this rank's tensor (the same shape on every rank) and returns ``[size, *x.shape]`` in
-rank order; its backward sums the gradient of every rank's copy and hands each rank its own part.
+The ops never import ``torch.distributed``: the collectives they need come in as ``gather``, a differentiable
+all-gather that ``moe_plugin.parallel.context_parallel`` builds over the context group, and ``shift``, its
+differentiable point-to-point (``shifted``). ``gather(x)`` takes this rank's tensor (the same shape on every
+rank) and returns ``[size, *x.shape]`` in rank order; its backward sums the gradient of every rank's copy and
+hands each rank its own part. ``shift(x, d)`` returns rank ``r - d``'s ``x`` (zeros on the first ``d`` ranks).
 
 ``offsets`` are the row's packed-document boundaries in global positions (flash-linear-attention's
 ``cu_seqlens``, host ints, ``0 .. total``); ``(0, total)`` for a row that is one document.
@@ -24,6 +25,7 @@ import torch
 from .offsets import offsets_tensor
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
+Shift = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class ContextSlice:
     total: int
     offsets: Tuple[int, ...]
     gather: Gather = field(repr=False, compare=False)
+    # differentiable point-to-point over the group (``shifted``); None: taken out of ``gather``
+    shift: Optional[Shift] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
@@ -91,6 +95,18 @@ class ContextSlice:
     def gather_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Every rank's ``x`` (this rank's slice along ``dim``) joined in order along ``dim``: the whole row."""
         return torch.cat(self.gather(x).unbind(0), dim=dim)
+
+    def shifted(self, x: torch.Tensor, distance: int) -> torch.Tensor:
+        """Rank ``rank - distance``'s ``x`` (the same shape on every rank; zeros where there is no such rank; a
+        negative ``distance`` reads a later rank), every
+        rank sending its own to ``rank + distance``. Collective: every rank calls it with the same ``distance``.
+        Its backward sends each gradient back. With the group's point-to-point ``shift`` this holds one peer's
+        tensor, not ``size`` of them; without it, it is read out of ``gather``."""
+        if self.shift is not None:
+            return self.shift(x, distance)
+        gathered = self.gather(x)
+        source = self.rank - distance
+        return gathered[source] if 0 <= source < self.size else join_backward(torch.zeros_like(x), gathered)
 
     def take(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's part ``[start, end)`` of a whole row ``x`` along ``dim``."""

@@ -10,9 +10,10 @@ What one rank holds, planned for the worst rank, the last (its queries see every
   of the whole row, and the keys and values it expands from them for every position up to its slice's end,
   saved by the attention op as on one process (the op's saved set is q, k, v, output and log-sum-exp);
 - a KDA layer exchanges a fixed amount, whatever T is (``kda_exchange``): each rank's fp32 state and transition,
-  ``H d_k (d_k + d_v)`` values, all-gathered over the group, and the short convolutions' last ``W - 1`` inputs.
-  The layer's HF face takes no context, so these bytes are added by this arithmetic, held for the backward's
-  fold (per layer without checkpointing, inside the recomputing layer's peak with it). Under CP the trainer
+  ``H d_k (d_k + d_v)`` values, in each round of a prefix scan over the group (``ops/kda/context_parallel.py``),
+  and the short convolutions' last ``W - 1`` inputs. The layer's HF face takes no context, so the bytes held for
+  the backward (the rank's own transition and entering state, whatever the group's size) are added by this
+  arithmetic (per layer without checkpointing, inside the recomputing layer's peak with it). Under CP the trainer
   runs KDA's torch chunk path (the exchange needs the chunk transitions), so KDA is planned on it.
 
 ZeRO-3 shards over data x context = the world, so the weights' shares do not change with CP at a fixed world;
@@ -54,14 +55,18 @@ def check_context_parallel(cp, devices: int, seq_len: int, field: str, devices_f
 
 
 def kda_exchange(mc, cp: int, precision_bytes: int) -> Dict[str, float]:
-    """One KDA layer's exchange on one rank: ``sent`` (its state and transition, fp32, and its convolutions'
-    last ``W - 1`` inputs) and ``held`` (the group's gathered copy, ``cp`` times that), bytes."""
+    """One KDA layer's exchange on one rank in the forward: ``sent`` (its state and transition, fp32, in each of
+    the prefix scan's ``log2(cp)`` rounds, then its state; its convolutions' last ``W - 1`` inputs) and ``held``
+    for the backward (its own transition and entering state: the scan keeps none of the other ranks' pairs, so
+    this does not grow with ``cp``), bytes."""
     k = mc.kda
     if cp <= 1:
         return {"sent": 0.0, "held": 0.0}
-    state = k.num_heads * k.head_dim * (k.head_dim + k.head_dim) * 4  # d_v = d_k = head_dim
+    state = k.num_heads * k.head_dim * k.head_dim * 4  # d_v = d_k = head_dim, fp32
+    pair = 2 * state  # the transition A [K, K] beside the state b [K, V]
+    rounds = (cp - 1).bit_length()  # ceil(log2(cp))
     conv = (k.conv_size - 1) * 3 * k.num_heads * k.head_dim * precision_bytes  # q, k, v convolutions
-    return {"sent": float(state + conv), "held": float(cp * (state + conv))}
+    return {"sent": float(rounds * pair + state + conv), "held": float(pair)}
 
 
 class _MetaGather(torch.autograd.Function):

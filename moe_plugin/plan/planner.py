@@ -332,7 +332,7 @@ def _exchange(mc, layout: Layout) -> Dict[str, float]:
     rows = layout.micro_batch * layout.seq_len
     return {
         "KDA exchange sent per layer": kda["sent"],
-        "KDA exchange gathered per layer": kda["held"],
+        "KDA exchange held per layer (own pair)": kda["held"],
         "MLA gathered latent + index keys per layer (last rank)": float(rows * width * pb),
     }
 

@@ -102,7 +102,11 @@ def on_slice(case: dict, context: ContextSlice) -> dict:
         sent.append(x.numel() * x.element_size())
         return context.gather(x)
 
-    counting = ContextSlice(context.rank, context.size, context.total, context.offsets, counted)
+    def counted_shift(x: torch.Tensor, distance: int) -> torch.Tensor:
+        sent.append(x.numel() * x.element_size())
+        return context.shifted(x, distance)
+
+    counting = ContextSlice(context.rank, context.size, context.total, context.offsets, counted, counted_shift)
     tensors = {n: context.take(t) if n in _SLICED else t for n, t in inputs(case).items()}
     return {"bytes_sent": sent, **_run(case, tensors, context=counting)}
 

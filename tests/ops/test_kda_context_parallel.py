@@ -84,15 +84,22 @@ def test_context_parallel_equals_one_process(world_size):
         ranks = [rank[i] for rank in results]
         check(case, ranks)
         by_name[case["name"]] = [r["bytes_sent"] for r in ranks]
-    # The exchange per rank and call: one (A, b) pair per sequence and head for KDA (fp32, K x (K + V)), the last
-    # min(W-1, L) inputs for the conv; twice the row, the same bytes.
+    # The exchange per rank and call: KDA's prefix scan sends one (A, b) pair per sequence and head (fp32,
+    # K x (K + V)) in each of log2(world) rounds, then the state b (K x V); its backward one pair to the rank
+    # before and the adjoint scan's rounds; the conv the last min(W-1, L) inputs; twice the row, the same bytes.
     batch, heads, key, value = 1, 2, 4, 3
-    assert by_name["kda_spanning"] == [[batch * heads * key * (key + value) * 4]] * world_size
-    assert by_name["kda_one_document_batch_2"] == [[2 * heads * key * (key + value) * 4]] * world_size
+    rounds = world_size.bit_length() - 1
+
+    def scan(batch):
+        pair, state = batch * heads * key * (key + value) * 4, batch * heads * key * value * 4
+        return [pair] * rounds + [state] + [pair] * (1 + rounds)
+
+    assert by_name["kda_spanning"] == [scan(batch)] * world_size
+    assert by_name["kda_one_document_batch_2"] == [scan(2)] * world_size
     assert by_name["kda_spanning_long"] == by_name["kda_spanning"]
     assert by_name["conv_spanning_long"] == by_name["conv_cut"] == [[3 * 5 * 4]] * world_size
     assert by_name["layer_spanning_long"] == by_name["layer_spanning"]
-    assert len(by_name["layer_spanning"][0]) == 2  # one for the three convolutions, one for the state
+    assert len(by_name["layer_spanning"][0]) == 1 + len(scan(1))  # the three convolutions' inputs, then the scan
 
 
 @pytest.mark.parametrize("name", ["kda_packed", "conv_packed", "layer_cut"])

@@ -104,16 +104,19 @@ def test_the_mla_layers_gathered_keys_cover_the_whole_row():
     assert got[8] > got[1] / 8 * 1.5  # an eighth of the queries, all of the keys
 
 
-def test_the_kda_exchange_does_not_grow_with_the_row(recipe, cache):
+def test_the_kda_exchange_does_not_grow_with_the_row_or_the_group(recipe, cache):
+    """KDA's prefix scan: a pair (fp32 transition [K, K] and state [K, V] per head) sent in each of log2(CP)
+    rounds, then the state, and the convolutions' last W - 1 inputs; held for the backward, the rank's own pair,
+    whatever the row's length and the group's size."""
     k = _mc().kda
-    state = k.num_heads * k.head_dim * 2 * k.head_dim * 4  # fp32 state [K, V] and transition [K, K] per head
+    pair = k.num_heads * k.head_dim * 2 * k.head_dim * 4
     conv = (k.conv_size - 1) * 3 * k.num_heads * k.head_dim * 2  # q, k, v convolutions' last W - 1 inputs, bf16
     kda_layers = sum(t == "kda" for t in _mc().layer_types)
-    for seq_len in (512, 1024):
-        plan = _plan(recipe, cache, seq_len=seq_len, context_parallel=2)
-        assert plan.context_exchange["KDA exchange sent per layer"] == state + conv
-        assert plan.context_exchange["KDA exchange gathered per layer"] == 2 * (state + conv)
-        assert plan.memory.activations_by_segment["context exchange"] == kda_layers * 2 * (state + conv)
+    for seq_len, cp, rounds in ((512, 2, 1), (1024, 2, 1), (1024, 4, 2)):
+        plan = _plan(recipe, cache, seq_len=seq_len, context_parallel=cp)
+        assert plan.context_exchange["KDA exchange sent per layer"] == rounds * pair + pair // 2 + conv
+        assert plan.context_exchange["KDA exchange held per layer (own pair)"] == pair
+        assert plan.memory.activations_by_segment["context exchange"] == kda_layers * pair
     assert _plan(recipe, cache, context_parallel=1).context_exchange == {}
 
 

@@ -2,12 +2,16 @@
 
 The state leaving a run of chunks is affine in the state entering it (``chunk.py``): the slice's last document,
 run from a zero state, leaves ``S_out = A S_in + b``, with ``A`` ``[H, K, K]`` the product of its chunks'
-transitions and ``b`` ``[H, K, V]`` its final state from zero. Every rank sends its pair in one all-gather
-(the compute dtype, fp32 or wider; ``K (K + V)`` values per head, whatever the slice's length). A rank whose
-first document began on an earlier rank ``j0`` folds the pairs from there, ``S = b_j0``, then
-``S = A_j S + b_j`` for ``j0 < j < rank``, and runs its first document from that state; documents that begin
-inside a slice start from zero where they begin. Backward is autograd's mirror of the same steps: the
-gather's backward hands each rank the gradient of its own pair, so the exchange stays ``O(K (K + V))`` too.
+transitions and ``b`` ``[H, K, V]`` its final state from zero (``A = 0`` where a document begins in the slice:
+its state does not depend on what enters). The pairs compose, ``(A2, b2) o (A1, b1) = (A2 A1, A2 b1 + b2)``,
+so the state entering rank r is the composition of ranks ``0 .. r-1`` applied to a zero state: a prefix scan
+over the context group (Hillis-Steele: in round i each rank receives the prefix of rank ``r - 2^i`` through
+``ContextSlice.shifted`` and composes it under its own), then one more shift hands each rank its
+predecessor's state. Each round moves one pair (the compute dtype, fp32 or wider; ``K (K + V)`` values per
+head, whatever the slice's length) and a rank holds two at a time, so the memory is independent of the group's
+size and the bytes sent grow with its logarithm. Documents that begin inside a slice start from zero where they
+begin. Backward is autograd's mirror of the same steps, each shift's gradient sent back the way it came; every
+rank's rounds form one chain, so every rank runs the shifts' backwards in the same order.
 
 The slice's documents come from ``context.offsets`` (host ints): nothing is read from the device.
 """
@@ -68,9 +72,8 @@ def chunk_kda_context(
     # A is read only by successors whose document passes through this whole slice
     through = len(segments) == 1 and context.continues and _next_continues(context)
     A = _transition(terms, *segments[-1], zero.shape[-2]) if through else zero.new_zeros(*zero.shape[:2], zero.shape[1])
-    pairs = context.gather(torch.cat([A, b], dim=-1))  # [size, B*H, K, K + V]
-
-    start = _fold(pairs, context, dims.key_dim) if context.continues else zero
+    entering_state = _entering_state(A, b, context)  # [B*H, K, V]: the scan's, read where a document continues
+    start = entering_state if context.continues else zero
     if len(segments) == 1:
         entering = scan_chunks(terms, *segments[0], start)[0] if context.continues else last_entering
     else:
@@ -80,7 +83,7 @@ def chunk_kda_context(
         entering += last_entering
     o = terms.output(entering)
     if not context.continues:
-        o = join_backward(o, pairs)
+        o = join_backward(o, entering_state)
     return layout.from_chunks(o).to(v.dtype)
 
 
@@ -98,11 +101,57 @@ def _transition(terms, first: int, last: int, key_dim: int) -> torch.Tensor:
     return A
 
 
-def _fold(pairs: torch.Tensor, context: ContextSlice, key_dim: int) -> torch.Tensor:
-    """The state ``[B*H, K, V]`` entering this slice: its first document's predecessors' pairs, folded in
-    rank order from the rank where that document begins."""
-    first_rank = context.document_start(context.start) // context.length
-    state = pairs[first_rank][..., key_dim:]
-    for j in range(first_rank + 1, context.rank):
-        state = torch.baddbmm(pairs[j][..., key_dim:], pairs[j][..., :key_dim], state)
-    return state
+def _entering_state(A: torch.Tensor, b: torch.Tensor, context: ContextSlice) -> torch.Tensor:
+    """The state ``[B*H, K, V]`` entering this slice from a zero state before rank 0: the predecessors' pairs
+    ``A`` ``[B*H, K, K]``, ``b`` ``[B*H, K, V]`` composed by a prefix scan over the group (module docstring)."""
+    return _AffineScan.apply(A, b, context)
+
+
+def _compose(pair: torch.Tensor, inner: torch.Tensor, key_dim: int) -> torch.Tensor:
+    """``(A, b) o (A', b') = (A A', A b' + b)``, pairs ``[B*H, K, K + V]``: ``inner`` applied first."""
+    outer = pair[..., :key_dim]
+    return torch.cat(
+        [torch.bmm(outer, inner[..., :key_dim]), torch.baddbmm(pair[..., key_dim:], outer, inner[..., key_dim:])], -1
+    )
+
+
+def _inclusive_scan(pair: torch.Tensor, context: ContextSlice, direction: int) -> torch.Tensor:
+    """Every rank's composition of its own map after those of all ranks before it (``direction`` 1: lower
+    ranks, applied first) or after it (-1: higher ranks): Hillis-Steele, ``log2(size)`` rounds of one shift each,
+    two pairs held at a time. Collective; no autograd (``_AffineScan`` is the derivative)."""
+    key_dim = pair.shape[-2]
+    distance = 1
+    while distance < context.size:
+        inner = context.shifted(pair, direction * distance)
+        if 0 <= context.rank - direction * distance < context.size:
+            pair = _compose(pair, inner, key_dim)
+        distance *= 2
+    return pair
+
+
+class _AffineScan(torch.autograd.Function):
+    """``entering_r = (M_{r-1} o ... o M_0)(0)`` with ``M_j(S) = A_j S + b_j`` over the context group.
+
+    Backward is the adjoint scan, from the other end: with ``G_r`` the gradient of ``entering_r``, the gradient
+    of the state leaving rank j is ``E_j = G_{j+1} + A_{j+1}^T E_{j+1}`` (a suffix scan of the maps
+    ``(A_{j+1}^T, G_{j+1})``), and ``dA_j = E_j entering_j^T``, ``db_j = E_j``. Only ``A`` and the entering
+    state are saved: a rank keeps none of the other ranks' pairs between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, A: torch.Tensor, b: torch.Tensor, context: ContextSlice) -> torch.Tensor:
+        key_dim = A.shape[-1]
+        leaving = _inclusive_scan(torch.cat([A, b], -1), context, 1)[..., key_dim:]  # from a zero state
+        entering = context.shifted(leaving.contiguous(), 1)
+        ctx.context = context
+        ctx.save_for_backward(A, entering)
+        return entering
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        A, entering = ctx.saved_tensors
+        context, key_dim = ctx.context, A.shape[-1]
+        grad = grad.to(A.dtype)
+        # rank j's map is (A_{j+1}^T, G_{j+1}): the next rank's (zeros on the last rank, whose E is zero)
+        after = context.shifted(torch.cat([A.transpose(-1, -2), grad], -1).contiguous(), -1)
+        leaving_grad = _inclusive_scan(after, context, -1)[..., key_dim:]  # E_j
+        return torch.bmm(leaving_grad, entering.transpose(-1, -2)), leaving_grad, None
