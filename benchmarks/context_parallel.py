@@ -94,13 +94,74 @@ def counting_worker(recipe_dict: dict, seq_lens: list) -> dict:
     return out
 
 
+def kda_held_worker(length: int = 2048, heads: int = 4, dim: int = 64) -> dict:
+    """One KDA layer's op on this rank's slice of ``length`` tokens of a one-document row, under the group's
+    context parallelism: the bytes its autograd graph saves for the backward (``saved_tensors_hooks``, each
+    storage once), and how many of them are the exchange's (the whole saved set minus the same op's on a
+    one-rank context of the same slice, which exchanges nothing)."""
+    import torch
+    import torch.distributed as dist
+
+    from moe_plugin.ops.context import ContextSlice
+    from moe_plugin.ops.kda.context_parallel import chunk_kda_context
+    from moe_plugin.parallel.context_parallel import context_slice
+
+    def saved_bytes_of(fn) -> int:
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn().sum().backward()
+        return sum(storages.values())
+
+    def alone(total):
+        return ContextSlice(rank=0, size=1, total=total, offsets=(0, total), gather=lambda x: x.unsqueeze(0))
+
+    size = dist.get_world_size()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    q, k, v = (torch.randn(1, length, heads, dim, generator=g, requires_grad=True) for _ in range(3))
+    gate = -torch.rand(1, length, heads, dim, generator=g).requires_grad_(True)
+    beta = torch.rand(1, length, heads, generator=g).requires_grad_(True)
+    args = (q, k, v, gate, beta)
+    held = saved_bytes_of(lambda: chunk_kda_context(*args, context_slice(size * length), use_qk_l2norm_in_kernel=True))
+    alone_bytes = saved_bytes_of(lambda: chunk_kda_context(*args, alone(length), use_qk_l2norm_in_kernel=True))
+    return {"held": held, "exchange": held - alone_bytes}
+
+
+def kda_held_lines() -> list:
+    """KDA's bytes held a rank for the backward at CP 2 and CP 4, the same slice a rank (goal: independent of
+    CP)."""
+    from moe_plugin.testing.launch import run_distributed
+
+    # the row's last rank: the same role at any CP (its document began before it, none goes on past it)
+    held = {
+        cp: run_distributed("benchmarks.context_parallel:kda_held_worker", world_size=cp, timeout_s=600)[-1]
+        for cp in (2, 4)
+    }
+    line = (
+        f"context parallel KDA (4 heads x 64, 2,048 tokens a rank, one document): bytes the op holds for the "
+        f"backward on the row's last rank: CP 2 {held[2]['held']:,}, CP 4 {held[4]['held']:,}; CP 4 / CP 2 "
+        f"{held[4]['held'] / held[2]['held']:.2f} (goal 1.00: independent of CP; beyond a one-rank context's "
+        f"{held[2]['held'] - held[2]['exchange']:,}: its entering state and the slice's scan from it)"
+    )
+    print(line)
+    return [line]
+
+
 def main(argv=None) -> None:
     from moe_plugin.testing.launch import run_distributed
     from moe_plugin.testing.plan_measure import measured_ds_config
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seq-len", type=int, default=16384)
+    parser.add_argument("--kda-only", action="store_true", help="only KDA's bytes held at CP 2 and 4 (seconds)")
     args = parser.parse_args(argv)
+    if args.kda_only:
+        kda_held_lines()
+        return
     T = args.seq_len
     print(machine_line(1))
     peaks = {}
