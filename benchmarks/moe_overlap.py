@@ -2,7 +2,7 @@
 
 ``parallel.moe_overlap_chunks`` N sends a rank's experts' tokens in N chunks: chunk c's experts run while chunk
 c + 1 is dispatched and chunk c - 1 comes back, and the shared experts run while chunk 0 travels
-(``moe_plugin/parallel/expert_dispatch.py``). The layer is built once per rank; each iteration runs N = 1, 2, 4
+(``moe_plugin/megatron/expert_dispatch.py``). The layer is built once per rank; each iteration runs N = 1, 2, 4
 in turn (side by side, so a busy machine slows all three alike) and records the forward + backward time and
 the seconds the rank was blocked on an all-to-all handle (the exposed communication, what the trainer logs as
 ``moe/a2a_exposed_s``). The medians over iterations, the slower rank's, are printed with the ratio of exposed

@@ -9,7 +9,8 @@ experts: ``w1``/``w3`` ``[E, F, L]``, ``w2`` ``[E, L, F]``) with one rank-``r`` 
   (``view(out, r, E)[:, :, e]``).
 
 The delta of expert ``e`` is ``scaling * B_e @ A_e`` ``[out, in]`` (docs/exports.md). An expert-parallel rank holds
-the contiguous experts ``[first, last)`` of every MoE layer, so its local adapters are the same layout over
+the contiguous experts ``[first, last)`` of every MoE layer (``experts_held``, the rule ``ParallelLayout`` owns),
+so its local adapters are the same layout over
 ``E_local = last - first`` experts; ``slice_experts`` cuts a rank's part out of the whole and ``stitch_experts``
 puts the ranks' parts back together (the all-gather that feeds it is ``megatron.expert_gather``, distributed code).
 
@@ -27,6 +28,7 @@ import torch
 from .config import require
 
 __all__ = [
+    "experts_held",
     "adapter_factor",
     "split_factors",
     "split_experts",
@@ -42,6 +44,20 @@ __all__ = [
 # an expert adapter's parameter name, on both faces: "...experts.w1.lora_A.default.weight" (Hugging Face),
 # "...experts.base_layer.lora_B.default.weight" (nested wrappers)
 _EXPERT_ADAPTER = re.compile(r"(?:^|\.)experts\.(?:base_layer\.)*lora_([AB])\.")
+
+
+def experts_held(num_experts: int, expert: int, ep_rank: int) -> Tuple[int, int]:
+    """The one rule for which routed experts an expert-parallel rank holds: ``[first, last)``, the contiguous
+    ``E / expert`` experts from ``ep_rank x E / expert`` (megatron-core's ``local_expert_indices``, DeepSpeed's
+    and the checkpoints' expert-parallel slices agree). ValueError naming the size that does not divide."""
+    require(
+        num_experts % expert == 0,
+        "parallel.expert_parallel_size",
+        f"must divide the number of routed experts ({num_experts}), got {expert}",
+    )
+    require(0 <= ep_rank < expert, "ep_rank", f"must be in [0, {expert}), got {ep_rank}")
+    local = num_experts // expert
+    return ep_rank * local, (ep_rank + 1) * local
 
 
 def adapter_factor(name: str) -> Optional[str]:

@@ -3,7 +3,7 @@
 ``LatentMoEMixin.moe_forward`` is the MoE forward of both faces of the model: the single-device
 ``StableLatentMoE`` here and megatron's ``LatentMoELayer`` (``moe_plugin.megatron.latent_moe``, a thin adapter to
 megatron's calling convention). How the token copies reach the experts and come back is the layer's
-``dispatch`` slot: ``TokenDispatch`` (this device, every expert), ``parallel.expert_dispatch.
+``dispatch`` slot: ``TokenDispatch`` (this device, every expert), ``megatron.expert_dispatch.
 ExpertParallelDispatch`` (all-to-all over the expert-parallel ranks, overlapped in chunks with compute; put in
 from outside by ``parallel.expert_parallel.apply_expert_parallel``) or the planner's balanced routing
 (``plan.routing``), so its meta run is this forward, unpatched.

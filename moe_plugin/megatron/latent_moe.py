@@ -10,7 +10,7 @@ is ``layers.moe.LatentMoEMixin.moe_forward``, the single-device layer's own:
 * ``routed_expert_down_proj`` (hidden -> latent) before the dispatch, so what crosses the all-to-all is
   ``[N * top_k, latent]``; after the combine ``routed_expert_norm`` (RMSNorm) and ``routed_expert_up_proj``
   (latent -> hidden), plus the shared experts on the full hidden;
-* the dispatch: the layer's ``dispatch`` slot, ``parallel.expert_dispatch.dispatch_for`` its expert-parallel
+* the dispatch: the layer's ``dispatch`` slot, ``megatron.expert_dispatch.dispatch_for`` its expert-parallel
   group: this device's sort and combine at EP 1, the chunked, overlapped all-to-all over the ranks otherwise
   (one host read a layer). megatron's alltoall dispatcher (still built by ``MoELayer``, unused) reads the device
   8 times a layer to size its permute and chunk sort, 11 under EP (issue 24; ``benchmarks/host_reads.py``).
@@ -42,8 +42,8 @@ from ..layers.mlp import GLUMLP
 from ..layers.moe import LatentMoEMixin, MoERouter, experts_kwargs
 from ..layers.packed_experts import PackedStackedExperts
 from ..layers.stacked_experts import StackedExperts
-from ..parallel.expert_dispatch import dispatch_for
-from ..parallel.layout import experts_held
+from ..expert_adapters import experts_held
+from .expert_dispatch import dispatch_for
 from .expert_tags import tag_expert_parameter
 
 # megatron routing/balancing options that LatentMoELayer's route never reads: each must keep its default, and

@@ -4,7 +4,7 @@ place for the megatron model, the recipe's Hugging Face backend and ``moe_plugin
 The model code stays single-device, and both faces run the one MoE forward (``layers.moe.LatentMoEMixin``);
 expert parallelism is two things given to each MoE layer, the same on both faces: its experts are this rank's
 (``ParallelLayout.experts_held``, the one rule) and its ``dispatch`` slot holds the expert-parallel all-to-all
-(``parallel.expert_dispatch.ExpertParallelDispatch``, with the recipe's ``moe_overlap_chunks``).
+(``megatron.expert_dispatch.ExpertParallelDispatch``, with the recipe's ``moe_overlap_chunks``).
 
 * **megatron** (``megatron.specs.build_gpt_model`` under a started layout): megatron-core already built each
   MoE layer with this rank's ``E / EP`` experts from its parallel state; applying checks that they are the
@@ -40,7 +40,7 @@ from ..layers.moe import StableLatentMoE
 from ..layers.stacked_experts import StackedExperts
 from ..megatron.expert_tags import tag_expert_parameter
 from ..megatron.latent_moe import LatentMoELayer
-from .expert_dispatch import ExpertParallelDispatch, dispatch_for
+from ..megatron.expert_dispatch import ExpertParallelDispatch, dispatch_for
 from .layout import ParallelLayout
 
 __all__ = ["apply_expert_parallel", "expert_parallel_size"]

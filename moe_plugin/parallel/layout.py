@@ -43,26 +43,13 @@ from torch import nn
 
 from ..compat.deepspeed import expert_groups
 from ..config import require
+from ..expert_adapters import experts_held
 from ..megatron.expert_tags import group_name, tag_expert_parameter
 from .grad_reduce import is_expert_parameter
 
 __all__ = ["ParallelLayout", "started_layout", "hide_expert_marks", "experts_held"]
 
 _STARTED: List["ParallelLayout"] = []  # the layout whose groups this process started (one at most)
-
-
-def experts_held(num_experts: int, expert: int, ep_rank: int) -> Tuple[int, int]:
-    """The one rule for which routed experts an expert-parallel rank holds: ``[first, last)``, the contiguous
-    ``E / expert`` experts from ``ep_rank x E / expert`` (megatron-core's ``local_expert_indices``, DeepSpeed's
-    and the checkpoints' expert-parallel slices agree). ValueError naming the size that does not divide."""
-    require(
-        num_experts % expert == 0,
-        "parallel.expert_parallel_size",
-        f"must divide the number of routed experts ({num_experts}), got {expert}",
-    )
-    require(0 <= ep_rank < expert, "ep_rank", f"must be in [0, {expert}), got {ep_rank}")
-    local = num_experts // expert
-    return ep_rank * local, (ep_rank + 1) * local
 
 
 def _positive(name: str, value: object) -> int:

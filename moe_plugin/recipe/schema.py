@@ -170,7 +170,7 @@ class ParallelSection(_Section):
     """``capacity_factor``: the per-rank load, over its balanced share, that the plan's dispatch buffers assume
     (``moe-plugin plan`` reads it); the trainer warns when a rank's measured load goes past it.
     ``moe_overlap_chunks``: N > 1 sends a rank's experts' tokens in N chunks, each chunk's experts running while
-    the next chunk travels (``parallel.expert_dispatch``); the numbers are bitwise those of 1."""
+    the next chunk travels (``megatron.expert_dispatch``); the numbers are bitwise those of 1."""
 
     backend: Literal["megatron", "hf"] = "megatron"
     expert_parallel_size: int = _field(

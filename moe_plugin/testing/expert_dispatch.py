@@ -1,4 +1,4 @@
-"""Test support for the expert-parallel dispatcher (``parallel.expert_dispatch``): what crosses its all-to-alls."""
+"""Test support for the expert-parallel dispatcher (``megatron.expert_dispatch``): what crosses its all-to-alls."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ __all__ = ["dispatched_shapes"]
 def dispatched_shapes() -> Iterator[List[Tuple[int, ...]]]:
     """The shapes of what each forward dispatch all-to-all sends (the tokens' trip to the experts: not the
     combine, not a gradient), in order, while the block is open."""
-    from ..parallel import expert_dispatch
+    from ..megatron import expert_dispatch
 
     shapes, original = [], expert_dispatch._all_to_all
 
@@ -50,7 +50,7 @@ def _expert_parallel_copy(layer, group, chunks: int, dispatch_class=None):
     import torch.distributed as dist
 
     from ..layers.stacked_experts import StackedExperts
-    from ..parallel.expert_dispatch import ExpertParallelDispatch
+    from ..megatron.expert_dispatch import ExpertParallelDispatch
     from ..parallel.layout import experts_held
 
     c = layer.moe_config
@@ -122,7 +122,7 @@ def overlap_parity(seed: int = 0, chunk_counts=(1, 2, 4), group=None) -> dict:
 
     from ..config import MoEConfig
     from ..layers.moe import StableLatentMoE
-    from ..parallel import expert_dispatch
+    from ..megatron import expert_dispatch
 
     group = group or dist.group.WORLD
     torch.manual_seed(seed)

@@ -1,7 +1,7 @@
 """LatentMoELayer (Stable Latent MoE on megatron's MoELayer and alltoall dispatcher) at EP=2 vs one device.
 
 The reference is the single-device StableLatentMoE with the same global weights, run here on each rank's
-tokens. The ranks spy on moe_plugin.parallel.expert_dispatch._all_to_all to record what crosses the all-to-all.
+tokens. The ranks spy on moe_plugin.megatron.expert_dispatch._all_to_all to record what crosses the all-to-all.
 """
 
 import pytest
@@ -65,7 +65,7 @@ def test_dispatcher_moves_latent_width_tokens(ep_check, scenario):
 @pytest.mark.parametrize("scenario", ["mixed", "starved"])
 def test_one_host_read_a_layer_at_ep2(ep_check, scenario):
     """Forward and backward of one layer at EP 2 read the device once: both split lists of the exchange in one
-    ``tolist`` (moe_plugin/parallel/expert_dispatch.py); the backward's all-to-all reuses them."""
+    ``tolist`` (moe_plugin/megatron/expert_dispatch.py); the backward's all-to-all reuses them."""
     for rank, got in enumerate(ep_check(f"latent/{scenario}")):
         assert got["host_reads"] == {("moe", "tolist"): 1}, f"rank {rank}: host reads {got['host_reads']}"
 

@@ -1,4 +1,4 @@
-"""moe_plugin/parallel/expert_dispatch.py on one process: the chunk-major order of the token copies, the chunks'
+"""moe_plugin/megatron/expert_dispatch.py on one process: the chunk-major order of the token copies, the chunks'
 bounds, the layout's rule for a rank's experts, and the exposed time the metrics report. The dispatch itself
 (bitwise equal in 1, 2 and 4 chunks, the planted bugs) runs in the expert-parallel launches:
 tests/megatron/test_megatron_latent_moe.py (EP 2) and tests/training/test_context_parallel_trainer.py (EP 4)."""
@@ -6,7 +6,7 @@ tests/megatron/test_megatron_latent_moe.py (EP 2) and tests/training/test_contex
 import pytest
 from torch import nn
 
-from moe_plugin.parallel.expert_dispatch import chunk_bounds, sort_key
+from moe_plugin.megatron.expert_dispatch import chunk_bounds, sort_key
 from moe_plugin.parallel.layout import ParallelLayout, experts_held
 
 

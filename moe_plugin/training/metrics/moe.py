@@ -296,7 +296,7 @@ class MoEMetrics:
         return out
 
     def _dispatches(self) -> list:
-        """The MoE layers' dispatchers that communicate (``parallel.expert_dispatch``: they count the seconds
+        """The MoE layers' dispatchers that communicate (``megatron.expert_dispatch``: they count the seconds
         spent blocked on their all-to-alls)."""
         return [layer.dispatch for _, layer in self.layers if hasattr(getattr(layer, "dispatch", None), "pop_waited")]
 

@@ -1,10 +1,13 @@
 """The expert-parallel dispatcher: the MoE layer's ``dispatch`` slot when its experts are spread over ranks.
 
+It lives beside megatron's MoE layer, which picks it for its own expert-parallel group as megatron's layers pick
+their token dispatcher (``dispatch_for``); the Hugging Face face gets the same one from outside.
+
 ``ExpertParallelDispatch`` fills the slot that ``layers.moe.TokenDispatch`` fills on one device (both faces of
 the model: ``StableLatentMoE`` and megatron's ``LatentMoELayer`` run the one forward of
 ``layers.moe.LatentMoEMixin``; ``parallel.expert_parallel.apply_expert_parallel`` puts this dispatcher in).
-Rank ``r`` of the expert-parallel group holds the experts ``ParallelLayout.experts_held`` gives it: the
-contiguous ``[r * E_local, (r + 1) * E_local)``.
+Rank ``r`` of the expert-parallel group holds the experts ``ParallelLayout.experts_held`` gives it
+(``expert_adapters.experts_held``): the contiguous ``[r * E_local, (r + 1) * E_local)``.
 
 One forward, with ``chunks`` = N (the recipe's ``parallel.moe_overlap_chunks``):
 
