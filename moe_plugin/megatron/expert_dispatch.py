@@ -11,9 +11,10 @@ Rank ``r`` of the expert-parallel group holds the experts ``ParallelLayout.exper
 
 One forward, with ``chunks`` = N (the recipe's ``parallel.moe_overlap_chunks``):
 
-1. the token copies are sorted by a key that is chunk-major: the local experts of every rank are cut into N
-   contiguous groups, and the copies go (chunk, destination rank, expert) - so chunk c's send buffer is one
-   contiguous slice, already in the per-destination blocks an all-to-all takes;
+1. the token copies are sorted by expert (as with one chunk), then, for N > 1, regrouped chunk-major: the local
+   experts of every rank are cut into N contiguous groups, and the copies go (chunk, destination rank, expert)
+   - so chunk c's send buffer is one contiguous slice, already in the per-destination blocks an all-to-all
+   takes (the regrouping moves each row once, and its inverse puts the returned rows back before the combine);
 2. the ``[EP, E_local]`` counts cross one equal-split all-to-all and both split lists of every chunk come to
    the host in one read (``tolist`` of ``[2 x N x EP]``): the one host read a layer (issue 24);
 3. chunk 0 is sent asynchronously and the layer's side work (the shared experts: they need no exchanged
@@ -29,7 +30,9 @@ runs the latest-created ready node first, runs the compute the forward put betwe
 
 Chunks group experts, not tokens: each expert's rows are one block in one chunk, in the same order as with
 one chunk (by source rank, then token), so every expert's products and weight gradients, and the combine, are
-bitwise those of N = 1. The cost is that a chunk is as big as its experts' share of the routing.
+bitwise those of N = 1; the sort and its gradient onto the tokens are N = 1's too (the regrouping only moves
+rows). The costs: a chunk is as big as its experts' share of the routing, and N > 1 copies the sorted rows
+twice more (out to chunk order and back), forward and backward.
 
 Exposed communication: the seconds a rank spends blocked on a handle (forward, backward and the counts'
 exchange) add up in ``waited``; ``pop_waited`` reads and resets it (the training loop logs the step's sum as
@@ -250,7 +253,14 @@ class ExpertParallelDispatch(TokenDispatch):
         )
         bounds = chunk_bounds(num_experts // ep, self.chunks)
         key = sort_key(num_experts, ep, bounds, indices.device)
-        z_sorted, tokens_per_key, order = permute(z, key[indices], num_experts)
+        # sorted by expert as with one chunk, so the copies' gradients reach their tokens in the same order
+        z_sorted, tokens_per_expert, order = permute(z, indices, num_experts)
+        tokens_per_key = torch.empty_like(tokens_per_expert).index_copy_(0, key, tokens_per_expert)
+        chunk_major = None
+        if len(bounds) > 2:  # the copies regrouped (chunk, rank, expert): each row moved once, no sum
+            row_key = key.index_select(0, indices.reshape(-1).index_select(0, order))
+            chunk_major = torch.sort(row_key, stable=True).indices
+            z_sorted = z_sorted.index_select(0, chunk_major)
         if is_recomputing() and self._kept_plans:  # "full_routing"'s backward: the forward's counts and splits
             plan = self._kept_plans.pop()
         else:
@@ -282,13 +292,11 @@ class ExpertParallelDispatch(TokenDispatch):
             if c >= 1:
                 returned[c - 1] = _Wait.apply(*back.pop(c - 1))
         returned[chunks - 1] = _Wait.apply(*back.pop(chunks - 1))
-        return unpermute(self.concat(returned), order, weights), _expert_order(tokens_per_key, key), side_out
+        rows_back = self.concat(returned)
+        if chunk_major is not None:  # back to the copies' expert order
+            rows_back = rows_back.index_select(0, inverse_order(chunk_major))
+        return unpermute(rows_back, order, weights), tokens_per_expert, side_out
 
     def concat(self, returned: List[torch.Tensor]) -> torch.Tensor:
         """The returned chunks ``[M_c, L]`` as the sorted copies ``[N * k, L]``: chunk order is their order."""
         return torch.cat(returned) if len(returned) > 1 else returned[0]
-
-
-def _expert_order(tokens_per_key: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """The ``[E]`` counts in ``sort_key`` order back in global expert order."""
-    return tokens_per_key.index_select(0, key)
