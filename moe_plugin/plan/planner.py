@@ -340,7 +340,9 @@ def _exchange(mc, layout: Layout) -> Dict[str, float]:
 def _million_context(counts, mc, act, layout: Layout) -> Dict[str, float]:
     million = {}
     cp = layout.context if MILLION_CONTEXT % layout.context == 0 else 1
-    for mode in MODES:
+    # the seed plan's time budget (a minute of CPU) holds three modes' 1 M-token meta runs; full_routing is in
+    # the per-mode peaks, and planned at 1 M tokens when asked (--checkpointing full_routing)
+    for mode in dict.fromkeys([m for m in MODES if m != "full_routing"] + [layout.checkpointing]):
         big = replace(layout, micro_batch=1, seq_len=MILLION_CONTEXT, checkpointing=mode, context=cp)
         million[f"checkpointing {mode}"] = plan_memory(counts, mc, act, big).peak
     kda_state = sum(t == "kda" for t in mc.layer_types) * mc.kda.num_heads * mc.kda.head_dim**2 * 4
@@ -354,7 +356,9 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
     """Peak bytes saved (positive) or added (negative) by one change at a time."""
     layout, base = plan.layout, plan.memory.peak
     out: Dict[str, float] = {}
-    variants = {f"checkpointing {mode}": replace(layout, checkpointing=mode) for mode in MODES if mode != checkpointing}
+    # full_routing differs from full in the MoE layers only: the per-mode peaks name it
+    knob_modes = [mode for mode in MODES if mode not in (checkpointing, "full_routing")]
+    variants = {f"checkpointing {mode}": replace(layout, checkpointing=mode) for mode in knob_modes}
     variants.update(
         {
             "micro-batch 1": replace(layout, micro_batch=1),
