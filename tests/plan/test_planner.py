@@ -135,7 +135,15 @@ def test_seed_layout_plan_by_hand():
     assert ckpt.memory.activations < bf16.memory.activations / 5
     selective = plan_recipe(recipe, checkpointing="selective", cache=cache, summaries=False)
     assert ckpt.memory.step_peak < selective.memory.step_peak < bf16.memory.step_peak  # (peak: the preset build)
-    assert bf16.modes == {"off": bf16.memory.peak, "selective": selective.memory.peak, "full": ckpt.memory.peak}
+    routing = plan_recipe(recipe, checkpointing="full_routing", cache=cache, summaries=False)
+    assert bf16.modes == {
+        "off": bf16.memory.peak,
+        "selective": selective.memory.peak,
+        "full": ckpt.memory.peak,
+        "full_routing": routing.memory.peak,
+    }
+    # the MoE layers keep their routing, not their dispatched tokens
+    assert routing.memory.activations_by_segment["kept by the layers"] < kept - dispatched / 2
 
 
 def _profiled_peak(fn) -> tuple:
