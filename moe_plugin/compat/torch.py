@@ -11,10 +11,14 @@
   (``aten._scaled_dot_product_flash_attention_for_cpu``): SDPA's dispatch takes the math path for meta tensors,
   which saves the ``L x L`` probabilities that the fused kernel a CPU or GPU runs never keeps, so the planner
   would count memory no device spends.
+- ``makes_fresh_tensors``: reads an op's schema (``OpOverload._schema``) to tell the ops whose results are new
+  tensors of their own (no argument written, no result a view of one) from the rest, so the planner's meter may
+  reuse a meta result's shapes for the same op on the same shapes (``plan/saved_bytes.py``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -30,6 +34,7 @@ __all__ = [
     "fused_attention",
     "grouped_mm_kernel",
     "has_grouped_mm",
+    "makes_fresh_tensors",
 ]
 
 TESTED_TORCH = "2.13.0"
@@ -71,6 +76,21 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return F.scaled_dot_product_attention(q, k, v)
 
 
+@functools.lru_cache(maxsize=None)
+def makes_fresh_tensors(func) -> bool:
+    """True when the op ``func`` (an ``OpOverload``) writes none of its arguments, returns only tensors
+    (``Tensor`` each, no list), none a view of an argument, and its results' shapes do not depend on its
+    values: on meta such an op's results follow from its arguments' shapes, strides and dtypes alone."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return False
+    schema = func._schema
+    if schema.is_mutable or not schema.returns:
+        return False
+    if torch.Tag.dynamic_output_shape in func.tags or torch.Tag.data_dependent_output in func.tags:
+        return False
+    return all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+
+
 def check() -> None:
     """``torch._grouped_mm``, ``torch._C._dispatch_call_boxed`` and the CPU's fused attention op exist in the
     installed torch (RuntimeError naming the missing one and the pin otherwise)."""
@@ -78,5 +98,7 @@ def check() -> None:
         raise missing("torch", "torch", TESTED_TORCH, "torch._grouped_mm")
     if not hasattr(torch._C, "_dispatch_call_boxed"):
         raise missing("torch", "torch", TESTED_TORCH, "torch._C._dispatch_call_boxed")
+    if not hasattr(torch.ops.aten.mm.default, "_schema") or not hasattr(torch.ops.aten.mm.default._schema, "returns"):
+        raise missing("torch", "torch", TESTED_TORCH, "OpOverload._schema.returns")
     if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         raise missing("torch", "torch", TESTED_TORCH, "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu")

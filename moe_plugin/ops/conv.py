@@ -61,12 +61,22 @@ def causal_conv1d(
         ext = torch.cat([tail(B), x], dim=1)  # [B, W-1+T, C]
         ends = None
     else:
-        # Each packed sequence gets its own W-1 history in front, so no window crosses a boundary.
-        pieces = []
-        for seq, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
-            pieces += [tail(1, seq), x[:, start:end]]
-        ext = torch.cat(pieces, dim=1)  # [1, T + N(W-1), C]
-        ends = [end + (seq + 1) * (W - 1) for seq, end in enumerate(offsets[1:])]
+        # Each packed sequence gets its own W-1 history in front, so no window crosses a boundary: token t of
+        # sequence s sits at t + (s+1)(W-1) of the extended row, s's history at the W-1 places before its start.
+        # The places are made on the host at once (one copy over), not as a piece per sequence: a packed row of
+        # thousands of documents would cost thousands of small ops.
+        starts, history = torch.tensor(offsets[:-1]), torch.arange(W - 1)
+        seq_of = torch.repeat_interleave(torch.arange(N), torch.tensor(offsets[1:]) - starts)  # [T]
+        at = (torch.arange(T) + (seq_of + 1) * (W - 1)).to(x.device)
+        # W-1 more zeros in front, so that output j is the window ending at place j and `at` picks the outputs
+        # too (one index tensor kept for the backward, not two); written in place, as index_copy would keep x
+        ext = x.new_zeros(1, (W - 1) + T + N * (W - 1), C)
+        row = ext[:, W - 1 :]  # [1, T + N(W-1), C]
+        row[:, at] = x
+        if initial_state is not None:
+            before = (starts + torch.arange(N) * (W - 1))[:, None] + history  # [N, W-1]
+            row[:, before.reshape(-1).to(x.device)] = initial_state.transpose(1, 2).reshape(1, -1, C)
+        ends = torch.tensor(offsets[1:]) + (torch.arange(N) + 1) * (W - 1)  # [N]: one past each sequence's last
 
     length = ext.shape[1] - (W - 1)
     y = sum(ext[:, w : w + length] * weight[:, w] for w in range(W))
@@ -76,16 +86,10 @@ def causal_conv1d(
         y = F.silu(y)
     final = None
     if ends is not None:
-        # Output j of the extended row belongs to token j - seq (W-1) of sequence seq.
-        keep = torch.cat(
-            [
-                torch.arange(start, end, device=x.device) + seq * (W - 1)
-                for seq, (start, end) in enumerate(zip(offsets[:-1], offsets[1:]))
-            ]
-        )
-        y = y.index_select(1, keep)
+        y = y.index_select(1, at)
         if output_final_state:
-            final = torch.stack([ext[0, e - (W - 1) : e] for e in ends]).transpose(1, 2)
+            last = (ends[:, None] - (W - 1) + history).reshape(-1).to(x.device)  # [N (W-1)]
+            final = row.index_select(1, last).view(N, W - 1, C).transpose(1, 2)
     elif output_final_state:
         final = ext[:, ext.shape[1] - (W - 1) :].transpose(1, 2)
     return y, (final.contiguous() if final is not None else None)

@@ -13,6 +13,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..compat.torch import makes_fresh_tensors
+
 
 class _LiveBytes(TorchDispatchMode):
     """The bytes of the storages the ops make that are still alive, and their peak. A storage is alive while a
@@ -27,24 +29,21 @@ class _LiveBytes(TorchDispatchMode):
         self.live = self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = _meta_results(func, args, kwargs or {})
         # a view of a storage made before the run (a parameter's slice, an input's reshape) allocates nothing:
         # on meta a layer holds all E experts, and a rank's E / EP slice would count the whole stack
-        before = {
-            _key(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and not self.refs[_key(a)]
-        }
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                key = _key(t)
-                if key in before:
-                    continue
-                if not self.refs[key]:
-                    self.size[key] = t.untyped_storage().nbytes()
-                    self.live += self.size[key]
-                    self.peak = max(self.peak, self.live)
-                    self.made.add(key)
-                self.refs[key] += 1
-                weakref.finalize(t, self._drop, key)
+        before = {_key(a) for a in _tensors((args, kwargs)) if not self.refs[_key(a)]}
+        for t in _tensors(out):
+            key = _key(t)
+            if key in before:
+                continue
+            if not self.refs[key]:
+                self.size[key] = t.untyped_storage().nbytes()
+                self.live += self.size[key]
+                self.peak = max(self.peak, self.live)
+                self.made.add(key)
+            self.refs[key] += 1
+            weakref.finalize(t, self._drop, key)
         return out
 
     def _drop(self, key: int) -> None:
@@ -79,6 +78,82 @@ class _SavedBytes:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+# (op, its arguments' shapes) -> its results' (shape, stride, dtype): an attention's or a scan's blocks repeat the
+# same few ops on the same shapes thousands of times, and a meta kernel written in Python costs far more than the
+# empty tensors it returns (it set the seed plan's CPU time)
+_META_RESULTS: Dict[tuple, Optional[Tuple[Tuple[tuple, tuple, torch.dtype], ...]]] = {}
+_META_RESULTS_MOST = 1 << 16
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _shapes_key(obj):
+    if isinstance(obj, torch.Tensor):
+        if not obj.is_meta:
+            raise _Uncacheable
+        return (obj.shape, obj.stride(), obj.dtype)
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), tuple(_shapes_key(o) for o in obj))
+    if isinstance(obj, dict):
+        return tuple((k, _shapes_key(v)) for k, v in obj.items())
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return (type(obj), obj)
+    raise _Uncacheable
+
+
+def _meta_results(func, args, kwargs):
+    """``func(*args, **kwargs)``; on meta, for an op whose results are new tensors of their own
+    (``compat.torch.makes_fresh_tensors``), fresh empty tensors of the shapes the op gave the last time it met
+    the same arguments' shapes (the same storages' bytes: nothing the meters count changes)."""
+    if not makes_fresh_tensors(func):
+        return func(*args, **kwargs)
+    try:
+        key = (func, _shapes_key(args), _shapes_key(kwargs))
+    except _Uncacheable:
+        return func(*args, **kwargs)
+    shapes = _META_RESULTS.get(key)
+    if shapes is not None:
+        made = tuple(torch.empty_strided(size, stride, dtype=dtype, device="meta") for size, stride, dtype in shapes)
+        return made[0] if len(func._schema.returns) == 1 else made
+    out = func(*args, **kwargs)
+    if key not in _META_RESULTS:
+        if len(_META_RESULTS) >= _META_RESULTS_MOST:
+            _META_RESULTS.clear()
+        _META_RESULTS[key] = _result_shapes(out, args, kwargs)
+    return out
+
+
+def _result_shapes(out, args, kwargs):
+    """The results' (shape, stride, dtype), or None where empty tensors of those would not stand for them: a
+    result not on meta, on an argument's storage, or on a storage larger than its shape and stride need."""
+    outs = out if isinstance(out, tuple) else (out,)
+    inputs = {_key(a) for a in _tensors((args, kwargs))}
+    shapes, storages = [], set()
+    for t in outs:
+        if not isinstance(t, torch.Tensor) or not t.is_meta or _key(t) in inputs or _key(t) in storages:
+            return None
+        storages.add(_key(t))
+        like = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        if like.untyped_storage().nbytes() != t.untyped_storage().nbytes() or t.storage_offset():
+            return None
+        shapes.append((tuple(t.shape), t.stride(), t.dtype))
+    return tuple(shapes)
+
+
+def _tensors(obj):
+    """The tensors in an op's arguments or results (nested lists, tuples and dicts: all an op's schema has)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
 
 
 def _key(t: torch.Tensor) -> int:

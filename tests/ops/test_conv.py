@@ -83,6 +83,17 @@ def test_gradients_flow_to_inputs_weight_and_state():
     )
 
 
+def test_packed_gradients_flow_to_inputs_weight_and_state():
+    cu = torch.tensor([0, 2, 2, 7])  # a sequence shorter than the window, an empty one
+    x = torch.randn(1, 7, 3, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(3, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *a: causal_conv1d(a[0], a[1], initial_state=a[2], output_final_state=True, cu_seqlens=cu),
+        (x, weight, h0),
+    )
+
+
 def test_bad_input_names_the_argument():
     x = torch.randn(2, 5, 3)
     w = torch.randn(3, 4)

@@ -1,0 +1,51 @@
+"""The planner's meters on meta: the results it reuses for repeated ops are what the ops make, and the meters
+read the same with and without reusing them."""
+
+import torch
+
+import moe_plugin.plan.saved_bytes as saved_bytes
+from moe_plugin.compat.torch import makes_fresh_tensors
+from moe_plugin.ops.dsa.attention import dense_causal_attention
+
+aten = torch.ops.aten
+
+
+def test_only_ops_that_make_new_tensors_are_reused():
+    assert makes_fresh_tensors(aten.mm.default) and makes_fresh_tensors(aten.mul.Tensor)
+    assert makes_fresh_tensors(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    assert not makes_fresh_tensors(aten.add_.Tensor)  # writes its argument
+    assert not makes_fresh_tensors(aten.transpose.int)  # a view
+    assert not makes_fresh_tensors(aten.split_with_sizes.default)  # a list of views
+    assert not makes_fresh_tensors(aten.nonzero.default)  # its shape is its values'
+
+
+def test_a_reused_result_has_the_shape_stride_and_dtype_the_op_gives():
+    saved_bytes._META_RESULTS.clear()
+    x = torch.empty(6, 4, device="meta").t()  # a transposed layout: the result follows it
+    y = torch.empty(4, 6, dtype=torch.bfloat16, device="meta")
+    for args, op in [((x, y), aten.mul.Tensor), ((x, 2.0), aten.mul.Tensor), ((x,), aten.exp.default)]:
+        first = saved_bytes._meta_results(op, args, {})
+        again = saved_bytes._meta_results(op, args, {})
+        want = op(*args)
+        for got in (first, again):
+            assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+        assert again.untyped_storage()._cdata != first.untyped_storage()._cdata  # a storage of its own
+    sums = saved_bytes._meta_results(aten.sum.dim_IntList, (x, [1], True), {})
+    assert sums.shape == (4, 1) and saved_bytes._meta_results(aten.sum.dim_IntList, (x, [0], True), {}).shape == (1, 6)
+
+
+def _attention_meters():
+    q, k, v = (torch.empty(1, 300, 2, 8, device="meta", requires_grad=True) for _ in range(3))
+    working, peak = [], saved_bytes._LiveBytes()
+    saved = saved_bytes._run(lambda: dense_causal_attention(q, k, v, 0.5, block_size=64, key_chunk=64), {}, "attn", working)
+    with peak:
+        dense_causal_attention(q, k, v, 0.5, block_size=64, key_chunk=64).sum().backward()
+    return saved, working, peak.peak
+
+
+def test_the_meters_read_the_same_reusing_results(monkeypatch):
+    saved_bytes._META_RESULTS.clear()
+    reused = _attention_meters()
+    assert saved_bytes._META_RESULTS  # the blocks' ops were met again
+    monkeypatch.setattr(saved_bytes, "makes_fresh_tensors", lambda func: False)
+    assert _attention_meters() == reused
