@@ -6,10 +6,15 @@ outside KDA). With ``config.use_indexer`` each query attends only to the ``confi
 indexer scores highest; the indexer sees detached inputs and learns only from its KL loss.
 
 Context parallelism (``forward(..., context=ContextSlice)``): each rank holds one contiguous slice of a packed
-row. Queries stay local; the only exchange is one all-gather of the compressed latent (``c_kv`` and ``k_rope``,
-the ``kv_a_proj_with_mqa`` output) together with the indexer's keys, so every rank sees every key up to the end
-of its slice (later keys are causally invisible and dropped). Attention, the top-k selection and the indexer
-loss then see exactly the keys they would on one process.
+row. Without an indexer, when the heads divide over the context ranks, attention is head-parallel: each rank
+expands its own slice's keys and values, one all-to-all gives it the whole row of ``H / CP`` heads (queries,
+keys, values), it attends there as one process does, and one all-to-all brings every head's output of its
+slice back. A rank then holds ``T / CP`` tokens' worth of every tensor and does ``1 / CP`` of the row's
+attention, whichever slice it holds. Otherwise queries stay local and the only exchange is one all-gather of
+the compressed latent (``c_kv`` and ``k_rope``, the ``kv_a_proj_with_mqa`` output) together with the indexer's
+keys, so every rank sees every key up to the end of its slice (later keys are causally invisible and dropped);
+the last rank expands the keys and values of the whole row. Attention, the top-k selection and the indexer loss
+see exactly the keys they would on one process either way (docs/context-parallel.md).
 """
 
 from __future__ import annotations
@@ -84,13 +89,20 @@ def _key_mask(
     return mask
 
 
-def _context_cu_seqlens(context: ContextSlice, device) -> Optional[torch.Tensor]:
-    """The row's document boundaries over the keys ``0 .. context.end`` (those past the end dropped), or None
-    when the row is one document (causality alone then decides)."""
+def _context_cu_seqlens(context: ContextSlice, device, end: Optional[int] = None) -> Optional[torch.Tensor]:
+    """The row's document boundaries over the keys ``0 .. end`` (``context.end`` when None; those past it
+    dropped), or None when the row is one document (causality alone then decides)."""
     if len(context.offsets) == 2:
         return None
-    kept = [o for o in context.offsets if o < context.end] + [context.end]
+    end = context.end if end is None else end
+    kept = [o for o in context.offsets if o < end] + [end]
     return offsets_tensor(kept, device)
+
+
+def heads_parallel(num_heads: int, has_indexer: bool, context: Optional[ContextSlice]) -> bool:
+    """Whether a gated MLA layer attends head-parallel under ``context``: no indexer (its top-k and loss need
+    every head's index scores of a query in one place) and the heads divide over the context ranks."""
+    return context is not None and context.size > 1 and not has_indexer and num_heads % context.size == 0
 
 
 def _gather_keys(
@@ -212,7 +224,8 @@ class GatedMLAAttention(nn.Module):
         if self.indexer is not None:
             index_inputs = self.indexer(x.detach(), q_latent.detach())
         offset = 0
-        if context is not None:  # keys: the whole row up to this slice's end; queries: this slice
+        by_heads = heads_parallel(self.num_heads, self.indexer is not None, context)
+        if context is not None and not by_heads:  # keys: the whole row up to this slice's end; queries: this slice
             need_index_keys = index_inputs is not None and (return_indexer_loss or not self.indexer_warmup)
             # top-k alone takes no gradient: detached, the index keys' part of the gather's backward stays out
             # of the indexer's parameters (None, as on one process, not zeros)
@@ -246,7 +259,9 @@ class GatedMLAAttention(nn.Module):
             if not self.indexer_warmup:
                 indices = indexer_topk(q_index, k_index, weights, c.index_topk, cu_seqlens, offset, key_mask=key_mask)
 
-        if indices is not None:
+        if by_heads:
+            o = self._attend_by_heads(q, k, v, context)
+        elif indices is not None:
             o = sparse_attention(q, k, v, indices, self.scale)
         else:
             o = dense_causal_attention(q, k, v, self.scale, cu_seqlens, offset, key_mask=key_mask)
@@ -261,3 +276,13 @@ class GatedMLAAttention(nn.Module):
         target = attention_target(q.detach(), k.detach(), self.scale, cu_seqlens, offset, key_mask)
         scores = indexer_scores(*index_inputs, cu_seqlens=cu_seqlens, query_offset=offset, key_mask=key_mask)
         return out, indexer_kl_loss(scores, target, indices)
+
+    def _attend_by_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ContextSlice):
+        """Dense causal attention of this rank's slice, head-parallel: q, k ``[B, L, H, qk_head_dim]`` and v
+        ``[B, L, H, v_head_dim]`` of the slice -> the slice's output ``[B, L, H, v_head_dim]``. One all-to-all
+        takes the three to the whole row of ``H / CP`` heads, one brings the output back."""
+        c = self.config
+        row = context.to_heads(torch.cat([q, k, v], dim=-1))  # [B, T, H / CP, 2 qk_head_dim + v_head_dim]
+        q_row, k_row, v_row = row.split([c.qk_head_dim, c.qk_head_dim, c.v_head_dim], dim=-1)
+        cu_seqlens = _context_cu_seqlens(context, q.device, end=context.total)
+        return context.from_heads(dense_causal_attention(q_row, k_row, v_row, self.scale, cu_seqlens))

@@ -6,9 +6,12 @@ each KDA chunk's state exchange a chain over the ranks (docs/context-parallel.md
 
 The ops never import ``torch.distributed``: the collectives they need come in as ``gather``, a differentiable
 all-gather that ``moe_plugin.parallel.context_parallel`` builds over the context group, and ``shift``, its
-differentiable point-to-point (``shifted``). ``gather(x)`` takes this rank's tensor (the same shape on every
-rank) and returns ``[size, *x.shape]`` in rank order; its backward sums the gradient of every rank's copy and
-hands each rank its own part. ``shift(x, d)`` returns rank ``r - d``'s ``x`` (zeros on the first ``d`` ranks).
+differentiable point-to-point (``shifted``), and ``exchange``, its differentiable all-to-all (``exchanged``, which
+re-lays a slice of every head out as the whole row of some heads: ``to_heads``, ``from_heads``). ``gather(x)``
+takes this rank's tensor (the same shape on every rank) and returns ``[size, *x.shape]`` in rank order; its
+backward sums the gradient of every rank's copy and hands each rank its own part. ``shift(x, d)`` returns rank
+``r - d``'s ``x`` (zeros on the first ``d`` ranks). ``exchange(x)`` takes ``[size, ...]`` and returns
+``[size, ...]`` whose part ``i`` is rank ``i``'s part ``r``.
 
 ``offsets`` are the row's packed-document boundaries in global positions (flash-linear-attention's
 ``cu_seqlens``, host ints, ``0 .. total``); ``(0, total)`` for a row that is one document.
@@ -26,6 +29,7 @@ from .offsets import offsets_tensor
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 Shift = Callable[[torch.Tensor, int], torch.Tensor]
+Exchange = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class ContextSlice:
     gather: Gather = field(repr=False, compare=False)
     # differentiable point-to-point over the group (``shifted``); None: taken out of ``gather``
     shift: Optional[Shift] = field(default=None, repr=False, compare=False)
+    # differentiable all-to-all over the group (``exchanged``); None: taken out of ``gather``
+    exchange: Optional[Exchange] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
@@ -107,6 +113,35 @@ class ContextSlice:
         gathered = self.gather(x)
         source = self.rank - distance
         return gathered[source] if 0 <= source < self.size else join_backward(torch.zeros_like(x), gathered)
+
+    def exchanged(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[size, ...]`` (part ``j`` for rank ``j``) -> ``[size, ...]`` whose part ``i`` is what rank ``i``
+        sent this rank. Collective; its backward sends each gradient back. With the group's all-to-all
+        ``exchange`` this holds one tensor of ``x``'s size; without it, it is read out of ``gather``."""
+        if x.shape[0] != self.size:
+            raise ValueError(f"exchanged: expected {self.size} parts along dim 0, got shape {tuple(x.shape)}")
+        if self.exchange is not None:
+            return self.exchange(x)
+        return self.gather(x)[:, self.rank]
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of every head ``[B, L, H, D]`` -> the whole row of this rank's ``H / size`` heads
+        (heads ``r H/size .. (r+1) H/size``), ``[B, total, H / size, D]``: one all-to-all (head-parallel attention,
+        docs/context-parallel.md)."""
+        B, L, H, D = x.shape
+        if H % self.size:
+            raise ValueError(f"to_heads: {H} heads do not divide over {self.size} context ranks")
+        parts = x.reshape(B, L, self.size, H // self.size, D).permute(2, 0, 1, 3, 4)  # [size, B, L, H/size, D]
+        return self.exchanged(parts).permute(1, 0, 2, 3, 4).reshape(B, self.size * L, H // self.size, D)
+
+    def from_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``to_heads``'s inverse: the whole row of this rank's heads ``[B, total, H / size, D]`` -> this rank's
+        slice of every head ``[B, L, H, D]``."""
+        B, T, heads, D = x.shape
+        if T != self.total:
+            raise ValueError(f"from_heads: expected the row's {self.total} positions, got shape {tuple(x.shape)}")
+        parts = x.reshape(B, self.size, self.length, heads, D).permute(1, 0, 2, 3, 4)  # part j: rank j's tokens
+        return self.exchanged(parts).permute(1, 2, 0, 3, 4).reshape(B, self.length, self.size * heads, D)
 
     def take(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's part ``[start, end)`` of a whole row ``x`` along ``dim``."""

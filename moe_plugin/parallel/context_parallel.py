@@ -4,7 +4,8 @@ Each rank of a context-parallel group holds one contiguous slice of every packed
 (``moe_plugin.ops.context``). The layers exchange only what they must (docs/context-parallel.md): KDA's
 per-slice state and transition, the short convolutions' last kernel-1 inputs, MLA's compressed latent and
 the indexer's keys. All of it goes through ``all_gather`` below, but KDA's states, which pass from rank to
-rank through ``shift`` (a prefix scan: each rank holds one peer's pair at a time, whatever the group's size).
+rank through ``shift`` (a prefix scan: each rank holds one peer's pair at a time, whatever the group's size),
+and head-parallel attention's queries, keys, values and outputs, which ``all_to_all`` re-lays out.
 
 Backward of an all-gather is a reduce-scatter; gloo has none, so the gradient of the stacked copies is
 all-reduced and each rank keeps its own part (the same numbers; NCCL's reduce-scatter would move less).
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from ..ops.context import ContextSlice
 
-__all__ = ["all_gather", "shift", "context_slice"]
+__all__ = ["all_gather", "all_to_all", "shift", "context_slice"]
 
 
 class _AllGather(torch.autograd.Function):
@@ -77,6 +78,32 @@ def shift(x: torch.Tensor, distance: int, group=None) -> torch.Tensor:
     return _Shift.apply(x, distance, group)
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``x`` ``[size, ...]`` (part ``j`` for rank ``j`` of ``group``) -> ``[size, ...]`` whose part ``i`` came from
+    rank ``i``; its backward is the same exchange of the gradient. Collective over ``group``."""
+    if dist.get_world_size(group) == 1:
+        return x.view_as(x)
+    return _AllToAll.apply(x, group)
+
+
 def context_slice(total: int, offsets: Optional[Sequence[int]] = None, group=None) -> ContextSlice:
     """This rank's ``ContextSlice`` of a row of ``total`` tokens with document ``offsets`` (host ints,
     ``0 .. total``; None: one document), over the context-parallel ``group`` (None: the default group)."""
@@ -87,4 +114,5 @@ def context_slice(total: int, offsets: Optional[Sequence[int]] = None, group=Non
         offsets=tuple(offsets) if offsets is not None else (0, int(total)),
         gather=lambda x: all_gather(x, group),
         shift=lambda x, distance: shift(x, distance, group),
+        exchange=lambda x: all_to_all(x, group),
     )

@@ -6,9 +6,11 @@ What one rank holds, planned for the worst rank, the last (its queries see every
 - everything token-wise (layer inputs, norms, MLPs, the MoE and its dispatch, Attention Residuals, the head)
   at the rank's ``T / CP`` tokens: the layers run on meta at that length;
 - a gated MLA layer runs on meta with a ``ContextSlice`` of the row's last rank (``meta_slice``), so the
-  layer's own context path decides what it holds: the all-gathered latent (``c_kv`` + rope key) and index keys
-  of the whole row, and the keys and values it expands from them for every position up to its slice's end,
-  saved by the attention op as on one process (the op's saved set is q, k, v, output and log-sum-exp);
+  layer's own context path decides what it holds. Head-parallel (no indexer, the heads dividing over CP):
+  the whole row's queries, keys and values of ``H / CP`` heads, which its attention op saves (q, k, v, output
+  and log-sum-exp), the same on every rank. Otherwise the all-gathered latent (``c_kv`` + rope key) and index
+  keys of the whole row, and the keys and values it expands from them for every position up to its slice's
+  end, saved by the attention op as on one process;
 - a KDA layer exchanges a fixed amount, whatever T is (``kda_exchange``): each rank's fp32 state and transition,
   ``H d_k (d_k + d_v)`` values, in each round of a prefix scan over the group (``ops/kda/context_parallel.py``),
   and the short convolutions' last ``W - 1`` inputs. The layer's HF face takes no context, so the bytes held for
@@ -83,13 +85,27 @@ class _MetaGather(torch.autograd.Function):
         return grad[ctx.rank].clone(), None, None
 
 
+class _MetaExchange(torch.autograd.Function):
+    """The context group's all-to-all on meta: a tensor of ``x``'s shape each way; saves nothing, as the real one."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.new_empty(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_empty(grad.shape)
+
+
 def meta_slice(size: int, offsets: Sequence[int]):
     """The last rank's ``ContextSlice`` of a row with global document ``offsets`` (its end is the row's)."""
     from ..ops.context import ContextSlice
 
     offsets = tuple(int(o) for o in offsets)
     rank = size - 1
-    return ContextSlice(rank, size, offsets[-1], offsets, lambda x: _MetaGather.apply(x, size, rank))
+    return ContextSlice(
+        rank, size, offsets[-1], offsets, lambda x: _MetaGather.apply(x, size, rank), exchange=_MetaExchange.apply
+    )
 
 
 @contextlib.contextmanager
@@ -107,7 +123,7 @@ def context_attention(layer, context) -> Iterator[torch.Tensor]:
 
     attn.forward = with_context
     # a meta tensor has no values: the boundaries stay a host tensor, as the planner passes cu_seqlens
-    gated_dsa._context_cu_seqlens = lambda ctx, device: boundaries(ctx, "cpu")
+    gated_dsa._context_cu_seqlens = lambda ctx, device, end=None: boundaries(ctx, "cpu", end)
     try:
         yield context.local_cu_seqlens()
     finally:

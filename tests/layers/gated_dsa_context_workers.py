@@ -10,6 +10,7 @@ gradients summed over the ranks equal one process's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Dict, List, Optional
 
 import torch
@@ -114,7 +115,16 @@ def one_process(case: dict) -> dict:
 def on_slice(case: dict, context: ContextSlice) -> dict:
     attn = build(case)
     x, probe = row(case)
-    return _step(attn, context.take(x), context.take(probe), case, 1.0 / context.size, context=context)
+    exchanges, exchange = [], context.exchange  # the all-to-alls head-parallel attention calls
+
+    def counted(t):
+        exchanges.append(tuple(t.shape))
+        return exchange(t)
+
+    if context.exchange is not None:
+        context = dataclasses.replace(context, exchange=counted)
+    got = _step(attn, context.take(x), context.take(probe), case, 1.0 / context.size, context=context)
+    return {**got, "exchanges": len(exchanges)}
 
 
 def run(cases: List[dict]) -> List[dict]:

@@ -35,6 +35,8 @@ CASES = [
     dict(name="dense_one_document", config=dict(use_indexer=False), offsets=ONE),
     dict(name="dense_packed", config=dict(use_indexer=False), offsets=PACKED),
     dict(name="dense_cut", config=dict(use_indexer=False, output_gate=False), offsets=CUT),
+    # 4 heads divide over CP 2 and 4: the dense cases above attend head-parallel; 3 heads do not: the gather
+    dict(name="dense_heads_not_dividing", config=dict(use_indexer=False, num_heads=3), offsets=PACKED),
     dict(name="sparse_packed", config=dict(index_topk=3), offsets=PACKED, loss=True),
     dict(name="sparse_cut", config=dict(index_topk=4), offsets=CUT, loss=True),
     dict(name="sparse_spanning", config=dict(index_topk=5), offsets=SPANNING, loss=True),
@@ -46,6 +48,10 @@ CASES = [
 ]
 for _case in CASES:
     _case["total"] = TOTAL
+
+
+def gated_dsa_config(**kw):
+    return resolve_function(f"{WORKERS}:config")(**kw)
 
 
 def one_process(case):
@@ -65,6 +71,10 @@ def topk_sets(indices):
 def check(case, ranks):
     name = case["name"]
     ref = one_process(case)
+    # head-parallel (no indexer, the heads dividing): two all-to-alls in the forward (q, k, v; the output)
+    config = gated_dsa_config(**case["config"])
+    by_heads = not config.use_indexer and config.num_heads % len(ranks) == 0
+    assert [r["exchanges"] for r in ranks] == [2 if by_heads else 0] * len(ranks), name
     assert [(r["start"], r["end"]) for r in ranks] == [
         (i * TOTAL // len(ranks), (i + 1) * TOTAL // len(ranks)) for i in range(len(ranks))
     ]

@@ -1,8 +1,9 @@
 """Context parallelism through the product's Trainer: the megatron image+text model (Attention Residuals on,
 KDA and Gated DSA with its indexer) at CP 2 x EP 2 x ZeRO-3 and at CP 4 x EP 2 on 4 gloo processes equals one
 process: every step's loss, gradient norm, reduced adapter gradient and adapter, within the fp32 bounds of
-tests/tolerances.py; with the per-document balance term (documents cut by the slices), and with full
-activation checkpointing. Rows are packed so that documents and images cross the slice boundaries.
+tests/tolerances.py; with the per-document balance term (documents cut by the slices), with full
+activation checkpointing, and without the indexer (as K3 ships), where the gated MLA attends head-parallel
+(its 2 heads over CP 2). Rows are packed so that documents and images cross the slice boundaries.
 Rank code: tests/training/context_parallel_workers.py."""
 
 from __future__ import annotations
@@ -20,16 +21,23 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test here star
 
 WORKER = "tests/training/context_parallel_workers.py:run_recipes"
 # name -> (context_parallel_size, expert_parallel_size, activation checkpointing, balance coefficient,
-# parallel.moe_overlap_chunks: the 8 experts are 4 a rank at EP 2)
+# parallel.moe_overlap_chunks: the 8 experts are 4 a rank at EP 2, base: the tiny preset with or without indexer)
 LAYOUTS = {
-    "cp2_ep2": (2, 2, "off", 0.0, 1),
-    "cp2_ep2_balance": (2, 2, "off", 1.0, 1),
-    "cp2_ep2_full": (2, 2, "full", 0.0, 2),
-    "cp4_ep2": (4, 2, "off", 0.0, 4),
+    "cp2_ep2": (2, 2, "off", 0.0, 1, "indexer"),
+    "cp2_ep2_balance": (2, 2, "off", 1.0, 1, "indexer"),
+    "cp2_ep2_full": (2, 2, "full", 0.0, 2, "indexer"),
+    "cp4_ep2": (4, 2, "off", 0.0, 4, "indexer"),
+    "cp2_ep2_heads": (2, 2, "off", 0.0, 1, "heads"),
 }
 
 
-def _cp_recipe(tmp, name, base, data, world, cp, ep, checkpointing, balance, chunks=1):
+def _reference(layout):
+    """The one-process run a layout is compared with."""
+    return "ref_heads" if layout[5] == "heads" else "ref_balance" if layout[3] else "ref"
+
+
+def _cp_recipe(tmp, name, bases, data, world, cp, ep, checkpointing, balance, chunks=1, base="indexer"):
+    base = bases[base]
     recipe = _recipe(tmp, f"{name}-w{world}", base, data, "megatron", world, ep, checkpointing)
     recipe["parallel"]["context_parallel_size"] = cp
     recipe["parallel"]["moe_overlap_chunks"] = chunks
@@ -42,21 +50,24 @@ def _cp_recipe(tmp, name, base, data, world, cp, ep, checkpointing, balance, chu
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("context_parallel_trainer")
-    base = tmp / "base"
-    _base(base)
+    bases = {"indexer": tmp / "base", "heads": tmp / "base_heads"}
+    _base(bases["indexer"])
+    _base(bases["heads"], use_dsa_indexer=False)
     data = _data(tmp)
-    one_recipes = [_cp_recipe(tmp, "ref", base, data, 1, 1, 1, "off", 0.0)]
-    one_recipes.append(_cp_recipe(tmp, "ref_balance", base, data, 1, 1, 1, "off", 1.0))
+    refs = {"ref": (0.0, "indexer"), "ref_balance": (1.0, "indexer"), "ref_heads": (0.0, "heads")}
+    one_recipes = [
+        _cp_recipe(tmp, name, bases, data, 1, 1, 1, "off", balance, base=base) for name, (balance, base) in refs.items()
+    ]
     one = run_distributed(WORKER, world_size=1, timeout_s=900, recipes=one_recipes)[0]
     four = run_distributed(
         WORKER,
         world_size=4,
         timeout_s=1800,
-        recipes=[_cp_recipe(tmp, name, base, data, 4, *layout) for name, layout in LAYOUTS.items()],
+        recipes=[_cp_recipe(tmp, name, bases, data, 4, *layout) for name, layout in LAYOUTS.items()],
     )
     by_name = {name: [ranks[i] for ranks in four] for i, name in enumerate(LAYOUTS)}
     by_name["overlap"] = [ranks[len(LAYOUTS)]["overlap"] for ranks in four]
-    return {"ref": one[0], "ref_balance": one[1]}, by_name
+    return dict(zip(refs, one)), by_name
 
 
 def test_the_layouts_are_what_the_recipes_ask(runs):
@@ -73,7 +84,7 @@ def test_the_layouts_are_what_the_recipes_ask(runs):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_context_parallel_equals_one_process(runs, name):
     one, four = runs
-    ref = one["ref_balance"] if LAYOUTS[name][3] else one["ref"]
+    ref = one[_reference(LAYOUTS[name])]
     assert all(abs(loss) > 0 for loss in ref["losses"])
     for rank, got in enumerate(four[name]):
         failures = check_run(_named(ref), _named(got), tokens=TOKENS, chain=CHAIN, lr=LR, max_norm=MAX_NORM)

@@ -41,10 +41,11 @@ TEXT_ONLY = {
 }
 
 
-def _base(path):
-    """The tiny image model with routing far from ties (no flips from rounding differences between faces)."""
+def _base(path, **overrides):
+    """The tiny image model with routing far from ties (no flips from rounding differences between faces);
+    ``overrides``: the preset's keys changed."""
     torch.manual_seed(0)
-    model = MoEPluginForConditionalGeneration(preset_config("tiny"))  # Attention Residuals on, as K3
+    model = MoEPluginForConditionalGeneration(preset_config("tiny", **overrides))  # Attention Residuals on, as K3
     with torch.no_grad():
         for layer in model.language_model.model.layers:
             if layer.is_moe:
