@@ -151,6 +151,86 @@ def kda_held_lines() -> list:
     return [line]
 
 
+def mla_worker(lengths: list, heads: int = 8) -> dict:
+    """A gated MLA layer without the indexer (K3's kind, shrunk: 8 heads of 40 + 32 dims over a 32 + 8 latent)
+    on this rank's slice of a one-document row under the group's context parallelism, head-parallel and with
+    the all-gathered latent (the path the indexer or heads that do not divide take), per row length: the
+    layer's forward and backward peak of tensor bytes on this rank (``torch.profiler``), and this rank's
+    attention alone, forward and backward, timed with the other ranks idle (each rank in turn)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from moe_plugin.config import MLAConfig
+    from moe_plugin.layers import gated_dsa
+    from moe_plugin.parallel.context_parallel import context_slice
+    from moe_plugin.testing.plan_measure import tensor_peak
+
+    config = MLAConfig(
+        hidden_size=64, num_heads=heads, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32,
+        qk_rope_head_dim=8, v_head_dim=32, use_indexer=False,
+    )  # fmt: skip
+    rank, size = dist.get_rank(), dist.get_world_size()
+    chosen, attend = gated_dsa.heads_parallel, gated_dsa.dense_causal_attention
+    out = {}
+    for total in lengths:
+        for path in ("heads", "gather"):
+            torch.manual_seed(0)
+            layer = gated_dsa.GatedMLAAttention(config)
+            x = torch.randn(1, total // size, 64, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+            calls = []
+
+            def recorded(*args, **kwargs):
+                calls.append((args, kwargs))
+                return attend(*args, **kwargs)
+
+            gated_dsa.dense_causal_attention = recorded
+            gated_dsa.heads_parallel = chosen if path == "heads" else (lambda *a: False)
+            try:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
+                    layer(x, context=context_slice(total)).square().sum().backward()
+            finally:
+                gated_dsa.dense_causal_attention, gated_dsa.heads_parallel = attend, chosen
+            peak = tensor_peak(p.profiler.kineto_results.events())["all"]
+            (q, k, v, *rest), kwargs = calls[0]
+            q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            seconds = 0.0
+            for turn in range(size):
+                dist.barrier()
+                if turn == rank:
+                    start = time.perf_counter()
+                    attend(q, k, v, *rest, **kwargs).square().sum().backward()
+                    seconds = time.perf_counter() - start
+            out[f"{path} {total}"] = {"peak": peak, "seconds": seconds}
+    return out
+
+
+def mla_lines(lengths=(16384, 32768), cp: int = 4) -> list:
+    """Gated MLA at CP 4: the largest per-rank peak head-parallel against the all-gathered latent's (goal
+    <= 0.25), and the max / mean of the ranks' attention times (goal <= 1.1)."""
+    from moe_plugin.testing.launch import run_distributed
+
+    ranks = run_distributed(
+        "benchmarks.context_parallel:mla_worker", world_size=cp, timeout_s=3000, lengths=list(lengths)
+    )
+    lines = []
+    for total in lengths:
+        got = {path: [r[f"{path} {total}"] for r in ranks] for path in ("heads", "gather")}
+        peak = {path: max(r["peak"] for r in rs) for path, rs in got.items()}
+        balance = {
+            path: max(r["seconds"] for r in rs) / (sum(r["seconds"] for r in rs) / cp) for path, rs in got.items()
+        }
+        lines.append(
+            f"context parallel gated MLA (8 heads, no indexer), CP {cp}, T {total:,}: largest per-rank peak "
+            f"head-parallel {peak['heads'] / 2**20:,.1f} MiB vs all-gathered latent {peak['gather'] / 2**20:,.1f} "
+            f"MiB, ratio {peak['heads'] / peak['gather']:.2f} (goal <= 0.25); attention time max/mean over the "
+            f"ranks: head-parallel {balance['heads']:.2f}, all-gathered latent {balance['gather']:.2f} (goal <= 1.1)"
+        )
+        print(lines[-1])
+    return lines
+
+
 def main(argv=None) -> None:
     from moe_plugin.testing.launch import run_distributed
     from moe_plugin.testing.plan_measure import measured_ds_config
@@ -158,9 +238,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--kda-only", action="store_true", help="only KDA's bytes held at CP 2 and 4 (seconds)")
+    parser.add_argument("--mla-only", action="store_true", help="only gated MLA's peak and balance at CP 4")
     args = parser.parse_args(argv)
     if args.kda_only:
         kda_held_lines()
+        return
+    if args.mla_only:
+        print(machine_line(1))
+        mla_lines()
         return
     T = args.seq_len
     print(machine_line(1))

@@ -246,25 +246,27 @@ class GatedMLAAttention(nn.Module):
         key_mask = _key_mask(cache, token_mask, offset, B, T, x.device)
         kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, S, self.num_heads, -1)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, S, self.num_heads, c.qk_rope_head_dim)], dim=-1)
-
+        k_rope = k_rope.unsqueeze(2).expand(B, S, self.num_heads, c.qk_rope_head_dim)
         indices = None
-        if index_inputs is not None:
-            q_index, k_index, weights = index_inputs
-            if cache is not None:
-                if offset and cache.index_keys is None:
-                    raise ValueError("cache.index_keys: the cache was filled without an indexer")
-                cache.index_keys = k_index = _append(cache.index_keys, k_index, "index_keys")
-            index_inputs = (q_index, k_index, weights)
-            if not self.indexer_warmup:
-                indices = indexer_topk(q_index, k_index, weights, c.index_topk, cu_seqlens, offset, key_mask=key_mask)
-
-        if by_heads:
-            o = self._attend_by_heads(q, k, v, context)
-        elif indices is not None:
-            o = sparse_attention(q, k, v, indices, self.scale)
+        if by_heads:  # no indexer; the key's two parts joined once, in the exchange's layout
+            o = self._attend_by_heads(q, k_nope, k_rope, v, context)
         else:
-            o = dense_causal_attention(q, k, v, self.scale, cu_seqlens, offset, key_mask=key_mask)
+            k = torch.cat([k_nope, k_rope], dim=-1)
+            if index_inputs is not None:
+                q_index, k_index, weights = index_inputs
+                if cache is not None:
+                    if offset and cache.index_keys is None:
+                        raise ValueError("cache.index_keys: the cache was filled without an indexer")
+                    cache.index_keys = k_index = _append(cache.index_keys, k_index, "index_keys")
+                index_inputs = (q_index, k_index, weights)
+                if not self.indexer_warmup:
+                    indices = indexer_topk(
+                        q_index, k_index, weights, c.index_topk, cu_seqlens, offset, key_mask=key_mask
+                    )
+            if indices is not None:
+                o = sparse_attention(q, k, v, indices, self.scale)
+            else:
+                o = dense_causal_attention(q, k, v, self.scale, cu_seqlens, offset, key_mask=key_mask)
         o = o.reshape(B, T, self.num_heads * c.v_head_dim)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))
@@ -277,12 +279,13 @@ class GatedMLAAttention(nn.Module):
         scores = indexer_scores(*index_inputs, cu_seqlens=cu_seqlens, query_offset=offset, key_mask=key_mask)
         return out, indexer_kl_loss(scores, target, indices)
 
-    def _attend_by_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ContextSlice):
-        """Dense causal attention of this rank's slice, head-parallel: q, k ``[B, L, H, qk_head_dim]`` and v
-        ``[B, L, H, v_head_dim]`` of the slice -> the slice's output ``[B, L, H, v_head_dim]``. One all-to-all
-        takes the three to the whole row of ``H / CP`` heads, one brings the output back."""
+    def _attend_by_heads(self, q, k_nope, k_rope, v, context: ContextSlice) -> torch.Tensor:
+        """Dense causal attention of this rank's slice, head-parallel: q ``[B, L, H, qk_head_dim]``, the keys'
+        two parts ``[B, L, H, qk_nope_head_dim]`` and ``[B, L, H, qk_rope_head_dim]`` (their concatenation is the
+        key), v ``[B, L, H, v_head_dim]`` of the slice -> the slice's output ``[B, L, H, v_head_dim]``. One
+        all-to-all takes them to the whole row of ``H / CP`` heads, one brings the output back."""
         c = self.config
-        row = context.to_heads(torch.cat([q, k, v], dim=-1))  # [B, T, H / CP, 2 qk_head_dim + v_head_dim]
+        row = context.to_heads(q, k_nope, k_rope, v)  # [B, T, H / CP, 2 qk_head_dim + v_head_dim]
         q_row, k_row, v_row = row.split([c.qk_head_dim, c.qk_head_dim, c.v_head_dim], dim=-1)
         cu_seqlens = _context_cu_seqlens(context, q.device, end=context.total)
         return context.from_heads(dense_causal_attention(q_row, k_row, v_row, self.scale, cu_seqlens))

@@ -124,15 +124,19 @@ class ContextSlice:
             return self.exchange(x)
         return self.gather(x)[:, self.rank]
 
-    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of every head ``[B, L, H, D]`` -> the whole row of this rank's ``H / size`` heads
-        (heads ``r H/size .. (r+1) H/size``), ``[B, total, H / size, D]``: one all-to-all (head-parallel attention,
-        docs/context-parallel.md)."""
-        B, L, H, D = x.shape
+    def to_heads(self, *parts: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of every head, ``parts`` ``[B, L, H, D_i]`` each -> the whole row of this rank's
+        ``H / size`` heads (heads ``r H/size .. (r+1) H/size``), the parts joined along the last dim: ``[B, total,
+        H / size, sum D_i]``. One all-to-all (head-parallel attention, docs/context-parallel.md); the parts are
+        joined straight into the exchange's layout (one copy)."""
+        B, L, H, _ = parts[0].shape
         if H % self.size:
             raise ValueError(f"to_heads: {H} heads do not divide over {self.size} context ranks")
-        parts = x.reshape(B, L, self.size, H // self.size, D).permute(2, 0, 1, 3, 4)  # [size, B, L, H/size, D]
-        return self.exchanged(parts).permute(1, 0, 2, 3, 4).reshape(B, self.size * L, H // self.size, D)
+        heads = H // self.size
+        # [size, B, L, H/size, D_i] views: part j of the exchange goes to rank j
+        views = [p.reshape(B, L, self.size, heads, p.shape[-1]).permute(2, 0, 1, 3, 4) for p in parts]
+        got = self.exchanged(torch.cat(views, dim=-1))  # [size, B, L, H/size, D]: rank i's tokens
+        return got.permute(1, 0, 2, 3, 4).reshape(B, self.size * L, heads, got.shape[-1])
 
     def from_heads(self, x: torch.Tensor) -> torch.Tensor:
         """``to_heads``'s inverse: the whole row of this rank's heads ``[B, total, H / size, D]`` -> this rank's
