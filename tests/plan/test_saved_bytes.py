@@ -49,3 +49,27 @@ def test_the_meters_read_the_same_reusing_results(monkeypatch):
     assert saved_bytes._META_RESULTS  # the blocks' ops were met again
     monkeypatch.setattr(saved_bytes, "makes_fresh_tensors", lambda func: False)
     assert _attention_meters() == reused
+
+
+def _dense_meters(T, offsets, block, key_chunk):
+    q, k, v = (torch.empty(1, T, 2, 8, device="meta", requires_grad=True) for _ in range(3))
+    cu = torch.tensor(offsets) if offsets else None
+    working, peak = [], saved_bytes._LiveBytes()
+    fn = lambda: dense_causal_attention(q, k, v, 0.5, cu, block_size=block, key_chunk=key_chunk)  # noqa: E731
+    saved = saved_bytes._run(fn, {}, "attn", working)
+    with peak:
+        fn().sum().backward()
+    return saved, working, peak.peak
+
+
+def test_on_meta_the_widest_blocks_hold_the_attention_loops_peak(monkeypatch):
+    """On meta the blocked attention runs only the widest-spanned block of each kind; its meters read what all
+    blocks give: one document, packed documents, a last block shorter than the rest, spans of one chunk and of
+    several."""
+    import moe_plugin.ops.dsa.attention as attention
+
+    cases = [(300, None, 64, 96), (300, (0, 10, 150, 155, 300), 64, 64), (257, (0, 200, 257), 32, 500)]
+    shortcut = [_dense_meters(*case) for case in cases]
+    every_block = attention._blocks
+    monkeypatch.setattr(attention, "_blocks", lambda T, block, chunk, plan, b, meta: every_block(T, block, chunk, plan, b, False))
+    assert [_dense_meters(*case) for case in cases] == shortcut

@@ -59,7 +59,9 @@ class BlockKeys:
     pos: Optional[torch.Tensor] = None
 
 
-KeyPlan = Callable[[int, int, int], BlockKeys]  # (batch row b, t0, t1) -> the keys of queries t0..t1-1
+# (batch row b, t0, t1) -> the keys of queries t0..t1-1. A plan may carry ``span(b, t0, t1) -> (lo, hi)``, the
+# block's key span without its masks: on meta the loops then run only the blocks that set their peak (_blocks).
+KeyPlan = Callable[[int, int, int], BlockKeys]
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
@@ -122,6 +124,26 @@ def _chunks(keys: BlockKeys, key_chunk: int):
     return [_Chunk(keys, c0, min(keys.hi, c0 + key_chunk)) for c0 in range(keys.lo, keys.hi, key_chunk)]
 
 
+def _blocks(T: int, block: int, key_chunk: int, plan: KeyPlan, b: int, meta: bool):
+    """The ``(t0, t1)`` query blocks of batch row ``b`` the loops run: every one; on meta, with a plan that knows
+    its spans, only the widest-spanned block of each kind (its length; one chunk of keys or several). A block
+    frees what it makes before the next starts, and what it makes (its visibility mask ``[Bq, span]``, its
+    chunks' ``[H, Bq, <= key_chunk]`` products, and with one chunk the kept scores ``[H, Bq, span]``) grows with
+    its span within a kind, so these blocks hold the loop's peak; a meta run has no values to write, and
+    running all ``T / block`` blocks of a million-token row would take the planner hours."""
+    bounds = [(t0, min(T, t0 + block)) for t0 in range(0, T, block)]
+    span = getattr(plan, "span", None)
+    if not meta or span is None:
+        return bounds
+    widest = {}
+    for t0, t1 in bounds:
+        lo, hi = span(b, t0, t1)
+        kind = (t1 - t0, hi - lo <= key_chunk)
+        if kind not in widest or hi - lo > widest[kind][0]:
+            widest[kind] = (hi - lo, t0, t1)
+    return sorted((t0, t1) for _, t0, t1 in widest.values())
+
+
 def _finite_or(x: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.full_like(x, fill))
 
@@ -137,29 +159,33 @@ def blocked_forward(
     lse = q.new_full((B, T, H), -math.inf)
     for b in range(B):
         q_t, k_t, v_t = _head_major(q[b] * scale), _head_major(k[b]), _head_major(v[b])
-        for t0 in range(0, T, block):
-            t1 = min(T, t0 + block)
-            keys = plan(b, t0, t1)
-            q_blk = q_t[:, t0:t1]
-            chunks = _chunks(keys, key_chunk)
-            lse_blk = q.new_full((H, t1 - t0, 1), -math.inf)
-            kept = None
-            for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), chunks):
-                sc = ch.scores(torch.matmul(q_blk, k_t[:, c0 : c0 + ch.width].transpose(1, 2)))
-                lse_blk = torch.logaddexp(lse_blk, torch.logsumexp(sc, -1, keepdim=True))
-                kept = sc if len(chunks) == 1 else None  # one chunk: no need to recompute it
-            shift = _finite_or(lse_blk, math.inf)  # a query that sees no key: probabilities 0
-            o = q.new_zeros(H, t1 - t0, v.shape[-1])
-            for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), chunks):
-                sc = (
-                    kept
-                    if kept is not None
-                    else ch.scores(torch.matmul(q_blk, k_t[:, c0 : c0 + ch.width].transpose(1, 2)))
-                )
-                o.baddbmm_(ch.place(sc.sub_(shift).exp_()), v_t[:, c0 : c0 + ch.width])
+        for t0, t1 in _blocks(T, block, key_chunk, plan, b, q.is_meta):
+            # one call a block: what it makes is freed before the next block starts
+            o, lse_blk = _forward_block(q_t[:, t0:t1], k_t, v_t, key_chunk, plan(b, t0, t1))
             out[b, t0:t1] = o.transpose(0, 1)
             lse[b, t0:t1] = lse_blk.squeeze(-1).transpose(0, 1)
+            del o, lse_blk
     return out, lse
+
+
+def _forward_block(q_blk, k_t, v_t, key_chunk: int, keys: BlockKeys) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One block of ``blocked_forward``: queries ``[H, Bq, D]``, keys and values head-major ``[H, S, D]`` ->
+    its output ``[H, Bq, Dv]`` and log-sum-exp ``[H, Bq, 1]``."""
+    H, Bq, _ = q_blk.shape
+    chunks = _chunks(keys, key_chunk)
+    lse_blk = q_blk.new_full((H, Bq, 1), -math.inf)
+    kept = None
+    for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), chunks):
+        sc = ch.scores(torch.matmul(q_blk, k_t[:, c0 : c0 + ch.width].transpose(1, 2)))
+        lse_blk = torch.logaddexp(lse_blk, torch.logsumexp(sc, -1, keepdim=True))
+        kept = sc if len(chunks) == 1 else None  # one chunk: no need to recompute it
+        del sc
+    shift = _finite_or(lse_blk, math.inf)  # a query that sees no key: probabilities 0
+    o = q_blk.new_zeros(H, Bq, v_t.shape[-1])
+    for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), chunks):
+        sc = kept if kept is not None else ch.scores(torch.matmul(q_blk, k_t[:, c0 : c0 + ch.width].transpose(1, 2)))
+        o.baddbmm_(ch.place(sc.sub_(shift).exp_()), v_t[:, c0 : c0 + ch.width])
+    return o, lse_blk
 
 
 def blocked_backward(
@@ -184,24 +210,37 @@ def blocked_backward(
         q_t, k_t, v_t = _head_major(q[b] * scale), _head_major(k[b]), _head_major(v[b])
         do_t = _head_major(grad_out[b])
         dq_t, dk_t, dv_t = torch.zeros_like(q_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
-        for t0 in range(0, T, block):
-            t1 = min(T, t0 + block)
-            keys = plan(b, t0, t1)
-            q_blk, do_blk = q_t[:, t0:t1], do_t[:, t0:t1]
-            shift = lse[b, t0:t1].transpose(0, 1).unsqueeze(-1)
-            delta_blk = delta[b, t0:t1].transpose(0, 1).unsqueeze(-1)
-            for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), _chunks(keys, key_chunk)):
-                span = slice(c0, c0 + ch.width)
-                p = ch.scores(torch.matmul(q_blk, k_t[:, span].transpose(1, 2))).sub_(shift).exp_()
-                dp = ch.select(torch.matmul(do_blk, v_t[:, span].transpose(1, 2)))
-                ds = ch.place(dp.sub_(delta_blk).mul_(p))
-                dq_t[:, t0:t1].baddbmm_(ds, k_t[:, span])
-                dk_t[:, span].baddbmm_(ds.transpose(1, 2), q_blk)
-                dv_t[:, span].baddbmm_(ch.place(p).transpose(1, 2), do_blk)
+        for t0, t1 in _blocks(T, block, key_chunk, plan, b, q.is_meta):
+            _backward_block(
+                (q_t, k_t, v_t, do_t),
+                (dq_t, dk_t, dv_t),
+                lse[b, t0:t1].transpose(0, 1).unsqueeze(-1),
+                delta[b, t0:t1].transpose(0, 1).unsqueeze(-1),
+                t0,
+                t1,
+                key_chunk,
+                plan(b, t0, t1),
+            )
         dq[b] = dq_t.transpose(0, 1) * scale
         dk[b] = dk_t.transpose(0, 1)
         dv[b] = dv_t.transpose(0, 1)
     return dq, dk, dv
+
+
+def _backward_block(inputs, grads, shift, delta_blk, t0: int, t1: int, key_chunk: int, keys: BlockKeys) -> None:
+    """One block of ``blocked_backward``, added into the head-major gradients ``grads`` (dq, dk, dv ``[H, S, D]``)
+    from the head-major ``inputs`` (q, k, v, grad_out), the block's log-sum-exp and softmax shift ``[H, Bq, 1]``."""
+    q_t, k_t, v_t, do_t = inputs
+    dq_t, dk_t, dv_t = grads
+    q_blk, do_blk = q_t[:, t0:t1], do_t[:, t0:t1]
+    for c0, ch in zip(range(keys.lo, keys.hi, key_chunk), _chunks(keys, key_chunk)):
+        span = slice(c0, c0 + ch.width)
+        p = ch.scores(torch.matmul(q_blk, k_t[:, span].transpose(1, 2))).sub_(shift).exp_()
+        dp = ch.select(torch.matmul(do_blk, v_t[:, span].transpose(1, 2)))
+        ds = ch.place(dp.sub_(delta_blk).mul_(p))
+        dq_t[:, t0:t1].baddbmm_(ds, k_t[:, span])
+        dk_t[:, span].baddbmm_(ds.transpose(1, 2), q_blk)
+        dv_t[:, span].baddbmm_(ch.place(p).transpose(1, 2), do_blk)
 
 
 class _BlockedAttention(torch.autograd.Function):
@@ -266,6 +305,7 @@ def dense_causal_attention(
             allowed &= key_mask[b, lo:hi].to(q.device)
         return BlockKeys(lo, hi, allowed=allowed)
 
+    plan.span = lambda b, t0, t1: visible_range(t0, t1, S, query_offset, starts)
     return _BlockedAttention.apply(q, k, v, float(scale), block_size, key_chunk, plan)
 
 
