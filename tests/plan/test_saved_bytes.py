@@ -73,3 +73,35 @@ def test_on_meta_the_widest_blocks_hold_the_attention_loops_peak(monkeypatch):
     every_block = attention._blocks
     monkeypatch.setattr(attention, "_blocks", lambda T, block, chunk, plan, b, meta: every_block(T, block, chunk, plan, b, False))
     assert [_dense_meters(*case) for case in cases] == shortcut
+
+
+def _packed_meters(counts, group_size, in_features=64, out=96):
+    from moe_plugin.ops.offsets import counts_tensor
+    from moe_plugin.ops.quant.experts import packed_grouped_linear
+
+    E = len(counts)
+    x = torch.empty(sum(counts), in_features, device="meta", requires_grad=True)
+    packed = torch.empty(E, out, in_features // 2, dtype=torch.uint8, device="meta")
+    scale = torch.empty(E, out, in_features // 32, dtype=torch.uint8, device="meta")
+    tokens = counts_tensor(counts, "meta")
+    fn = lambda: packed_grouped_linear(x, tokens, packed, scale, "mxfp4", in_features, group_size)  # noqa: E731
+    working, peak = [], saved_bytes._LiveBytes()
+    saved = saved_bytes._run(fn, {}, "experts", working)
+    with peak:
+        fn().sum().backward()
+    return saved, working, peak.peak
+
+
+def test_on_meta_the_largest_groups_hold_the_packed_experts_peak(monkeypatch):
+    """On meta a packed expert layer dequantises only the group with the most rows of each size, and decodes
+    one slice of each size; its meters read what every group and slice gives: groups of several sizes, an
+    empty one, rows uneven among them."""
+    import moe_plugin.ops.meta_loops as meta_loops
+    import moe_plugin.ops.quant.experts as experts
+
+    monkeypatch.setattr(experts, "MIN_DECODE_CHUNK", 64)  # several decode slices at this size
+    cases = [([300, 0, 700, 100, 0, 0, 90, 20, 500, 400, 0], 4), ([0, 0, 2, 0, 600], 2), ([5] * 9, 3)]
+    shortcut = [_packed_meters(*case) for case in cases]
+    every_step = meta_loops.steps_to_run
+    monkeypatch.setattr(experts, "steps_to_run", lambda steps, meta, kind, size: every_step(steps, False, kind, size))
+    assert [_packed_meters(*case) for case in cases] == shortcut

@@ -30,6 +30,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ..checks import check_ids_in_debug, check_same_dtype, check_tensor
+from ..meta_loops import steps_to_run
 from ..offsets import host_offsets
 from .masks import (
     check_key_mask,
@@ -126,22 +127,18 @@ def _chunks(keys: BlockKeys, key_chunk: int):
 
 def _blocks(T: int, block: int, key_chunk: int, plan: KeyPlan, b: int, meta: bool):
     """The ``(t0, t1)`` query blocks of batch row ``b`` the loops run: every one; on meta, with a plan that knows
-    its spans, only the widest-spanned block of each kind (its length; one chunk of keys or several). A block
-    frees what it makes before the next starts, and what it makes (its visibility mask ``[Bq, span]``, its
-    chunks' ``[H, Bq, <= key_chunk]`` products, and with one chunk the kept scores ``[H, Bq, span]``) grows with
-    its span within a kind, so these blocks hold the loop's peak; a meta run has no values to write, and
-    running all ``T / block`` blocks of a million-token row would take the planner hours."""
+    its spans, only the widest-spanned block of each kind (its length; one chunk of keys or several), as
+    ``ops.meta_loops`` explains: a block frees what it makes before the next starts, and what it makes (its
+    visibility mask ``[Bq, span]``, its chunks' ``[H, Bq, <= key_chunk]`` products, with one chunk the kept
+    scores ``[H, Bq, span]``) grows with its span within a kind."""
     bounds = [(t0, min(T, t0 + block)) for t0 in range(0, T, block)]
     span = getattr(plan, "span", None)
-    if not meta or span is None:
+    if span is None:
         return bounds
-    widest = {}
-    for t0, t1 in bounds:
-        lo, hi = span(b, t0, t1)
-        kind = (t1 - t0, hi - lo <= key_chunk)
-        if kind not in widest or hi - lo > widest[kind][0]:
-            widest[kind] = (hi - lo, t0, t1)
-    return sorted((t0, t1) for _, t0, t1 in widest.values())
+    widths = {t0: (lambda lo, hi: hi - lo)(*span(b, t0, t1)) for t0, t1 in bounds} if meta else {}
+    return steps_to_run(
+        bounds, meta, kind=lambda t: (t[1] - t[0], widths[t[0]] <= key_chunk), size=lambda t: widths[t[0]]
+    )
 
 
 def _finite_or(x: torch.Tensor, fill: float) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import packed_dequant_kernel
+from ..meta_loops import steps_to_run
 from ..offsets import host_counts
 from ..moe.grouped_mm import grouped_mm, grouped_mm_supported
 from .formats import decode, packed_spec
@@ -58,8 +59,10 @@ def dequantize_experts(
         return kernel(packed, scale, in_features, dtype)
     rows_p, rows_s = packed.reshape(-1, packed.shape[-1]), scale.reshape(-1, scale.shape[-1])
     out = torch.empty(rows_p.shape[0], in_features, dtype=dtype, device=packed.device)
-    step = max(1, max(MIN_DECODE_CHUNK, -(-out.numel() // DECODE_SPLITS)) // max(in_features, 1))
-    for r in range(0, rows_p.shape[0], step):
+    step, rows = max(1, max(MIN_DECODE_CHUNK, -(-out.numel() // DECODE_SPLITS)) // max(in_features, 1)), out.shape[0]
+    # on meta one slice of each size (ops.meta_loops): the slices free their work tensors one after the other
+    starts = steps_to_run(range(0, rows, step), out.is_meta, kind=lambda r: min(step, rows - r), size=lambda r: 0)
+    for r in starts:
         out[r : r + step] = decode(fmt, rows_p[r : r + step], rows_s[r : r + step], in_features, dtype)
     return out.view(*packed.shape[:-1], in_features)
 
@@ -90,11 +93,13 @@ def _run_groups(
     width = packed.shape[1] if transpose else in_features
     out = x.new_empty(x.shape[0], width)
     bounds = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).tolist()
-    for g0 in range(0, packed.shape[0], group_size):
-        g1 = min(g0 + group_size, packed.shape[0])
+    E = packed.shape[0]
+    groups = [(g0, min(g0 + group_size, E)) for g0 in range(0, E, group_size)]
+    rows = {g: int(bounds[g[1]]) - int(bounds[g[0]]) for g in groups}
+    # no token: nothing to dequantise; on meta the group with the most rows of each size (ops.meta_loops)
+    groups = [g for g in groups if rows[g]]
+    for g0, g1 in steps_to_run(groups, x.is_meta, kind=lambda g: g[1] - g[0], size=lambda g: rows[g]):
         r0, r1 = int(bounds[g0]), int(bounds[g1])
-        if r0 == r1:
-            continue  # no token for this group: nothing to dequantise
         w = dequantize_experts(fmt, packed[g0:g1], scale[g0:g1], in_features, x.dtype)  # [G, out, in]
         out[r0:r1] = _mm(x[r0:r1], w.transpose(1, 2) if transpose else w, counts[g0:g1])
         del w  # freed before the next group is decoded
