@@ -79,7 +79,7 @@ def format_plan(plan) -> str:
         from .context_parallel import describe_search
 
         cs = plan.context_search
-        rows.append(describe_search(cs, cs["seq_len"], plan.layout.devices, cs["mode"], cs["device_memory"]))
+        rows.append(describe_search(cs, cs["seq_len"], plan.layout.devices, cs["modes"], cs["device_memory"]))
     all_to_all_gb = plan.all_to_all_bytes_per_layer_step / 1e9
     rows += [
         "",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Dict, Iterator, Sequence
+from typing import Callable, Dict, Iterator, Sequence, Tuple
 
 import torch
 
@@ -132,54 +132,74 @@ def context_attention(layer, context) -> Iterator[torch.Tensor]:
 
 
 def smallest_context(
-    peak_at: Callable[[int, int], float],
+    peak_at: Callable[[int, int, str], float],
     devices: int,
     seq_len: int,
     ep: int,
     device_memory: float,
     largest_devices: int,
+    modes: Sequence[str],
 ) -> Dict[str, object]:
-    """The smallest power-of-two CP dividing ``devices`` and ``seq_len`` whose peak (``peak_at(cp, devices)``)
-    fits ``device_memory``; none fitting, the smallest one past ``devices`` that would, on the fewest devices it
-    needs (a multiple of CP and EP). Returns ``cp`` (None: none up to ``largest_devices``), ``devices``, ``peak``,
-    ``more_devices`` (whether it needs more than ``devices``) and ``tried`` (CP -> peak, in order)."""
-    tried: Dict[int, float] = {}
+    """The smallest power-of-two CP dividing ``devices`` and ``seq_len`` whose peak (``peak_at(cp, devices,
+    mode)``) fits ``device_memory`` with one of the checkpointing ``modes`` (the first that fits, in their
+    order); none fitting, the smallest one past ``devices`` that would, on the fewest devices it needs (a
+    multiple of CP and EP). Returns ``cp`` (None: none up to ``largest_devices``), ``devices``, ``peak``,
+    ``mode``, ``more_devices`` (whether it needs more than ``devices``) and ``tried`` (CP -> (peak, mode) of
+    the lowest peak among the modes, in order)."""
+    tried: Dict[int, Tuple[float, str]] = {}
+
+    def attempt(cp: int, on: int) -> bool:
+        peaks = {mode: peak_at(cp, on, mode) for mode in modes}
+        fitting = [mode for mode in modes if peaks[mode] <= device_memory]
+        mode = fitting[0] if fitting else min(modes, key=peaks.__getitem__)
+        tried[cp] = (peaks[mode], mode)
+        return bool(fitting)
+
+    def found(cp: int, on: int, more: bool) -> Dict[str, object]:
+        peak, mode = tried[cp]
+        return {"cp": cp, "devices": on, "peak": peak, "mode": mode, "more_devices": more, "tried": tried}
+
     cp = 1
     while cp <= min(devices, seq_len):
-        if devices % cp == 0 and seq_len % cp == 0:
-            tried[cp] = peak_at(cp, devices)
-            if tried[cp] <= device_memory:
-                return {"cp": cp, "devices": devices, "peak": tried[cp], "more_devices": False, "tried": tried}
+        if devices % cp == 0 and seq_len % cp == 0 and attempt(cp, devices):
+            return found(cp, devices, False)
         cp *= 2
     while cp <= seq_len and seq_len % cp == 0:
         need = math.lcm(cp, ep)
         if need > largest_devices:
             break
-        tried[cp] = peak_at(cp, need)
-        if tried[cp] <= device_memory:
-            return {"cp": cp, "devices": need, "peak": tried[cp], "more_devices": True, "tried": tried}
+        if attempt(cp, need):
+            return found(cp, need, True)
         cp *= 2
-    return {"cp": None, "devices": None, "peak": None, "more_devices": True, "tried": tried}
+    return {"cp": None, "devices": None, "peak": None, "mode": None, "more_devices": True, "tried": tried}
 
 
-def describe_search(found: Dict[str, object], seq_len: int, devices: int, mode: str, memory: float) -> str:
-    """The search's answer as lines of the plan's text."""
+def describe_search(found: Dict[str, object], seq_len: int, devices: int, modes: Sequence[str], memory: float) -> str:
+    """The search's answer as lines of the plan's text (``modes``: the checkpointing modes it tried)."""
     gb = lambda x: f"{x / 1e9:.2f} GB"  # noqa: E731
-    tried = ", ".join(f"CP {c}: {gb(p)}" for c, p in found["tried"].items())
-    head = f"context parallelism for one {seq_len:,}-token row, checkpointing {mode}, {memory / 1e9:.0f} GB a device:"
+    named = len(modes) > 1
+    tried = ", ".join(f"CP {c}: {gb(p)}" + (f" ({m})" if named else "") for c, (p, m) in found["tried"].items())
+    head = (
+        f"context parallelism for one {seq_len:,}-token row, checkpointing {' or '.join(modes)}, "
+        f"{memory / 1e9:.0f} GB a device:"
+    )
     if found["cp"] is None:
         return f"{head}\n  no CP fits (peak per device: {tried}); fewer layers' tokens or more memory are needed"
-    cp, peak = found["cp"], found["peak"]
+    cp, peak, mode = found["cp"], found["peak"], found["mode"]
     where = (
         f"on {found['devices']} devices (more than the layout's {devices}; none dividing {devices} fits)"
         if found["more_devices"]
         else f"on the layout's {devices} devices"
     )
     below = [c for c in found["tried"] if c < cp]
-    tail = f"; CP {below[-1]} does not fit ({gb(found['tried'][below[-1]])})" if below else ""
+    tail = f"; CP {below[-1]} does not fit ({gb(found['tried'][below[-1]][0])})" if below else ""
+    setting = (
+        f"\n  with checkpointing {mode}: set schedule.activation_checkpointing \"{mode}\" and "
+        f"parallel.context_parallel_size {cp} in the recipe"
+    )
     return (
-        f"{head}\n  smallest CP that fits: {cp} {where}, {seq_len // cp:,} tokens a rank, peak {gb(peak)}{tail}\n"
-        f"  peak per device: {tried}"
+        f"{head}\n  smallest CP that fits: {cp} {where}, {seq_len // cp:,} tokens a rank, peak {gb(peak)}{tail}"
+        f"{setting}\n  peak per device: {tried}"
     )
 
 

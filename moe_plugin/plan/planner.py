@@ -270,17 +270,23 @@ def _plan(
     )
     search: Dict[str, object] = {}
     if auto:
+        # full that does not fit may fit keeping only the MoE's routing (full_routing: the same recompute of
+        # everything else), which the search then names for the recipe to set
+        modes = [checkpointing] + (["full_routing"] if checkpointing == "full" else [])
         search = smallest_context(
-            lambda c, d: plan_memory(counts, mc, act, _at_devices(layout, d, c, ds)).peak,
+            lambda c, d, mode: plan_memory(
+                counts, mc, act, replace(_at_devices(layout, d, c, ds), checkpointing=mode)
+            ).peak,
             devices,
             seq_len,
             ep,
             device_memory,
             LIMITS["devices"],
+            modes,
         )
-        search.update(seq_len=seq_len, mode=checkpointing, device_memory=device_memory)
+        search.update(seq_len=seq_len, device_memory=device_memory, modes=modes)
         if search["cp"] is not None:
-            layout = _at_devices(layout, search["devices"], search["cp"], ds)
+            layout = replace(_at_devices(layout, search["devices"], search["cp"], ds), checkpointing=search["mode"])
     memory = plan_memory(counts, mc, act, layout)
     devices, cp = layout.devices, layout.context
     tokens = devices * micro_batch * s.gradient_accumulation_steps * seq_len // cp  # CP ranks share rows
@@ -340,9 +346,7 @@ def _exchange(mc, layout: Layout) -> Dict[str, float]:
 def _million_context(counts, mc, act, layout: Layout) -> Dict[str, float]:
     million = {}
     cp = layout.context if MILLION_CONTEXT % layout.context == 0 else 1
-    # the seed plan's time budget (a minute of CPU) holds three modes' 1 M-token meta runs; full_routing is in
-    # the per-mode peaks, and planned at 1 M tokens when asked (--checkpointing full_routing)
-    for mode in dict.fromkeys([m for m in MODES if m != "full_routing"] + [layout.checkpointing]):
+    for mode in MODES:
         big = replace(layout, micro_batch=1, seq_len=MILLION_CONTEXT, checkpointing=mode, context=cp)
         million[f"checkpointing {mode}"] = plan_memory(counts, mc, act, big).peak
     kda_state = sum(t == "kda" for t in mc.layer_types) * mc.kda.num_heads * mc.kda.head_dim**2 * 4
@@ -356,8 +360,7 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
     """Peak bytes saved (positive) or added (negative) by one change at a time."""
     layout, base = plan.layout, plan.memory.peak
     out: Dict[str, float] = {}
-    # full_routing differs from full in the MoE layers only: the per-mode peaks name it
-    knob_modes = [mode for mode in MODES if mode not in (checkpointing, "full_routing")]
+    knob_modes = [mode for mode in MODES if mode != checkpointing]
     variants = {f"checkpointing {mode}": replace(layout, checkpointing=mode) for mode in knob_modes}
     variants.update(
         {

@@ -12,7 +12,7 @@ import torch
 
 from moe_plugin.plan import command
 from moe_plugin.plan.activations import _state_shape, layer_saved_bytes
-from moe_plugin.plan.context_parallel import smallest_context
+from moe_plugin.plan.context_parallel import describe_search, smallest_context
 from moe_plugin.plan.routing import BalancedDispatch
 from moe_plugin.plan.planner import plan_recipe
 from moe_plugin.recipe.schema import recipe_from_dict
@@ -153,22 +153,41 @@ def test_the_command_line_refuses_a_bad_flag_in_one_line(tmp_path, capsys):
 
 
 def test_the_search_picks_the_smallest_cp_that_fits(recipe, cache):
-    peaks = {cp: _plan(recipe, cache, context_parallel=cp, checkpointing="full").memory.peak for cp in (1, 2, 4, 8)}
+    mode = "selective"
+    peaks = {cp: _plan(recipe, cache, context_parallel=cp, checkpointing=mode).memory.peak for cp in (1, 2, 4, 8)}
     assert peaks[1] > peaks[2] > peaks[4]
     memory = (peaks[2] + peaks[4]) / 2  # CP 4 fits, CP 2 does not
-    plan = _plan(recipe, cache, context_parallel="auto", checkpointing="full", device_memory=memory)
+    plan = _plan(recipe, cache, context_parallel="auto", checkpointing=mode, device_memory=memory)
     found = plan.context_search
     assert found["cp"] == 4 and plan.layout.context == 4 and not found["more_devices"]
-    assert found["tried"] == {1: peaks[1], 2: peaks[2], 4: peaks[4]}
-    assert plan.memory.peak == peaks[4] <= memory < peaks[2]
+    assert found["tried"] == {1: (peaks[1], mode), 2: (peaks[2], mode), 4: (peaks[4], mode)}
+    assert plan.memory.peak == peaks[4] <= memory < peaks[2] and plan.layout.checkpointing == mode
+
+
+def test_full_that_does_not_fit_falls_back_to_keeping_only_the_routing(recipe, cache):
+    """Asked for full checkpointing, the search also tries full_routing (the MoE keeps only its routing), names
+    it where it is what fits, and plans the layout with it."""
+    peak = {
+        mode: _plan(recipe, cache, context_parallel=2, checkpointing=mode).memory.peak for mode in ("full", "full_routing")
+    }
+    assert peak["full_routing"] < peak["full"]
+    memory = (peak["full_routing"] + peak["full"]) / 2
+    ones = [_plan(recipe, cache, context_parallel=1, checkpointing=m).memory.peak for m in ("full", "full_routing")]
+    assert min(ones) > memory  # CP 1 fits in neither mode
+    plan = _plan(recipe, cache, context_parallel="auto", checkpointing="full", device_memory=memory)
+    found = plan.context_search
+    assert (found["cp"], found["mode"]) == (2, "full_routing") and found["tried"][2] == (peak["full_routing"], "full_routing")
+    assert plan.layout.checkpointing == "full_routing" and plan.memory.peak == peak["full_routing"]
+    text = describe_search(found, found["seq_len"], plan.layout.devices, found["modes"], memory)
+    assert 'set schedule.activation_checkpointing "full_routing" and parallel.context_parallel_size 2' in text
 
 
 def test_the_search_asks_for_more_devices_when_none_dividing_them_fits():
-    peak = lambda cp, devices: 100.0 / cp  # noqa: E731
-    found = smallest_context(peak, devices=4, seq_len=1 << 20, ep=8, device_memory=10.0, largest_devices=1 << 16)
+    peak = lambda cp, devices, mode: 100.0 / cp  # noqa: E731
+    found = smallest_context(peak, 4, 1 << 20, 8, 10.0, 1 << 16, ["full"])
     assert found["cp"] == 16 and found["devices"] == 16 and found["more_devices"]  # 100/8 > 10 >= 100/16
     assert list(found["tried"]) == [1, 2, 4, 8, 16]
-    none = smallest_context(peak, devices=4, seq_len=8, ep=1, device_memory=1.0, largest_devices=1 << 16)
+    none = smallest_context(peak, 4, 8, 1, 1.0, 1 << 16, ["full"])
     assert none["cp"] is None and list(none["tried"]) == [1, 2, 4, 8]
 
 
