@@ -181,7 +181,7 @@ def mla_worker(lengths: list, heads: int = 8) -> dict:
             x = torch.randn(1, total // size, 64, generator=torch.Generator().manual_seed(rank), requires_grad=True)
             calls = []
 
-            def recorded(*args, **kwargs):
+            def recorded(*args, calls=calls, **kwargs):
                 calls.append((args, kwargs))
                 return attend(*args, **kwargs)
 

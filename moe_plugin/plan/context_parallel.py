@@ -194,7 +194,7 @@ def describe_search(found: Dict[str, object], seq_len: int, devices: int, modes:
     below = [c for c in found["tried"] if c < cp]
     tail = f"; CP {below[-1]} does not fit ({gb(found['tried'][below[-1]][0])})" if below else ""
     setting = (
-        f"\n  with checkpointing {mode}: set schedule.activation_checkpointing \"{mode}\" and "
+        f'\n  with checkpointing {mode}: set schedule.activation_checkpointing "{mode}" and '
         f"parallel.context_parallel_size {cp} in the recipe"
     )
     return (

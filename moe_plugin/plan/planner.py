@@ -274,9 +274,9 @@ def _plan(
         # everything else), which the search then names for the recipe to set
         modes = [checkpointing] + (["full_routing"] if checkpointing == "full" else [])
         search = smallest_context(
-            lambda c, d, mode: plan_memory(
-                counts, mc, act, replace(_at_devices(layout, d, c, ds), checkpointing=mode)
-            ).peak,
+            lambda c, d, mode: (
+                plan_memory(counts, mc, act, replace(_at_devices(layout, d, c, ds), checkpointing=mode)).peak
+            ),
             devices,
             seq_len,
             ep,

@@ -11,7 +11,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ..compat.torch import makes_fresh_tensors
 
@@ -87,6 +86,9 @@ _META_RESULTS: Dict[tuple, Optional[Tuple[Tuple[tuple, tuple, torch.dtype], ...]
 _META_RESULTS_MOST = 1 << 16
 
 
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
 class _Uncacheable(Exception):
     pass
 
@@ -100,7 +102,7 @@ def _shapes_key(obj):
         return (type(obj), tuple(_shapes_key(o) for o in obj))
     if isinstance(obj, dict):
         return tuple((k, _shapes_key(v)) for k, v in obj.items())
-    if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
+    if obj is None or isinstance(obj, _PLAIN):
         return (type(obj), obj)
     raise _Uncacheable
 

@@ -167,16 +167,16 @@ def test_the_search_picks_the_smallest_cp_that_fits(recipe, cache):
 def test_full_that_does_not_fit_falls_back_to_keeping_only_the_routing(recipe, cache):
     """Asked for full checkpointing, the search also tries full_routing (the MoE keeps only its routing), names
     it where it is what fits, and plans the layout with it."""
-    peak = {
-        mode: _plan(recipe, cache, context_parallel=2, checkpointing=mode).memory.peak for mode in ("full", "full_routing")
-    }
+    modes = ("full", "full_routing")
+    peak = {mode: _plan(recipe, cache, context_parallel=2, checkpointing=mode).memory.peak for mode in modes}
     assert peak["full_routing"] < peak["full"]
     memory = (peak["full_routing"] + peak["full"]) / 2
-    ones = [_plan(recipe, cache, context_parallel=1, checkpointing=m).memory.peak for m in ("full", "full_routing")]
+    ones = [_plan(recipe, cache, context_parallel=1, checkpointing=m).memory.peak for m in modes]
     assert min(ones) > memory  # CP 1 fits in neither mode
     plan = _plan(recipe, cache, context_parallel="auto", checkpointing="full", device_memory=memory)
     found = plan.context_search
-    assert (found["cp"], found["mode"]) == (2, "full_routing") and found["tried"][2] == (peak["full_routing"], "full_routing")
+    assert (found["cp"], found["mode"]) == (2, "full_routing")
+    assert found["tried"][2] == (peak["full_routing"], "full_routing")
     assert plan.layout.checkpointing == "full_routing" and plan.memory.peak == peak["full_routing"]
     text = describe_search(found, found["seq_len"], plan.layout.devices, found["modes"], memory)
     assert 'set schedule.activation_checkpointing "full_routing" and parallel.context_parallel_size 2' in text

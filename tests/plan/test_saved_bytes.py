@@ -37,9 +37,10 @@ def test_a_reused_result_has_the_shape_stride_and_dtype_the_op_gives():
 def _attention_meters():
     q, k, v = (torch.empty(1, 300, 2, 8, device="meta", requires_grad=True) for _ in range(3))
     working, peak = [], saved_bytes._LiveBytes()
-    saved = saved_bytes._run(lambda: dense_causal_attention(q, k, v, 0.5, block_size=64, key_chunk=64), {}, "attn", working)
+    fn = lambda: dense_causal_attention(q, k, v, 0.5, block_size=64, key_chunk=64)  # noqa: E731
+    saved = saved_bytes._run(fn, {}, "attn", working)
     with peak:
-        dense_causal_attention(q, k, v, 0.5, block_size=64, key_chunk=64).sum().backward()
+        fn().sum().backward()
     return saved, working, peak.peak
 
 
@@ -71,7 +72,11 @@ def test_on_meta_the_widest_blocks_hold_the_attention_loops_peak(monkeypatch):
     cases = [(300, None, 64, 96), (300, (0, 10, 150, 155, 300), 64, 64), (257, (0, 200, 257), 32, 500)]
     shortcut = [_dense_meters(*case) for case in cases]
     every_block = attention._blocks
-    monkeypatch.setattr(attention, "_blocks", lambda T, block, chunk, plan, b, meta: every_block(T, block, chunk, plan, b, False))
+
+    def off_meta(T, block, chunk, plan, b, meta):
+        return every_block(T, block, chunk, plan, b, False)
+
+    monkeypatch.setattr(attention, "_blocks", off_meta)
     assert [_dense_meters(*case) for case in cases] == shortcut
 
 
