@@ -200,9 +200,10 @@ def blocked_backward(
     """The gradients of ``blocked_forward`` in q, k, v (their shapes), from grad_out ``[B, T, H, Dv]`` and the
     forward's out and lse: each block's probabilities are recomputed, as flash attention does."""
     B, T, H, _ = q.shape
+    if B == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     delta = (grad_out * out).sum(-1)  # [B, T, H]: sum_s p_s dp_s, the softmax Jacobian's shift
     lse = _finite_or(lse, math.inf)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for b in range(B):
         q_t, k_t, v_t = _head_major(q[b] * scale), _head_major(k[b]), _head_major(v[b])
         do_t = _head_major(grad_out[b])
@@ -218,9 +219,13 @@ def blocked_backward(
                 key_chunk,
                 plan(b, t0, t1),
             )
-        dq[b] = dq_t.transpose(0, 1) * scale
-        dk[b] = dk_t.transpose(0, 1)
-        dv[b] = dv_t.transpose(0, 1)
+        del q_t, k_t, v_t, do_t
+        if b == 0:  # made once the first row's loop is done: not held through it
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq[b].copy_(dq_t.transpose(0, 1)).mul_(scale)
+        dk[b].copy_(dk_t.transpose(0, 1))
+        dv[b].copy_(dv_t.transpose(0, 1))
+        del dq_t, dk_t, dv_t
     return dq, dk, dv
 
 
