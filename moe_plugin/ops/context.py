@@ -99,8 +99,10 @@ class ContextSlice:
         return offsets_tensor(self.offsets, device)
 
     def gather_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """Every rank's ``x`` (this rank's slice along ``dim``) joined in order along ``dim``: the whole row."""
-        return torch.cat(self.gather(x).unbind(0), dim=dim)
+        """Every rank's ``x`` (this rank's slice along ``dim``) joined in order along ``dim``: the whole row (a view
+        of the gathered ``[size, *x.shape]`` where its layout allows, as with a batch of one along dim 1)."""
+        dim = dim % x.dim()
+        return self.gather(x).movedim(0, dim).flatten(dim, dim + 1)
 
     def shifted(self, x: torch.Tensor, distance: int) -> torch.Tensor:
         """Rank ``rank - distance``'s ``x`` (the same shape on every rank; zeros where there is no such rank; a
