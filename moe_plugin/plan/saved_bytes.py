@@ -82,7 +82,7 @@ class _SavedBytes:
 # (op, its arguments' shapes) -> its results' (shape, stride, dtype): an attention's or a scan's blocks repeat the
 # same few ops on the same shapes thousands of times, and a meta kernel written in Python costs far more than the
 # empty tensors it returns (it set the seed plan's CPU time)
-_META_RESULTS: Dict[tuple, Optional[Tuple[Tuple[tuple, tuple, torch.dtype], ...]]] = {}
+_META_RESULTS: Dict[tuple, Optional[Tuple[bool, Tuple[Tuple[tuple, tuple, torch.dtype], ...]]]] = {}
 _META_RESULTS_MOST = 1 << 16
 
 
@@ -117,10 +117,11 @@ def _meta_results(func, args, kwargs):
         key = (func, _shapes_key(args), _shapes_key(kwargs))
     except _Uncacheable:
         return func(*args, **kwargs)
-    shapes = _META_RESULTS.get(key)
-    if shapes is not None:
+    known = _META_RESULTS.get(key)
+    if known is not None:
+        several, shapes = known
         made = tuple(torch.empty_strided(size, stride, dtype=dtype, device="meta") for size, stride, dtype in shapes)
-        return made[0] if len(func._schema.returns) == 1 else made
+        return made if several else made[0]
     out = func(*args, **kwargs)
     if key not in _META_RESULTS:
         if len(_META_RESULTS) >= _META_RESULTS_MOST:
@@ -130,8 +131,9 @@ def _meta_results(func, args, kwargs):
 
 
 def _result_shapes(out, args, kwargs):
-    """The results' (shape, stride, dtype), or None where empty tensors of those would not stand for them: a
-    result not on meta, on an argument's storage, or on a storage larger than its shape and stride need."""
+    """Whether the op returned a tuple, and its results' (shape, stride, dtype); None where empty tensors of those
+    would not stand for them: a result not on meta, on an argument's storage, or on a storage larger than its
+    shape and stride need."""
     outs = out if isinstance(out, tuple) else (out,)
     inputs = {_key(a) for a in _tensors((args, kwargs))}
     shapes, storages = [], set()
@@ -143,7 +145,7 @@ def _result_shapes(out, args, kwargs):
         if like.untyped_storage().nbytes() != t.untyped_storage().nbytes() or t.storage_offset():
             return None
         shapes.append((tuple(t.shape), t.stride(), t.dtype))
-    return tuple(shapes)
+    return isinstance(out, tuple), tuple(shapes)
 
 
 def _tensors(obj):

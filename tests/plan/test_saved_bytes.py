@@ -30,6 +30,9 @@ def test_a_reused_result_has_the_shape_stride_and_dtype_the_op_gives():
         for got in (first, again):
             assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
         assert again.untyped_storage()._cdata != first.untyped_storage()._cdata  # a storage of its own
+    for _ in range(2):  # an op of two results gives two again, each of its own shape and dtype
+        values, where = saved_bytes._meta_results(aten.max.dim, (x, 1), {})
+        assert (values.shape, values.dtype, where.shape, where.dtype) == ((4,), torch.float32, (4,), torch.int64)
     sums = saved_bytes._meta_results(aten.sum.dim_IntList, (x, [1], True), {})
     assert sums.shape == (4, 1) and saved_bytes._meta_results(aten.sum.dim_IntList, (x, [0], True), {}).shape == (1, 6)
 
