@@ -135,7 +135,10 @@ def _blocks(T: int, block: int, key_chunk: int, plan: KeyPlan, b: int, meta: boo
     span = getattr(plan, "span", None)
     if span is None:
         return bounds
-    widths = {t0: (lambda lo, hi: hi - lo)(*span(b, t0, t1)) for t0, t1 in bounds} if meta else {}
+    widths = {}
+    for t0, t1 in bounds if meta else ():
+        lo, hi = span(b, t0, t1)
+        widths[t0] = hi - lo
     return steps_to_run(
         bounds, meta, kind=lambda t: (t[1] - t[0], widths[t[0]] <= key_chunk), size=lambda t: widths[t[0]]
     )
