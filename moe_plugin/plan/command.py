@@ -40,20 +40,9 @@ def format_plan(plan) -> str:
         "",
         "per-device memory                                 bytes",
     ]
-    for kind, v in m.base.items():
-        rows.append(f"  frozen base: {kind:<34}{_gb(v)}")
-    for kind, v in m.adapters.items():
-        rows.append(f"  adapters: {kind:<37}{_gb(v)}")
+    for term, v in m.terms().items():
+        rows.append(f"  {term:<48}{_gb(v)}")
     rows += [
-        f"  ZeRO-3 gathered parameters (live + prefetch)    {_gb(m.gathered)}",
-        f"  gradient reduce bucket                          {_gb(m.buckets)}",
-    ]
-    for seg, v in m.activations_by_segment.items():
-        rows.append(f"  activations: {seg:<34}{_gb(v)}")
-    rows += [
-        f"  working tensors at the peak (forward / logits)  {_gb(m.transient)}",
-        f"  expert all-to-all buffers                       {_gb(m.dispatch)}",
-        f"  framework overhead (constant)                   {_gb(m.overhead)}",
         f"  step peak                                       {_gb(m.step_peak + m.overhead)}",
     ]
     if m.build_peak:

@@ -26,13 +26,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Dict, Iterator, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..config import require
 
-__all__ = ["check_context_parallel", "kda_exchange", "meta_slice", "context_attention", "smallest_context"]
+__all__ = [
+    "check_context_parallel",
+    "context_attention",
+    "context_candidates",
+    "kda_exchange",
+    "meta_slice",
+    "smallest_context",
+]
 
 
 def check_context_parallel(cp, devices: int, seq_len: int, field: str, devices_field: str, seq_len_field: str):
@@ -145,33 +152,75 @@ def smallest_context(
     order); none fitting, the smallest one past ``devices`` that would, on the fewest devices it needs (a
     multiple of CP and EP). Returns ``cp`` (None: none up to ``largest_devices``), ``devices``, ``peak``,
     ``mode``, ``more_devices`` (whether it needs more than ``devices``) and ``tried`` (CP -> (peak, mode) of
-    the lowest peak among the modes, in order)."""
+    the lowest peak among the modes, in CP order: the candidates the search planned); none fitting, also
+    ``floor``, the (CP, devices) of the lowest peak tried (None: nothing tried).
+
+    A rank's peak does not grow with CP (its slice shrinks; past ``devices`` the devices grow too), so the
+    candidates are bisected: the first, the last, then halves, about ``log2`` of their number planned (each is
+    a set of meta runs at that slice: the plan's time), and the CP just below the answer is always among them."""
+    candidates = context_candidates(devices, seq_len, ep, largest_devices)
     tried: Dict[int, Tuple[float, str]] = {}
 
-    def attempt(cp: int, on: int) -> bool:
+    def fits(i: int) -> bool:
+        cp, on = candidates[i]
         peaks = {mode: peak_at(cp, on, mode) for mode in modes}
         fitting = [mode for mode in modes if peaks[mode] <= device_memory]
         mode = fitting[0] if fitting else min(modes, key=peaks.__getitem__)
         tried[cp] = (peaks[mode], mode)
         return bool(fitting)
 
-    def found(cp: int, on: int, more: bool) -> Dict[str, object]:
+    def answer(i: Optional[int]) -> Dict[str, object]:
+        in_order = dict(sorted(tried.items()))
+        if i is None:
+            # where the peak is lowest, for the plan to show what stops it
+            lowest = min(range(len(candidates)), key=lambda j: tried.get(candidates[j][0], (math.inf,))[0])
+            floor = candidates[lowest] if tried else None
+            return {
+                "cp": None,
+                "devices": None,
+                "peak": None,
+                "mode": None,
+                "more_devices": True,
+                "tried": in_order,
+                "floor": floor,
+            }
+        cp, on = candidates[i]
         peak, mode = tried[cp]
-        return {"cp": cp, "devices": on, "peak": peak, "mode": mode, "more_devices": more, "tried": tried}
+        return {"cp": cp, "devices": on, "peak": peak, "mode": mode, "more_devices": on != devices, "tried": in_order}
 
-    cp = 1
+    if not candidates:
+        return answer(None)
+    if fits(0):
+        return answer(0)
+    last = len(candidates) - 1
+    if last == 0 or not fits(last):
+        return answer(None)
+    below, above = 0, last  # candidates[below] does not fit, candidates[above] does
+    while above - below > 1:
+        middle = (below + above) // 2
+        if fits(middle):
+            above = middle
+        else:
+            below = middle
+    return answer(above)
+
+
+def context_candidates(devices: int, seq_len: int, ep: int, largest_devices: int) -> List[Tuple[int, int]]:
+    """The (CP, devices) pairs the search may answer, in order: every power of two dividing ``devices`` and
+    ``seq_len`` on ``devices``, then the larger ones dividing ``seq_len`` on the fewest devices each needs (a
+    multiple of CP and EP), up to ``largest_devices``."""
+    candidates, cp = [], 1
     while cp <= min(devices, seq_len):
-        if devices % cp == 0 and seq_len % cp == 0 and attempt(cp, devices):
-            return found(cp, devices, False)
+        if devices % cp == 0 and seq_len % cp == 0:
+            candidates.append((cp, devices))
         cp *= 2
     while cp <= seq_len and seq_len % cp == 0:
         need = math.lcm(cp, ep)
         if need > largest_devices:
             break
-        if attempt(cp, need):
-            return found(cp, need, True)
+        candidates.append((cp, need))
         cp *= 2
-    return {"cp": None, "devices": None, "peak": None, "mode": None, "more_devices": True, "tried": tried}
+    return candidates
 
 
 def describe_search(found: Dict[str, object], seq_len: int, devices: int, modes: Sequence[str], memory: float) -> str:
@@ -184,7 +233,10 @@ def describe_search(found: Dict[str, object], seq_len: int, devices: int, modes:
         f"{memory / 1e9:.0f} GB a device:"
     )
     if found["cp"] is None:
-        return f"{head}\n  no CP fits (peak per device: {tried}); fewer layers' tokens or more memory are needed"
+        term, size = found.get("stopped_by", ("", 0.0))
+        floor = found.get("floor")
+        stop = f"; at CP {floor[0]} on {floor[1]} devices the largest term is {term} ({gb(size)})" if term else ""
+        return f"{head}\n  no CP fits (peak per device: {tried}){stop}"
     cp, peak, mode = found["cp"], found["peak"], found["mode"]
     where = (
         f"on {found['devices']} devices (more than the layout's {devices}; none dividing {devices} fits)"

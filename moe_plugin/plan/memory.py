@@ -76,6 +76,20 @@ class MemoryPlan:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def terms(self) -> Dict[str, float]:
+        """The step peak's terms by the names the plan's table gives them: they add up to ``step_peak`` plus
+        ``overhead``."""
+        return {
+            **{f"frozen base: {kind}": v for kind, v in self.base.items()},
+            **{f"adapters: {kind}": v for kind, v in self.adapters.items()},
+            "ZeRO-3 gathered parameters (live + prefetch)": self.gathered,
+            "gradient reduce bucket": self.buckets,
+            **{f"activations: {segment}": v for segment, v in self.activations_by_segment.items()},
+            "working tensors at the peak (forward / logits)": self.transient,
+            "expert all-to-all buffers": self.dispatch,
+            "framework overhead (constant)": self.overhead,
+        }
+
 
 def _local_full_numel(counts: ModelCounts, ep: int) -> float:
     """Elements of this rank's model gathered whole: every non-expert tensor and its own E / EP experts."""

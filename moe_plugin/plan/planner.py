@@ -287,6 +287,12 @@ def _plan(
         search.update(seq_len=seq_len, device_memory=device_memory, modes=modes)
         if search["cp"] is not None:
             layout = replace(_at_devices(layout, search["devices"], search["cp"], ds), checkpointing=search["mode"])
+        # none fitting, the table shows the lowest peak the search found, and the search names its largest term
+        if search["cp"] is None and search["floor"] is not None:
+            floor_cp, floor_devices = search["floor"]
+            floor_mode = search["tried"][floor_cp][1]
+            layout = replace(_at_devices(layout, floor_devices, floor_cp, ds), checkpointing=floor_mode)
+            search["stopped_by"] = max(plan_memory(counts, mc, act, layout).terms().items(), key=lambda t: t[1])
     memory = plan_memory(counts, mc, act, layout)
     devices, cp = layout.devices, layout.context
     tokens = devices * micro_batch * s.gradient_accumulation_steps * seq_len // cp  # CP ranks share rows

@@ -5,6 +5,8 @@ fits. Meta-device planning only, no launches."""
 
 from __future__ import annotations
 
+import math
+
 import json
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 
 from moe_plugin.plan import command
 from moe_plugin.plan.activations import _state_shape, layer_saved_bytes
-from moe_plugin.plan.context_parallel import describe_search, smallest_context
+from moe_plugin.plan.context_parallel import context_candidates, describe_search, smallest_context
 from moe_plugin.plan.routing import BalancedDispatch
 from moe_plugin.plan.planner import plan_recipe
 from moe_plugin.recipe.schema import recipe_from_dict
@@ -160,7 +162,9 @@ def test_the_search_picks_the_smallest_cp_that_fits(recipe, cache):
     plan = _plan(recipe, cache, context_parallel="auto", checkpointing=mode, device_memory=memory)
     found = plan.context_search
     assert found["cp"] == 4 and plan.layout.context == 4 and not found["more_devices"]
-    assert found["tried"] == {1: (peaks[1], mode), 2: (peaks[2], mode), 4: (peaks[4], mode)}
+    # bisected: the answer and the CP just below it are among the planned ones, each planned as a fixed CP plans it
+    assert found["tried"][4] == (peaks[4], mode) and found["tried"][2] == (peaks[2], mode)
+    assert found["tried"][1] == (peaks[1], mode)
     assert plan.memory.peak == peaks[4] <= memory < peaks[2] and plan.layout.checkpointing == mode
 
 
@@ -186,9 +190,33 @@ def test_the_search_asks_for_more_devices_when_none_dividing_them_fits():
     peak = lambda cp, devices, mode: 100.0 / cp  # noqa: E731
     found = smallest_context(peak, 4, 1 << 20, 8, 10.0, 1 << 16, ["full"])
     assert found["cp"] == 16 and found["devices"] == 16 and found["more_devices"]  # 100/8 > 10 >= 100/16
-    assert list(found["tried"]) == [1, 2, 4, 8, 16]
+    assert {8, 16} <= set(found["tried"]) and found["tried"][8][0] > 10.0
     none = smallest_context(peak, 4, 8, 1, 1.0, 1 << 16, ["full"])
-    assert none["cp"] is None and list(none["tried"]) == [1, 2, 4, 8]
+    assert none["cp"] is None and none["floor"] == (8, 8) and none["tried"][8] == (12.5, "full")
+
+
+@pytest.mark.parametrize("devices,ep", [(128, 64), (6, 2), (1, 1)])
+def test_the_bisected_search_answers_as_trying_every_cp_in_order(devices, ep):
+    """With a peak that does not grow with CP (what the plan's is), the bisection finds what trying every
+    candidate in order finds, for every memory between the peaks, planning about log2 of the candidates."""
+    seq_len, largest = 1 << 20, 1 << 16
+    candidates = context_candidates(devices, seq_len, ep, largest)
+    peak = lambda cp, on, mode: 1e3 / cp + 5e2 / on + (0.5 if mode == "full" else 0.0)  # noqa: E731
+    peaks = sorted({peak(cp, on, m) for cp, on in candidates for m in ("full", "full_routing")}, reverse=True)
+    for memory in [p + d for p in peaks for d in (-1e-9, 0.0)] + [peaks[-1] / 2, peaks[0] * 2]:
+        calls = []
+        counted = lambda cp, on, mode, calls=calls: calls.append(cp) or peak(cp, on, mode)  # noqa: E731
+        found = smallest_context(counted, devices, seq_len, ep, memory, largest, ["full", "full_routing"])
+        linear = next(
+            ((cp, on, m) for cp, on in candidates for m in ("full", "full_routing") if peak(cp, on, m) <= memory),
+            None,
+        )
+        if linear is None:
+            assert found["cp"] is None and found["floor"] == candidates[-1]
+        else:
+            assert (found["cp"], found["devices"], found["mode"]) == linear
+            assert found["more_devices"] == (linear[1] != devices)
+        assert len(set(calls)) <= math.ceil(math.log2(len(candidates))) + 2
 
 
 @pytest.mark.parametrize("chunks,share", [(1, 1.0), (2, 1.0), (4, 0.5)])
