@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops.context import ContextSlice, refuse_with_context
 from .attn_res import attn_res_point, ends_block, layer_stream
 from .composition import LayerParts, run_layer
 from .gated_dsa import GatedMLAAttention, MLACache
@@ -82,6 +83,7 @@ class DecoderLayer(nn.Module):
         cache: Optional[LayerCache] = None,
         return_indexer_loss: bool = False,
         token_mask: Optional[torch.Tensor] = None,
+        context: Optional[ContextSlice] = None,
     ) -> LayerOutput:
         """Advance the residual stream through attention and MLP.
 
@@ -92,9 +94,15 @@ class DecoderLayer(nn.Module):
         tokens out of their state / keys, and the MoE load counts real tokens only.
         With ``recompute_mode`` (``layers.recompute``) the regions it names are recomputed in the backward; the
         MoE routes outside them (it holds the same mode). A cache (decoding) is never recomputed into.
+        context: this rank's ``ContextSlice`` under context parallelism (``residual`` its slice of the row): the
+        attention takes the row's documents from it, so cu_seqlens, cache and token_mask must be None.
         """
         mode = self.recompute_mode if cache is None else "off"
-        attn_kwargs = dict(cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
+        if context is not None:
+            refuse_with_context(cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
+            attn_kwargs = dict(context=context)
+        else:
+            attn_kwargs = dict(cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
         want_index = return_indexer_loss and self.attention_type == "mla"  # only MLA layers have an indexer
         padding = None if token_mask is None else ~token_mask.bool()
         parts = LayerParts(

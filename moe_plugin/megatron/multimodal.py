@@ -74,19 +74,16 @@ class MultimodalGPTModel(GPTModel):
         are the whole row's (an image's tokens may be split across ranks); the slice's placeholders take the
         row's image tokens ``image_tokens`` (those of the placeholders before the slice are skipped)."""
         embeds = self.embedding(input_ids=input_ids, position_ids=None)
-        encode, every = self.encode_images, []
-        if image_tokens is not None:
-
-            def encode(patches, grid):
-                every.append(self.encode_images(patches, grid))
-                return every[0][image_tokens]
-
         # the Hugging Face model's placement, on [B, T] (the order the processor expanded the placeholders in)
         merged = scatter_image_tokens(
-            embeds.transpose(0, 1), input_ids, self.image_token_id, encode, pixel_patches, grid_hw
+            embeds.transpose(0, 1),
+            input_ids,
+            self.image_token_id,
+            self.encode_images,
+            pixel_patches,
+            grid_hw,
+            image_tokens,
         ).transpose(0, 1)
-        if every:  # a slice may hold none of the images' tokens: its vision gradients are zeros, not missing
-            merged = merged + every[0].float().sum().to(merged.dtype) * 0.0
         if pixel_patches is None:
             merged = merged + blank_image_tokens(self.encode_images, self.vision, embeds.device).to(embeds.dtype)
         return merged.contiguous()

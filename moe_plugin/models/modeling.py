@@ -26,12 +26,14 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
+from ..config import require
 from ..layers.attn_res import attn_res_point, make_stream, stream_from_state
 from ..layers.decoder import DecoderLayer
 from ..layers.moe import MoERouter, balancing
 from ..layers.norm import RMSNorm
 from ..layers.recompute import check_mode, set_recompute
 from ..layers.vision import VisionTower
+from ..ops.context import ContextSlice, refuse_with_context
 from ..ops.losses import balance_terms, training_loss
 from ..ops.moe import document_weights
 from ..precision import FP32_TENSORS, keep_fp32_through
@@ -173,11 +175,18 @@ class MoEPluginModel(MoEPluginPreTrainedModel):
         use_cache: Optional[bool] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         return_indexer_loss: bool = False,
+        context: Optional[ContextSlice] = None,
         **kwargs,
     ) -> MoEModelOutput:
         """input_ids ``[B, T]`` or inputs_embeds ``[B, T, D]``; attention_mask ``[B, T]`` (1 real, 0 padding);
-        cu_seqlens ``[N+1]`` for packed rows (B = 1). Bad input raises a ValueError naming the argument."""
+        cu_seqlens ``[N+1]`` for packed rows (B = 1). context: under context parallelism this rank's
+        ``ContextSlice`` (``training.context_rows``), the inputs its slice of the row, whose documents it carries
+        (no cu_seqlens, padding or cache then). Bad input raises a ValueError naming the argument."""
         mc = self.model_config
+        if context is not None:
+            refuse_with_context(cu_seqlens=cu_seqlens, cache=cache, use_cache=use_cache or None)
+            if attention_mask is not None and not bool(attention_mask.bool().all()):
+                refuse_with_context(attention_mask=attention_mask)
         batch, length = check_inputs(
             input_ids,
             inputs_embeds,
@@ -209,6 +218,7 @@ class MoEPluginModel(MoEPluginPreTrainedModel):
                 cache=cache[i] if cache is not None else None,
                 return_indexer_loss=return_indexer_loss,
                 token_mask=token_mask,
+                context=context,
             )
             if load is not None:
                 loads.append(load)
@@ -262,6 +272,7 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
         cu_seqlens: Optional[torch.Tensor] = None,
         logits_to_keep: int = 0,
         num_items_in_batch: Optional[int] = None,
+        context: Optional[ContextSlice] = None,
         **kwargs,
     ) -> MoECausalLMOutput:
         """Logits ``[B, T, V]`` (``[B, logits_to_keep, V]``) and, with labels, the next-token loss.
@@ -274,7 +285,18 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
         int: boundaries of N documents packed into one row (B = 1); no prediction crosses a boundary.
         num_items_in_batch: the number of label tokens over all micro-batches of an optimizer step (as the
         Hugging Face Trainer passes it): the loss is then summed and divided by it instead of averaged.
+        context: under context parallelism this rank's ``ContextSlice``: the inputs are its slice of the row and
+        the logits those of the slice; the loss needs the whole row's labels and its balance terms the context
+        group, so the caller composes it (``ops.losses.training_loss(..., context=context)``, as
+        ``training.backends`` do) and labels must be None.
         """
+        if context is not None:
+            require(
+                labels is None,
+                "labels",
+                "cannot be combined with a context: the loss of a slice needs the whole row's labels; compute "
+                "it with moe_plugin.ops.losses.training_loss(logits, labels, ..., context=context)",
+            )
         if labels is not None:  # fail before the forward, not inside the loss
             mc = self.model.model_config
             batch, length = check_inputs(
@@ -301,6 +323,7 @@ class MoEPluginForCausalLM(MoEPluginPreTrainedModel, GenerationMixin):
                 use_cache=use_cache,
                 cu_seqlens=cu_seqlens,
                 return_indexer_loss=want_indexer_loss,
+                context=context,
             )
         balance = balance_terms([layer.pop_balance() for layer in moe_layers])
         hidden = out.last_hidden_state

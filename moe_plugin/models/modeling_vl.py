@@ -13,6 +13,7 @@ import torch
 from transformers import GenerationMixin
 
 from ..config import require
+from ..ops.context import ContextSlice
 from ..layers.vision_encoder import build_image_encoder, encode_images
 from .cache import HybridCache
 from .configuration import MoEPluginConfig
@@ -30,10 +31,16 @@ def scatter_image_tokens(
     encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     pixel_patches: Optional[torch.Tensor],
     grid_hw: Optional[torch.Tensor],
+    image_tokens: Optional[slice] = None,
 ) -> torch.Tensor:
     """``embeds`` ``[B, T, D]`` with the placeholders of ``input_ids`` ``[B, T]`` replaced, in row-major order over
     ``[B, T]`` (the order MoEProcessor expanded them in), by ``encode(pixel_patches, grid_hw)`` ``[count, D]``.
-    Without ``pixel_patches`` the embeddings are returned as they are, and no placeholder may be there."""
+    Without ``pixel_patches`` the embeddings are returned as they are, and no placeholder may be there.
+
+    image_tokens: under context parallelism ``input_ids`` are this rank's slice of a row and the images the
+    whole row's (an image's tokens may be split across ranks): the slice's placeholders take the row's image
+    tokens ``image_tokens`` (``training.context_rows``), and the rest add zero, so a slice holding none of them
+    still gives the vision tower its (zero) gradients."""
     placeholders = input_ids == image_token_id
     count = int(placeholders.sum())
     if pixel_patches is None:
@@ -45,14 +52,19 @@ def scatter_image_tokens(
         )
         return embeds
     require(grid_hw is not None, "grid_hw", "is required with pixel_patches ([num_images, 2] patch rows and columns)")
-    tokens = encode(pixel_patches.to(embeds.device), grid_hw.to(embeds.device))
+    every = tokens = encode(pixel_patches.to(embeds.device), grid_hw.to(embeds.device))
+    if image_tokens is not None:
+        tokens = every[image_tokens]
     require(
         tokens.shape[0] == count,
         "input_ids",
         f"{count} image placeholders for {tokens.shape[0]} image tokens; expand the placeholders with MoEProcessor "
         "or moe_plugin.models.image_tokens.expand_image_placeholders (one per image token)",
     )
-    return embeds.masked_scatter(placeholders.unsqueeze(-1), tokens.to(embeds.dtype))
+    merged = embeds.masked_scatter(placeholders.unsqueeze(-1), tokens.to(embeds.dtype))
+    if image_tokens is not None:
+        merged = merged + every.float().sum().to(merged.dtype) * 0.0
+    return merged
 
 
 class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixin):
@@ -82,8 +94,10 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
         input_ids: torch.LongTensor,
         pixel_patches: Optional[torch.Tensor] = None,
         grid_hw: Optional[torch.Tensor] = None,
+        image_tokens: Optional[slice] = None,
     ) -> torch.Tensor:
-        """Token embeddings ``[B, T, D]`` with every image placeholder replaced, in order, by an image token."""
+        """Token embeddings ``[B, T, D]`` with every image placeholder replaced, in order, by an image token
+        (``image_tokens``: as ``scatter_image_tokens`` takes it)."""
         return scatter_image_tokens(
             self.language_model.model.embed_tokens(input_ids),
             input_ids,
@@ -91,6 +105,7 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
             self.encode_images,
             pixel_patches,
             grid_hw,
+            image_tokens,
         )
 
     def encode_images(self, pixel_patches: torch.Tensor, grid_hw: torch.Tensor) -> torch.Tensor:
@@ -110,16 +125,21 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
         cu_seqlens: Optional[torch.Tensor] = None,
         logits_to_keep: int = 0,
         num_items_in_batch: Optional[int] = None,
+        context: Optional[ContextSlice] = None,
+        image_tokens: Optional[slice] = None,
         **kwargs,
     ) -> MoECausalLMOutput:
         """input_ids ``[B, T]``; pixel_patches ``[N, 3*14*14]``; grid_hw ``[num_images, 2]``; the other arguments
         as ``MoEPluginForCausalLM.forward`` (labels ``[B, T]`` unshifted, image placeholders never scored).
+        Under context parallelism (``context``: input_ids this rank's slice, placeholders already expanded)
+        ``image_tokens`` says which of the row's image tokens the slice's placeholders take
+        (``scatter_image_tokens``).
 
         K3's names are taken too: ``pixel_values`` ``[N, 3, 14, 14]`` and ``grid_thws`` ``[num_images, 3]``. Input ids
         with one placeholder per image (K3's ``<|media_pad|>``) are expanded here to each image's tokens, their
         labels -100 there (``image_tokens.expand_image_placeholders``; not with a cache: expand the prompt first)."""
         pixel_patches, grid_hw = _k3_image_names(pixel_patches, grid_hw, kwargs)
-        if pixel_patches is not None and grid_hw is not None:
+        if pixel_patches is not None and grid_hw is not None and context is None:
             counts = tokens_per_image(grid_hw, self.language_model.model.model_config.vision.merge_size)
             expanded = expand_image_placeholders(
                 input_ids, self.config.image_token_id, counts, attention_mask, labels, cu_seqlens, self._pad_id()
@@ -141,7 +161,8 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
             check_labels(labels, batch, length, mc.vocab_size, logits_to_keep)
             labels = labels.masked_fill(input_ids == self.config.image_token_id, -100)
         return self.language_model(
-            inputs_embeds=self.embed(input_ids, pixel_patches, grid_hw),
+            inputs_embeds=self.embed(input_ids, pixel_patches, grid_hw, image_tokens),
+            context=context,
             attention_mask=attention_mask,
             labels=labels,
             cache=cache,

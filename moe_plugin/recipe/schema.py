@@ -179,23 +179,12 @@ class ParallelSection(_Section):
     capacity_factor: float = _field(
         1.25, f"use a factor from 1 (exact balance) to {LIMITS['capacity']:g}, e.g. 1.25", ge=1, le=LIMITS["capacity"]
     )
-    # ranks that split every packed row into contiguous slices (docs/context-parallel.md); megatron backend
+    # ranks that split every packed row into contiguous slices (docs/context-parallel.md); both backends
     context_parallel_size: int = _field(1, "use 1 (no context parallelism) or a divisor of the world size", ge=1)
     # the expert-parallel dispatch in this many overlapped chunks of a rank's experts (docs/moe-overlap.md)
     moe_overlap_chunks: int = _field(
         1, "use 1 (each all-to-all waited in turn) or up to the experts a rank holds, e.g. 2 or 4", ge=1
     )
-
-    def _problems(self) -> List[Problem]:
-        if self.context_parallel_size > 1 and self.backend != "megatron":
-            return [
-                (
-                    "context_parallel_size",
-                    f"is {self.context_parallel_size}, but context parallelism runs on the megatron backend; "
-                    'use parallel.backend "megatron" (or context_parallel_size 1)',
-                )
-            ]
-        return []
 
 
 class ScheduleSection(_Section):

@@ -3,7 +3,8 @@ KDA and Gated DSA with its indexer) at CP 2 x EP 2 x ZeRO-3 and at CP 4 x EP 2 o
 process: every step's loss, gradient norm, reduced adapter gradient and adapter, within the fp32 bounds of
 tests/tolerances.py; with the per-document balance term (documents cut by the slices), with full
 activation checkpointing, and without the indexer (as K3 ships), where the gated MLA attends head-parallel
-(its 2 heads over CP 2). Rows are packed so that documents and images cross the slice boundaries.
+(its 2 heads over CP 2); and the Hugging Face face on the hf backend at CP 2 x EP 2. Rows are packed so that
+documents and images cross the slice boundaries.
 Rank code: tests/training/context_parallel_workers.py."""
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ LAYOUTS = {
     "cp2_ep2_full": (2, 2, "full", 0.0, 2, "indexer"),
     "cp4_ep2": (4, 2, "off", 0.0, 4, "indexer"),
     "cp2_ep2_heads": (2, 2, "off", 0.0, 1, "heads"),
+    # the Hugging Face face on the hf backend, the balance term on: the same row cut (training.context_rows)
+    "hf_cp2_ep2_balance": (2, 2, "off", 1.0, 1, "indexer", "hf"),
 }
 
 
@@ -36,9 +39,11 @@ def _reference(layout):
     return "ref_heads" if layout[5] == "heads" else "ref_balance" if layout[3] else "ref"
 
 
-def _cp_recipe(tmp, name, bases, data, world, cp, ep, checkpointing, balance, chunks=1, base="indexer"):
+def _cp_recipe(
+    tmp, name, bases, data, world, cp, ep, checkpointing, balance, chunks=1, base="indexer", backend="megatron"
+):
     base = bases[base]
-    recipe = _recipe(tmp, f"{name}-w{world}", base, data, "megatron", world, ep, checkpointing)
+    recipe = _recipe(tmp, f"{name}-w{world}", base, data, backend, world, ep, checkpointing)
     recipe["parallel"]["context_parallel_size"] = cp
     recipe["parallel"]["moe_overlap_chunks"] = chunks
     recipe["schedule"]["micro_batch_size"] = 4 // (world // cp)  # the same 4 rows a step in every layout

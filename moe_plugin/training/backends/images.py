@@ -40,9 +40,10 @@ class ImageTextTrainingModel(MoEPluginForConditionalGeneration):
         input_ids: torch.LongTensor,
         pixel_patches: Optional[torch.Tensor] = None,
         grid_hw: Optional[torch.Tensor] = None,
+        image_tokens: Optional[slice] = None,
     ) -> torch.Tensor:
         """Token embeddings ``[B, T, D]`` with the placeholders replaced (the parent's ``embed``)."""
-        embeds = super().embed(input_ids, pixel_patches, grid_hw)
+        embeds = super().embed(input_ids, pixel_patches, grid_hw, image_tokens)
         if pixel_patches is not None:
             return embeds
         vision = self.config.to_model_config().vision

@@ -23,13 +23,12 @@ from ...layers.moe import balancing
 from ...layers.recompute import set_recompute
 from ...lora import add_lora, init_expert_adapters
 from ...ops.losses import balance_terms, training_loss
-from ...ops.moe import document_weights
-from ...ops.offsets import offsets_tensor
 from ...parallel.expert_parallel import apply_expert_parallel
 from ...parallel.layout import ParallelLayout
 from ...parallel.zero3_gather import gathered
 from ...precision import apply_precision
 from .base import Backend
+from ..context_rows import slice_documents, slice_row
 from ...weights.base_loading import load_base
 from ..ds_config import partition_while_building, zero_init, zero_stage
 
@@ -84,42 +83,38 @@ class MegatronBackend(Backend):
         from ...megatron.adapters import ContextPackedSeqParams, indexer_loss_of
 
         inner = module.module if hasattr(module, "module") else module
-        offsets = micro_batch.cu_seqlens.tolist()  # host ints from the data pipeline: no device read
-        cu = offsets_tensor(offsets, self.device)  # carries its host copy: the layers read nothing
-        ids, labels = micro_batch.input_ids.to(self.device), micro_batch.labels.to(self.device)
-        images = micro_batch.image_inputs(self.device)
-        context = self.layout.context_slice(ids.shape[1], offsets)
-        mine = offsets if context is None else context.local_offsets()
-        longest = max(b - a for a, b in zip(mine[:-1], mine[1:]))
-        local_cu = cu if context is None else offsets_tensor(mine, self.device)
+        row = slice_row(micro_batch, self.layout, self.device, self.model_config.image_token_id)
         params = ContextPackedSeqParams(
             qkv_format="thd",
-            cu_seqlens_q=local_cu,
-            cu_seqlens_kv=local_cu,
-            max_seqlen_q=longest,
-            max_seqlen_kv=longest,
-            context=context,
+            cu_seqlens_q=row.local_cu_seqlens,
+            cu_seqlens_kv=row.local_cu_seqlens,
+            max_seqlen_q=row.longest,
+            max_seqlen_kv=row.longest,
+            context=row.context,
         )
         coeff = self.recipe.router_aux_loss_coeff() if inner.training else 0.0
-        balance = contextlib.nullcontext([])
-        if coeff > 0:  # the packed row is [1, T]: megatron routes its [T, 1] tokens in the same order
-            doc_ids, weights = document_weights(labels, cu, num_items)
-            combine = None
-            if context is not None:  # every context rank adds the whole documents' terms: a 1/CP share each
-                doc_ids, weights = context.take(doc_ids.view(1, -1)).reshape(-1), weights / context.size
-                combine = _summed_over(context)
-            balance = balancing(self.moe_layers(inner), doc_ids, weights, combine)
-        if context is not None:
-            if images:  # the image tokens of this slice's placeholders (the row's images are on every rank)
-                placeholders = (micro_batch.input_ids[0] == self.model_config.image_token_id).tolist()  # host
-                before = sum(placeholders[: context.start])
-                images["image_tokens"] = slice(before, before + sum(placeholders[context.start : context.end]))
-            ids = context.take(ids)
+        # the packed row is [1, T]: megatron routes its [T, 1] tokens in the same order
+        balance = (
+            balancing(self.moe_layers(inner), *slice_documents(row, num_items))
+            if coeff > 0
+            else contextlib.nullcontext([])
+        )
+        images = micro_batch.image_inputs(self.device)
+        if images and row.image_tokens is not None:
+            images["image_tokens"] = row.image_tokens
         with balance as layers:
-            logits = module(ids, None, None, packed_seq_params=params, **images)
+            logits = module(row.input_ids, None, None, packed_seq_params=params, **images)
         indexer_kl, terms = indexer_loss_of(inner), balance_terms([layer.pop_balance() for layer in layers])
         loss = training_loss(
-            logits, labels, cu, num_items, indexer_kl, self._indexer_loss_coeff(), terms, coeff, context=context
+            logits,
+            row.labels,
+            row.cu_seqlens,
+            num_items,
+            indexer_kl,
+            self._indexer_loss_coeff(),
+            terms,
+            coeff,
+            context=row.context,
         )
         metrics = {}
         if indexer_kl is not None:
@@ -162,8 +157,3 @@ def _image_model_names(module: nn.Module, state: Dict[str, torch.Tensor]) -> Dic
     if not isinstance(module, MultimodalGPTModel):
         return state
     return {k if k.startswith(VISION_PREFIXES) else "language_model." + k: v for k, v in state.items()}
-
-
-def _summed_over(context):
-    """``x`` summed over the context ranks, differentiably (the balance term's per-document statistics)."""
-    return lambda x: context.gather(x).sum(0)
