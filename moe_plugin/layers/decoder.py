@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.context import ContextSlice, refuse_with_context
+from ..ops.context import ContextSlice
+from .attention_inputs import AttentionInputs, layer_inputs
 from .attn_res import attn_res_point, ends_block, layer_stream
 from .composition import LayerParts, run_layer
 from .gated_dsa import GatedMLAAttention, MLACache
@@ -84,6 +85,7 @@ class DecoderLayer(nn.Module):
         return_indexer_loss: bool = False,
         token_mask: Optional[torch.Tensor] = None,
         context: Optional[ContextSlice] = None,
+        inputs: Optional[AttentionInputs] = None,
     ) -> LayerOutput:
         """Advance the residual stream through attention and MLP.
 
@@ -96,15 +98,14 @@ class DecoderLayer(nn.Module):
         MoE routes outside them (it holds the same mode). A cache (decoding) is never recomputed into.
         context: this rank's ``ContextSlice`` under context parallelism (``residual`` its slice of the row): the
         attention takes the row's documents from it, so cu_seqlens, cache and token_mask must be None.
+        inputs: the forward's ``AttentionInputs`` (``layers.attention_inputs``), in place of cu_seqlens,
+        token_mask and context.
         """
         mode = self.recompute_mode if cache is None else "off"
-        if context is not None:
-            refuse_with_context(cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
-            attn_kwargs = dict(context=context)
-        else:
-            attn_kwargs = dict(cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
+        inputs = layer_inputs(inputs, residual[0], cache, cu_seqlens=cu_seqlens, token_mask=token_mask, context=context)
+        attn_kwargs = dict(cache=cache, inputs=inputs)
         want_index = return_indexer_loss and self.attention_type == "mla"  # only MLA layers have an indexer
-        padding = None if token_mask is None else ~token_mask.bool()
+        padding = None if inputs.token_mask is None else ~inputs.token_mask
         parts = LayerParts(
             stream=partial(layer_stream, attn_res=self.attn_res, layer_idx=self.layer_idx, block_size=self.block_size),
             attention=partial(self._attention, attn_kwargs=attn_kwargs, want_index=want_index),

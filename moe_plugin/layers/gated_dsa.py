@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import MLAConfig
 from ..ops.checks import check_tensor
-from ..ops.context import ContextSlice, check_context_rows, refuse_with_context
+from ..ops.context import ContextSlice
 from ..ops.offsets import offsets_tensor
 from ..ops.dsa import (
     attention_target,
@@ -37,6 +37,7 @@ from ..ops.dsa import (
     indexer_topk,
     sparse_attention,
 )
+from .attention_inputs import AttentionInputs, layer_inputs
 from .norm import RMSNorm
 
 INIT_STD = 0.02
@@ -185,6 +186,7 @@ class GatedMLAAttention(nn.Module):
         return_indexer_loss: bool = False,
         token_mask: Optional[torch.Tensor] = None,
         context: Optional[ContextSlice] = None,
+        inputs: Optional[AttentionInputs] = None,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """hidden_states ``[B, T, D]`` -> ``[B, T, D]``, or ``(out, indexer_loss)`` if ``return_indexer_loss``.
 
@@ -201,20 +203,16 @@ class GatedMLAAttention(nn.Module):
         of the whole row's output. indexer_loss is then the mean over this rank's queries; the slices being
         equal, the mean of it over the context ranks is the whole row's loss, so the caller averages it over
         them (the trainer's gradient averaging over the context group does).
+        inputs: the forward's ``AttentionInputs`` (``layers.attention_inputs``), in place of cu_seqlens,
+        token_mask and context.
         """
         c = self.config
         check_tensor("hidden_states", hidden_states, shape=(None, None, c.hidden_size), floating=True)
-        if context is not None:
-            refuse_with_context(cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
-            check_context_rows(context, "hidden_states", *hidden_states.shape[:2])
-        if cu_seqlens is not None and cache is not None:
-            raise ValueError("cu_seqlens: packed sequences cannot be combined with a cache")
+        inputs = layer_inputs(
+            inputs, hidden_states, cache, cu_seqlens=cu_seqlens, token_mask=token_mask, context=context
+        )
+        cu_seqlens, token_mask, context = inputs.cu_seqlens, inputs.token_mask, inputs.context
         B, T, _ = hidden_states.shape
-        if token_mask is not None:
-            check_tensor("token_mask", token_mask, shape=(B, T))
-            if cu_seqlens is not None:
-                raise ValueError("token_mask: padding cannot be combined with cu_seqlens (pack only real tokens)")
-            token_mask = token_mask.bool()
         x = hidden_states
 
         q_latent = self.q_a_layernorm(self.q_a_proj(x))

@@ -15,8 +15,9 @@ from torch import nn
 
 from ..config import KDAConfig
 from ..ops.checks import check_tensor
-from ..ops.context import ContextSlice, check_context_rows, refuse_with_context
+from ..ops.context import ContextSlice
 from ..ops.conv import causal_conv1d, causal_conv1d_context
+from .attention_inputs import AttentionInputs, layer_inputs
 from ..ops.kda import chunk_kda, kda_gate_k3, kda_gate_kimi_linear, l2norm, naive_recurrent_kda
 from ..ops.kda.context_parallel import chunk_kda_context
 from ..ops.offsets import host_offsets
@@ -116,6 +117,7 @@ class KDAAttention(nn.Module):
         cache: Optional[KDACache] = None,
         token_mask: Optional[torch.Tensor] = None,
         context: Optional[ContextSlice] = None,
+        inputs: Optional[AttentionInputs] = None,
     ) -> torch.Tensor:
         """hidden_states ``[B, T, D]`` -> ``[B, T, D]``.
 
@@ -130,21 +132,17 @@ class KDAAttention(nn.Module):
         hidden_states is the rank's slice ``[B, context.length, D]`` of the row (B 1 when it packs several
         documents), cu_seqlens, cache and token_mask are None, and the output is the slice's part of the
         row's output. The convolutions' last W-1 inputs and the KDA state pass between the ranks.
+        inputs: the forward's ``AttentionInputs`` (``layers.attention_inputs``), in place of cu_seqlens,
+        token_mask and context.
         """
         cfg = self.config
         check_tensor("hidden_states", hidden_states, shape=(None, None, cfg.hidden_size), floating=True)
-        if context is not None:
-            refuse_with_context(cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask)
-            check_context_rows(context, "hidden_states", *hidden_states.shape[:2])
-        if cache is not None and cu_seqlens is not None:
-            raise ValueError("cu_seqlens: packed sequences cannot be decoded with a cache; pass one or the other")
+        inputs = layer_inputs(
+            inputs, hidden_states, cache, cu_seqlens=cu_seqlens, token_mask=token_mask, context=context
+        )
+        cu_seqlens, context = inputs.cu_seqlens, inputs.context
         B, T, _ = hidden_states.shape
-        real = None
-        if token_mask is not None:
-            check_tensor("token_mask", token_mask, shape=(B, T))
-            if cu_seqlens is not None:
-                raise ValueError("token_mask: padding cannot be combined with cu_seqlens (pack only real tokens)")
-            real = token_mask.bool().unsqueeze(-1)  # [B, T, 1]
+        real = None if inputs.token_mask is None else inputs.token_mask.unsqueeze(-1)  # [B, T, 1]
         heads = (B, T, cfg.num_heads, cfg.head_dim)
         keep = cache is not None
         x = hidden_states

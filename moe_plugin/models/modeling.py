@@ -27,6 +27,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from ..config import require
+from ..layers.attention_inputs import describe_inputs
 from ..layers.attn_res import attn_res_point, make_stream, stream_from_state
 from ..layers.decoder import DecoderLayer
 from ..layers.moe import MoERouter, balancing
@@ -206,19 +207,17 @@ class MoEPluginModel(MoEPluginPreTrainedModel):
                 token_mask = left_padding_mask(attention_mask, length, cache.seq_length)
             else:
                 x, cu_seqlens, index = pack_padded(x, attention_mask)
-        if cu_seqlens is not None and cache is not None:
-            raise ValueError("cu_seqlens: packed sequences cannot be decoded with a cache")
+        # the token layout every attention layer of this forward reads, its combinations checked once here
+        inputs = describe_inputs(*x.shape[:2], cu_seqlens, token_mask, context, decoding=cache is not None)
 
         residual = make_stream(x, mc.attn_res).state()  # tuples of tensors between modules (ZeRO-3's hooks)
         loads, index_losses = [], []
         for i, layer in enumerate(self.layers):
             residual, load, index_loss = layer(
                 residual,
-                cu_seqlens=cu_seqlens,
                 cache=cache[i] if cache is not None else None,
                 return_indexer_loss=return_indexer_loss,
-                token_mask=token_mask,
-                context=context,
+                inputs=inputs,
             )
             if load is not None:
                 loads.append(load)

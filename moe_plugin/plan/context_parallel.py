@@ -125,7 +125,8 @@ def context_attention(layer, context) -> Iterator[torch.Tensor]:
     attn = layer.self_attn
     forward, boundaries = attn.forward, gated_dsa._context_cu_seqlens
 
-    def with_context(h, cu_seqlens=None, cache=None, token_mask=None, **kwargs):
+    def with_context(h, cu_seqlens=None, cache=None, token_mask=None, inputs=None, **kwargs):
+        # the rest of the layer sees the slice's own documents (inputs, cu_seqlens); the attention the slice
         return forward(h, cache=cache, token_mask=token_mask, context=context, **kwargs)
 
     attn.forward = with_context
