@@ -47,7 +47,9 @@ from ..expert_adapters import experts_held
 from ..megatron.expert_tags import group_name, tag_expert_parameter
 from .grad_reduce import is_expert_parameter
 
-__all__ = ["ParallelLayout", "started_layout", "hide_expert_marks", "experts_held"]
+__all__ = ["ParallelLayout", "SHARDINGS", "started_layout", "hide_expert_marks", "experts_held"]
+
+SHARDINGS = ("zero3", "fsdp2")  # parallel.sharding: DeepSpeed's ZeRO-3 engine, torch's FSDP2 (training/engines)
 
 _STARTED: List["ParallelLayout"] = []  # the layout whose groups this process started (one at most)
 
@@ -69,13 +71,20 @@ class ParallelLayout:
     expert: int = 1
     tensor: int = 1
     context: int = 1
+    sharding: str = "zero3"  # the engine that shards the model: "zero3" (DeepSpeed) or "fsdp2" (torch's)
     started: bool = field(default=False, init=False, compare=False)
+    _meshes: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         _positive("world size (WORLD_SIZE)", self.world)
         _positive("parallel.expert_parallel_size", self.expert)
         _positive("tensor_model_parallel_size", self.tensor)
         _positive("parallel.context_parallel_size", self.context)
+        require(
+            self.sharding in SHARDINGS,
+            "parallel.sharding",
+            f"expected one of {list(SHARDINGS)}, got {self.sharding!r}",
+        )
         require(
             self.world % (self.context * self.tensor) == 0,
             "parallel.context_parallel_size",
@@ -92,7 +101,12 @@ class ParallelLayout:
     @classmethod
     def from_recipe(cls, parallel, world: int) -> "ParallelLayout":
         """The layout of a recipe's ``parallel`` section on ``world`` processes."""
-        return cls(world=world, expert=parallel.expert_parallel_size, context=parallel.context_parallel_size)
+        return cls(
+            world=world,
+            expert=parallel.expert_parallel_size,
+            context=parallel.context_parallel_size,
+            sharding=parallel.sharding,
+        )
 
     @property
     def data(self) -> int:
@@ -132,11 +146,12 @@ class ParallelLayout:
             f"the layout is for {self.world} processes but torch.distributed has {dist.get_world_size()}",
         )
         self._check_megatron()
-        import deepspeed
+        if self.sharding == "zero3":  # ZeRO-3 reduces expert gradients over DeepSpeed's own expert groups
+            import deepspeed
 
-        # DeepSpeed's communication layer wraps the process group that is up (idempotent)
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-        self._check_deepspeed()
+            # DeepSpeed's communication layer wraps the process group that is up (idempotent)
+            deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+            self._check_deepspeed()
         self.started = True
         _STARTED[:] = [self]
         return self
@@ -240,15 +255,32 @@ class ParallelLayout:
 
         return parallel_state.get_expert_data_parallel_group()
 
+    def dense_mesh(self, device_type: str):
+        """The one-dimensional ``DeviceMesh`` FSDP2 shards every parameter but the routed experts over: the
+        data x context ranks (every rank: tensor parallelism is 1), in rank order. Made once (collective the
+        first time)."""
+        require(self.started, "parallel.sharding", "FSDP2's mesh needs the layout's groups started (start())")
+        if device_type not in self._meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._meshes[device_type] = init_device_mesh(
+                device_type, (self.gradient_ranks,), mesh_dim_names=("data_context",)
+            )
+        return self._meshes[device_type]
+
     # ---- the expert tags ----
 
     def tag_expert_parameters(self, model: nn.Module, zero3: bool) -> int:
         """The one rule for the expert parameters of a built model (adapters included); returns how many were
         tagged. With the groups started and ZeRO-3: each one marked ``allreduce = False`` is tagged to be
-        partitioned within the expert-data-parallel group (module docstring). Without expert parallelism and
-        without the groups (the Hugging Face face on one process or data parallel), or without ZeRO-3 on one
-        process: the marks are removed (``hide_expert_marks``). Expert parallelism without ZeRO-3 is refused by
-        the DeepSpeed config check (``training.ds_config``) before this."""
+        partitioned within the expert-data-parallel group (module docstring). Under FSDP2 the marks stay as
+        they are (the engine keeps the marked parameters out of its mesh and reduces their gradients within the
+        expert-data-parallel group: ``training.engines.fsdp2``). Without expert parallelism and without the
+        groups (the Hugging Face face on one process or data parallel), or without ZeRO-3 on one process: the
+        marks are removed (``hide_expert_marks``). Expert parallelism without ZeRO-3 is refused by the
+        DeepSpeed config check (``training.ds_config``) before this."""
+        if self.sharding == "fsdp2":
+            return 0
         if self.started and zero3:
             params = [p for p in model.parameters() if is_expert_parameter(p)]
             for p in params:
@@ -264,6 +296,7 @@ class ParallelLayout:
 
     def stop(self) -> None:
         """Tear down megatron's parallel state (the default process group stays: whoever started it stops it)."""
+        self._meshes.clear()
         if self.started:
             from megatron.core import parallel_state
 

@@ -170,9 +170,15 @@ class ParallelSection(_Section):
     """``capacity_factor``: the per-rank load, over its balanced share, that the plan's dispatch buffers assume
     (``moe-plugin plan`` reads it); the trainer warns when a rank's measured load goes past it.
     ``moe_overlap_chunks``: N > 1 sends a rank's experts' tokens in N chunks, each chunk's experts running while
-    the next chunk travels (``megatron.expert_dispatch``); the numbers are bitwise those of 1."""
+    the next chunk travels (``megatron.expert_dispatch``); the numbers are bitwise those of 1.
+    ``sharding``: the engine that shards the model (``training/engines``): ``"zero3"``, DeepSpeed's ZeRO-3 (the
+    recipe's ``deepspeed`` config), or ``"fsdp2"``, torch's ``fully_shard`` per decoder layer and the root over the
+    data x context ranks, routed experts kept whole on their expert-parallel rank (docs/training.md, "FSDP2")."""
 
     backend: Literal["megatron", "hf"] = "megatron"
+    sharding: Literal["zero3", "fsdp2"] = "zero3"
+    # FSDP2: whether each layer frees its gathered parameters after its forward (gathered again for the backward)
+    reshard_after_forward: bool = True
     expert_parallel_size: int = _field(
         1, "use 1 (no expert parallelism) or a divisor of the experts and the world size", ge=1
     )
@@ -185,6 +191,17 @@ class ParallelSection(_Section):
     moe_overlap_chunks: int = _field(
         1, "use 1 (each all-to-all waited in turn) or up to the experts a rank holds, e.g. 2 or 4", ge=1
     )
+
+    def _problems(self) -> List[Problem]:
+        if self.sharding == "fsdp2" and self.backend != "megatron":
+            return [
+                (
+                    "sharding",
+                    '"fsdp2" runs on the megatron backend (the hf backend shards with ZeRO-3); use parallel.backend '
+                    '"megatron", or sharding "zero3"',
+                )
+            ]
+        return []
 
 
 class ScheduleSection(_Section):
@@ -336,6 +353,14 @@ class Recipe(_Section):
                     "parallel.context_parallel_size",
                     f"{cp} does not divide data.seq_len {self.data.seq_len}; every rank holds an equal slice of "
                     f"each row: make seq_len a multiple of {cp}",
+                )
+            )
+        if self.deepspeed is not None and self.parallel.sharding != "zero3":
+            problems.append(
+                (
+                    "deepspeed",
+                    f"is a DeepSpeed config, but parallel.sharding is {self.parallel.sharding!r}, which does not "
+                    'run DeepSpeed; remove "deepspeed", or set parallel.sharding "zero3"',
                 )
             )
         if self.router_balance is not None and self.lora is not None:

@@ -1,12 +1,14 @@
-"""One step's checkpoint of a run, written and read back: DeepSpeed's engine files (adapters or trainable
-parameters, optimizer shards, scheduler) under ``engine/`` beside the trainer's own state (step, losses, data
-position, RNG) and the layout-free trainable state (``trainable_state.py``: every trainable tensor and its AdamW
-moments whole, the schedule), through ``CheckpointManager``'s atomic step directories (``checkpoint.py``).
+"""One step's checkpoint of a run, written and read back: the engine's own files (DeepSpeed's: adapters or
+trainable parameters, optimizer shards, scheduler under ``engine/``; FSDP2 writes none) beside the trainer's own
+state (step, losses, data position, RNG) and the layout-free trainable state (``trainable_state.py``: every
+trainable tensor and its AdamW moments whole, the schedule), through ``CheckpointManager``'s atomic step
+directories (``checkpoint.py``).
 
-At the layout that wrote it a checkpoint loads through DeepSpeed's files (bitwise what was saved); at another
-world or expert-parallel size through the layout-free state, resharded to this run's layout.
+At the layout and engine that wrote it a checkpoint loads through the engine's own files when it has them
+(bitwise what was saved); at another world, expert-parallel or context-parallel size, under the other engine
+(``parallel.sharding``), or under FSDP2, through the layout-free state, resharded to this run's layout.
 
-Nothing is unpickled: the trainer's state is JSON and safetensors, the engine's files are checked first and
+Nothing is unpickled: the trainer's state is JSON and safetensors, DeepSpeed's files are checked first and
 load with ``weights_only=True`` (``compat/deepspeed.py``). Every function here is collective."""
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..compat.deepspeed import check_engine_files, safe_checkpoint_loading
 from .checkpoint import CheckpointManager
 from .trainer_state import read_trainer_state, write_trainer_state
 from .runtime import all_ok
@@ -61,12 +62,12 @@ def save_step(
     state: Callable[[], Dict],
     layout_free: Callable[[], Tuple[Dict[str, torch.Tensor], Dict]],
 ) -> str:
-    """Write step ``step``'s checkpoint; ``state()`` gives the trainer's part (the RNG states are added),
-    ``layout_free()`` (collective) the layout-free tensors and their metadata, which rank 0 writes.
+    """Write step ``step``'s checkpoint: ``engine``'s own files, ``state()`` the trainer's part (the RNG states
+    are added), ``layout_free()`` (collective) the layout-free tensors and their metadata, which rank 0 writes.
     Returns its directory."""
 
     def write(staging: str) -> None:
-        engine.save_checkpoint(staging, tag=ENGINE_TAG, exclude_frozen_parameters=True, save_latest=False)
+        engine.save(staging, ENGINE_TAG)
         write_trainer_state(staging, rank, {**state(), "step": step, "rng": rng_state()})
         tensors, meta = layout_free()
         if rank == 0:
@@ -76,9 +77,12 @@ def save_step(
 
 
 def written_layout(path: str) -> Optional[Dict]:
-    """The layout a checkpoint was written at (``trainable.json``'s), or None for one of an earlier version
-    (DeepSpeed's files only)."""
-    return read_trainable_meta(path)["layout"] if os.path.exists(os.path.join(path, META)) else None
+    """The layout a checkpoint was written at (``trainable.json``'s, with the engine that wrote it under
+    ``sharding``: "zero3" before there were two), or None for one of an earlier version (DeepSpeed's files only)."""
+    if not os.path.exists(os.path.join(path, META)):
+        return None
+    meta = read_trainable_meta(path)
+    return {**meta["layout"], "sharding": meta.get("sharding", "zero3")}
 
 
 def load_latest(
@@ -86,8 +90,8 @@ def load_latest(
 ) -> Optional[Tuple[int, str, Dict]]:
     """Load the newest complete checkpoint into ``engine`` (after removing leftovers of failed saves) and
     restore the RNG states; ``(step, directory, the trainer's state)``, or None when there is none. At the
-    layout that wrote it through DeepSpeed's files; at another one through the layout-free state, resharded
-    to ``layout`` (``r``: the LoRA rank), saying so in one line (``say``, rank 0)."""
+    layout and engine that wrote it through the engine's own files where it has them; otherwise through the
+    layout-free state, resharded to ``layout`` (``r``: the LoRA rank), saying so in one line (``say``, rank 0)."""
     if rank == 0:
         checkpoints.clean_leftovers()
     dist.barrier()
@@ -101,23 +105,15 @@ def load_latest(
     except ValueError as e:
         error = e
     agree(error, f"another rank found a damaged file in {path} (its error names it)")
-    here = {"world": layout.world, "expert": layout.expert, "context": layout.context}
-    if written is not None and {k: written.get(k, 1) for k in here} != here:
+    if written is not None and (written_by(written) != written_by(_here(layout, engine)) or not engine.own_files):
         return step, path, _load_resharded(path, step, engine, rank, layout, r, written, say)
-    try:  # engine.load_checkpoint runs collectives: its files are checked first, so that all ranks stop alike
-        check_engine_files(os.path.join(path, ENGINE_TAG), rank, dist.get_world_size())
+    try:  # loading runs collectives: the engine's files are checked first, so that all ranks stop alike
+        engine.check_own_files(path, ENGINE_TAG, rank, dist.get_world_size())
     except ValueError as e:
         error = e
     agree(error, f"another rank found a damaged file in {path} (its error names it)")
     try:
-        with safe_checkpoint_loading():
-            engine.load_checkpoint(
-                path,
-                tag=ENGINE_TAG,
-                load_module_strict=False,
-                load_optimizer_states=True,
-                load_lr_scheduler_states=True,
-            )
+        engine.load(path, ENGINE_TAG)
         follow_schedule(engine.optimizer, engine.lr_scheduler)  # the recipe's schedule (more steps: its new length)
         state = read_trainer_state(path, rank)
     except ValueError as e:
@@ -125,6 +121,21 @@ def load_latest(
     agree(error, f"another rank could not load the checkpoint {path} (its error names the file)")
     set_rng_state(state["rng"])
     return step, path, state
+
+
+def written_by(layout: Dict) -> Dict:
+    """What decides whether the engine's own files fit: the sizes and the engine of a checkpoint's ``layout``
+    (``trainable.json``; a checkpoint of an earlier version has no ``context`` (1) nor ``sharding`` (zero3))."""
+    return {
+        "world": layout["world"],
+        "expert": layout["expert"],
+        "context": layout.get("context", 1),
+        "sharding": layout.get("sharding", "zero3"),
+    }
+
+
+def _here(layout, engine) -> Dict:
+    return {"world": layout.world, "expert": layout.expert, "context": layout.context, "sharding": engine.name}
 
 
 def _processes(n: int) -> str:
@@ -143,18 +154,19 @@ def _load_resharded(
         error = e
     agree(error, f"another rank could not read the layout-free state of {path} (its error names the file)")
     if rank == 0:
+        was = written.get("sharding", "zero3")
+        under, now = (f" under {was}", f" under {engine.name}") if was != engine.name else ("", "")
         say(
             f"resuming step {step} written at {_processes(written['world'])} EP {written['expert']}"
-            f"{_cp(written.get('context', 1))} on {_processes(layout.world)} EP {layout.expert}{_cp(layout.context)}"
+            f"{_cp(written.get('context', 1))}{under} on {_processes(layout.world)} EP {layout.expert}"
+            f"{_cp(layout.context)}{now}"
         )
     try:
-        restore_trainable(engine.module, engine.optimizer, engine.lr_scheduler, tensors, meta, layout, r)
+        restore_trainable(engine, tensors, meta, layout, r)
     except ValueError as e:
         error = e
     agree(error, f"another rank could not restore the layout-free state of {path} (its error says why)")
-    accumulation = engine.gradient_accumulation_steps()
-    engine.global_steps, engine.micro_steps = step, step * accumulation
-    engine.global_samples = step * written["global_batch"]
+    engine.resumed_at(step, written["global_batch"])
     set_rng_state(state["rng"])
     return state
 

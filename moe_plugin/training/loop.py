@@ -1,15 +1,16 @@
 """The training loop: one loop for every backend and layout (see ``backends/base.py`` for the seam).
 
 ``train(recipe)`` validates everything it can before any process group or model exists (the recipe, the
-layout against the world size, the DeepSpeed config, the output directory), then builds the backend's model,
-hands it to ``deepspeed.initialize`` with a torch AdamW and the recipe's schedule, and runs optimizer steps of
-``gradient_accumulation_steps`` micro-batches. DeepSpeed's engine reduces gradients (ZeRO-3 within the groups
-``moe_plugin.parallel.layout`` tags), clips them with one norm on every rank and steps. The loss of a step
-is the mean over every label token of the global batch, whatever the layout: each micro-batch's token-loss
-sum is divided by the step's global token count times the engine's averaging factors (``step_scale``).
+layout against the world size, the engine's config, the output directory), then builds the backend's model,
+hands it to the sharding engine of ``parallel.sharding`` (``engines/``: DeepSpeed ZeRO-3 or torch's FSDP2) with
+a torch AdamW and the recipe's schedule, and runs optimizer steps of ``gradient_accumulation_steps``
+micro-batches. The engine reduces gradients (within the groups ``moe_plugin.parallel.layout`` owns), clips them
+with one global norm on every rank and steps. The loss of a step is the mean over every label token of the
+global batch, whatever the layout: each micro-batch's token-loss sum is divided by the step's global token
+count times the engine's averaging factors (``step_scale``).
 
 Checkpoints (every ``checkpoint.every`` steps and at the end) hold the adapters (or, for full training, every
-trainable parameter), optimizer shards, scheduler, step, data position and RNG states, never the frozen base;
+trainable parameter), optimizer state, scheduler, step, data position and RNG states, never the frozen base;
 a run started again on the same ``output_dir`` continues from the newest complete one. Nothing read back from a
 checkpoint is unpickled (``engine_state.py`` writes and reads a step): the trainer's own state is JSON and
 safetensors (``checkpoint.py``), DeepSpeed's engine files load with ``weights_only=True``
@@ -39,15 +40,14 @@ from ..fileio import write_json_atomic
 from ..lora import REPORT_ATTRIBUTE
 from ..weights.base_loading import PRECISION_NOTE
 from ..compat import check_all
-from ..compat.deepspeed import use_current_collectives
 from ..parallel.distributed import choose_device
 from ..parallel.layout import ParallelLayout
 from .backends import get_backend
 from .checkpoint import CheckpointManager
+from .engines import engine_class
 from .engine_state import agree, load_latest, rng_state, save_step, set_rng_state
 from .trainable_state import layout_free_state
 from .data.pipeline import StepBatches, eval_batches, label_token_count, load_examples, pack_examples
-from .ds_config import deepspeed_config, zero_stage
 from .exporting import write_outputs
 from .guards import StepGuard, TrainingStopped
 from .metrics.moe import MoEMetrics, global_parameter_counts
@@ -56,9 +56,8 @@ from ..recipe.world import check_layout, env_world_size
 from ..recipe.resolved_model import resolve_model
 from .run_dir import claim_for_training
 from .metrics.run_logger import make_logger
-from .runtime import all_ok, forget_processes, start_processes
-from .schedule import lr_scheduler
-from .step_math import balance_loads, global_sum, local_grad_norm, parameter_groups, step_scale
+from .runtime import all_ok, forget_processes, start_processes, stop_processes
+from .step_math import balance_loads, global_sum, step_scale
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped", "train"]
 
@@ -84,14 +83,12 @@ def train(recipe: Recipe, allow_changed_inputs: bool = False) -> TrainResult:
 class Trainer:
     """One run of a recipe on this process: ``run()`` does all of it; tests drive ``train_step`` themselves.
 
-    Construction validates the recipe against the world size and the DeepSpeed config before any process group
+    Construction validates the recipe against the world size and the engine's config before any process group
     exists, then starts the processes, reads the data, claims ``output_dir`` (rank 0: ``claim_for_training``),
     builds the backend's model, the engine and the data stream, and resumes from the newest complete checkpoint.
     """
 
     def __init__(self, recipe: Recipe, allow_changed_inputs: bool = False):
-        import deepspeed
-
         started = time.perf_counter()
         # DeepSpeed's, peft's and transformers' internals the run reaches, once (megatron's: its backend)
         check_all(("torch", "deepspeed", "peft", "transformers"))
@@ -101,15 +98,14 @@ class Trainer:
         self.model_config = self.resolved.model_config
         check_layout(recipe, world, self.model_config.moe.num_experts, self.model_config.moe.expert_format)
         layout = ParallelLayout.from_recipe(recipe.parallel, world)  # the one layout object of the run
-        self.ds_config = deepspeed_config(recipe, world)
-        self.zero3 = zero_stage(self.ds_config) == 3
+        self.engine_class = engine_class(layout.sharding)
+        self.engine_config = self.engine_class.config(recipe, world)
         self.device = choose_device()
         self.output_dir = os.path.abspath(recipe.output_dir)
         self.allow_changed_inputs = bool(allow_changed_inputs)
         self._owns_processes = start_processes(self.device)
-        use_current_collectives()  # ZeRO-3's collectives without torch's deprecation warnings in the progress bar
         self.rank = dist.get_rank()
-        self.run_dir, self.backend, self.logger, self.moe_metrics = None, None, None, None
+        self.run_dir, self.backend, self.logger, self.moe_metrics, self.engine = None, None, None, None, None
         try:
             schedule, error = recipe.schedule, None
             # read and checked before output_dir is claimed, so that a bad data file leaves no trace there
@@ -153,17 +149,10 @@ class Trainer:
             self.stream = StepBatches(
                 rows, schedule.micro_batch_size, schedule.gradient_accumulation_steps, self.layout.data, recipe.seed
             )
-            model = self.backend.build_model(self.ds_config)
+            model = self.backend.build_model(self.engine_config)
             self.counts = global_parameter_counts(model, self.layout.expert)  # every EP rank's experts
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            optimizer = torch.optim.AdamW(parameter_groups(trainable, schedule.weight_decay), lr=schedule.lr)
-            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model,
-                optimizer=optimizer,
-                lr_scheduler=lr_scheduler(optimizer, schedule),
-                config=self.ds_config,
-                dist_init_required=False,
-            )
+            self.engine = self.engine_class(model, recipe, self.layout, self.engine_config, self.backend)
+            self.optimizer, self.scheduler = self.engine.optimizer, self.engine.lr_scheduler
             self.logger = make_logger(self.rank, recipe.logging, self.output_dir, recipe.to_dict())
             # which LoRA targets matched in which layer kinds (K3's MLA layers have no q_proj/k_proj: lora.py), and
             # what the precision policy did with the tensors the base stores in fp32 (docs/precision.md)
@@ -206,11 +195,7 @@ class Trainer:
             self.run_dir = None
         if self._owns_processes:
             if dist.is_initialized():
-                import deepspeed.comm
-
-                # DeepSpeed's own teardown also drops the groups it cached (so a later run in this process, a
-                # notebook or a test, starts clean)
-                deepspeed.comm.destroy_process_group()
+                stop_processes()
             forget_processes()
             self._owns_processes = False
 
@@ -222,12 +207,12 @@ class Trainer:
             else (f"LoRA r={recipe.lora.r} on {list(recipe.lora.target_modules) + list(recipe.lora.target_parameters)}")
         )
         source = recipe.model.from_pretrained or f"preset {recipe.model.preset}"
-        stage, world = zero_stage(self.ds_config), dist.get_world_size()
+        world = dist.get_world_size()
         cp = f", context parallel {self.layout.context}" if self.layout.context > 1 else ""
         return (
             f"model: {source} ({self.backend.name} backend, {world} process{'es' * (world != 1)}, expert "
-            f"parallel {self.layout.expert}{cp}, ZeRO stage {stage}): {n_total:,} parameters, {n_trainable:,} "
-            f"trainable ({what})"
+            f"parallel {self.layout.expert}{cp}, {self.engine.describe()}): {n_total:,} parameters, "
+            f"{n_trainable:,} trainable ({what})"
         )
 
     def train_step(self, on_gradients: Optional[Callable[[], None]] = None) -> float:
@@ -239,20 +224,16 @@ class Trainer:
         local, norm = 0.0, None
         self.lr = self.optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves on in engine.step)
         for m, micro in enumerate(micro_batches):
-            loss, metrics = self.backend.loss(engine, micro, scale)
+            last = m == len(micro_batches) - 1
+            loss, metrics = self.backend.loss(engine.forward, micro, scale)
             self.moe_metrics.add_loss_metrics(metrics)  # megatron's indexer KL (the HF model's: by a hook)
-            engine.backward(loss)
-            if m == len(micro_batches) - 1:
-                if on_gradients is not None:
-                    on_gradients()
-                if not self.zero3:  # the engine reports a norm only under ZeRO; one process: the local grads
-                    norm = local_grad_norm(engine.module)
-            engine.step()
+            engine.backward(loss, last)
+            if last and on_gradients is not None:
+                on_gradients()
+            stepped = engine.step(last)
+            norm = stepped if last else norm
             local = local + loss.detach().double()  # read once, by the step's all-reduce
         step_loss = global_sum(local, self.device) / (layout.gradient_ranks * schedule.gradient_accumulation_steps)
-        if self.zero3:
-            norm = engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else None
         self.result.losses.append(step_loss)
         self.result.grad_norms.append(norm if norm is not None else float("nan"))
         self.last_loads = balance_loads(self.backend, engine.module, self.recipe.lora is None, self.device)
@@ -355,7 +336,7 @@ class Trainer:
         engine.eval()
         total, count = 0.0, 0
         for micro in mine:
-            loss, _ = self.backend.loss(engine, micro, 1.0)
+            loss, _ = self.backend.loss(engine.forward, micro, 1.0)
             total += float(loss)
             count += label_token_count(micro.labels, micro.cu_seqlens) / layout.context  # each CP rank has the row
         engine.train()

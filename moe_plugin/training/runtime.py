@@ -16,7 +16,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-__all__ = ["start_processes", "forget_processes", "all_ok"]
+__all__ = ["start_processes", "stop_processes", "forget_processes", "all_ok"]
 
 # the environment a one-process run set for itself; removed again by forget_processes, so that nothing started
 # later from this process (a launcher, a subprocess) inherits a rendezvous that is gone
@@ -61,6 +61,15 @@ def start_processes(device: torch.device) -> bool:
             forget_processes()
         raise
     return started
+
+
+def stop_processes() -> None:
+    """Destroy the process group ``start_processes`` started, through DeepSpeed's communication layer (which it
+    wrapped): DeepSpeed's teardown also drops the groups it cached, so that a later run in this process (a
+    notebook, a test) starts clean."""
+    import deepspeed.comm
+
+    deepspeed.comm.destroy_process_group()
 
 
 def forget_processes() -> None:

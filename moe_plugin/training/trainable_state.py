@@ -11,9 +11,13 @@ Files (rank 0 writes them; every rank takes part in the gathers):
   offsets: for LoRA the state is small (the planner's counts put the seed layout's adapters and moments at a few
   GB), one process can read it with no knowledge of the writer (``moe-plugin export --step``), and resharding is
   slicing the expert dimension and re-partitioning, both already this project's own code.
-* ``trainable.json``: the format, the AdamW step, the scheduler's state, those buffers' names, and the layout that
-  wrote it
-  (``world``, ``expert``, ``data``, the global batch in rows).
+* ``trainable.json``: the format, the AdamW step, the scheduler's state, those buffers' names, the layout that
+  wrote it (``world``, ``expert``, ``context``, ``data``, the global batch in rows) and the engine
+  (``sharding``: ``zero3`` or ``fsdp2``, ``training/engines``). It is the whole checkpoint of an FSDP2 run, and
+  what a run resumes from under the other engine.
+
+Every tensor is read and written through the engine (``Engine.whole_fp32``/``set_whole``): DeepSpeed's fp32
+partitions and optimizer state, FSDP2's ``DTensor`` shards.
 
 The data position (rows of the epoch consumed, a global count), the losses and the RNG are the trainer's state
 files (``trainer_state.write_trainer_state``); rank 0's are read at another layout. Nothing here is pickled.
@@ -56,23 +60,6 @@ def _trainable(module: nn.Module) -> Iterator[Tuple[str, nn.Parameter]]:
     return ((n, p) for n, p in module.named_parameters() if p.requires_grad)
 
 
-def _full(p: nn.Parameter, optimizer) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's whole (local-expert) fp32 value and moments of ``p``; collective under ZeRO-3 (over the
-    parameter's partition group)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    value = safe_get_full_fp32_param(p)
-    if value is not None:  # ZeRO (any stage) or DeepSpeed's bf16 optimizer: its fp32 master and moments
-        return (value.detach().float().cpu(),) + tuple(
-            safe_get_full_optimizer_state(p, key).detach().float().cpu() for key in MOMENTS
-        )
-    state = adam_states(optimizer).get(p, {})  # a plain torch AdamW (one process, fp32)
-    zeros = torch.zeros(p.shape, dtype=torch.float32)
-    return (p.detach().float().cpu(),) + tuple(
-        state[k].detach().float().cpu() if k in state else zeros for k in MOMENTS
-    )
-
-
 def _whole_experts(name: str, p: nn.Parameter, value: torch.Tensor, ep: int, r: int) -> torch.Tensor:
     """``value`` of an expert parameter, all-gathered over the expert-parallel group (collective at EP > 1)."""
     if ep == 1 or not is_expert_parameter(p):
@@ -82,13 +69,15 @@ def _whole_experts(name: str, p: nn.Parameter, value: torch.Tensor, ep: int, r: 
     return all_gather_expert(name, value, r)
 
 
-def gather_trainable(module: nn.Module, optimizer, layout, r: int, buffers=()) -> Dict[str, torch.Tensor]:
-    """Every trainable tensor of ``module`` and its moments, whole (module docstring), and the named
-    ``buffers`` that training changes (full training moves the routers' selection bias). Collective."""
+def gather_trainable(engine, layout, r: int, buffers=()) -> Dict[str, torch.Tensor]:
+    """Every trainable tensor of ``engine``'s model and its moments, whole (module docstring; each through the
+    engine's ``whole_fp32``), and the named ``buffers`` that training changes (full training moves the routers'
+    selection bias). Collective."""
+    module = engine.module
     named_buffers = dict(module.named_buffers())
     out = {name: named_buffers[name].detach().float().cpu().clone() for name in buffers}
     for name, p in _trainable(module):
-        for key, value in zip(("",) + tuple(":" + k for k in MOMENTS), _full(p, optimizer)):
+        for key, value in zip(("",) + tuple(":" + k for k in MOMENTS), engine.whole_fp32(p)):
             out[name + key] = _whole_experts(name, p, value, layout.expert, r)
     return out
 
@@ -97,9 +86,9 @@ def layout_free_state(engine, layout, r: int, global_batch: int, buffers=()) -> 
     """What ``write_trainable`` writes for ``engine`` now: the tensors (``gather_trainable``, collective; with the
     named ``buffers`` training changes) and the metadata (the AdamW step, the scheduler, the buffers' names, the
     layout and the global batch in rows)."""
-    tensors = gather_trainable(engine.module, engine.optimizer, layout, r, buffers)
+    tensors = gather_trainable(engine, layout, r, buffers)
     steps = [s["step"] for s in adam_states(engine.optimizer).values() if "step" in s]
-    adam_step = int(steps[0]) if steps else int(engine.global_steps)
+    adam_step = int(steps[0]) if steps else engine.optimizer_steps
     meta = {
         "adam_step": adam_step,
         "scheduler": engine.lr_scheduler.state_dict(),
@@ -111,6 +100,7 @@ def layout_free_state(engine, layout, r: int, global_batch: int, buffers=()) -> 
             "data": layout.data,
             "global_batch": global_batch,
         },
+        "sharding": engine.name,
     }
     return tensors, meta
 
@@ -171,27 +161,6 @@ def _local(name: str, p: nn.Parameter, value: torch.Tensor, layout, r: int) -> t
     return slice_experts(value, factor, first, last, experts)
 
 
-@torch.no_grad()
-def _set(
-    p: nn.Parameter, optimizer, value: torch.Tensor, moments: Tuple[torch.Tensor, torch.Tensor], step: int
-) -> None:
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    from ..weights.loader import write_flat
-
-    if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):  # ZeRO-3, or ZeRO-1/2 and DeepSpeed's bf16 optimizer
-        safe_set_full_fp32_param(p, value.to(p.device))
-        for key, m in zip(MOMENTS, moments):
-            safe_set_full_optimizer_state(p, m.to(p.device), key)
-        write_flat(p, 0, value)  # the low-precision copy the forward reads (this rank's partition under ZeRO-3)
-        return
-    p.data.copy_(value.view(p.shape))
-    adam_states(optimizer)[p] = {
-        "step": torch.tensor(float(step)),
-        **{k: m.view(p.shape).to(p.device).clone() for k, m in zip(MOMENTS, moments)},
-    }
-
-
 def _start_adam_states(optimizer) -> None:
     """AdamW's state of every tensor it steps, as its first step creates it (step 0, zero moments), where it does
     not exist yet: a fresh engine's optimizer has none, and DeepSpeed writes moments into existing state."""
@@ -202,12 +171,11 @@ def _start_adam_states(optimizer) -> None:
 
 
 @torch.no_grad()
-def restore_trainable(
-    module: nn.Module, optimizer, scheduler, tensors: Dict[str, torch.Tensor], meta: Dict, layout, r: int
-) -> None:
-    """Write ``read_trainable``'s tensors into this rank's parameters, partitions and AdamW state, resharded to
-    ``layout``, and restore the step and the schedule. ValueError naming what does not fit (another model or
-    adapter)."""
+def restore_trainable(engine, tensors: Dict[str, torch.Tensor], meta: Dict, layout, r: int) -> None:
+    """Write ``read_trainable``'s tensors into this rank's parameters, partitions and AdamW state of ``engine``
+    (its ``set_whole``), resharded to ``layout``, and restore the step and the schedule. ValueError naming what
+    does not fit (another model or adapter)."""
+    module, optimizer, scheduler = engine.module, engine.optimizer, engine.lr_scheduler
     _start_adam_states(optimizer)
     named_buffers, buffers = dict(module.named_buffers()), list(meta.get("buffers", []))
     for name in buffers:
@@ -235,7 +203,7 @@ def restore_trainable(
             f"is {list(full[0].shape)} in the checkpoint but "
             f"{list(shape)} in this run; resume with the same model and lora sections",
         )
-        _set(p, optimizer, full[0], (full[1], full[2]), meta["adam_step"])
+        engine.set_whole(p, full[0], (full[1], full[2]), meta["adam_step"])
     for state in adam_states(optimizer).values():  # the flat partitions of ZeRO, and every plain-AdamW state
         if "step" in state:
             step = state["step"]

@@ -298,3 +298,15 @@ def test_absurd_sizes_are_refused_naming_the_field_and_the_largest(section, key,
         recipe_from_dict(smallest(**{section: {key: value}}))
     message = str(caught.value)
     assert f"{section}.{key}: must be <=" in message and largest in message and "\n" not in message, message
+
+
+def test_sharding_takes_zero3_or_fsdp2_and_fsdp2_refuses_what_it_does_not_run():
+    """``parallel.sharding``: zero3 (the default) or fsdp2; FSDP2 runs on the megatron backend and without a
+    DeepSpeed config, and each refusal names the field and the fix."""
+    assert recipe_from_dict(smallest()).parallel.sharding == "zero3"
+    assert recipe_from_dict(smallest(parallel={"sharding": "fsdp2"})).parallel.sharding == "fsdp2"
+    assert _problems(smallest(parallel={"sharding": "fsdp"}))["parallel.sharding"].startswith("must be one of")
+    message = _problems(smallest(parallel={"sharding": "fsdp2", "backend": "hf"}))["parallel.sharding"]
+    assert "runs on the megatron backend" in message and 'sharding "zero3"' in message
+    message = _problems(smallest(parallel={"sharding": "fsdp2"}, deepspeed="ds_configs/zero3_lora.json"))["deepspeed"]
+    assert "parallel.sharding is 'fsdp2'" in message and 'remove "deepspeed"' in message

@@ -1,12 +1,14 @@
 """A checkpoint resumes at another layout (docs/training.md, "Resume anywhere"): written at EP 2 x ZeRO-3 on 4
 processes after step 2, resumed on 2 processes at EP 1 and on 1 process; and written on 1 process, resumed on 4
-at EP 2. Each resumed run's losses equal the uninterrupted one-process run's (the layouts equal one process to
+at EP 2; and across engines: ZeRO-3 (4 processes, EP 2) -> FSDP2 (2 processes, EP 1) -> ZeRO-3 (2 processes,
+EP 2). Each resumed run's losses equal the uninterrupted one-process run's (the layouts equal one process to
 fp32 rounding), its final adapter agrees within the Adam bound, and it says in one line what changed."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 
 import pytest
@@ -40,6 +42,10 @@ def _moved(recipe: dict, tmp, name: str, world: int, ep: int) -> dict:
     shutil.copytree(recipe["output_dir"], tmp / name)
     moved = _at(tmp, name, world, ep, backend=recipe["parallel"]["backend"])
     return moved if recipe.get("lora") is not None else _full(moved)
+
+
+def _under_fsdp2(recipe: dict) -> dict:
+    return dict(recipe, deepspeed=None, parallel={**recipe["parallel"], "sharding": "fsdp2"})
 
 
 def _adapter(recipe: dict) -> dict:
@@ -86,6 +92,9 @@ def runs(tmp_path_factory):
     )[0]
     on_two = _moved(written4, tmp, "from-w4-on-w2", 2, 1)
     truncated = _moved(damaged4, tmp, "damaged-w4-on-w2", 2, 1)
+    # across engines: step 3 under FSDP2 from ZeRO-3's step 2, then step 4 under ZeRO-3 from FSDP2's step 3
+    chain_fsdp2 = _under_fsdp2(_moved(written4, tmp, "chain", 2, 1))
+    chain_zero3 = _at(tmp, "chain", 2, 2)
     cut = next((tmp / "damaged-w4-on-w2" / "checkpoints" / "step-00000004" / "engine").glob("zero_pp_rank_1_*optim*"))
     cut.write_bytes(cut.read_bytes()[:100])  # one rank's file of the newest checkpoint, cut short
     full_on_two = _moved(full4, tmp, "full-w4-on-w2", 2, 1)
@@ -97,6 +106,8 @@ def runs(tmp_path_factory):
             {"kind": "train", "recipe": on_two},
             {"kind": "train", "recipe": truncated},
             {"kind": "train", "recipe": full_on_two},
+            {"kind": "stop", "recipe": chain_fsdp2, "steps": 1},
+            {"kind": "train", "recipe": chain_zero3},
         ],
     )[0]
     on_one, hf_on_one = _moved(written4, tmp, "from-w4-on-w1", 1, 1), _moved(hf4, tmp, "hf-w4-on-w1", 1, 1)
@@ -119,6 +130,7 @@ def runs(tmp_path_factory):
         "longer": (one[2], one[3], one[4]),
         "full": (one[5], two[2]),
         "hf": (one[6], one_b[1]),
+        "chain": (two[3], two[4], chain_zero3),
     }
 
 
@@ -135,6 +147,27 @@ def test_a_checkpoint_resumes_at_another_layout(runs, which):
     for step, (a, b) in enumerate(zip(whole["losses"], got["losses"]), start=1):
         assert abs(a - b) <= 1e-5 * abs(a), (which, step, a, b)
     assert f"resuming step 2 written at {change}" in got["printed"], got["printed"][-2000:]
+    failures = check_final_adapters(_adapter(whole_recipe), _adapter(recipe), steps=STEPS, lr=LR)
+    assert not failures, failures[:8]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_zero3_run_resumes_under_fsdp2_and_back(runs):
+    """ZeRO-3 on 4 processes at EP 2 stops after step 2; FSDP2 on 2 processes at EP 1 resumes from its layout-free
+    state, trains step 3 and saves (FSDP2's checkpoint is that state alone); ZeRO-3 on 2 processes at EP 2
+    resumes from it and finishes. Every loss is the uninterrupted run's, the final adapter within the Adam bound."""
+    whole, whole_recipe = runs["whole"]
+    under_fsdp2, back, recipe = runs["chain"]
+    assert len(under_fsdp2["losses"]) == 3 and back["resumed_from"] == 3 and len(back["losses"]) == STEPS
+    for step, (a, b) in enumerate(zip(whole["losses"], back["losses"]), start=1):
+        assert abs(a - b) <= 1e-5 * abs(a), (step, a, b)
+    assert under_fsdp2["losses"] == back["losses"][:3]
+    assert "resuming step 3 written at 2 processes EP 1 under fsdp2 on 2 processes EP 2 under zero3" in back["printed"]
+    step3 = f"{recipe['output_dir']}/checkpoints/step-00000003"
+    with open(f"{step3}/trainable.json") as f:
+        assert json.load(f)["sharding"] == "fsdp2"
+    assert not os.path.exists(f"{step3}/engine")  # no DeepSpeed files: the layout-free state is all
     failures = check_final_adapters(_adapter(whole_recipe), _adapter(recipe), steps=STEPS, lr=LR)
     assert not failures, failures[:8]
 

@@ -1,6 +1,6 @@
-"""The trainer on 4 gloo processes (EP=2 x expert-data-parallel 2, ZeRO-3) equals one process, and resumes
-bitwise; both through the product's ``Trainer``/``train`` (tests/training/trainer_workers.py). One launch of 4
-processes and one of 1 run every scenario."""
+"""The trainer on 4 gloo processes (EP=2 x expert-data-parallel 2, ZeRO-3, and FSDP2) equals one process, and
+resumes bitwise; both through the product's ``Trainer``/``train`` (tests/training/trainer_workers.py). One launch
+of 4 processes and one of 1 run every scenario."""
 
 from __future__ import annotations
 
@@ -41,6 +41,14 @@ def _recipe(output_dir, world: int, ep: int, steps: int = 3, model=None, backend
 ROUTINGS = ("free", "empty_expert", "one_ep_rank")
 AUX = "balance_loss"  # the free routing with a strong balance loss: its gradient is a large part of the router's
 CHECKPOINTS = ("hf_checkpoint", "k3_checkpoint", "hf_backend", "hf_backend_ep")
+FSDP2 = "fsdp2"  # the free routing under parallel.sharding "fsdp2" (no DeepSpeed config)
+
+
+def _fsdp2(recipe_dict: dict, output_dir) -> dict:
+    out = copy.deepcopy(recipe_dict)
+    out.update(output_dir=str(output_dir), deepspeed=None)
+    out["parallel"]["sharding"] = FSDP2
+    return out
 
 
 def _checkpoints(tmp) -> dict:
@@ -112,12 +120,23 @@ def runs(tmp_path_factory):
     bases = _checkpoints(tmp)
     accumulation = {"name": "accumulation", "recipe": _recipe(tmp / "accumulation-w1", 1, 1)}
     accumulation["recipe"]["schedule"].update(micro_batch_size=1, gradient_accumulation_steps=4)
+    accumulation_fsdp2 = {"name": "accumulation_fsdp2", "recipe": _fsdp2(accumulation["recipe"], tmp / "acc-fsdp2")}
     one = run_distributed(
-        WORKER, world_size=1, timeout_s=900, recipes=[], scenarios=_scenarios(tmp, 1, 1, bases) + [accumulation]
+        WORKER,
+        world_size=1,
+        timeout_s=900,
+        recipes=[],
+        scenarios=_scenarios(tmp, 1, 1, bases) + [accumulation, accumulation_fsdp2],
     )
     recipes, resume = _resume_recipes(tmp, 4, 2)
+    fsdp2 = {"name": FSDP2, "recipe": _fsdp2(_recipe(tmp, 4, 2), tmp / "fsdp2-w4")}
     four = run_distributed(
-        WORKER, world_size=4, timeout_s=1800, scenarios=_scenarios(tmp, 4, 2, bases), recipes=recipes, resume=resume
+        WORKER,
+        world_size=4,
+        timeout_s=1800,
+        scenarios=_scenarios(tmp, 4, 2, bases) + [fsdp2],
+        recipes=recipes,
+        resume=resume,
     )
     return one[0], four
 
@@ -144,6 +163,26 @@ def test_ep2_zero3_on_4_processes_equals_one_process(runs, routing):
             per_expert = g.view(g.shape[0], -1, 8)  # [out, r * E] with expert-minor columns
             assert torch.count_nonzero(per_expert[:, :, 0]) == 0, name
             assert torch.count_nonzero(per_expert[:, :, 1:]) > 0, name
+
+
+def test_fsdp2_at_ep2_on_4_processes_equals_one_process(runs):
+    """FSDP2 (``fully_shard`` per decoder layer and the root over the 4 ranks, the routed experts and their
+    adapters whole on their EP rank, reduced within their expert-data pair) trains as one process does: losses,
+    gradient norms, every gradient and adapter element within the fp32 bounds, with clipping active on every
+    step. The clip's norm is one over both meshes: leaving the experts' part out fails step 1's gradient norm by
+    5x the bound (planted by hand). On one process, FSDP2 with 4 accumulated micro-batches equals DeepSpeed's
+    (the loss divided by the micro-batch count, the gradients reduced once)."""
+    one, four = runs
+    ref = one["scenarios"]["free"]
+    for rank, result in enumerate(four):
+        got = result["scenarios"][FSDP2]
+        assert got["engine"].startswith("FSDP2 over 4 ranks"), got["engine"]
+        failures = check_run(ref, got, tokens=TOKENS, chain=CHAIN, lr=LR, max_norm=MAX_NORM)
+        assert not failures, (rank, failures[:8])
+    ref, got = one["scenarios"]["accumulation"], one["scenarios"]["accumulation_fsdp2"]
+    assert got["engine"].startswith("FSDP2") and ref["engine"] == "ZeRO stage 0"
+    failures = check_run(ref, got, tokens=TOKENS, chain=CHAIN, lr=LR, max_norm=MAX_NORM)
+    assert not failures, failures[:8]
 
 
 def test_the_balance_term_is_the_same_in_every_layout_and_on_both_backends(runs):

@@ -31,12 +31,14 @@ def _force_routing(trainer, mode: str) -> None:
 def _full_grads(trainer) -> dict:
     """The reduced gradient of every adapter, full shape, under Hugging Face PEFT names (collective)."""
     from deepspeed.utils import safe_get_full_grad
+    from torch.distributed.tensor import DTensor
 
     module = trainer.engine.module
     saved = {}
     for name, p in module.named_parameters():
         if ".lora_" in name:
             g = safe_get_full_grad(p) if hasattr(p, "ds_id") else p.grad
+            g = g.full_tensor() if isinstance(g, DTensor) else g  # FSDP2's shard of the reduced gradient
             shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape
             saved[name] = (g if g is not None else torch.zeros(shape)).clone()
     return _state_with(trainer, module, saved)
@@ -110,15 +112,20 @@ def _state_with(trainer, module, tensors: dict) -> dict:
         from moe_plugin.parallel.hf_expert_parallel import whole_experts
 
         return dict(get_peft_model_state_dict(module, state_dict=whole_experts(module, dict(tensors))))
-    params = dict(module.named_parameters())
-    backup = {n: params[n].data for n in tensors}
-    try:
-        for n, t in tensors.items():
-            params[n].data = t
-        state = adapter_state_to_hf(module, trainer.model_config)
-    finally:
-        for n, t in backup.items():
-            params[n].data = t
+    from moe_plugin.parallel.zero3_gather import gathered
+
+    # FSDP2's shards registered whole for the moment (ZeRO-3's partitioned parameters take .data as they are)
+    sharded = [p for n, p in module.named_parameters() if n in tensors] if trainer.layout.sharding == "fsdp2" else []
+    with gathered(sharded):
+        params = dict(module.named_parameters())
+        backup = {n: params[n].data for n in tensors}
+        try:
+            for n, t in tensors.items():
+                params[n].data = t
+            state = adapter_state_to_hf(module, trainer.model_config)
+        finally:
+            for n, t in backup.items():
+                params[n].data = t
     return {"base_model.model." + k.replace(".default.", "."): v for k, v in state.items()}
 
 
@@ -164,6 +171,7 @@ def run_scenarios(scenarios: list) -> dict:
             _force_routing(trainer, scenario.get("routing", "free"))
             result = steps_with_gradients(trainer)
             result["grad_norms"] = list(trainer.result.grad_norms)
+            result["engine"] = trainer.engine.describe()
             if scenario.get("inspect"):
                 result["partitions"] = _partitions(trainer)
                 result["experts"] = _gathered_experts(trainer)

@@ -7,12 +7,14 @@ The loop (``moe_plugin.training.loop``) knows no backend's internals. A backend:
   is and how many there are: each data-parallel rank reads its own batches;
 * ``build_model(ds_config)``: the model with its base weights and adapters, already partitioned by ZeRO-3
   when the DeepSpeed config asks for stage 3 (built under ``deepspeed.zero.Init``, so no rank ever holds a
-  whole tensor it does not own);
+  whole tensor it does not own); ``ds_config`` is None under FSDP2 (the engine shards the built model);
 * ``loss(module, micro_batch, num_items)``: the forward of one micro-batch and its loss, the sum of its
   token losses divided by ``num_items`` (the loop passes the step's global label-token count over the
   data-parallel and accumulation factors, so the engine's averaging makes the step's gradient the gradient
   of the global token mean), plus any auxiliary losses, and a dict of detached metrics;
 * ``moe_layers(module)``: the MoE layers whose expert loads the loop sums for balancing and logging;
+* ``shard_units(module)``: the modules an FSDP2 engine shards one by one (the decoder layers; the root
+  takes the rest);
 * ``adapter_state(module)``: the full adapter tensors under Hugging Face PEFT names (gathered across
   expert-parallel and ZeRO ranks; collective), for the PEFT adapter the run writes at the end.
 """
@@ -45,7 +47,7 @@ class Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def build_model(self, ds_config: dict) -> nn.Module: ...
+    def build_model(self, ds_config: Optional[dict]) -> nn.Module: ...
 
     @abc.abstractmethod
     def loss(
@@ -57,6 +59,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def adapter_state(self, module: nn.Module) -> Dict[str, torch.Tensor]: ...
+
+    def shard_units(self, module: nn.Module) -> List[nn.Module]:
+        """The modules FSDP2 shards one by one (none by default: the root alone)."""
+        return []
 
     def teardown(self) -> None:
         """Undo ``setup_parallel`` (the loop destroys the default process group itself)."""

@@ -14,7 +14,7 @@ parameters tagged, by the one place that does it for every face (``parallel.expe
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -46,7 +46,7 @@ class MegatronBackend(Backend):
         use_current_collectives()  # no deprecation warnings from the dispatcher's gathers in the progress bar
         return self.layout.start(seed=self.recipe.seed)  # megatron builds its MoE layers from these groups
 
-    def build_model(self, ds_config: dict) -> nn.Module:
+    def build_model(self, ds_config: Optional[dict]) -> nn.Module:
 
         from ...megatron.multimodal import build_multimodal_gpt_model
         from ...megatron.specs import build_gpt_model, transformer_config
@@ -129,6 +129,9 @@ class MegatronBackend(Backend):
 
     def moe_layers(self, module: nn.Module) -> List[nn.Module]:
         return [layer.mlp for layer in module.decoder.layers if layer.is_moe_layer]
+
+    def shard_units(self, module: nn.Module) -> List[nn.Module]:
+        return list(module.decoder.layers)
 
     def adapter_state(self, module: nn.Module) -> Dict[str, torch.Tensor]:
         from ...megatron.lora import adapter_state_to_hf
