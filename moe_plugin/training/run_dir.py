@@ -31,7 +31,7 @@ LOCK = ".lock"
 _PROBE = ".moe_plugin_write_probe"
 # a resume may train longer, evaluate or log differently; output_dir names this same directory either way; and it
 # may run on another layout (its micro-batch, accumulation and DeepSpeed config with it), the global batch kept
-# (check_resume_layout)
+# (check_resume_layout), and under the other engine (the layout-free state is every engine's)
 RESUMABLE_CHANGES = (
     "schedule.steps",
     "eval",
@@ -43,6 +43,8 @@ RESUMABLE_CHANGES = (
     "schedule.micro_batch_size",
     "schedule.gradient_accumulation_steps",
     "deepspeed",
+    "parallel.sharding",
+    "parallel.reshard_after_forward",
 )
 # what a run writes once it has trained: a directory holding none of these has no output to protect
 OUTPUTS = ("checkpoints", "adapter", "model", "losses.json", "results.json")

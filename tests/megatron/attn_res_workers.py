@@ -89,7 +89,7 @@ def _trainer(recipe_dict: dict) -> dict:
             "first_loss": first,
             "adapters": trainer.backend.adapter_state(trainer.engine.module),
             "ep": trainer.layout.expert,
-            "zero3": trainer.zero3,
+            "zero3": trainer.engine.zero3,
         }
         seen = {"batches": [], "logits": [], "metrics": []}
         loss_fn, module = trainer.backend.loss, trainer.engine.module
