@@ -1,6 +1,7 @@
 """LoRA over packed experts through the product's Trainer: a model loaded from a K3-format MXFP4 (or INT4)
 checkpoint gives the logits and LoRA gradients of the same model with its experts dequantised once into fp32,
-in one process and at EP=2 x ZeRO-3 on 4 gloo processes; the packed tensors stay packed and unconverted."""
+in one process and at EP=2 x ZeRO-3 on 4 gloo processes; the packed tensors stay packed and unconverted. Under
+FSDP2 at EP=2 on 4 processes the same logits and gradients, the packed experts kept whole and unconverted."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def _recipe(
 
 
 CHECKPOINTED = [("megatron", "selective"), ("megatron", "full"), ("hf", "off"), ("hf", "selective"), ("hf", "full")]
+FSDP2 = [("mxfp4-fsdp2", "fp32", "off"), ("mxfp4-fsdp2-full", "fp32", "full"), ("mxfp4-fsdp2-bf16", "bf16", "off")]
 
 
 def _scenarios(tmp, bases: dict, world: int, ep: int) -> list:
@@ -79,6 +81,10 @@ def _scenarios(tmp, bases: dict, world: int, ep: int) -> list:
                 "recipe": _recipe(tmp / "mxfp4-bf16", bases["mxfp4"], world, ep, precision="bf16"),
             }
         )
+        for name, precision, mode in FSDP2:  # the packed experts kept out of FSDP2's shards
+            fsdp2 = _recipe(tmp / name, bases["mxfp4"], world, ep, precision=precision, checkpointing=mode)
+            fsdp2["deepspeed"], fsdp2["parallel"]["sharding"] = None, "fsdp2"
+            out.append({"name": name, "ids": IDS, "recipe": fsdp2})
     return out
 
 
@@ -145,6 +151,30 @@ def test_packed_experts_stay_packed_and_unconverted(runs, fmt):
                     assert first == (rank % 2) * (8 // ep) if ep > 1 else first == 0
                     layer = _layer_of(stored, tensors, first, fmt)
                     assert layer is not None, (name, where, rank, first)
+
+
+def test_fsdp2_over_the_packed_base_equals_one_process_and_keeps_the_experts_packed_and_whole(runs):
+    """FSDP2 at EP 2 on 4 processes over the MXFP4 base: the logits and every adapter gradient are one process's;
+    with full activation checkpointing bitwise FSDP2's without (each router called once); in fp32 and bf16 runs
+    the packed experts stay out of FSDP2's shards: whole on their EP rank, in the stored dtype and bytes."""
+    bases, one, four = runs
+    stored = load_file(str(bases["mxfp4"] / "model.safetensors"))
+    ref = one["mxfp4"]
+    for rank, result in enumerate(four):
+        off, full = result["mxfp4-fsdp2"], result["mxfp4-fsdp2-full"]
+        assert _rel(off["logits"], ref["logits"]) <= 1e-5, rank
+        assert sorted(off["grads"]) == sorted(ref["grads"]) and any("experts" in n for n in ref["grads"]), rank
+        for name, g in ref["grads"].items():
+            assert _rel(off["grads"][name], g) <= 1e-5, (rank, name)
+        assert full["loss"] == off["loss"] and full["router_calls"] == [1, 1, 1], rank
+        assert all(torch.equal(full["grads"][n], g) for n, g in off["grads"].items()), rank
+        for name in ("mxfp4-fsdp2", "mxfp4-fsdp2-bf16"):
+            resident = result[name]["resident"]
+            assert resident and all(here == whole for here, whole, _ in resident.values()), (rank, name)
+            assert {dtype for _, _, dtype in resident.values()} == {"torch.uint8"}, (rank, name)
+            for first, tensors in result[name]["packed"]:
+                assert first == (rank % 2) * 4, (rank, name, first)
+                assert _layer_of(stored, tensors, first, "mxfp4") is not None, (rank, name, first)
 
 
 def _layer_of(stored: dict, tensors: dict, first: int, fmt: str):

@@ -34,12 +34,13 @@ def _recipe(path: str, **changes) -> dict:
 
 
 @torch.no_grad()
-def hf_eval_loss(model, recipe: dict) -> float:
-    """The held-out loss as the trainer computes it, with a Hugging Face model."""
+def hf_eval_loss(model, recipe: dict, world: int = 0) -> float:
+    """The held-out loss as the trainer computes it on ``world`` processes (0: 2 with a DeepSpeed config, else 1),
+    with a Hugging Face model."""
     r = recipe_from_dict(recipe)
     _, held_out = load_examples(r.data, r.seed)
     rows = pack_examples(held_out, r.data.seq_len, r.data.pack)
-    world = 2 if r.deepspeed else 1
+    world = world or (2 if r.deepspeed else 1)
     total, count = 0.0, 0
     for micro in eval_batches(rows, r.schedule.micro_batch_size, r.eval.batches * world):
         out = model(input_ids=micro.input_ids, labels=micro.labels, cu_seqlens=micro.cu_seqlens, num_items_in_batch=1)
@@ -140,8 +141,9 @@ def test_chat_sft_data(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
-    """2 CPU processes, megatron EP=2 with ZeRO-3: the deepspeed launcher runs 2 steps, torchrun continues the
-    same output_dir to 4 from its checkpoint, and the adapter reproduces the reported evaluation loss."""
+    """2 CPU processes, megatron EP=2: the deepspeed launcher runs 2 steps with ZeRO-3, torchrun continues the
+    same output_dir to 4 from its checkpoint under FSDP2 (``parallel.sharding``, no DeepSpeed config), and the
+    adapter the FSDP2 run wrote reproduces the reported evaluation loss in plain peft on one process."""
     recipe = minimal(
         tmp_path / "run",
         seed=5,
@@ -169,6 +171,7 @@ def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
     )
     assert "expert parallel 2, ZeRO stage 3" in out
     recipe["schedule"]["steps"] = 4
+    recipe["deepspeed"], recipe["parallel"]["sharding"] = None, "fsdp2"
     second = tmp_path / "second.json"
     second.write_text(json.dumps(recipe))
     out = launch(
@@ -184,11 +187,13 @@ def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
             str(second),
         ]
     )
-    assert "resuming from the checkpoint at step 2" in out
+    assert "resuming from the checkpoint at step 2" in out and "expert parallel 2, FSDP2 over 2 ranks" in out
+    assert "written at 2 processes EP 2 under zero3 on 2 processes EP 2 under fsdp2" in out
     with open(tmp_path / "run" / "losses.json") as f:
         losses = json.load(f)
     assert len(losses) == 4
     with open(tmp_path / "run" / "results.json") as f:
         reported = json.load(f)
     assert reported["resumed_from"] == 2 and reported["steps"] == 4
-    assert math.isclose(hf_eval_loss(load_adapter(str(tmp_path / "run")), recipe), reported["eval_loss"], rel_tol=1e-5)
+    adapter = load_adapter(str(tmp_path / "run"))
+    assert math.isclose(hf_eval_loss(adapter, recipe, world=2), reported["eval_loss"], rel_tol=1e-5)
