@@ -52,8 +52,11 @@ def start_processes(device: torch.device) -> bool:
             init_distributed(device=device.type)
         import deepspeed
 
+        from ..compat.deepspeed import use_current_collectives
+
         # DeepSpeed's communication layer wraps the process group that is already up
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        use_current_collectives()  # ZeRO-3's collectives without torch's deprecation warnings in the progress bar
     except BaseException:
         if started and dist.is_initialized():
             dist.destroy_process_group()
