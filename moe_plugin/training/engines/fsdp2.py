@@ -70,7 +70,7 @@ class FSDP2Engine(Engine):
         self.layout, self.accumulation = layout, recipe.schedule.gradient_accumulation_steps
         self.max_norm = recipe.schedule.clip_grad_norm
         self.reshard_after_forward = recipe.parallel.reshard_after_forward
-        device = backend.device if backend is not None else torch.device("cpu")
+        self.device = device = backend.device if backend is not None else torch.device("cpu")
         self.mesh = layout.dense_mesh(device.type)
         experts = [p for p in model.parameters() if is_expert_parameter(p)]
         kept = {id(p) for p in experts}
@@ -125,8 +125,9 @@ class FSDP2Engine(Engine):
         """The norm of every trainable gradient of the model across all ranks (module docstring), fp64."""
         from torch.distributed.tensor import DTensor
 
-        dense = torch.zeros((), dtype=torch.float64)
-        experts = torch.zeros((), dtype=torch.float64)
+        # on the device: NCCL reduces device tensors only
+        dense = torch.zeros((), dtype=torch.float64, device=self.device)
+        experts = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.trainable:
             g = p.grad
             if g is None:
@@ -198,6 +199,7 @@ class FSDP2Engine(Engine):
 
 
 def _squares(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t``'s squared elements (its fp32 norm, squared in fp64)."""
     return torch.linalg.vector_norm(t.float()).double() ** 2
 
 
