@@ -15,8 +15,10 @@ belongs to and trained as one tensor across the ranks). Then:
   summed every EP rank's tokens into them) are summed over the expert-data-parallel group and divided by the
   data x context size, as ZeRO-3 does for its expert partitions (docs/zero3-ep.md).
 * Precision (``schedule.precision``): fp32 runs everything in fp32; bf16 gathers the sharded parameters in bf16
-  for compute and reduces gradients in fp32 (``MixedPrecisionPolicy``); the fp32 tensors the precision policy
-  keeps exact are buffers already (docs/precision.md) and FSDP2 leaves buffers alone.
+  for compute and reduces gradients in fp32 (``MixedPrecisionPolicy``), and stores the frozen floating-point
+  experts it does not gather in bf16 (as DeepSpeed's bf16 engine stores every parameter; the expert adapters stay
+  fp32 masters); the fp32 tensors the precision policy keeps exact are buffers already (docs/precision.md) and
+  FSDP2 leaves buffers alone.
 * Gradient accumulation: ``loss / A`` on every micro-batch; FSDP2's reduce-scatter and the experts' all-reduce
   run only after the last (``set_requires_gradient_sync``).
 * The step: one global norm over both meshes, ``sqrt(dense + experts)``: the sharded gradients' squares summed
@@ -75,6 +77,8 @@ class FSDP2Engine(Engine):
         experts = [p for p in model.parameters() if is_expert_parameter(p)]
         kept = {id(p) for p in experts}
         policy = mixed_precision(recipe.schedule.precision)
+        if policy.param_dtype is not None:  # the frozen experts FSDP2 does not gather compute in its dtype too
+            _cast_frozen(experts, policy.param_dtype)
         for unit in backend.shard_units(model) if backend is not None else []:
             fully_shard(
                 unit,
@@ -196,6 +200,15 @@ class FSDP2Engine(Engine):
             "step": torch.tensor(float(step)),
             **{k: _shard_like(p, m).clone() for k, m in zip(MOMENTS, moments)},
         }
+
+
+@torch.no_grad()
+def _cast_frozen(params, dtype: torch.dtype) -> None:
+    """The frozen floating-point ones of ``params`` stored in ``dtype`` (as DeepSpeed's bf16 engine stores every
+    parameter); packed integer experts and trainable tensors (fp32 masters) stay as they are."""
+    for p in params:
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def _squares(t: torch.Tensor) -> torch.Tensor:
