@@ -1,7 +1,7 @@
 """Context parallelism through the product's Trainer: the megatron image+text model (Attention Residuals on,
-KDA and Gated DSA with its indexer) at CP 2 x EP 2 x ZeRO-3 and at CP 4 x EP 2 on 4 gloo processes equals one
-process: every step's loss, gradient norm, reduced adapter gradient and adapter, within the fp32 bounds of
-tests/tolerances.py; with the per-document balance term (documents cut by the slices), with full
+KDA and Gated DSA with its indexer) at CP 2 x EP 2 x ZeRO-3, at CP 4 x EP 2 and at CP 2 x EP 2 x FSDP2 on 4 gloo
+processes equals one process: every step's loss, gradient norm, reduced adapter gradient and adapter, within
+the fp32 bounds of tests/tolerances.py; with the per-document balance term (documents cut by the slices), with full
 activation checkpointing, and without the indexer (as K3 ships), where the gated MLA attends head-parallel
 (its 2 heads over CP 2); and the Hugging Face face on the hf backend at CP 2 x EP 2. Rows are packed so that
 documents and images cross the slice boundaries.
@@ -31,6 +31,8 @@ LAYOUTS = {
     "cp2_ep2_heads": (2, 2, "off", 0.0, 1, "heads"),
     # the Hugging Face face on the hf backend, the balance term on: the same row cut (training.context_rows)
     "hf_cp2_ep2_balance": (2, 2, "off", 1.0, 1, "indexer", "hf"),
+    # FSDP2 over the data x context mesh (parallel.sharding), full activation checkpointing, the balance term on
+    "fsdp2_cp2_ep2_full_balance": (2, 2, "full", 1.0, 1, "indexer", "megatron", "fsdp2"),
 }
 
 
@@ -40,10 +42,24 @@ def _reference(layout):
 
 
 def _cp_recipe(
-    tmp, name, bases, data, world, cp, ep, checkpointing, balance, chunks=1, base="indexer", backend="megatron"
+    tmp,
+    name,
+    bases,
+    data,
+    world,
+    cp,
+    ep,
+    checkpointing,
+    balance,
+    chunks=1,
+    base="indexer",
+    backend="megatron",
+    sharding="zero3",
 ):
     base = bases[base]
     recipe = _recipe(tmp, f"{name}-w{world}", base, data, backend, world, ep, checkpointing)
+    if sharding != "zero3":
+        recipe["deepspeed"], recipe["parallel"]["sharding"] = None, sharding
     recipe["parallel"]["context_parallel_size"] = cp
     recipe["parallel"]["moe_overlap_chunks"] = chunks
     recipe["schedule"]["micro_batch_size"] = 4 // (world // cp)  # the same 4 rows a step in every layout
