@@ -6,7 +6,8 @@
   ``full_shape``, ``full_numel``, ``local_partition``, ``partition_group`` read them; ``tag_partition`` sets the
   ``ds_zero_partition_*``/``ds_zero_placement_family`` attributes ZeRO-3 reads to partition an expert
   parameter within its own group (moe_plugin.parallel.layout says why); ``partition_like`` calls the
-  ``convert_to_zero_parameters`` method ``Init`` attaches to a converted parameter.
+  ``convert_to_zero_parameters`` method ``Init`` attaches to a converted parameter. ``tiled_gradients`` sets
+  ``ds_grad_is_ready``, which ZeRO-3's optimizer reads before it reduces a gradient (a tiled loop's last one).
 * The private expert-group functions of ``deepspeed.utils.groups`` (``expert_groups``).
 * ``TorchCheckpointEngine.load``, replaced while an engine checkpoint loads (``safe_checkpoint_loading``).
 * The communication backend's collective attributes (``use_current_collectives``).
@@ -58,6 +59,7 @@ __all__ = [
     "tag_partition",
     "expert_groups",
     "inner_optimizer",
+    "tiled_gradients",
     "adam_states",
     "stepped_tensors",
 ]
@@ -234,6 +236,15 @@ def stepped_tensors(optimizer) -> list:
     return tensors + [t for t in getattr(optimizer, "fp32_partitioned_groups_flat", []) if id(t) not in known]
 
 
+def tiled_gradients(params, ready: bool) -> None:
+    """Tell ZeRO-3 whether the gradient now accumulating into each of ``params`` is its last of this backward
+    (``ds_grad_is_ready``, read by ``DeepSpeedZeroOptimizer_Stage3``): a computation tiled into a loop of module
+    calls, each with its own ``torch.autograd.backward`` (``ops.dsa.latent_attention``), sets False before all
+    but the last, so ZeRO-3 reduces the sum once, as DeepSpeed's own tiled MLP does. Harmless without ZeRO-3."""
+    for p in params:
+        p.ds_grad_is_ready = ready
+
+
 def partition_like(p: torch.Tensor, params) -> None:
     """Partition ``params`` as ZeRO-3 partitioned ``p`` was (its ``Init``'s config, within the groups their own
     tags name): ``p.convert_to_zero_parameters``, which ``Init`` attaches to every parameter it converts."""
@@ -296,7 +307,7 @@ def expert_groups(ep_size: int, name: str) -> Tuple[Any, Any]:
 _ZERO3_INIT = ("deepspeed.runtime.zero.partition_parameters", "Init._convert_to_deepspeed_param")
 _ZERO3_SET = ("ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_process_group", "ds_zero_partition_process_group")
 _ZERO3_OPTIMIZER = ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3")
-_ZERO3_OPTIMIZER_READS = ("ds_zero_placement_family", "ds_zero_partition_group_name")
+_ZERO3_OPTIMIZER_READS = ("ds_zero_placement_family", "ds_zero_partition_group_name", "ds_grad_is_ready")
 _SAFE_GLOBALS = (
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),

@@ -12,9 +12,11 @@ keys, values), it attends there as one process does, and one all-to-all brings e
 slice back. A rank then holds ``T / CP`` tokens' worth of every tensor and does ``1 / CP`` of the row's
 attention, whichever slice it holds. Otherwise queries stay local and the only exchange is one all-gather of
 the compressed latent (``c_kv`` and ``k_rope``, the ``kv_a_proj_with_mqa`` output) together with the indexer's
-keys, so every rank sees every key up to the end of its slice (later keys are causally invisible and dropped);
-the last rank expands the keys and values of the whole row. Attention, the top-k selection and the indexer loss
-see exactly the keys they would on one process either way (docs/context-parallel.md).
+keys, so every rank sees every key up to the end of its slice (later keys are causally invisible and dropped).
+The keys and values are expanded from that latent one chunk of keys at a time inside the attention's loop
+(``ops.dsa.latent_attention``, forward and backward), so no rank holds the whole row's expanded keys and values.
+Attention, the top-k selection and the indexer loss see exactly the keys they would on one process either way
+(docs/context-parallel.md).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
+from ..compat.deepspeed import tiled_gradients
 from ..config import MLAConfig
 from ..ops.checks import check_tensor
 from ..ops.context import ContextSlice
@@ -36,6 +39,14 @@ from ..ops.dsa import (
     indexer_scores,
     indexer_topk,
     sparse_attention,
+)
+from ..ops.dsa.latent_attention import (
+    DEFAULT_BLOCK,
+    DEFAULT_KEY_CHUNK,
+    causal_plan,
+    latent_attention,
+    latent_attention_target,
+    selection_plan,
 )
 from .attention_inputs import AttentionInputs, layer_inputs
 from .norm import RMSNorm
@@ -153,7 +164,13 @@ class GatedMLAAttention(nn.Module):
     Set ``indexer_warmup = True`` for the warm-up phase: attention stays dense while the indexer trains
     on the KL to the full attention; afterwards (the default) attention is sparse and the KL covers only
     the selected keys.
+
+    ``context_block_size`` and ``context_key_chunk``: the query block and the keys expanded at a time of the
+    gathered context path (``ops.dsa.latent_attention``).
     """
+
+    context_block_size = DEFAULT_BLOCK
+    context_key_chunk = DEFAULT_KEY_CHUNK
 
     def __init__(self, config: MLAConfig):
         super().__init__()
@@ -221,61 +238,112 @@ class GatedMLAAttention(nn.Module):
         index_inputs = None
         if self.indexer is not None:
             index_inputs = self.indexer(x.detach(), q_latent.detach())
-        offset = 0
         by_heads = heads_parallel(self.num_heads, self.indexer is not None, context)
-        if context is not None and not by_heads:  # keys: the whole row up to this slice's end; queries: this slice
-            need_index_keys = index_inputs is not None and (return_indexer_loss or not self.indexer_warmup)
-            # top-k alone takes no gradient: detached, the index keys' part of the gather's backward stays out
-            # of the indexer's parameters (None, as on one process, not zeros)
-            index_keys = None
-            if need_index_keys:
-                index_keys = index_inputs[1] if return_indexer_loss else index_inputs[1].detach()
-            latent, k_index = _gather_keys(context, latent, index_keys)
-            if need_index_keys:
-                index_inputs = (index_inputs[0], k_index, index_inputs[2])
-            offset = context.start
-            cu_seqlens = _context_cu_seqlens(context, x.device)
+        if context is not None and not by_heads:
+            o, index_loss = self._attend_gathered(q, latent, index_inputs, context, return_indexer_loss)
+            return self._output(o, x, index_loss, return_indexer_loss)
+        offset = 0
         c_kv, k_rope = latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         if cache is not None:
             offset = cache.length
             cache.c_kv = c_kv = _append(cache.c_kv, c_kv, "c_kv")
             cache.k_rope = k_rope = _append(cache.k_rope, k_rope, "k_rope")
-        S = c_kv.shape[1]
         key_mask = _key_mask(cache, token_mask, offset, B, T, x.device)
-        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, S, self.num_heads, -1)
-        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k_rope = k_rope.unsqueeze(2).expand(B, S, self.num_heads, c.qk_rope_head_dim)
+        if by_heads:  # no indexer; the key's two parts apart, in the exchange's layout
+            o = self._attend_by_heads(q, *self._expand_parts(c_kv, k_rope), context)
+            return self._output(o, x, None, return_indexer_loss)
+        k_nope, k_rope, v = self._expand_parts(c_kv, k_rope)
+        k = torch.cat([k_nope, k_rope], dim=-1)
         indices = None
-        if by_heads:  # no indexer; the key's two parts joined once, in the exchange's layout
-            o = self._attend_by_heads(q, k_nope, k_rope, v, context)
+        if index_inputs is not None:
+            q_index, k_index, weights = index_inputs
+            if cache is not None:
+                if offset and cache.index_keys is None:
+                    raise ValueError("cache.index_keys: the cache was filled without an indexer")
+                cache.index_keys = k_index = _append(cache.index_keys, k_index, "index_keys")
+            index_inputs = (q_index, k_index, weights)
+            if not self.indexer_warmup:
+                indices = indexer_topk(q_index, k_index, weights, c.index_topk, cu_seqlens, offset, key_mask=key_mask)
+        if indices is not None:
+            o = sparse_attention(q, k, v, indices, self.scale)
         else:
-            k = torch.cat([k_nope, k_rope], dim=-1)
-            if index_inputs is not None:
-                q_index, k_index, weights = index_inputs
-                if cache is not None:
-                    if offset and cache.index_keys is None:
-                        raise ValueError("cache.index_keys: the cache was filled without an indexer")
-                    cache.index_keys = k_index = _append(cache.index_keys, k_index, "index_keys")
-                index_inputs = (q_index, k_index, weights)
-                if not self.indexer_warmup:
-                    indices = indexer_topk(
-                        q_index, k_index, weights, c.index_topk, cu_seqlens, offset, key_mask=key_mask
-                    )
-            if indices is not None:
-                o = sparse_attention(q, k, v, indices, self.scale)
-            else:
-                o = dense_causal_attention(q, k, v, self.scale, cu_seqlens, offset, key_mask=key_mask)
-        o = o.reshape(B, T, self.num_heads * c.v_head_dim)
+            o = dense_causal_attention(q, k, v, self.scale, cu_seqlens, offset, key_mask=key_mask)
+        index_loss = None
+        if return_indexer_loss and index_inputs is not None:
+            target = attention_target(q.detach(), k.detach(), self.scale, cu_seqlens, offset, key_mask)
+            scores = indexer_scores(*index_inputs, cu_seqlens=cu_seqlens, query_offset=offset, key_mask=key_mask)
+            index_loss = indexer_kl_loss(scores, target, indices)
+        return self._output(o, x, index_loss, return_indexer_loss)
+
+    def _output(self, o, x, index_loss, return_indexer_loss: bool):
+        """The attention output ``o`` ``[B, T, H, v_head_dim]`` through the output gate and ``o_proj``, with the
+        indexer loss when asked for."""
+        B, T = o.shape[:2]
+        o = o.reshape(B, T, self.num_heads * self.config.v_head_dim)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))
         out = self.o_proj(o)
-        if not return_indexer_loss:
-            return out
-        if index_inputs is None:
-            return out, None
-        target = attention_target(q.detach(), k.detach(), self.scale, cu_seqlens, offset, key_mask)
-        scores = indexer_scores(*index_inputs, cu_seqlens=cu_seqlens, query_offset=offset, key_mask=key_mask)
-        return out, indexer_kl_loss(scores, target, indices)
+        return (out, index_loss) if return_indexer_loss else out
+
+    def _expand_parts(self, c_kv: torch.Tensor, k_rope: torch.Tensor):
+        """``c_kv`` ``[B, S, kv_lora_rank]`` and ``k_rope`` ``[B, S, qk_rope_head_dim]`` -> the keys' two parts
+        ``[B, S, H, qk_nope_head_dim]``, ``[B, S, H, qk_rope_head_dim]`` (the rope part shared, expanded) and the
+        values ``[B, S, H, v_head_dim]``."""
+        c = self.config
+        B, S, _ = c_kv.shape
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, S, self.num_heads, -1)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        return k_nope, k_rope.unsqueeze(2).expand(B, S, self.num_heads, c.qk_rope_head_dim), v
+
+    def _expand(self, latent: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The compressed latent ``[B, S, kv_lora_rank + qk_rope_head_dim]`` (``kv_a_proj_with_mqa``'s output) ->
+        keys ``[B, S, H, qk_head_dim]`` and values ``[B, S, H, v_head_dim]``."""
+        c = self.config
+        k_nope, k_rope, v = self._expand_parts(*latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1))
+        return torch.cat([k_nope, k_rope], dim=-1), v
+
+    def _attend_gathered(self, q, latent, index_inputs, context: ContextSlice, return_indexer_loss: bool):
+        """This rank's queries q ``[B, L, H, qk_head_dim]`` over the keys of the row up to its slice's end, from the
+        gathered compressed latent: keys and values expanded one chunk at a time inside the attention
+        (``ops.dsa.latent_attention``), never the whole row's at once. Returns the output ``[B, L, H, v_head_dim]``
+        and the indexer loss (None unless asked for with an indexer)."""
+        c = self.config
+        need_index_keys = index_inputs is not None and (return_indexer_loss or not self.indexer_warmup)
+        # top-k alone takes no gradient: detached, the index keys' part of the gather's backward stays out
+        # of the indexer's parameters (None, as on one process, not zeros)
+        index_keys = None
+        if need_index_keys:
+            index_keys = index_inputs[1] if return_indexer_loss else index_inputs[1].detach()
+        latent, k_index = _gather_keys(context, latent, index_keys)  # keys 0 .. context.end
+        if need_index_keys:
+            index_inputs = (index_inputs[0], k_index, index_inputs[2])
+        S, L = latent.shape[1], q.shape[1]
+        cu_seqlens = _context_cu_seqlens(context, q.device)
+        runs = [(0, L, context.start)]
+        indices = None
+        if index_inputs is not None and not self.indexer_warmup:
+            indices = indexer_topk(*index_inputs, c.index_topk, cu_seqlens, context.start)
+            plan = selection_plan(indices, S, self.context_block_size)
+        else:
+            plan = causal_plan(S, runs, cu_seqlens, device=q.device)
+        params = [*self.kv_a_layernorm.parameters(), *self.kv_b_proj.parameters()]
+        o = latent_attention(
+            q,
+            latent,
+            self._expand,
+            self.scale,
+            plan,
+            self.context_block_size,
+            self.context_key_chunk,
+            grads_ready=lambda ready: tiled_gradients(params, ready),
+        )
+        if not (return_indexer_loss and index_inputs is not None):
+            return o, None
+        target = latent_attention_target(
+            q.detach(), latent.detach(), self._expand, self.scale, runs, cu_seqlens, self.context_key_chunk
+        )
+        scores = indexer_scores(*index_inputs, cu_seqlens=cu_seqlens, query_offset=context.start)
+        return o, indexer_kl_loss(scores, target, indices)
 
     def _attend_by_heads(self, q, k_nope, k_rope, v, context: ContextSlice) -> torch.Tensor:
         """Dense causal attention of this rank's slice, head-parallel: q ``[B, L, H, qk_head_dim]``, the keys'

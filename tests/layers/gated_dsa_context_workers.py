@@ -25,6 +25,7 @@ HIDDEN = 32
 # the indexer loss is ~1e-5 (a KL between near-equal distributions) and its gradients are differences of
 # near-equal terms, whose fp32 rounding would dominate any comparison. At this scale both are O(0.1 .. 1).
 WEIGHT_STD = 0.3
+BLOCK, KEY_CHUNK = 2, 5
 
 
 def config(**kw) -> MLAConfig:
@@ -53,6 +54,8 @@ def build(case: dict) -> GatedMLAAttention:
             if isinstance(module, torch.nn.Linear):
                 module.weight.normal_(0.0, case.get("std", WEIGHT_STD))
     attn.indexer_warmup = case.get("warmup", False)
+    # the gathered path in several query blocks and chunks of expanded keys, whatever the slice
+    attn.context_block_size, attn.context_key_chunk = BLOCK, KEY_CHUNK
     return attn
 
 
@@ -123,8 +126,15 @@ def on_slice(case: dict, context: ContextSlice) -> dict:
 
     if context.exchange is not None:
         context = dataclasses.replace(context, exchange=counted)
+    widths, expand = [], attn._expand  # the keys expanded at once on the gathered path
+
+    def recorded(latent):
+        widths.append(latent.shape[1])
+        return expand(latent)
+
+    attn._expand = recorded
     got = _step(attn, context.take(x), context.take(probe), case, 1.0 / context.size, context=context)
-    return {**got, "exchanges": len(exchanges)}
+    return {**got, "exchanges": len(exchanges), "expanded": widths, "key_chunk": attn.context_key_chunk}
 
 
 def run(cases: List[dict]) -> List[dict]:

@@ -75,6 +75,9 @@ def check(case, ranks):
     config = gated_dsa_config(**case["config"])
     by_heads = not config.use_indexer and config.num_heads % len(ranks) == 0
     assert [r["exchanges"] for r in ranks] == [2 if by_heads else 0] * len(ranks), name
+    if not by_heads:  # the gathered latent is expanded a chunk at a time, never the keys up to the slice's end
+        for r in ranks:
+            assert r["expanded"] and max(r["expanded"]) <= r["key_chunk"] < r["end"], name
     assert [(r["start"], r["end"]) for r in ranks] == [
         (i * TOTAL // len(ranks), (i + 1) * TOTAL // len(ranks)) for i in range(len(ranks))
     ]
