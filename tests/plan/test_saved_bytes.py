@@ -113,3 +113,40 @@ def test_on_meta_the_largest_groups_hold_the_packed_experts_peak(monkeypatch):
     every_step = meta_loops.steps_to_run
     monkeypatch.setattr(experts, "steps_to_run", lambda steps, meta, kind, size: every_step(steps, False, kind, size))
     assert [_packed_meters(*case) for case in cases] == shortcut
+
+
+def _latent_meters(T, S, runs, offsets, block, key_chunk):
+    from moe_plugin.ops.dsa.latent_attention import causal_plan, latent_attention
+
+    q = torch.empty(1, T, 2, 8, device="meta", requires_grad=True)
+    latent = torch.empty(1, S, 6, device="meta", requires_grad=True)
+    proj = torch.empty(2 * (8 + 5), 6, device="meta", requires_grad=True)
+
+    def expand(x):  # MLA's up-projection, shrunk: per-head keys and values from the latent
+        k, v = torch.nn.functional.linear(x, proj).view(1, x.shape[1], 2, 13).split([8, 5], -1)
+        return k, v
+
+    plan = causal_plan(S, runs, torch.tensor(offsets) if offsets else None, device="meta")
+    fn = lambda: latent_attention(q, latent, expand, 0.5, plan, block, key_chunk)  # noqa: E731
+    working, peak = [], saved_bytes._LiveBytes()
+    saved = saved_bytes._run(fn, {}, "attn", working)
+    with peak:
+        fn().sum().backward()
+    return saved, working, peak.peak
+
+
+def test_on_meta_the_widest_chunks_hold_the_latent_attention_loops_peak(monkeypatch):
+    """On meta the latent attention expands only the widest chunk of each width and runs its widest block of each
+    size; its meters read what every chunk and block gives: a slice at the row's end, packed documents, two runs
+    of positions, a last chunk and block shorter than the rest."""
+    import moe_plugin.ops.dsa.latent_attention as latent
+
+    cases = [
+        (100, 300, [(0, 100, 200)], None, 32, 64),
+        (100, 300, [(0, 100, 200)], (0, 10, 150, 250, 300), 32, 96),
+        (90, 400, [(0, 45, 50), (45, 90, 355)], (0, 300, 400), 16, 128),
+    ]
+    shortcut = [_latent_meters(*case) for case in cases]
+    every_step = latent.steps_to_run
+    monkeypatch.setattr(latent, "steps_to_run", lambda steps, meta, kind, size: every_step(steps, False, kind, size))
+    assert [_latent_meters(*case) for case in cases] == shortcut

@@ -110,7 +110,7 @@ def _within(keys: BlockKeys, c0: int) -> BlockKeys:
     return BlockKeys(keys.lo - c0, keys.hi - c0, allowed=keys.allowed, pos=keys.pos)
 
 
-def _steps(b: int, T: int, S: int, block: int, key_chunk: int, plan: ChunkPlan, meta: bool):
+def _steps(b: int, T: int, S: int, block: int, key_chunk: int, plan: ChunkPlan, meta: bool, backward: bool = False):
     """``[(c0, c1, [(t0, t1, lo, hi), ...]), ...]``: each chunk of keys and the query blocks whose span meets it,
     with the part ``[lo, hi)`` they meet. On meta only the widest of each kind run (``ops.meta_loops``): a chunk
     holds its keys and values (its width) while its blocks run one at a time, each freeing what it makes (its
@@ -123,8 +123,20 @@ def _steps(b: int, T: int, S: int, block: int, key_chunk: int, plan: ChunkPlan, 
         if meets:
             meets = steps_to_run(meets, meta, kind=lambda s: s[1] - s[0], size=lambda s: s[3] - s[2])
             chunks.append((c0, c1, meets))
-    widest = lambda c: max(s[3] - s[2] for s in c[2])  # noqa: E731
-    return steps_to_run(chunks, meta, kind=lambda c: c[1] - c[0], size=widest)
+    if not meta:
+        return chunks
+    # a chunk's peak: its keys and values (its width) and its widest block of the largest peak, which grows with
+    # a block's query count and its width in the chunk: for each query count, the chunk where it is widest
+    chosen = set()
+    for size in {t1 - t0 for c in chunks for t0, t1, _, _ in c[2]}:
+        widest = lambda c, n=size: max((hi - lo for t0, t1, lo, hi in c[2] if t1 - t0 == n), default=-1)  # noqa: E731
+        chosen.update(c[0] for c in steps_to_run(chunks, meta, kind=lambda c: c[1] - c[0], size=widest))
+    run = [c for c in chunks if c[0] in chosen]
+    if backward and len(chunks) > 1:
+        # a chunk's parameter gradients after the first add to the sum so far (a new tensor each time), so on
+        # meta the first chunk runs once before the ones that set the peak, as off meta
+        run = run[:1] + run
+    return run
 
 
 def _finite_or(x: torch.Tensor, fill: float) -> torch.Tensor:
@@ -197,7 +209,7 @@ def latent_backward(grad_out, q, latent, expand: Expand, out, lse, scale, plan, 
     shift_all = _finite_or(lse, math.inf).to(q.dtype)
     dq = torch.zeros_like(q) if q.requires_grad else None
     dlatent = torch.zeros_like(latent) if latent.requires_grad else None
-    steps = [_steps(b, T, S, block, key_chunk, plan, q.is_meta) for b in range(B)]
+    steps = [_steps(b, T, S, block, key_chunk, plan, q.is_meta, backward=True) for b in range(B)]
     last = max((b for b in range(B) if steps[b]), default=-1)
     for b in range(B):
         q_t, do_t = _head_major(q[b] * scale), _head_major(grad_out[b])
