@@ -118,17 +118,36 @@ def heads_parallel(num_heads: int, has_indexer: bool, context: Optional[ContextS
 
 
 def _gather_keys(
-    context: ContextSlice, latent: torch.Tensor, index_keys: Optional[torch.Tensor]
+    context: ContextSlice, latent: torch.Tensor, index_keys: Optional[torch.Tensor], end: int
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Every rank's ``latent`` ``[B, L, C]`` (and ``index_keys`` ``[B, L, D_I]``) joined into the row's keys
-    ``0 .. context.end``, in one all-gather when their dtypes agree."""
-    end = context.end
+    ``0 .. end``, in one all-gather when their dtypes agree."""
     if index_keys is None:
         return context.gather_sequence(latent, dim=1)[:, :end], None
     if index_keys.dtype != latent.dtype:
         return context.gather_sequence(latent, dim=1)[:, :end], context.gather_sequence(index_keys, dim=1)[:, :end]
     both = context.gather_sequence(torch.cat([latent, index_keys], dim=-1), dim=1)[:, :end]
     return both.split([latent.shape[-1], index_keys.shape[-1]], dim=-1)
+
+
+def _to_balanced(context: ContextSlice, *parts: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+    """``ContextSlice.to_balanced`` of each of ``parts`` ``[B, L, ...]`` (None stays None), in one all-to-all when
+    their dtypes agree."""
+    given = [p for p in parts if p is not None]
+    if len({p.dtype for p in given}) > 1:
+        return tuple(None if p is None else context.to_balanced(p) for p in parts)
+    B, L = given[0].shape[:2]
+    joined = context.to_balanced(torch.cat([p.reshape(B, L, -1) for p in given], dim=-1))
+    pieces = iter(joined.split([p[0, 0].numel() for p in given], dim=-1))
+    return tuple(None if p is None else next(pieces).reshape(p.shape) for p in parts)
+
+
+def _by_runs(runs, fn) -> torch.Tensor:
+    """``fn(t0, t1, position of t0)`` of each run of queries (``ops.dsa.latent_attention.QueryRuns``), joined
+    along the queries (dim 1); a single run's result as it is."""
+    if len(runs) == 1:
+        return fn(*runs[0])
+    return torch.cat([fn(t0, t1, pos) for t0, t1, pos in runs], dim=1)
 
 
 class LightningIndexer(nn.Module):
@@ -303,26 +322,37 @@ class GatedMLAAttention(nn.Module):
         return torch.cat([k_nope, k_rope], dim=-1), v
 
     def _attend_gathered(self, q, latent, index_inputs, context: ContextSlice, return_indexer_loss: bool):
-        """This rank's queries q ``[B, L, H, qk_head_dim]`` over the keys of the row up to its slice's end, from the
-        gathered compressed latent: keys and values expanded one chunk at a time inside the attention
-        (``ops.dsa.latent_attention``), never the whole row's at once. Returns the output ``[B, L, H, v_head_dim]``
-        and the indexer loss (None unless asked for with an indexer)."""
+        """This rank's queries q ``[B, L, H, qk_head_dim]`` over the gathered compressed latent: keys and values
+        expanded one chunk at a time inside the attention (``ops.dsa.latent_attention``), never the whole row's at
+        once. Where the slice cuts into ``CP`` pieces (``ContextSlice.balanced``) the queries (and the indexer's)
+        are re-laid out around attention so that every rank does the same work (``to_balanced``: a piece of every
+        rank's slice), the output sent back after (``from_balanced``); else a rank attends its own slice. Returns
+        the output ``[B, L, H, v_head_dim]`` and the indexer loss (None unless asked for with an indexer)."""
         c = self.config
         need_index_keys = index_inputs is not None and (return_indexer_loss or not self.indexer_warmup)
-        # top-k alone takes no gradient: detached, the index keys' part of the gather's backward stays out
-        # of the indexer's parameters (None, as on one process, not zeros)
-        index_keys = None
+        # top-k alone takes no gradient: detached, the index inputs' part of the gather's and the re-layout's
+        # backward stays out of the indexer's parameters (None, as on one process, not zeros)
+        q_index = weights = index_keys = None
         if need_index_keys:
-            index_keys = index_inputs[1] if return_indexer_loss else index_inputs[1].detach()
-        latent, k_index = _gather_keys(context, latent, index_keys)  # keys 0 .. context.end
-        if need_index_keys:
-            index_inputs = (index_inputs[0], k_index, index_inputs[2])
-        S, L = latent.shape[1], q.shape[1]
-        cu_seqlens = _context_cu_seqlens(context, q.device)
-        runs = [(0, L, context.start)]
+            q_index, index_keys, weights = index_inputs
+            if not return_indexer_loss:
+                q_index, index_keys, weights = q_index.detach(), index_keys.detach(), weights.detach()
+        L = q.shape[1]
+        runs = context.balanced_runs() if context.balanced else ((0, L, context.start),)
+        end = max(pos + t1 - t0 for t0, t1, pos in runs)  # the last key any of its queries sees
+        latent, k_index = _gather_keys(context, latent, index_keys, end)
+        if context.balanced:
+            q, q_index, weights = _to_balanced(context, q, q_index, weights)
+        S = latent.shape[1]
+        cu_seqlens = _context_cu_seqlens(context, q.device, end)
         indices = None
-        if index_inputs is not None and not self.indexer_warmup:
-            indices = indexer_topk(*index_inputs, c.index_topk, cu_seqlens, context.start)
+        if need_index_keys and not self.indexer_warmup:
+            indices = _by_runs(
+                runs,
+                lambda t0, t1, pos: indexer_topk(
+                    q_index[:, t0:t1], k_index, weights[:, t0:t1], c.index_topk, cu_seqlens, pos
+                ),
+            )
             plan = selection_plan(indices, S, self.context_block_size)
         else:
             plan = causal_plan(S, runs, cu_seqlens, device=q.device)
@@ -337,13 +367,19 @@ class GatedMLAAttention(nn.Module):
             self.context_key_chunk,
             grads_ready=lambda ready: tiled_gradients(params, ready),
         )
-        if not (return_indexer_loss and index_inputs is not None):
-            return o, None
-        target = latent_attention_target(
-            q.detach(), latent.detach(), self._expand, self.scale, runs, cu_seqlens, self.context_key_chunk
-        )
-        scores = indexer_scores(*index_inputs, cu_seqlens=cu_seqlens, query_offset=context.start)
-        return o, indexer_kl_loss(scores, target, indices)
+        index_loss = None
+        if return_indexer_loss and need_index_keys:
+            target = latent_attention_target(
+                q.detach(), latent.detach(), self._expand, self.scale, runs, cu_seqlens, self.context_key_chunk
+            )
+            scores = _by_runs(
+                runs,
+                lambda t0, t1, pos: indexer_scores(
+                    q_index[:, t0:t1], k_index, weights[:, t0:t1], cu_seqlens=cu_seqlens, query_offset=pos
+                ),
+            )
+            index_loss = indexer_kl_loss(scores, target, indices)
+        return (context.from_balanced(o) if context.balanced else o), index_loss
 
     def _attend_by_heads(self, q, k_nope, k_rope, v, context: ContextSlice) -> torch.Tensor:
         """Dense causal attention of this rank's slice, head-parallel: q ``[B, L, H, qk_head_dim]``, the keys'

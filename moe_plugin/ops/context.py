@@ -7,7 +7,8 @@ each KDA chunk's state exchange a chain over the ranks (docs/context-parallel.md
 The ops never import ``torch.distributed``: the collectives they need come in as ``gather``, a differentiable
 all-gather that ``moe_plugin.parallel.context_parallel`` builds over the context group, and ``shift``, its
 differentiable point-to-point (``shifted``), and ``exchange``, its differentiable all-to-all (``exchanged``, which
-re-lays a slice of every head out as the whole row of some heads: ``to_heads``, ``from_heads``). ``gather(x)``
+re-lays a slice of every head out as the whole row of some heads: ``to_heads``, ``from_heads``; or a slice's queries
+as pieces of every rank's for balanced attention work: ``to_balanced``, ``from_balanced``). ``gather(x)``
 takes this rank's tensor (the same shape on every rank) and returns ``[size, *x.shape]`` in rank order; its
 backward sums the gradient of every rank's copy and hands each rank its own part. ``shift(x, d)`` returns rank
 ``r - d``'s ``x`` (zeros on the first ``d`` ranks). ``exchange(x)`` takes ``[size, ...]`` and returns
@@ -148,6 +149,49 @@ class ContextSlice:
             raise ValueError(f"from_heads: expected the row's {self.total} positions, got shape {tuple(x.shape)}")
         parts = x.reshape(B, self.size, self.length, heads, D).permute(1, 0, 2, 3, 4)  # part j: rank j's tokens
         return self.exchanged(parts).permute(1, 2, 0, 3, 4).reshape(B, self.length, self.size * heads, D)
+
+    @property
+    def balanced(self) -> bool:
+        """Whether attention can re-lay the queries out for balanced work (``to_balanced``): several ranks and
+        slices that cut into ``size`` equal pieces (the row a multiple of ``size**2``)."""
+        return self.size > 1 and self.length % self.size == 0
+
+    def _piece_for(self, source: int, destination: int) -> int:
+        """Which piece of rank ``source``'s slice rank ``destination`` attends: piece ``destination`` of an
+        even rank's, piece ``size - 1 - destination`` of an odd rank's."""
+        return destination if source % 2 == 0 else self.size - 1 - destination
+
+    def balanced_runs(self) -> Tuple[Tuple[int, int, int], ...]:
+        """This rank's queries after ``to_balanced``, as runs ``(first, end, global position of the first)``: one
+        piece of ``length / size`` tokens from each rank, in rank order."""
+        n = self.length // self.size
+        return tuple(
+            (j * n, (j + 1) * n, j * self.length + self._piece_for(j, self.rank) * n) for j in range(self.size)
+        )
+
+    def to_balanced(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice ``[B, L, ...]`` -> the queries it attends for balanced work ``[B, L, ...]``
+        (``balanced_runs``): each slice is cut into ``size`` pieces and piece ``i`` of rank ``j`` goes to rank ``i``
+        (``j`` even) or ``size - 1 - i`` (``j`` odd), so that every rank gets one piece from each rank and the sum
+        of its pieces' positions, which causal attention's work follows, is the same on every rank. One
+        all-to-all of equal parts (``exchanged``)."""
+        B, L = x.shape[:2]
+        n = L // self.size
+        pieces = x.reshape(B, self.size, n, *x.shape[2:])
+        order = [self._piece_for(self.rank, r) for r in range(self.size)]  # part r: the piece rank r attends
+        got = self.exchanged(pieces[:, order].movedim(1, 0))  # [size, B, n, ...]: part j from rank j
+        return got.movedim(0, 1).reshape(x.shape)
+
+    def from_balanced(self, y: torch.Tensor) -> torch.Tensor:
+        """``to_balanced``'s inverse: the results of the queries this rank attended ``[B, L, ...]`` -> those of its
+        own slice ``[B, L, ...]``. One all-to-all."""
+        B, L = y.shape[:2]
+        n = L // self.size
+        got = self.exchanged(y.reshape(B, self.size, n, *y.shape[2:]).movedim(1, 0))  # part r: from rank r
+        back = [0] * self.size
+        for r in range(self.size):
+            back[self._piece_for(self.rank, r)] = r
+        return got[back].movedim(0, 1).reshape(y.shape)
 
     def take(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's part ``[start, end)`` of a whole row ``x`` along ``dim``."""

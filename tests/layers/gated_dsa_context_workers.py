@@ -18,6 +18,7 @@ import torch
 from moe_plugin.config import MLAConfig
 from moe_plugin.layers import gated_dsa
 from moe_plugin.layers.gated_dsa import GatedMLAAttention
+from moe_plugin.ops.dsa import latent_attention as latent_ops
 from moe_plugin.ops.context import ContextSlice
 
 HIDDEN = 32
@@ -68,13 +69,14 @@ def row(case: dict):
 
 
 @contextlib.contextmanager
-def recorded_topk(into: List[torch.Tensor]):
-    """Record every ``indexer_topk`` result the layer computes (patched where gated_dsa looks it up)."""
+def recorded_topk(into: List[tuple]):
+    """Record every ``indexer_topk`` result the layer computes with its queries' first position (patched where
+    gated_dsa looks it up)."""
     original = gated_dsa.indexer_topk
 
     def record(*args, **kwargs):
         out = original(*args, **kwargs)
-        into.append(out)
+        into.append((args[5] if len(args) > 5 else kwargs.get("query_offset", 0), out))
         return out
 
     gated_dsa.indexer_topk = record
@@ -84,10 +86,41 @@ def recorded_topk(into: List[torch.Tensor]):
         gated_dsa.indexer_topk = original
 
 
+def topk_by_position(recorded: List[tuple]) -> Optional[Dict[int, List[int]]]:
+    """Global query position -> its sorted selected key positions (empty slots dropped), or None when nothing
+    was selected."""
+    if not recorded:
+        return None
+    return {
+        offset + t: sorted(i for i in row.tolist() if i >= 0)
+        for offset, out in recorded
+        for t, row in enumerate(out[0])
+    }
+
+
+@contextlib.contextmanager
+def counted_attention(into: List[int]):
+    """Add to ``into[0]`` the FLOPs of every block the gathered path's attention forward runs: ``2 H Bq n (d_qk +
+    d_v)`` for a block of Bq queries on n keys (the products over its span, whatever the mask keeps)."""
+    original = latent_ops._online_block
+
+    def count(q_blk, k_t, v_t, keys, *rest):
+        H, Bq, D = q_blk.shape
+        into[0] += 2 * H * Bq * (keys.hi - keys.lo) * (D + v_t.shape[-1])
+        return original(q_blk, k_t, v_t, keys, *rest)
+
+    latent_ops._online_block = count
+    try:
+        yield
+    finally:
+        latent_ops._online_block = original
+
+
 def _step(attn, x, probe, case: dict, scale: float, **forward_kw) -> dict:
     x = x.detach().clone().requires_grad_(True)
-    topk: List[torch.Tensor] = []
-    with recorded_topk(topk):
+    topk: List[tuple] = []
+    flops = [0]
+    with recorded_topk(topk), counted_attention(flops):
         result = attn(x, return_indexer_loss=case.get("loss", False), **forward_kw)
     out, kl = result if isinstance(result, tuple) else (result, None)
     total = (out * probe).sum()
@@ -102,7 +135,8 @@ def _step(attn, x, probe, case: dict, scale: float, **forward_kw) -> dict:
         "x_grad": x.grad.detach(),
         "grads": grads,
         "kl": None if kl is None else kl.detach(),
-        "topk": topk[0] if topk else None,
+        "topk": topk_by_position(topk),
+        "attention_flops": flops[0],
     }
 
 
