@@ -151,12 +151,22 @@ def kda_held_lines() -> list:
     return [line]
 
 
-def mla_worker(lengths: list, heads: int = 8) -> dict:
-    """A gated MLA layer without the indexer (K3's kind, shrunk: 8 heads of 40 + 32 dims over a 32 + 8 latent)
-    on this rank's slice of a one-document row under the group's context parallelism, head-parallel and with
-    the all-gathered latent (the path the indexer or heads that do not divide take), per row length: the
-    layer's forward and backward peak of tensor bytes on this rank (``torch.profiler``), and this rank's
-    attention alone, forward and backward, timed with the other ranks idle (each rank in turn)."""
+MLA_PATHS = {
+    # name -> (head-parallel where it can, keys expanded at a time: None = the layer's chunk, the queries re-laid out)
+    "head-parallel": (True, None, False),
+    "whole-row expansion": (False, "row", False),
+    "blockwise": (False, None, True),
+}
+
+
+def mla_worker(lengths: list, paths: list, indexer: bool, heads: int = 8) -> dict:
+    """A gated MLA layer (K3's kind, shrunk: 8 heads of 40 + 32 dims over a 32 + 8 latent; with ``indexer`` the
+    DSA indexer, 4 heads of 16, top-256, attention sparse) on this rank's slice of a one-document row under the
+    group's context parallelism, along each of ``paths`` (``MLA_PATHS``: head-parallel; the gathered latent with
+    the keys and values of the row up to the slice's end expanded at once on contiguous slices, as before the
+    blockwise path; the blockwise path with its queries re-laid out), per row length: the layer's forward and
+    backward peak of tensor bytes on this rank (``torch.profiler``), and this rank's attention alone, forward
+    and backward, timed with the other ranks idle (each rank in turn)."""
     import time
 
     import torch
@@ -164,68 +174,83 @@ def mla_worker(lengths: list, heads: int = 8) -> dict:
 
     from moe_plugin.config import MLAConfig
     from moe_plugin.layers import gated_dsa
+    from moe_plugin.ops.context import ContextSlice
     from moe_plugin.parallel.context_parallel import context_slice
     from moe_plugin.testing.plan_measure import tensor_peak
 
     config = MLAConfig(
         hidden_size=64, num_heads=heads, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32,
-        qk_rope_head_dim=8, v_head_dim=32, use_indexer=False,
+        qk_rope_head_dim=8, v_head_dim=32, use_indexer=indexer, index_topk=256, index_n_heads=4, index_head_dim=16,
     )  # fmt: skip
     rank, size = dist.get_rank(), dist.get_world_size()
-    chosen, attend = gated_dsa.heads_parallel, gated_dsa.dense_causal_attention
+    chosen, balanced = gated_dsa.heads_parallel, ContextSlice.balanced
+    ops = {name: getattr(gated_dsa, name) for name in ("dense_causal_attention", "latent_attention")}
     out = {}
     for total in lengths:
-        for path in ("heads", "gather"):
+        for path in paths:
+            by_heads, chunk, relaid = MLA_PATHS[path]
             torch.manual_seed(0)
             layer = gated_dsa.GatedMLAAttention(config)
+            if chunk == "row":
+                layer.context_key_chunk = total
             x = torch.randn(1, total // size, 64, generator=torch.Generator().manual_seed(rank), requires_grad=True)
             calls = []
-
-            def recorded(*args, calls=calls, **kwargs):
-                calls.append((args, kwargs))
-                return attend(*args, **kwargs)
-
-            gated_dsa.dense_causal_attention = recorded
-            gated_dsa.heads_parallel = chosen if path == "heads" else (lambda *a: False)
+            for name, op in ops.items():
+                setattr(gated_dsa, name, lambda *a, op=op, calls=calls, **k: calls.append((op, a, k)) or op(*a, **k))
+            gated_dsa.heads_parallel = chosen if by_heads else (lambda *a: False)
+            ContextSlice.balanced = balanced if relaid else property(lambda self: False)
             try:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
                     layer(x, context=context_slice(total)).square().sum().backward()
             finally:
-                gated_dsa.dense_causal_attention, gated_dsa.heads_parallel = attend, chosen
+                for name, op in ops.items():
+                    setattr(gated_dsa, name, op)
+                gated_dsa.heads_parallel, ContextSlice.balanced = chosen, balanced
             peak = tensor_peak(p.profiler.kineto_results.events())["all"]
-            (q, k, v, *rest), kwargs = calls[0]
-            q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            op, (q, keys, *rest), kwargs = calls[0]
+            q, keys = (t.detach().clone().requires_grad_() for t in (q, keys))
+            rest = [t.detach().clone().requires_grad_() if torch.is_tensor(t) and t.requires_grad else t for t in rest]
             seconds = 0.0
             for turn in range(size):
                 dist.barrier()
                 if turn == rank:
                     start = time.perf_counter()
-                    attend(q, k, v, *rest, **kwargs).square().sum().backward()
+                    op(q, keys, *rest, **kwargs).square().sum().backward()
                     seconds = time.perf_counter() - start
             out[f"{path} {total}"] = {"peak": peak, "seconds": seconds}
     return out
 
 
-def mla_lines(lengths=(16384, 32768), cp: int = 4) -> list:
-    """Gated MLA at CP 4: the largest per-rank peak head-parallel against the all-gathered latent's (goal
-    <= 0.25), and the max / mean of the ranks' attention times (goal <= 1.1)."""
+def mla_lines(lengths=(16384, 32768), cp: int = 4, indexer: bool = True) -> list:
+    """Gated MLA at CP 4: the largest per-rank peak of the blockwise path against the whole-row expansion (goal
+    <= 0.25), and the max / mean of the ranks' attention times (goal <= 1.1); without the indexer, head-parallel
+    beside them."""
     from moe_plugin.testing.launch import run_distributed
 
+    paths = ["whole-row expansion", "blockwise"] + ([] if indexer else ["head-parallel"])
     ranks = run_distributed(
-        "benchmarks.context_parallel:mla_worker", world_size=cp, timeout_s=3000, lengths=list(lengths)
+        "benchmarks.context_parallel:mla_worker",
+        world_size=cp,
+        timeout_s=3000,
+        lengths=list(lengths),
+        paths=paths,
+        indexer=indexer,
     )
+    kind = "with the indexer (top-256)" if indexer else "no indexer"
     lines = []
     for total in lengths:
-        got = {path: [r[f"{path} {total}"] for r in ranks] for path in ("heads", "gather")}
+        got = {path: [r[f"{path} {total}"] for r in ranks] for path in paths}
         peak = {path: max(r["peak"] for r in rs) for path, rs in got.items()}
         balance = {
             path: max(r["seconds"] for r in rs) / (sum(r["seconds"] for r in rs) / cp) for path, rs in got.items()
         }
         lines.append(
-            f"context parallel gated MLA (8 heads, no indexer), CP {cp}, T {total:,}: largest per-rank peak "
-            f"head-parallel {peak['heads'] / 2**20:,.1f} MiB vs all-gathered latent {peak['gather'] / 2**20:,.1f} "
-            f"MiB, ratio {peak['heads'] / peak['gather']:.2f} (goal <= 0.25); attention time max/mean over the "
-            f"ranks: head-parallel {balance['heads']:.2f}, all-gathered latent {balance['gather']:.2f} (goal <= 1.1)"
+            f"context parallel gated MLA (8 heads, {kind}), CP {cp}, T {total:,}: largest per-rank peak "
+            + ", ".join(f"{path} {peak[path] / 2**20:,.1f} MiB" for path in paths)
+            + f"; blockwise / whole-row {peak['blockwise'] / peak['whole-row expansion']:.2f} (goal <= 0.25); "
+            + "attention time max/mean over the ranks: "
+            + ", ".join(f"{path} {balance[path]:.2f}" for path in paths)
+            + " (goal <= 1.1)"
         )
         print(lines[-1])
     return lines
@@ -239,13 +264,16 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--kda-only", action="store_true", help="only KDA's bytes held at CP 2 and 4 (seconds)")
     parser.add_argument("--mla-only", action="store_true", help="only gated MLA's peak and balance at CP 4")
+    parser.add_argument(
+        "--no-indexer", action="store_true", help="with --mla-only: gated MLA without the indexer (head-parallel too)"
+    )
     args = parser.parse_args(argv)
     if args.kda_only:
         kda_held_lines()
         return
     if args.mla_only:
         print(machine_line(1))
-        mla_lines()
+        mla_lines(indexer=not args.no_indexer)
         return
     T = args.seq_len
     print(machine_line(1))

@@ -353,7 +353,7 @@ class GatedMLAAttention(nn.Module):
                     q_index[:, t0:t1], k_index, weights[:, t0:t1], c.index_topk, cu_seqlens, pos
                 ),
             )
-            plan = selection_plan(indices, S, self.context_block_size)
+            plan = selection_plan(indices, S, self.context_block_size, runs, cu_seqlens)
         else:
             plan = causal_plan(S, runs, cu_seqlens, device=q.device)
         params = [*self.kv_a_layernorm.parameters(), *self.kv_b_proj.parameters()]

@@ -149,3 +149,25 @@ def test_refuses_what_it_cannot_use():
         latent_attention(q, latent, expand, 0.0, plan)
     with pytest.raises(ValueError, match="latent"):
         latent_attention(q, latent[0], expand, 0.4, plan)
+
+
+def test_sparse_over_runs_bounds_its_blocks_by_the_runs_visible_keys():
+    """Queries in two runs of positions (a re-laid-out slice), each run's top-k its own: the blocks' spans from the
+    runs (no read of the indices) give what the whole latent expanded gives."""
+    dtype, T, S, block, chunk = torch.float64, 10, 24, 3, 5
+    runs, cu = [(0, 5, 3), (5, 10, 19)], torch.tensor([0, 9, 24])
+    expand = Expand(dtype)
+    q, latent, probe = inputs(1, T, S, dtype, seed=4)
+    q_i, k_i, w_i = index_inputs(1, T, S, dtype=dtype)
+    indices = torch.cat(
+        [indexer_topk(q_i[:, a:b], k_i, w_i[:, a:b], 4, cu, pos) for a, b, pos in runs], dim=1
+    )  # fmt: skip
+    plan = selection_plan(indices, S, block, runs, cu)
+    got = grads(lambda: latent_attention(q, latent, expand, 0.4, plan, block, chunk), expand, q, latent, probe)
+
+    def reference():
+        k, v = expand(latent)
+        return sparse_attention_reference(q, k, v, indices, 0.4)
+
+    for name, a, b in zip(["output", "q", "latent", "norm", "proj"], got, grads(reference, expand, q, latent, probe)):
+        assert rel(a, b) < TOL[dtype], name

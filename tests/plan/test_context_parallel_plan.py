@@ -99,9 +99,12 @@ def test_the_mla_layers_gathered_latent_covers_the_whole_row():
 
     per_query = (saved(T, 2) - saved(T, 4)) / (T // 2 - T // 4)
     per_key = (saved(2 * T, 4) - saved(T, 2)) / T  # the same T / 2 queries, T more keys
-    assert saved(T, 8) == pytest.approx(saved(T, 4) - per_query * T // 8, rel=1e-9)
+    # (the queries are re-laid out in CP runs of T / CP^2: a few bytes of each run's bookkeeping beside)
+    assert saved(T, 8) == pytest.approx(saved(T, 4) - per_query * T // 8, rel=1e-3)
     m = mc.mla
-    assert per_key == (m.kv_lora_rank + m.qk_rope_head_dim + m.index_head_dim) * 2
+    latent = (m.kv_lora_rank + m.qk_rope_head_dim + m.index_head_dim) * 2
+    expanded = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 2
+    assert per_key == pytest.approx(latent, rel=1e-3) and per_key < latent + expanded / 100
 
 
 def test_the_kda_exchange_does_not_grow_with_the_row_or_the_group(recipe, cache):

@@ -53,6 +53,19 @@ def _uniform_blocks(T: int, block: int) -> List[Tuple[int, int]]:
     return [(t0, min(T, t0 + block)) for t0 in range(0, T, block)]
 
 
+def _runs_span(runs, num_keys: int, starts, t0: int, t1: int) -> Tuple[int, int]:
+    """The smallest key span holding every key visible to queries ``t0 .. t1-1`` of ``runs`` (``QueryRuns``; the
+    keys' document starts ``starts`` or None): the union of each run's part's ``visible_range``. Host ints."""
+    lo, hi = num_keys, 0
+    for r0, r1, pos in runs:
+        a, b = max(t0, r0), min(t1, r1)
+        if a < b:
+            lo_r, hi_r = visible_range(a, b, num_keys, pos - r0, starts)
+            if lo_r < hi_r:
+                lo, hi = min(lo, lo_r), max(hi, hi_r)
+    return (lo, hi) if lo < hi else (0, 0)
+
+
 def causal_plan(
     num_keys: int,
     runs: QueryRuns,
@@ -79,7 +92,7 @@ def causal_plan(
             allowed &= key_mask[b, lo:hi].to(allowed.device)
         return BlockKeys(lo, hi, allowed=allowed)
 
-    plan.span = lambda b, t0, t1: visible_range(t0, t1, num_keys, offset(t0), starts)
+    plan.span = lambda b, t0, t1: _runs_span(runs, num_keys, starts, t0, t1)
     plan.blocks = lambda T, block: [blk for r0, r1, _ in runs for blk in _shifted(_uniform_blocks(r1 - r0, block), r0)]
     return plan
 
@@ -88,11 +101,24 @@ def _shifted(blocks, by: int):
     return [(t0 + by, t1 + by) for t0, t1 in blocks]
 
 
-def selection_plan(indices: torch.Tensor, num_keys: int, block: int) -> ChunkPlan:
-    """Sparse attention: each query sees the keys ``indices`` ``[B, T, k]`` selects (``-1`` empty). A block's span
-    runs from its smallest to its largest selected key (from ``indexer_topk``'s visible ranges without a read,
-    else found once: ``sparse_op._spans``)."""
-    spans = _spans(indices, block, num_keys)
+def selection_plan(
+    indices: torch.Tensor,
+    num_keys: int,
+    block: int,
+    runs: Optional[QueryRuns] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> ChunkPlan:
+    """Sparse attention: each query sees the keys ``indices`` ``[B, T, k]`` selects (``-1`` empty). A block's span:
+    with ``runs`` (the queries' positions, ``causal_plan``; ``cu_seqlens`` the keys' documents) the keys visible to
+    its queries, which hold every key ``indexer_topk`` selects (host ints, no read); else from its smallest to its
+    largest selected key (from ``indexer_topk``'s visible ranges without a read, else found once:
+    ``sparse_op._spans``)."""
+    if runs is not None:
+        starts, T = host_offsets(cu_seqlens), indices.shape[1]
+        row = [_runs_span(runs, num_keys, starts, t0, t1) for t0, t1 in _uniform_blocks(T, block)]
+        spans = [row] * indices.shape[0]
+    else:
+        spans = _spans(indices, block, num_keys)
     idx_all = indices.long()
 
     def plan(b: int, t0: int, t1: int, lo: int, hi: int) -> BlockKeys:
