@@ -9,8 +9,8 @@ What one rank holds, planned for the worst rank, the last (its queries see every
   layer's own context path decides what it holds. Head-parallel (no indexer, the heads dividing over CP):
   the whole row's queries, keys and values of ``H / CP`` heads, which its attention op saves (q, k, v, output
   and log-sum-exp), the same on every rank. Otherwise the all-gathered latent (``c_kv`` + rope key) and index
-  keys of the whole row, and the keys and values it expands from them for every position up to its slice's
-  end, saved by the attention op as on one process;
+  keys of the whole row, saved by the blockwise attention (``ops.dsa.latent_attention``) with the rank's
+  re-laid-out queries, its keys and values expanded a chunk at a time (never the row's);
 - a KDA layer exchanges a fixed amount, whatever T is (``kda_exchange``): each rank's fp32 state and transition,
   ``H d_k (d_k + d_v)`` values, in each round of a prefix scan over the group (``ops/kda/context_parallel.py``),
   and the short convolutions' last ``W - 1`` inputs. The layer's HF face takes no context, so the bytes held for

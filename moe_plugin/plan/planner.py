@@ -334,7 +334,8 @@ def _at_devices(layout: Layout, devices: int, cp: int, ds) -> Layout:
 
 def _exchange(mc, layout: Layout) -> Dict[str, float]:
     """Per layer per rank under CP: KDA's exchange, and the gated-MLA keys the last rank gathers (the latent
-    and the index keys of the whole row; the keys and values it expands are in its activations)."""
+    and the index keys of the whole row; the one chunk of keys and values it expands at a time is in its
+    activations)."""
     cp = layout.context
     if cp <= 1:
         return {}
