@@ -30,7 +30,14 @@ from .training.metrics.logger import Logger, NullLogger
 from .training.metrics.moe import MoEMetrics
 from .training.metrics.run_logger import make_logger
 
-__all__ = ["MoEMetricsCallback", "MoETrainer", "CausalLMDataset", "collate_causal_lm", "datasets_for"]
+__all__ = [
+    "MoEMetricsCallback",
+    "MoETrainer",
+    "CausalLMDataset",
+    "collate_causal_lm",
+    "datasets_for",
+    "loadable_adapter_config",
+]
 
 
 class CausalLMDataset(torch.utils.data.Dataset):
@@ -98,14 +105,43 @@ class MoETrainer(Trainer):
             check_all(("deepspeed",))
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
-        # a model can only be expert-parallel once that module was imported (it imports megatron-core)
-        hep = sys.modules.get("moe_plugin.parallel.hf_expert_parallel")
-        if hep is None or hep.expert_parallel_size(self.model) == 1:
+        loadable_adapter_config(self.model)
+        if _expert_parallel_size(self.model) == 1:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        hep = sys.modules["moe_plugin.parallel.hf_expert_parallel"]
         state = hep.adapter_state(self.model)  # collective: every rank
         if self.args.should_save:
             save_trainer_output(self, output_dir, state)
+
+
+def _expert_parallel_size(model) -> int:
+    """The expert-parallel size ``parallelize_experts`` gave ``model`` (1 without it)."""
+    # a model can only be expert-parallel once that module was imported (it imports megatron-core)
+    hep = sys.modules.get("moe_plugin.parallel.hf_expert_parallel")
+    return 1 if hep is None else hep.expert_parallel_size(model)
+
+
+def loadable_adapter_config(model) -> None:
+    """Make the peft configs of ``model`` (a peft model of this project's ``MoEPluginForCausalLM``) say what plain
+    ``peft.AutoPeftModelForCausalLM.from_pretrained(adapter)`` needs of the adapter the Trainer saves: ``task_type``
+    "CAUSAL_LM" where the ``LoraConfig`` left it unset. Without it peft 0.21 writes an ``auto_mapping`` naming
+    ``moe_plugin.models.modeling``, which ``AutoPeftModel`` refuses as outside its import allowlist (peft/auto.py);
+    the adapter's tensors are the same either way. The base's path is absolute already
+    (``MoEPluginPreTrainedModel.from_pretrained``); a relative one recorded otherwise is made absolute here,
+    against this process's working directory, where it was loaded from. Anything else is left as it is."""
+    from .models.modeling import MoEPluginForCausalLM
+
+    configs = getattr(model, "peft_config", None)
+    get_base = getattr(model, "get_base_model", None)
+    if not isinstance(configs, dict) or get_base is None or not isinstance(get_base(), MoEPluginForCausalLM):
+        return
+    for config in configs.values():
+        if getattr(config, "task_type", "") is None:
+            config.task_type = "CAUSAL_LM"
+        base = getattr(config, "base_model_name_or_path", None)
+        if isinstance(base, str) and not os.path.isabs(base) and os.path.isdir(base):
+            config.base_model_name_or_path = os.path.abspath(base)
 
 
 def _wandb_section(wandb: Union[None, str, dict, object]):
@@ -136,8 +172,13 @@ class MoEMetricsCallback(TrainerCallback):
         self.metrics: Optional[MoEMetrics] = None
         self._handles = []
 
+    def on_init_end(self, args, state, control, **kwargs):
+        # at the end of Trainer(...): before transformers' own W&B callback starts a run at on_train_begin, and
+        # before the DeepSpeed engine is built in train(), whose ZeRO-3 set-up gathers
+        _prepare(args)
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        _check_args(args)
+        _prepare(args)  # again: a callback added after the Trainer was made never saw on_init_end
         if model is None:
             raise ValueError(
                 "MoEMetricsCallback: the Trainer passed no model to on_train_begin; add the callback "
@@ -155,7 +196,9 @@ class MoEMetricsCallback(TrainerCallback):
             )
         elif self.rank != 0:
             self.logger = NullLogger()
-        self.metrics = MoEMetrics(model)
+        loadable_adapter_config(model)  # before any save: checkpoints of save_strategy too
+        # the expert-parallel size: each EP rank's share of the load (moe/rank_load_max_over_mean)
+        self.metrics = MoEMetrics(model, ep_size=_expert_parallel_size(model))
         self._layers = [layer for _, layer in self.metrics.layers]
         for layer in self._layers:
             layer.reset_load()  # nothing counted before training belongs to the first window
@@ -220,6 +263,17 @@ def _summed(value):
         dist.all_reduce(t)
         t = t.cpu()
     return float(t) if t.dim() == 0 else t
+
+
+def _prepare(args) -> None:
+    """Refuse the settings ``_check_args`` names; under DeepSpeed (its communication layer is up once the
+    ``TrainingArguments`` exist) make ZeRO-3 call torch's current collectives, as the recipe trainer does: their
+    deprecated aliases printed a FutureWarning per step and rank into the progress bar."""
+    _check_args(args)
+    if args.deepspeed:
+        from .compat.deepspeed import use_current_collectives
+
+        use_current_collectives()
 
 
 def _check_args(args) -> None:

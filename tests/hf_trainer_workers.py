@@ -9,6 +9,7 @@ run is. Nothing here asserts.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -26,12 +27,88 @@ def probe_ids() -> torch.Tensor:
 
 
 def train_runs(runs: list) -> list:
-    """``[{"base", "output_dir", "deepspeed", "per_device", "steps", "wandb"[, "ep", "expert_adapters"]}]`` -> one
-    result per run. ``ep`` > 1: ``parallelize_experts`` after the load; ``expert_adapters``: LoRA on
-    ``experts.w1/w2/w3`` too, drawn per global expert (``prepare_expert_adapters``)."""
+    """``[{"base", "output_dir", "deepspeed", "per_device", "steps", "wandb"[, "ep", "expert_adapters",
+    "checkpointing", "record_metrics"]}]`` -> one result per run. ``ep`` > 1: ``parallelize_experts`` after the
+    load; ``expert_adapters``: LoRA on ``experts.w1/w2/w3`` too, drawn per global expert
+    (``prepare_expert_adapters``); ``record_metrics``: the callback's logged rows are returned (rank 0's).
+    ``{"refuse_wandb": dir, "base"}``: ``report_to="wandb"`` run from ``dir`` (see ``_refuse_wandb``)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # accelerate checks it; the group is already up
     os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"]
-    return [_train(**run) for run in runs]
+    return [_refuse_wandb(run["refuse_wandb"], run["base"]) if "refuse_wandb" in run else _train(**run) for run in runs]
+
+
+class _Rows:
+    """A ``Logger`` that keeps what the callback logs: ``[(step, {key: value})]``, a ``Distribution`` as its
+    list of values."""
+
+    def __init__(self):
+        self.rows = []
+
+    def log(self, step, metrics):
+        self.rows.append((step, {k: list(getattr(v, "values", [])) or v for k, v in metrics.items()}))
+
+    def __getattr__(self, name):  # start, step, image, message, close: nothing to keep
+        return lambda *args, **kwargs: None
+
+
+def _deprecations(caught) -> list:
+    """The distinct deprecation warnings (FutureWarning, DeprecationWarning) among ``caught``."""
+    kinds = (FutureWarning, DeprecationWarning)
+    return sorted({f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, kinds)})
+
+
+def _refuse_wandb(directory: str, base: str) -> dict:
+    """As a user runs it from ``directory``: ``TrainingArguments(report_to="wandb")`` with the callback, W&B
+    offline (no network). Returns the refusal's message and the W&B run folders left under ``directory``."""
+    import glob
+
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from moe_plugin.hf_trainer import CausalLMDataset, MoEMetricsCallback, collate_causal_lm
+    from moe_plugin.training.data.pipeline import arithmetic_examples
+
+    here, mode = os.getcwd(), os.environ.get("WANDB_MODE")
+    os.makedirs(directory, exist_ok=True)
+    os.chdir(directory)
+    os.environ["WANDB_MODE"] = "offline"
+    refused = None
+    try:
+        args = TrainingArguments(output_dir="out", use_cpu=True, max_steps=1, report_to="wandb", disable_tqdm=True)
+        trainer = Trainer(  # docs/hf-trainer.md section 1's
+            model=_peft(AutoModelForCausalLM.from_pretrained(base), expert_adapters=False),
+            args=args,
+            train_dataset=CausalLMDataset(arithmetic_examples(8, 0, "-")),
+            data_collator=collate_causal_lm,
+            callbacks=[MoEMetricsCallback(wandb="disabled")],
+        )
+        trainer.train()
+    except ValueError as e:
+        refused = str(e)
+    finally:
+        os.chdir(here)
+        if mode is None:
+            os.environ.pop("WANDB_MODE", None)
+        else:
+            os.environ["WANDB_MODE"] = mode
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and wandb.run is not None:  # a run transformers' callback started: end it here
+            wandb.finish()
+    return {
+        "refused": refused,
+        "wandb_dirs": sorted(glob.glob(os.path.join(directory, "**", "*run-*"), recursive=True)),
+    }
+
+
+def _peft(model, expert_adapters: bool):
+    """``model`` with the tests' LoRA (as docs/hf-trainer.md's, r = 4; ``task_type`` left unset, as peft allows),
+    seeded after the load, which draws differently under zero.Init: the same lora_A in every layout."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    params = ["experts.w1", "experts.w2", "experts.w3"] if expert_adapters else None
+    return get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate"], target_parameters=params)
+    )
 
 
 def _train(
@@ -44,8 +121,10 @@ def _train(
     ep: int = 1,
     expert_adapters: bool = False,
     checkpointing: bool = False,
+    record_metrics: bool = False,
 ) -> dict:
-    from peft import LoraConfig, get_peft_model
+    import warnings
+
     from transformers import AutoModelForCausalLM, TrainingArguments
 
     import moe_plugin  # noqa: F401  (registers the Auto classes)
@@ -85,24 +164,13 @@ def _train(
         w1 = model.model.layers[1].block_sparse_moe.experts.w1
         local_experts = int(getattr(w1, "ds_shape", w1.shape)[0])
         partitioned = hasattr(w1, "ds_id")  # read per rank from the checkpoint, then partitioned by ZeRO-3
-    # seeded after the load, which draws differently under zero.Init: the same lora_A in every layout
-    torch.manual_seed(0)
-    params = ["experts.w1", "experts.w2", "experts.w3"] if expert_adapters else None
-    model = get_peft_model(
-        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate"], target_parameters=params)
-    )
+    model = _peft(model, expert_adapters)
     if expert_adapters:
         from moe_plugin.parallel.hf_expert_parallel import prepare_expert_adapters
 
         prepare_expert_adapters(model, seed=0)
-    callback = MoEMetricsCallback(wandb=wandb)
-    trainer = MoETrainer(
-        model=model,
-        args=args,
-        train_dataset=CausalLMDataset(arithmetic_examples(400, 0, "-")),
-        data_collator=collate_causal_lm,
-        callbacks=[callback],
-    )
+    rows = _Rows() if record_metrics else None
+    callback = MoEMetricsCallback(wandb=wandb, logger=rows)
     from moe_plugin.training.metrics.routing import moe_layers
 
     router_calls = [0]
@@ -110,12 +178,21 @@ def _train(
         layer.router.register_forward_pre_hook(lambda *_: router_calls.__setitem__(0, router_calls[0] + 1))
         for layer in moe_layers(model)
     ]
-    trainer.train()
-    for hook in hooks:
-        hook.remove()
-    modes = sorted({m.recompute_mode for m in model.modules() if hasattr(m, "recompute_mode")})
-    adapter = os.path.join(output_dir, "adapter")
-    trainer.save_model(adapter)  # collective under ZeRO-3: the adapter is gathered, rank 0 writes it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning, each time: what the progress bar would show
+        trainer = MoETrainer(
+            model=model,
+            args=args,
+            train_dataset=CausalLMDataset(arithmetic_examples(400, 0, "-")),
+            data_collator=collate_causal_lm,
+            callbacks=[callback],
+        )
+        trainer.train()
+        for hook in hooks:
+            hook.remove()
+        modes = sorted({m.recompute_mode for m in model.modules() if hasattr(m, "recompute_mode")})
+        adapter = os.path.join(output_dir, "adapter")
+        trainer.save_model(adapter)  # collective under ZeRO-3: the adapter is gathered, rank 0 writes it
     model.eval()
     with torch.no_grad():  # every rank runs the forward: under ZeRO-3 each layer's weights are gathered
         logits = trainer.model_wrapped(input_ids=probe_ids()).logits.detach().clone()
@@ -136,6 +213,8 @@ def _train(
         "experts_partitioned": partitioned,
         "router_calls_per_layer": router_calls[0] / max(1, len(hooks)),
         "recompute_modes": modes,
+        "deprecations": _deprecations(caught),
+        "metric_rows": rows.rows if rows is not None else None,
     }
 
 

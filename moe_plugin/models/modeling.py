@@ -18,6 +18,7 @@ that differ (``strict=False`` to skip that).
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -79,8 +80,13 @@ class MoEPluginPreTrainedModel(PreTrainedModel):
         """transformers' ``from_pretrained``; with ``strict`` (the default) a checkpoint whose tensor names or
         shapes differ from the config raises a ValueError naming the first of them, instead of a warning. A local
         directory in K3's published layout (the release's config.json, per-expert and packed experts) loads
-        through the project's read planner (``loading.load_k3_layout``), with the same keywords."""
+        through the project's read planner (``loading.load_k3_layout``), with the same keywords. A local
+        directory is recorded by its absolute path (``model.name_or_path``): peft's ``get_peft_model`` copies it
+        into the adapter's ``base_model_name_or_path``, which ``AutoPeftModelForCausalLM`` opens from the loading
+        process's working directory, where a relative path would name nothing."""
         path = args[0] if args else kwargs.pop("pretrained_model_name_or_path", None)
+        if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+            path = os.path.abspath(path)
         if is_k3_layout(path):
             return load_k3_layout(cls, path, strict=strict, **kwargs)
         args = (path, *args[1:])

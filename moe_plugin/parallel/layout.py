@@ -131,6 +131,8 @@ class ParallelLayout:
         ``seed``: seeds torch's default generator and megatron's RNG tracker (``initialize_megatron``); None
         leaves the RNG alone. ``device``: prepares this process for it when it was not prepared yet.
         """
+        from ..compat import deepspeed as ds_compat
+        from ..compat import megatron as megatron_compat
         from .distributed import initialize_megatron
 
         initialize_megatron(
@@ -151,7 +153,12 @@ class ParallelLayout:
 
             # DeepSpeed's communication layer wraps the process group that is up (idempotent)
             deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+            ds_compat.use_current_collectives()
             self._check_deepspeed()
+        # torch's current collectives, not the deprecated aliases megatron-core (and DeepSpeed, above) bind, whose
+        # FutureWarnings ran through the progress bar on every rank: the recipe trainer's backends and the
+        # Hugging Face Trainer's parallelize_experts all start their groups here
+        megatron_compat.use_current_collectives()
         self.started = True
         _STARTED[:] = [self]
         return self

@@ -42,10 +42,8 @@ class HFBackend(Backend):
     def setup_parallel(self) -> ParallelLayout:
         if self.layout.expert > 1 or self.layout.context > 1:  # data parallel alone needs no megatron groups
             from ...compat import check_all
-            from ...compat.megatron import use_current_collectives
 
             check_all(("megatron",))
-            use_current_collectives()
             self.layout.start(seed=None)  # the loop restores the RNG after this; the seed draws nothing here
         return self.layout
 

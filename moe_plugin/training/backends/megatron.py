@@ -40,10 +40,8 @@ class MegatronBackend(Backend):
 
     def setup_parallel(self) -> ParallelLayout:
         from ...compat import check_all
-        from ...compat.megatron import use_current_collectives
 
         check_all(("megatron",))  # megatron-core's internals this backend reaches, once, before any is used
-        use_current_collectives()  # no deprecation warnings from the dispatcher's gathers in the progress bar
         return self.layout.start(seed=self.recipe.seed)  # megatron builds its MoE layers from these groups
 
     def build_model(self, ds_config: Optional[dict]) -> nn.Module:
