@@ -6,8 +6,8 @@
 The snippet's order (build, ``apply_expert_parallel``, ``fully_shard``, LoRA) with one change: LoRA goes on before
 ``fully_shard``. Adapters attached after it are not part of the shards: where the wrapped layer still runs, they
 are plain replicated tensors each rank trains on its own batches and nobody averages (the ranks' adapters drift
-apart: the check at the end); here peft cannot even wrap the sharded ``q_proj`` (it sees a 1/4 shard of the
-weight). The recipe trainer does the same with ``parallel.sharding: "fsdp2"`` (``training.engines.fsdp2``).
+apart: the check at the end); here peft, wrapping a sharded layer, sizes the adapter from the rank's 1/4 shard and
+the forward fails. The recipe trainer does the same with ``parallel.sharding: "fsdp2"`` (``training.engines.fsdp2``).
 """
 
 import sys
