@@ -4,7 +4,8 @@ once with ``parallel.sharding: "zero3"`` (the ZeRO-3 config the plan measures: t
 gradient bucket) and once with ``"fsdp2"``, in one launch.
 
 Printed per engine: the median seconds of a timed optimizer step (after one warm-up step; the slowest rank's
-time, every rank's step ends with the step's all-reduce) and the tokens/s it gives (4 ranks x 2 rows x T
+time, every rank's step ends with the step's all-reduce; each engine timed twice, in the order zero3, fsdp2,
+fsdp2, zero3) and the tokens/s it gives (4 ranks x 2 rows x T
 tokens a step), and the largest per-rank peak of tensor bytes over two steps (``torch.profiler``'s allocator
 events, ``plan_measure.measure_worker``); then FSDP2's tokens/s and peak as ratios of ZeRO-3's (goal: tokens/s
 >= 1.0x at a peak <= 1.0x).
@@ -72,8 +73,11 @@ def main(argv=None) -> None:
         def recipes(tag: str, steps: int) -> list:
             return [recipe(f"{tmp}/{tag}-{name}", name, args.seq_len, steps, ds) for name in ENGINES]
 
+        # timed in the order zero3, fsdp2, fsdp2, zero3: a load on the shared machine that rises or falls during
+        # the run weighs on both engines alike
+        timed = recipes("t", args.steps + 1)
         times = run_distributed(
-            "benchmarks.sharding:timing_worker", world_size=WORLD, timeout_s=3000, recipes=recipes("t", args.steps + 1)
+            "benchmarks.sharding:timing_worker", world_size=WORLD, timeout_s=3000, recipes=timed + timed[::-1]
         )
         peaks = run_distributed(
             "moe_plugin.testing.plan_measure:measure_worker", world_size=WORLD, timeout_s=3000, recipes=recipes("m", 2)
@@ -81,7 +85,8 @@ def main(argv=None) -> None:
     tokens = WORLD * ROWS * args.seq_len
     rate, peak = {}, {}
     for i, name in enumerate(ENGINES):
-        step = statistics.median(max(rank[i][s] for rank in times) for s in range(args.steps))
+        runs = (i, 2 * len(ENGINES) - 1 - i)  # the engine's two places in the timed order
+        step = statistics.median(max(rank[r][s] for rank in times) for r in runs for s in range(args.steps))
         rate[name], peak[name] = tokens / step, max(rank[i]["peak_bytes"] for rank in peaks)
         print(
             f"sharding {name}, the plan's measured shape, EP {EP} on {WORLD} processes, LoRA r 8, T {args.seq_len}: "
