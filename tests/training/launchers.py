@@ -24,3 +24,8 @@ def launch(command, env_extra=None, timeout=900) -> str:
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{command} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout + proc.stderr
+
+
+def torchrun(processes: int, *args: str) -> list:
+    """The command ``torchrun --nproc_per_node processes`` on a free port, then ``args``."""
+    return [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(processes), "--master_port", str(free_port()), *args]

@@ -15,7 +15,7 @@ from moe_plugin.training.data.pipeline import eval_batches, label_token_count, l
 from moe_plugin.training.loop import train
 from moe_plugin.recipe.schema import recipe_from_dict
 from tests.recipes import EXPERTS, ZERO3, minimal, whole
-from tests.training.launchers import BIN, REPO, free_port, launch
+from tests.training.launchers import BIN, REPO, free_port, launch, torchrun
 
 
 def _mean(xs):
@@ -174,19 +174,7 @@ def test_deepspeed_launcher_then_torchrun_resume(tmp_path):
     recipe["deepspeed"], recipe["parallel"]["sharding"] = None, "fsdp2"
     second = tmp_path / "second.json"
     second.write_text(json.dumps(recipe))
-    out = launch(
-        [
-            os.path.join(BIN, "torchrun"),
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "-m",
-            "moe_plugin.train",
-            "--recipe",
-            str(second),
-        ]
-    )
+    out = launch(torchrun(2, "-m", "moe_plugin.train", "--recipe", str(second)))
     assert "resuming from the checkpoint at step 2" in out and "expert parallel 2, FSDP2 over 2 ranks" in out
     assert "written at 2 processes EP 2 under zero3 on 2 processes EP 2 under fsdp2" in out
     with open(tmp_path / "run" / "losses.json") as f:
