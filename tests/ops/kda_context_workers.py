@@ -16,6 +16,7 @@ from moe_plugin.config import KDAConfig
 from moe_plugin.layers.kda import KDAAttention
 from moe_plugin.ops.context import ContextSlice
 from moe_plugin.ops.conv import causal_conv1d, causal_conv1d_context
+import moe_plugin.ops.kda.chunk as kda_chunk
 from moe_plugin.ops.kda import chunk_kda
 from moe_plugin.ops.kda.context_parallel import chunk_kda_context
 
@@ -108,7 +109,13 @@ def on_slice(case: dict, context: ContextSlice) -> dict:
 
     counting = ContextSlice(context.rank, context.size, context.total, context.offsets, counted, counted_shift)
     tensors = {n: context.take(t) if n in _SLICED else t for n, t in inputs(case).items()}
-    return {"bytes_sent": sent, **_run(case, tensors, context=counting)}
+    # a case's "window": the context path's chunks per window (chunk.run_chunks), so that its slice spans
+    # several; the one-process reference keeps the default
+    window, kda_chunk.WINDOW_CHUNKS = kda_chunk.WINDOW_CHUNKS, case.get("window", kda_chunk.WINDOW_CHUNKS)
+    try:
+        return {"bytes_sent": sent, **_run(case, tensors, context=counting)}
+    finally:
+        kda_chunk.WINDOW_CHUNKS = window
 
 
 def run(cases: List[dict]) -> List[dict]:

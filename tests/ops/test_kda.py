@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import moe_plugin.ops.backend as backend
+import moe_plugin.ops.kda.chunk as kda_chunk
 from moe_plugin.ops.kda import chunk_kda, kda_gate_k3, kda_gate_kimi_linear, l2norm, naive_recurrent_kda
 
 
@@ -151,6 +152,34 @@ def test_chunk_gradients_equal_recurrent(g):
         grads.append([x.grad for x in inputs])
     for name, a, b in zip("q k v g beta h0".split(), grads[1], grads[0]):
         assert torch.isfinite(a).all(), name
+        assert rel(a, b) <= 1e-9, name
+
+
+@pytest.mark.parametrize("window", [1, 3])
+@pytest.mark.parametrize("layout", ["packed", "packed_no_state", "batch"])
+def test_windows_of_chunks_equal_recurrent(monkeypatch, window, layout):
+    """The chunk path held window by window (``chunk.run_chunks``, backward recomputing each window): outputs,
+    final states and every gradient equal the recurrent form's, with sequences spanning windows, ending and
+    beginning inside one, and one of no tokens."""
+    monkeypatch.setattr(kda_chunk, "WINDOW_CHUNKS", window)
+    lengths = [10, 0, 65, 3, 22, 40]
+    packed = layout != "batch"
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0))) if packed else None
+    q, k, v, g, beta, h0 = make_inputs(
+        B=1 if packed else 2,
+        T=sum(lengths) if packed else 70,
+        g=mixed_decay(-5.0),
+        states=len(lengths) if packed else None,
+    )
+    results = []
+    for fn, extra in ((naive_recurrent_kda, {}), (chunk_kda, {"chunk_size": 8})):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        state = None if layout == "packed_no_state" else inputs[5]
+        o, s = fn(*inputs[:5], initial_state=state, output_final_state=True, cu_seqlens=cu, **extra)
+        weight = torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)
+        ((o * weight).sum() + s.pow(2).sum()).backward()
+        results.append([o, s] + [x.grad for x in inputs[: 5 if state is None else 6]])
+    for name, a, b in zip("o s q k v g beta h0".split(), results[1], results[0]):
         assert rel(a, b) <= 1e-9, name
 
 

@@ -38,6 +38,11 @@ CASES = [
     dict(name="kda_spanning_odd_chunks", op="kda", offsets=SPANNING, chunk=5, seed=5),
     dict(name="kda_chunk_longer_than_slice", op="kda", offsets=CUT, chunk=64, seed=6),
     dict(name="kda_spanning_long", op="kda", offsets=(0, 1, 47, 48), chunk=4, seed=7),
+    # the context path in windows of 1 and 2 chunks (chunk.run_chunks): a slice's documents span windows
+    dict(name="kda_packed_windows", op="kda", offsets=PACKED, chunk=2, seed=8, window=1),
+    dict(name="kda_spanning_windows", op="kda", offsets=(0, 1, 47, 48), chunk=4, seed=9, window=2),
+    dict(name="kda_cut_windows", op="kda", offsets=CUT, chunk=2, batch=1, seed=10, window=2),
+    dict(name="kda_one_document_batch_2_windows", op="kda", offsets=ONE, chunk=2, batch=2, seed=11, window=1),
     dict(name="conv_one_document", op="conv", offsets=ONE, width=4),
     dict(name="conv_packed", op="conv", offsets=PACKED, width=4, seed=1),
     dict(name="conv_cut", op="conv", offsets=CUT, width=4, batch=1, seed=2),

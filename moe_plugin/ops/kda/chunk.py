@@ -18,6 +18,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from moe_plugin.ops.backend import gpu_kernel
+from moe_plugin.ops.meta_loops import steps_to_run
 from moe_plugin.ops.kda.gate import l2norm
 from moe_plugin.ops.kda.inputs import check_kda_inputs, compute_dtype, max_decay, sequence_bounds
 from moe_plugin.ops.kda.intra import intra_chunk_scores, unit_lower_inverse
@@ -80,15 +81,15 @@ def chunk_kda(
     layout = ChunkLayout(dims.seq_len, chunk_size, cu_seqlens, q.device)
     qc, kc, vc, gc, bc = (layout.to_chunks(x.to(dtype)) for x in (q, k, v, g, beta))
     qc = qc * dims.scale  # after widening, so bf16 inputs are not rounded twice
-    state_shape = (q.shape[0] if cu_seqlens is None else 1, dims.heads, dims.key_dim, dims.value_dim)
+    segments = tuple(layout.segments)
     if initial_state is None:
-        starts = [qc.new_zeros(state_shape)] * len(layout.segments)
-    elif cu_seqlens is None:
-        starts = [initial_state.to(dtype)]
-    else:
-        starts = list(initial_state.to(dtype).split(1))
-    o, finals = _chunk_forward(qc, kc, vc, gc, bc, layout.segments, starts, decay_bound)
-    final = (finals[0] if cu_seqlens is None else torch.cat(finals)) if output_final_state else None
+        start, start_index = None, (-1,) * len(segments)
+    else:  # [segments, B*H / segments, K, V]: with cu_seqlens one [1*H] state a sequence, else one of B*H
+        start = initial_state.to(dtype).reshape(len(segments), -1, dims.key_dim, dims.value_dim)
+        start_index = tuple(range(len(segments)))
+    run = ChunkRun(segments, start_index, dims.value_dim, True, output_final_state, decay_bound)
+    o, finals = run_chunks(run, qc, kc, vc, gc, bc, start)
+    final = finals.reshape(-1, dims.heads, dims.key_dim, dims.value_dim) if output_final_state else None
     return layout.from_chunks(o).to(v.dtype), final
 
 
@@ -132,36 +133,200 @@ class ChunkLayout:
         return x[:, : self.seq_len] if self.index is None else x.index_select(1, self.index)
 
 
-def _chunk_forward(
+class ChunkRun(NamedTuple):
+    """What ``run_chunks`` computes over a run of chunks (fixed before any data is seen).
+
+    segments: the chunk ranges of the run's sequences, in order, covering it; the state restarts at each.
+    start_index: per segment, which of ``start``'s states it begins from (-1: a zero state).
+    width: the state's columns X: V, or V + K to carry the run's transition ``[S | Phi]`` beside the state
+        (Phi starts as I and passes through each chunk's M alone, so ``Phi`` leaving a run is its A).
+    output: whether o is wanted; finals: whether each segment's leaving state is.
+    """
+
+    segments: Tuple[Tuple[int, int], ...]
+    start_index: Tuple[int, ...]
+    width: int
+    output: bool
+    finals: bool
+    decay_bound: Optional[float]
+
+
+def run_chunks(
+    run: ChunkRun,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    segments: List[Tuple[int, int]],
-    starts: List[torch.Tensor],
-    decay_bound: Optional[float],
-) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """q, k, g ``[B,H,N,C,K]`` (q scaled); v ``[B,H,N,C,V]``; beta ``[B,H,N,C]``; one start state
-    ``[B,H,K,V]`` per segment of chunks; decay_bound as ``intra_chunk_scores``' max_decay. Returns o
-    ``[B,H,N,C,V]`` and each segment's final state."""
-    terms = chunk_terms(q, k, v, g, beta, decay_bound)
+    start: Optional[torch.Tensor] = None,
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """KDA over a run of chunks, window by window, holding only each window's entering state for backward.
+
+    Args:
+        q, k, g ``[B,H,N,C,K]`` (q scaled); v ``[B,H,N,C,V]``; beta ``[B,H,N,C]``: the chunked layout.
+        start: ``[S, B*H, K, X]`` the states segments begin from (``run.start_index``), or None.
+    Returns:
+        o ``[B,H,N,C,V]`` (None unless ``run.output``) and the states ``[len(segments), B*H, K, X]`` leaving
+        each segment (None unless ``run.finals``).
+
+    The forward keeps its inputs and the ``[B*H, K, X]`` state entering each window of ``WINDOW_CHUNKS``
+    chunks; backward recomputes one window's chunk terms at a time, last window first, and hands the
+    gradient of the state entering it to the window before. So the chunk terms (P, AU, M, R, the fp64 decay
+    sums, the intra-chunk scores) of one window are alive at a time, in forward and in backward.
+    """
+    o, finals = _WindowedChunks.apply(run, start, q, k, v, g, beta)
+    return (o if run.output else None), (finals if run.finals else None)
+
+
+# Chunks a window: its terms are what the op holds beyond its inputs. At 64-token chunks a window is 512 tokens,
+# so the planner's runs (4096 and 8192 tokens, docs/planner.md) hold whole windows and extend linearly.
+WINDOW_CHUNKS = 8
+
+
+def _windows(num_chunks: int) -> List[Tuple[int, int]]:
+    return [(a, min(a + WINDOW_CHUNKS, num_chunks)) for a in range(0, num_chunks, WINDOW_CHUNKS)]
+
+
+def _window_kind(run: ChunkRun, window: Tuple[int, int]):
+    """What fixes a window's allocations: its length and where segments begin (from a given or a zero state)
+    and end inside it. Windows of one kind make the same tensors (``meta_loops``)."""
+    a, b = window
+    begins = tuple(
+        (first - a, run.start_index[i] >= 0)
+        for i, (first, last) in enumerate(run.segments)
+        if a <= first < min(b, last)
+    )
+    ends = tuple(last - 1 - a for first, last in run.segments if a < last <= b and last > first)
+    return b - a, begins, ends
+
+
+def _run_window(run: ChunkRun, window, q, k, v, g, beta, state, start):
+    """One window's chunks (the inputs sliced to it) from ``state`` ``[B*H, K, X]`` entering it: its o
+    ``[B,H,w,C,V]`` (or None), ``[(segment, leaving state)]`` for the segments ending in it, and the state
+    leaving it."""
+    a, b = window
+    terms = chunk_terms(q, k, v, g, beta, run.decay_bound, output=run.output)
+    value_dim = v.shape[-1]
+    begins = {first: i for i, (first, last) in enumerate(run.segments) if last > first}
+    ends = {last - 1: i for i, (first, last) in enumerate(run.segments) if last > first}
     entering, finals = [], []
-    for (first, last), state in zip(segments, starts):
-        states, final = scan_chunks(terms, first, last, state.flatten(0, 1))
-        entering += states
-        finals.append(final.view(state.shape))
-    return terms.output(entering), finals
+    for n in range(a, b):
+        if n in begins:
+            index = run.start_index[begins[n]]
+            state = start[index] if index >= 0 else torch.zeros_like(state)
+        entering.append(state)
+        R = terms.Rs[n - a]
+        if run.width > value_dim:  # the transition's columns take M alone
+            R = torch.nn.functional.pad(R, (0, run.width - value_dim))
+        state = torch.baddbmm(R, terms.Ms[n - a], state)
+        if n in ends:
+            finals.append((ends[n], state))
+    o = terms.output([s[..., :value_dim] for s in entering]) if run.output else None
+    return o, finals, state
+
+
+class _WindowedChunks(torch.autograd.Function):
+    """``run_chunks``: forward without a graph; backward recomputes each window under autograd, last first."""
+
+    @staticmethod
+    def forward(ctx, run: ChunkRun, start, q, k, v, g, beta):
+        ctx.set_materialize_grads(False)
+        B, H, N, C, K = k.shape
+        windows = _windows(N)
+        meta = k.is_meta
+        entering = k.new_empty(len(windows), B * H, K, run.width)
+        o = v.new_empty(B, H, N, C, v.shape[-1]) if run.output else v.new_empty(0)
+        finals = k.new_empty(len(run.segments), B * H, K, run.width) if run.finals else k.new_empty(0)
+        state = k.new_zeros(B * H, K, run.width)  # chunk 0 begins a segment: replaced there
+        for i in _steps(run, windows, meta):
+            a, b = windows[i]
+            entering[i].copy_(state)
+            parts = (x[:, :, a:b] for x in (q, k, v, g, beta))
+            o_w, ends, state = _run_window(run, windows[i], *parts, state, start)
+            if run.output:
+                o[:, :, a:b] = o_w
+            for segment, leaving in ends:
+                if run.finals:
+                    finals[segment] = leaving
+        for segment in _empty(run):  # a sequence of no tokens leaves the state it begins from
+            index = run.start_index[segment]
+            finals[segment] = start[index] if index >= 0 else 0
+        ctx.run = run
+        ctx.save_for_backward(start, q, k, v, g, beta, entering)
+        if not run.output:
+            ctx.mark_non_differentiable(o)
+        if not run.finals:
+            ctx.mark_non_differentiable(finals)
+        return o, finals
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_o, grad_finals):
+        run = ctx.run
+        start, *inputs, entering = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[2:]
+        grads = [torch.zeros_like(x) if want else None for x, want in zip(inputs, wanted)]
+        grad_start = torch.zeros_like(start) if start is not None and ctx.needs_input_grad[1] else None
+        windows = _windows(inputs[0].shape[2])
+        if run.finals and grad_finals is not None and grad_start is not None:
+            for segment in _empty(run):
+                if run.start_index[segment] >= 0:
+                    grad_start[run.start_index[segment]] += grad_finals[segment]
+        carry = None  # the gradient of the state leaving the window in hand
+        for i in reversed(_steps(run, windows, inputs[0].is_meta)):
+            a, b = windows[i]
+            with torch.enable_grad():
+                parts = [x[:, :, a:b].detach().requires_grad_(want) for x, want in zip(inputs, wanted)]
+                state = entering[i].detach().requires_grad_()
+                own_start = start.detach().requires_grad_(grad_start is not None) if start is not None else None
+                o_w, ends, leaving = _run_window(run, windows[i], *parts, state, own_start)
+            outputs, out_grads = [], []
+            if run.output and grad_o is not None:
+                outputs.append(o_w)
+                out_grads.append(grad_o[:, :, a:b])
+            if run.finals and grad_finals is not None:
+                for segment, s in ends:
+                    outputs.append(s)
+                    out_grads.append(grad_finals[segment])
+            if carry is not None:
+                outputs.append(leaving)
+                out_grads.append(carry)
+            sources = [x for x in parts if x.requires_grad] + [state] + ([own_start] if grad_start is not None else [])
+            got = iter(
+                torch.autograd.grad(outputs, sources, out_grads, allow_unused=True)
+                if outputs
+                else [None] * len(sources)
+            )
+            for grad, want in zip(grads, wanted):
+                if want:
+                    part = next(got)
+                    if part is not None:
+                        grad[:, :, a:b] = part
+            carry = next(got)
+            if grad_start is not None:
+                part = next(got)
+                if part is not None:
+                    grad_start += part
+        return (None, grad_start, *grads)
+
+
+def _empty(run: ChunkRun) -> List[int]:
+    """The segments of no chunks (sequences of no tokens)."""
+    return [i for i, (first, last) in enumerate(run.segments) if last == first] if run.finals else []
+
+
+def _steps(run: ChunkRun, windows: List[Tuple[int, int]], meta: bool) -> List[int]:
+    return steps_to_run(range(len(windows)), meta, kind=lambda i: _window_kind(run, windows[i]), size=lambda i: 0)
 
 
 class ChunkTerms(NamedTuple):
     """Every chunk's output and next state as affine maps of the state S entering it (module docstring):
-    O = P S + AU, S <- M S + R. P ``[B,H,N,C,K]``, AU ``[B,H,N,C,V]``; Ms, Rs: one ``[B*H, K, K]`` and
-    ``[B*H, K, V]`` per chunk (unbound once: indexing M[:, :, n] per chunk would make backward zero-fill all
-    of M per chunk)."""
+    O = P S + AU, S <- M S + R. P ``[B,H,N,C,K]``, AU ``[B,H,N,C,V]`` (None when no output is wanted); Ms, Rs:
+    one ``[B*H, K, K]`` and ``[B*H, K, V]`` per chunk (unbound once: indexing M[:, :, n] per chunk would make
+    backward zero-fill all of M per chunk)."""
 
-    P: torch.Tensor
-    AU: torch.Tensor
+    P: Optional[torch.Tensor]
+    AU: Optional[torch.Tensor]
     Ms: Tuple[torch.Tensor, ...]
     Rs: Tuple[torch.Tensor, ...]
 
@@ -171,16 +336,19 @@ class ChunkTerms(NamedTuple):
         return self.P @ S + self.AU
 
 
-def chunk_terms(q, k, v, g, beta, decay_bound: Optional[float] = None) -> ChunkTerms:
-    """The batched intra-chunk work of ``_chunk_forward`` (same shapes), everything but the state's passage."""
+def chunk_terms(q, k, v, g, beta, decay_bound: Optional[float] = None, output: bool = True) -> ChunkTerms:
+    """The batched intra-chunk work of ``run_chunks`` (same shapes), everything but the state's passage.
+    ``output`` False: only M and R (the queries' scores are not formed)."""
     K = k.shape[-1]
     # In fp64: exp(G_c - G_i) for nearby c, i needs the difference, which a long fp32 cumsum would blur.
     G = g.to(torch.float64).cumsum(-2)
     C = k.shape[-2]
+    rows = torch.stack([q, k], dim=-3) if output else k.unsqueeze(-3)
     scores = intra_chunk_scores(
-        torch.stack([q, k], dim=-3).view(-1, 2, C, K), k.reshape(-1, C, K), G.reshape(-1, C, K), decay_bound
-    ).view(*k.shape[:-2], 2, C, C)
-    scores_qk, scores_kk = scores[..., 0, :, :], scores[..., 1, :, :].tril(-1)
+        rows.reshape(-1, rows.shape[-3], C, K), k.reshape(-1, C, K), G.reshape(-1, C, K), decay_bound
+    )
+    scores = scores.view(*k.shape[:-2], rows.shape[-3], C, C)
+    scores_kk = scores[..., -1, :, :].tril(-1)
     decay_in = G.to(k.dtype).exp()
     rhs = beta.unsqueeze(-1) * torch.cat([k * decay_in, v], dim=-1)
     # [W | U] = (I + diag(beta) A_kk)^-1 diag(beta) [exp(G) K | V], kept side by side so that each product
@@ -188,19 +356,11 @@ def chunk_terms(q, k, v, g, beta, decay_bound: Optional[float] = None) -> ChunkT
     WU = unit_lower_inverse(beta.unsqueeze(-1) * scores_kk) @ rhs
     G_last = G[..., -1:, :]
     keys_out = (k * (G_last - G).to(k.dtype).exp()).transpose(-1, -2)  # [B,H,N,K,C]: keys decayed to chunk end
-    A_WU, Kd_WU = scores_qk @ WU, keys_out @ WU
-    P, AU = q * decay_in - A_WU[..., :K], A_WU[..., K:]
+    Kd_WU = keys_out @ WU
     M = torch.diag_embed(G_last.squeeze(-2).to(k.dtype).exp()) - Kd_WU[..., :K]
     R = Kd_WU[..., K:]
+    P = AU = None
+    if output:
+        A_WU = scores[..., 0, :, :] @ WU
+        P, AU = q * decay_in - A_WU[..., :K], A_WU[..., K:]
     return ChunkTerms(P, AU, M.flatten(0, 1).unbind(1), R.flatten(0, 1).unbind(1))
-
-
-def scan_chunks(
-    terms: ChunkTerms, first: int, last: int, state: torch.Tensor
-) -> Tuple[List[torch.Tensor], torch.Tensor]:
-    """The state ``[B*H, K, V]`` passed through chunks ``first .. last-1``: the state entering each, and the last."""
-    entering = []
-    for n in range(first, last):
-        entering.append(state)
-        state = torch.baddbmm(terms.Rs[n], terms.Ms[n], state)
-    return entering, state

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from moe_plugin.ops.context import ContextSlice, check_context_rows, join_backward
-from moe_plugin.ops.kda.chunk import ChunkLayout, chunk_terms, scan_chunks
+from moe_plugin.ops.kda.chunk import ChunkLayout, ChunkRun, run_chunks
 from moe_plugin.ops.kda.gate import l2norm
 from moe_plugin.ops.kda.inputs import check_kda_inputs, compute_dtype, max_decay
 from moe_plugin.ops.offsets import offsets_tensor
@@ -64,24 +64,39 @@ def chunk_kda_context(
     cu_seqlens = offsets_tensor(local, q.device) if len(local) > 2 else None
     layout = ChunkLayout(dims.seq_len, chunk_size, cu_seqlens, q.device)
     qc, kc, vc, gc, bc = (layout.to_chunks(x.to(dtype)) for x in (q, k, v, g, beta))
-    terms = chunk_terms(qc * dims.scale, kc, vc, gc, bc, decay_bound)
+    qc = qc * dims.scale
+    BH, K, V = qc.shape[0] * dims.heads, dims.key_dim, dims.value_dim
 
     segments = layout.segments
-    zero = qc.new_zeros(qc.shape[0] * dims.heads, dims.key_dim, dims.value_dim)
-    last_entering, b = scan_chunks(terms, *segments[-1], zero)  # the pair's b, before the exchange
+    last_first, num_chunks = segments[-1]
     # A is read only by successors whose document passes through this whole slice
     through = len(segments) == 1 and context.continues and _next_continues(context)
-    A = _transition(terms, *segments[-1], zero.shape[-2]) if through else zero.new_zeros(*zero.shape[:2], zero.shape[1])
+    # The last document from a zero state: the pair's b (and A, carried beside it as [S | Phi] from [0 | I]),
+    # and its output too unless it is the first document and continues from the predecessors.
+    own_output = len(segments) > 1 or not context.continues
+    pair_start = None
+    if through:
+        eye = torch.eye(K, dtype=qc.dtype, device=qc.device).expand(BH, K, K)
+        pair_start = torch.cat([qc.new_zeros(BH, K, V), eye], -1).unsqueeze(0)
+    last_run = ChunkRun(
+        ((0, num_chunks - last_first),), (0 if through else -1,), V + K * through, own_output, True, decay_bound
+    )
+    parts = [x[:, :, last_first:] for x in (qc, kc, vc, gc, bc)]
+    o_last, leaving = run_chunks(last_run, *parts, pair_start)
+    b = leaving[0, ..., :V]
+    A = leaving[0, ..., V:] if through else b.new_zeros(BH, K, K)
     entering_state = _entering_state(A, b, context)  # [B*H, K, V]: the scan's, read where a document continues
-    start = entering_state if context.continues else zero
-    if len(segments) == 1:
-        entering = scan_chunks(terms, *segments[0], start)[0] if context.continues else last_entering
-    else:
-        entering = scan_chunks(terms, *segments[0], start)[0]
-        for first, last in segments[1:-1]:
-            entering += scan_chunks(terms, first, last, zero)[0]
-        entering += last_entering
-    o = terms.output(entering)
+    if own_output and len(segments) == 1:
+        o = o_last
+    else:  # the documents before the last (or the only one, continuing): the first from the scan's state
+        before = tuple(segments[:-1]) if own_output else tuple(segments)
+        first_start = (0,) if context.continues else (-1,)
+        run = ChunkRun(before, first_start + (-1,) * (len(before) - 1), V, True, False, decay_bound)
+        end = last_first if own_output else num_chunks
+        start = entering_state.unsqueeze(0) if context.continues else None
+        o, _ = run_chunks(run, *(x[:, :, :end] for x in (qc, kc, vc, gc, bc)), start)
+        if own_output:
+            o = torch.cat([o, o_last], dim=2)
     if not context.continues:
         o = join_backward(o, entering_state)
     return layout.from_chunks(o).to(v.dtype)
@@ -90,15 +105,6 @@ def chunk_kda_context(
 def _next_continues(context: ContextSlice) -> bool:
     """Whether the document holding this slice's last token goes on into the next rank's slice."""
     return context.rank + 1 < context.size and context.document_start(context.end) < context.end
-
-
-def _transition(terms, first: int, last: int, key_dim: int) -> torch.Tensor:
-    """``A = M_{last-1} ... M_first`` ``[B*H, K, K]``: how the state entering chunk ``first`` reaches past
-    chunk ``last - 1``."""
-    A = torch.eye(key_dim, dtype=terms.P.dtype, device=terms.P.device).expand(terms.Ms[0].shape).contiguous()
-    for n in range(first, last):
-        A = torch.bmm(terms.Ms[n], A)
-    return A
 
 
 def _entering_state(A: torch.Tensor, b: torch.Tensor, context: ContextSlice) -> torch.Tensor:
