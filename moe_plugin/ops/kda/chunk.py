@@ -90,7 +90,7 @@ def chunk_kda(
     run = ChunkRun(segments, start_index, dims.value_dim, True, output_final_state, decay_bound)
     o, finals = run_chunks(run, qc, kc, vc, gc, bc, start)
     final = finals.reshape(-1, dims.heads, dims.key_dim, dims.value_dim) if output_final_state else None
-    return layout.from_chunks(o).to(v.dtype), final
+    return layout.from_chunks(o, dims.heads).to(v.dtype), final
 
 
 class ChunkLayout:
@@ -118,18 +118,22 @@ class ChunkLayout:
         self.index = torch.cat(pieces)  # padded position of every token
 
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, T, H, *rest]`` -> ``[B, H, N, C, *rest]``, zero-padded."""
+        """``[B, T, H, *rest]`` -> ``[N, B*H, C, *rest]``, zero-padded: chunk-major, so that a run of chunks
+        (a window, ``run_chunks``) is one contiguous block."""
         padded = (self.num_chunks * self.chunk,)
+        B, _, H, *rest = x.shape
         if self.index is None:
-            tail = x.new_zeros(x.shape[0], padded[0] - self.seq_len, *x.shape[2:])
+            tail = x.new_zeros(B, padded[0] - self.seq_len, H, *rest)
             x = torch.cat([x, tail], dim=1)
         else:
-            x = x.new_zeros(1, *padded, *x.shape[2:]).index_copy(1, self.index, x)
-        return x.transpose(1, 2).unflatten(2, (self.num_chunks, self.chunk))
+            x = x.new_zeros(1, *padded, H, *rest).index_copy(1, self.index, x)
+        x = x.view(B, self.num_chunks, self.chunk, H, *rest).transpose(2, 3).transpose(0, 1)
+        return x.reshape(self.num_chunks, B * H, self.chunk, *rest)
 
-    def from_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, H, N, C, V]`` -> ``[B, T, H, V]``."""
-        x = x.flatten(2, 3).transpose(1, 2)
+    def from_chunks(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """``[N, B*H, C, V]`` -> ``[B, T, H, V]``."""
+        N, BH, C, V = x.shape
+        x = x.view(N, BH // heads, heads, C, V).permute(1, 0, 3, 2, 4).reshape(BH // heads, N * C, heads, V)
         return x[:, : self.seq_len] if self.index is None else x.index_select(1, self.index)
 
 
@@ -163,10 +167,10 @@ def run_chunks(
     """KDA over a run of chunks, window by window, holding only each window's entering state for backward.
 
     Args:
-        q, k, g ``[B,H,N,C,K]`` (q scaled); v ``[B,H,N,C,V]``; beta ``[B,H,N,C]``: the chunked layout.
+        q, k, g ``[N, B*H, C, K]`` (q scaled); v ``[N, B*H, C, V]``; beta ``[N, B*H, C]``: the chunked layout.
         start: ``[S, B*H, K, X]`` the states segments begin from (``run.start_index``), or None.
     Returns:
-        o ``[B,H,N,C,V]`` (None unless ``run.output``) and the states ``[len(segments), B*H, K, X]`` leaving
+        o ``[N, B*H, C, V]`` (None unless ``run.output``) and the states ``[len(segments), B*H, K, X]`` leaving
         each segment (None unless ``run.finals``).
 
     The forward keeps its inputs and the ``[B*H, K, X]`` state entering each window of ``WINDOW_CHUNKS``
@@ -202,7 +206,7 @@ def _window_kind(run: ChunkRun, window: Tuple[int, int]):
 
 def _run_window(run: ChunkRun, window, q, k, v, g, beta, state, start):
     """One window's chunks (the inputs sliced to it) from ``state`` ``[B*H, K, X]`` entering it: its o
-    ``[B,H,w,C,V]`` (or None), ``[(segment, leaving state)]`` for the segments ending in it, and the state
+    ``[w, B*H, C, V]`` (or None), ``[(segment, leaving state)]`` for the segments ending in it, and the state
     leaving it."""
     a, b = window
     terms = chunk_terms(q, k, v, g, beta, run.decay_bound, output=run.output)
@@ -231,20 +235,20 @@ class _WindowedChunks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: ChunkRun, start, q, k, v, g, beta):
         ctx.set_materialize_grads(False)
-        B, H, N, C, K = k.shape
+        N, BH, C, K = k.shape
         windows = _windows(N)
         meta = k.is_meta
-        entering = k.new_empty(len(windows), B * H, K, run.width)
-        o = v.new_empty(B, H, N, C, v.shape[-1]) if run.output else v.new_empty(0)
-        finals = k.new_empty(len(run.segments), B * H, K, run.width) if run.finals else k.new_empty(0)
-        state = k.new_zeros(B * H, K, run.width)  # chunk 0 begins a segment: replaced there
+        entering = k.new_empty(len(windows), BH, K, run.width)
+        o = v.new_empty(N, BH, C, v.shape[-1]) if run.output else v.new_empty(0)
+        finals = k.new_empty(len(run.segments), BH, K, run.width) if run.finals else k.new_empty(0)
+        state = k.new_zeros(BH, K, run.width)  # chunk 0 begins a segment: replaced there
         for i in _steps(run, windows, meta):
             a, b = windows[i]
             entering[i].copy_(state)
-            parts = (x[:, :, a:b] for x in (q, k, v, g, beta))
+            parts = (x[a:b] for x in (q, k, v, g, beta))
             o_w, ends, state = _run_window(run, windows[i], *parts, state, start)
             if run.output:
-                o[:, :, a:b] = o_w
+                o[a:b] = o_w
             for segment, leaving in ends:
                 if run.finals:
                     finals[segment] = leaving
@@ -265,9 +269,9 @@ class _WindowedChunks(torch.autograd.Function):
         run = ctx.run
         start, *inputs, entering = ctx.saved_tensors
         wanted = ctx.needs_input_grad[2:]
-        grads = [torch.zeros_like(x) if want else None for x, want in zip(inputs, wanted)]
+        grads = [torch.empty_like(x) if want else None for x, want in zip(inputs, wanted)]
         grad_start = torch.zeros_like(start) if start is not None and ctx.needs_input_grad[1] else None
-        windows = _windows(inputs[0].shape[2])
+        windows = _windows(inputs[0].shape[0])
         if run.finals and grad_finals is not None and grad_start is not None:
             for segment in _empty(run):
                 if run.start_index[segment] >= 0:
@@ -276,14 +280,14 @@ class _WindowedChunks(torch.autograd.Function):
         for i in reversed(_steps(run, windows, inputs[0].is_meta)):
             a, b = windows[i]
             with torch.enable_grad():
-                parts = [x[:, :, a:b].detach().requires_grad_(want) for x, want in zip(inputs, wanted)]
+                parts = [x[a:b].detach().requires_grad_(want) for x, want in zip(inputs, wanted)]
                 state = entering[i].detach().requires_grad_()
                 own_start = start.detach().requires_grad_(grad_start is not None) if start is not None else None
                 o_w, ends, leaving = _run_window(run, windows[i], *parts, state, own_start)
             outputs, out_grads = [], []
             if run.output and grad_o is not None:
                 outputs.append(o_w)
-                out_grads.append(grad_o[:, :, a:b])
+                out_grads.append(grad_o[a:b])
             if run.finals and grad_finals is not None:
                 for segment, s in ends:
                     outputs.append(s)
@@ -300,8 +304,10 @@ class _WindowedChunks(torch.autograd.Function):
             for grad, want in zip(grads, wanted):
                 if want:
                     part = next(got)
-                    if part is not None:
-                        grad[:, :, a:b] = part
+                    if part is None:  # q, when no output is wanted
+                        grad[a:b].zero_()
+                    else:
+                        grad[a:b] = part
             carry = next(got)
             if grad_start is not None:
                 part = next(got)
@@ -321,8 +327,8 @@ def _steps(run: ChunkRun, windows: List[Tuple[int, int]], meta: bool) -> List[in
 
 class ChunkTerms(NamedTuple):
     """Every chunk's output and next state as affine maps of the state S entering it (module docstring):
-    O = P S + AU, S <- M S + R. P ``[B,H,N,C,K]``, AU ``[B,H,N,C,V]`` (None when no output is wanted); Ms, Rs:
-    one ``[B*H, K, K]`` and ``[B*H, K, V]`` per chunk (unbound once: indexing M[:, :, n] per chunk would make
+    O = P S + AU, S <- M S + R. P ``[N, B*H, C, K]``, AU ``[N, B*H, C, V]`` (None when no output is wanted);
+    Ms, Rs: one ``[B*H, K, K]`` and ``[B*H, K, V]`` per chunk (unbound once: indexing M[n] per chunk would make
     backward zero-fill all of M per chunk)."""
 
     P: Optional[torch.Tensor]
@@ -331,9 +337,10 @@ class ChunkTerms(NamedTuple):
     Rs: Tuple[torch.Tensor, ...]
 
     def output(self, entering: List[torch.Tensor]) -> torch.Tensor:
-        """o ``[B,H,N,C,V]`` from the ``[B*H, K, V]`` state entering each chunk, in chunk order."""
-        S = torch.stack(entering, dim=1).view(*self.P.shape[:3], self.P.shape[-1], -1)
-        return self.P @ S + self.AU
+        """o ``[N, B*H, C, V]`` from the ``[B*H, K, V]`` state entering each chunk, in chunk order."""
+        return torch.baddbmm(self.AU.flatten(0, 1), self.P.flatten(0, 1), torch.stack(entering).flatten(0, 1)).view_as(
+            self.AU
+        )
 
 
 def chunk_terms(q, k, v, g, beta, decay_bound: Optional[float] = None, output: bool = True) -> ChunkTerms:
@@ -363,4 +370,4 @@ def chunk_terms(q, k, v, g, beta, decay_bound: Optional[float] = None, output: b
     if output:
         A_WU = scores[..., 0, :, :] @ WU
         P, AU = q * decay_in - A_WU[..., :K], A_WU[..., K:]
-    return ChunkTerms(P, AU, M.flatten(0, 1).unbind(1), R.flatten(0, 1).unbind(1))
+    return ChunkTerms(P, AU, M.unbind(0), R.unbind(0))

@@ -65,7 +65,7 @@ def chunk_kda_context(
     layout = ChunkLayout(dims.seq_len, chunk_size, cu_seqlens, q.device)
     qc, kc, vc, gc, bc = (layout.to_chunks(x.to(dtype)) for x in (q, k, v, g, beta))
     qc = qc * dims.scale
-    BH, K, V = qc.shape[0] * dims.heads, dims.key_dim, dims.value_dim
+    BH, K, V = qc.shape[1], dims.key_dim, dims.value_dim
 
     segments = layout.segments
     last_first, num_chunks = segments[-1]
@@ -81,7 +81,7 @@ def chunk_kda_context(
     last_run = ChunkRun(
         ((0, num_chunks - last_first),), (0 if through else -1,), V + K * through, own_output, True, decay_bound
     )
-    parts = [x[:, :, last_first:] for x in (qc, kc, vc, gc, bc)]
+    parts = [x[last_first:] for x in (qc, kc, vc, gc, bc)]
     o_last, leaving = run_chunks(last_run, *parts, pair_start)
     b = leaving[0, ..., :V]
     A = leaving[0, ..., V:] if through else b.new_zeros(BH, K, K)
@@ -94,12 +94,12 @@ def chunk_kda_context(
         run = ChunkRun(before, first_start + (-1,) * (len(before) - 1), V, True, False, decay_bound)
         end = last_first if own_output else num_chunks
         start = entering_state.unsqueeze(0) if context.continues else None
-        o, _ = run_chunks(run, *(x[:, :, :end] for x in (qc, kc, vc, gc, bc)), start)
+        o, _ = run_chunks(run, *(x[:end] for x in (qc, kc, vc, gc, bc)), start)
         if own_output:
-            o = torch.cat([o, o_last], dim=2)
+            o = torch.cat([o, o_last])
     if not context.continues:
         o = join_backward(o, entering_state)
-    return layout.from_chunks(o).to(v.dtype)
+    return layout.from_chunks(o, dims.heads).to(v.dtype)
 
 
 def _next_continues(context: ContextSlice) -> bool:
