@@ -182,9 +182,9 @@ def run_chunks(
     return (o if run.output else None), (finals if run.finals else None)
 
 
-# Chunks a window: its terms are what the op holds beyond its inputs. At 64-token chunks a window is 512 tokens,
+# Chunks a window: its terms are what the op holds beyond its inputs. At 64-token chunks a window is 1024 tokens,
 # so the planner's runs (4096 and 8192 tokens, docs/planner.md) hold whole windows and extend linearly.
-WINDOW_CHUNKS = 8
+WINDOW_CHUNKS = 16
 
 
 def _windows(num_chunks: int) -> List[Tuple[int, int]]:
