@@ -157,11 +157,14 @@ def test_chunk_gradients_equal_recurrent(g):
 
 @pytest.mark.parametrize("window", [1, 3])
 @pytest.mark.parametrize("layout", ["packed", "packed_no_state", "batch"])
-def test_windows_of_chunks_equal_recurrent(monkeypatch, window, layout):
-    """The chunk path held window by window (``chunk.run_chunks``, backward recomputing each window): outputs,
-    final states and every gradient equal the recurrent form's, with sequences spanning windows, ending and
-    beginning inside one, and one of no tokens."""
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "as_traced"])
+def test_windows_of_chunks_equal_recurrent(monkeypatch, window, layout, compiling):
+    """The chunk path held window by window (``chunk.run_chunks``, backward recomputing each window), and as
+    dynamo traces it (one window under autograd): outputs, final states and every gradient equal the recurrent
+    form's, with sequences spanning windows, ending and beginning inside one, and one of no tokens."""
     monkeypatch.setattr(kda_chunk, "WINDOW_CHUNKS", window)
+    # under torch.compile the run is one window under autograd (a Function calling autograd breaks the graph)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     lengths = [10, 0, 65, 3, 22, 40]
     packed = layout != "batch"
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0))) if packed else None

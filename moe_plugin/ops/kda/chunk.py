@@ -8,7 +8,15 @@ Substituting V' makes both the output and the next state affine in S:
 so everything but the K x K by K x V product S <- M S + R runs batched over all chunks at once.
 
 The decayed C x C scores come from ``intra.intra_chunk_scores``, which never forms exp(G_c - G_i) as
-C x C x K for whole chunks (see there), so memory grows linearly with T and strong decay cannot overflow.
+C x C x K for whole chunks (see there), so strong decay cannot overflow.
+
+Memory (``run_chunks``): the chunks run in windows of ``WINDOW_CHUNKS``. The forward keeps for backward only its
+inputs (chunked, in the compute dtype) and the ``[B*H, K, V]`` state entering each window; the chunk terms (P and
+AU, every chunk's M and R, the fp64 cumulative decay, the intra-chunk scores and inverse, the state entering
+each chunk) live for one window at a time. Backward recomputes them one window at a time, last window first,
+under autograd, and hands the gradient of the state entering a window to the one before: one more forward of
+the terms for a bounded set (the inputs plus ``K V / (WINDOW_CHUNKS C)`` values a token and head, against about
+``4 C + 3 K`` a token and head for the whole row's terms, plus one window's working set).
 """
 
 from __future__ import annotations
@@ -178,8 +186,25 @@ def run_chunks(
     gradient of the state entering it to the window before. So the chunk terms (P, AU, M, R, the fp64 decay
     sums, the intra-chunk scores) of one window are alive at a time, in forward and in backward.
     """
-    o, finals = _WindowedChunks.apply(run, start, q, k, v, g, beta)
+    if torch.compiler.is_compiling():
+        # dynamo traces autograd, not a Function whose backward calls it: one graph, the whole run's terms held
+        o, finals = _whole_run(run, q, k, v, g, beta, start)
+    else:
+        o, finals = _WindowedChunks.apply(run, start, q, k, v, g, beta)
     return (o if run.output else None), (finals if run.finals else None)
+
+
+def _whole_run(run: ChunkRun, q, k, v, g, beta, start):
+    """``run_chunks`` as one window under autograd (every chunk's terms saved for backward)."""
+    N, BH, _, K = k.shape
+    o, ends, _ = _run_window(run, (0, N), q, k, v, g, beta, k.new_zeros(BH, K, run.width), start)
+    if not run.finals:
+        return o, None
+    leaving = dict(ends)
+    for segment in _empty(run):
+        index = run.start_index[segment]
+        leaving[segment] = start[index] if index >= 0 else k.new_zeros(BH, K, run.width)
+    return o, torch.stack([leaving[i] for i in range(len(run.segments))])
 
 
 # Chunks a window: its terms are what the op holds beyond its inputs. At 64-token chunks a window is 1024 tokens,

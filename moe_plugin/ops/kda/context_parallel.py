@@ -13,6 +13,12 @@ size and the bytes sent grow with its logarithm. Documents that begin inside a s
 begin. Backward is autograd's mirror of the same steps, each shift's gradient sent back the way it came; every
 rank's rounds form one chain, so every rank runs the shifts' backwards in the same order.
 
+The slice's chunks run through ``chunk.run_chunks`` (windows of chunks, each window's terms recomputed in
+backward): once for the last document from a zero state, carrying ``[b | A]`` from ``[0 | I]`` when ``A`` is
+wanted (its output kept unless the slice is one document that continues from the predecessors), and once more
+for the documents before it, the first from the scan's entering state. Only a slice that is one continuing
+document runs its chunks twice forward (the first pass without the queries' scores).
+
 The slice's documents come from ``context.offsets`` (host ints): nothing is read from the device.
 """
 
