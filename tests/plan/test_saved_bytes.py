@@ -3,6 +3,7 @@ read the same with and without reusing them."""
 
 import torch
 
+import moe_plugin.ops.meta_loops as meta_loops
 import moe_plugin.plan.saved_bytes as saved_bytes
 from moe_plugin.compat.torch import makes_fresh_tensors
 from moe_plugin.ops.dsa.attention import dense_causal_attention
@@ -150,3 +151,52 @@ def test_on_meta_the_widest_chunks_hold_the_latent_attention_loops_peak(monkeypa
     every_step = latent.steps_to_run
     monkeypatch.setattr(latent, "steps_to_run", lambda steps, meta, kind, size: every_step(steps, False, kind, size))
     assert [_latent_meters(*case) for case in cases] == shortcut
+
+
+def _kda_meters(T, offsets, batch=1, context=None):
+    from moe_plugin.ops.kda import chunk_kda
+    from moe_plugin.ops.kda.context_parallel import chunk_kda_context
+
+    H, K, V = 2, 8, 4
+    q, k, g = (torch.empty(batch, T, H, K, device="meta", requires_grad=True) for _ in range(3))
+    v = torch.empty(batch, T, H, V, device="meta", requires_grad=True)
+    beta = torch.empty(batch, T, H, device="meta", requires_grad=True)
+    if context is not None:
+        fn = lambda: chunk_kda_context(q, k, v, g, beta, context, chunk_size=4)  # noqa: E731
+    else:
+        cu = torch.tensor(offsets) if offsets else None
+        states = batch if cu is None else len(offsets) - 1
+        h0 = torch.empty(states, H, K, V, device="meta", requires_grad=True)
+
+        def fn():
+            o, final = chunk_kda(
+                q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_size=4
+            )
+            return o.sum() + final.sum()
+
+    working, peak = [], saved_bytes._LiveBytes()
+    saved = saved_bytes._run(fn, {}, "kda", working)
+    with peak:
+        fn().sum().backward()
+    return saved, working, peak.peak
+
+
+def test_on_meta_one_window_of_each_kind_holds_the_kda_loops_peak(monkeypatch):
+    """On meta the KDA chunk path (ops/kda/chunk.py run_chunks) runs one window of each kind, forward and
+    backward; its meters read what running every window gives: rows of one sequence with a shorter last
+    window, packed sequences beginning and ending inside windows (one of no tokens), and the context path's
+    last rank of a row whose document crosses every slice."""
+    import moe_plugin.ops.kda.chunk as kda_chunk
+    from moe_plugin.plan.context_parallel import meta_slice
+
+    monkeypatch.setattr(kda_chunk, "WINDOW_CHUNKS", 2)
+    cases = [
+        dict(T=37, offsets=None, batch=2),
+        dict(T=64, offsets=(0, 8, 8, 13, 40, 64)),
+        dict(T=36, offsets=None, context=meta_slice(2, (0, 72))),
+        dict(T=36, offsets=None, context=meta_slice(2, (0, 3, 50, 60, 72))),
+    ]
+    shortcut = [_kda_meters(**case) for case in cases]
+    every_step = meta_loops.steps_to_run
+    monkeypatch.setattr(kda_chunk, "steps_to_run", lambda steps, meta, kind, size: every_step(steps, False, kind, size))
+    assert [_kda_meters(**case) for case in cases] == shortcut
