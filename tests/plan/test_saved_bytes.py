@@ -11,6 +11,16 @@ from moe_plugin.ops.dsa.attention import dense_causal_attention
 aten = torch.ops.aten
 
 
+def _meters(fn, segment: str):
+    """What the planner's meters read of ``fn`` (its result summed and run backward for the peak): the saved
+    bytes of ``segment``, the forward's working bytes, and the forward and backward's peak."""
+    working, peak = [], saved_bytes._LiveBytes()
+    saved = saved_bytes._run(fn, {}, segment, working)
+    with peak:
+        fn().sum().backward()
+    return saved, working, peak.peak
+
+
 def test_only_ops_that_make_new_tensors_are_reused():
     assert makes_fresh_tensors(aten.mm.default) and makes_fresh_tensors(aten.mul.Tensor)
     assert makes_fresh_tensors(aten._scaled_dot_product_flash_attention_for_cpu.default)
@@ -40,12 +50,7 @@ def test_a_reused_result_has_the_shape_stride_and_dtype_the_op_gives():
 
 def _attention_meters():
     q, k, v = (torch.empty(1, 300, 2, 8, device="meta", requires_grad=True) for _ in range(3))
-    working, peak = [], saved_bytes._LiveBytes()
-    fn = lambda: dense_causal_attention(q, k, v, 0.5, block_size=64, key_chunk=64)  # noqa: E731
-    saved = saved_bytes._run(fn, {}, "attn", working)
-    with peak:
-        fn().sum().backward()
-    return saved, working, peak.peak
+    return _meters(lambda: dense_causal_attention(q, k, v, 0.5, block_size=64, key_chunk=64), "attn")
 
 
 def test_the_meters_read_the_same_reusing_results(monkeypatch):
@@ -59,12 +64,7 @@ def test_the_meters_read_the_same_reusing_results(monkeypatch):
 def _dense_meters(T, offsets, block, key_chunk):
     q, k, v = (torch.empty(1, T, 2, 8, device="meta", requires_grad=True) for _ in range(3))
     cu = torch.tensor(offsets) if offsets else None
-    working, peak = [], saved_bytes._LiveBytes()
-    fn = lambda: dense_causal_attention(q, k, v, 0.5, cu, block_size=block, key_chunk=key_chunk)  # noqa: E731
-    saved = saved_bytes._run(fn, {}, "attn", working)
-    with peak:
-        fn().sum().backward()
-    return saved, working, peak.peak
+    return _meters(lambda: dense_causal_attention(q, k, v, 0.5, cu, block_size=block, key_chunk=key_chunk), "attn")
 
 
 def test_on_meta_the_widest_blocks_hold_the_attention_loops_peak(monkeypatch):
@@ -94,11 +94,7 @@ def _packed_meters(counts, group_size, in_features=64, out=96):
     scale = torch.empty(E, out, in_features // 32, dtype=torch.uint8, device="meta")
     tokens = counts_tensor(counts, "meta")
     fn = lambda: packed_grouped_linear(x, tokens, packed, scale, "mxfp4", in_features, group_size)  # noqa: E731
-    working, peak = [], saved_bytes._LiveBytes()
-    saved = saved_bytes._run(fn, {}, "experts", working)
-    with peak:
-        fn().sum().backward()
-    return saved, working, peak.peak
+    return _meters(fn, "experts")
 
 
 def test_on_meta_the_largest_groups_hold_the_packed_experts_peak(monkeypatch):
@@ -129,11 +125,7 @@ def _latent_meters(T, S, runs, offsets, block, key_chunk):
 
     plan = causal_plan(S, runs, torch.tensor(offsets) if offsets else None, device="meta")
     fn = lambda: latent_attention(q, latent, expand, 0.5, plan, block, key_chunk)  # noqa: E731
-    working, peak = [], saved_bytes._LiveBytes()
-    saved = saved_bytes._run(fn, {}, "attn", working)
-    with peak:
-        fn().sum().backward()
-    return saved, working, peak.peak
+    return _meters(fn, "attn")
 
 
 def test_on_meta_the_widest_chunks_hold_the_latent_attention_loops_peak(monkeypatch):
@@ -174,11 +166,7 @@ def _kda_meters(T, offsets, batch=1, context=None):
             )
             return o.sum() + final.sum()
 
-    working, peak = [], saved_bytes._LiveBytes()
-    saved = saved_bytes._run(fn, {}, "kda", working)
-    with peak:
-        fn().sum().backward()
-    return saved, working, peak.peak
+    return _meters(fn, "kda")
 
 
 def test_on_meta_one_window_of_each_kind_holds_the_kda_loops_peak(monkeypatch):
