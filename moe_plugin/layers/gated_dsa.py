@@ -339,7 +339,10 @@ class GatedMLAAttention(nn.Module):
                 q_index, index_keys, weights = q_index.detach(), index_keys.detach(), weights.detach()
         L = q.shape[1]
         runs = context.balanced_runs() if context.balanced else ((0, L, context.start),)
-        end = max(pos + t1 - t0 for t0, t1, pos in runs)  # the last key any of its queries sees
+        # every rank takes the whole row's keys and runs the expansion over the same chunks (ops.dsa.latent_attention
+        # expands every chunk): under ZeRO-3 each expansion call gathers its parameters, a collective, so the
+        # number of calls must not depend on the rank's queries (it deadlocked a 32 k row at CP 4)
+        end = context.total
         latent, k_index = _gather_keys(context, latent, index_keys, end)
         if context.balanced:
             q, q_index, weights = _to_balanced(context, q, q_index, weights)

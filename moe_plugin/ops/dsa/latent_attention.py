@@ -148,6 +148,7 @@ def _steps(b: int, T: int, S: int, block: int, key_chunk: int, plan: ChunkPlan, 
         meets = [(t0, t1, max(lo, c0), min(hi, c1)) for t0, t1, lo, hi in blocks if max(lo, c0) < min(hi, c1)]
         if meets:
             meets = steps_to_run(meets, meta, kind=lambda s: s[1] - s[0], size=lambda s: s[3] - s[2])
+        if meets or not meta:  # every chunk is expanded off meta, met or not: the same calls whatever the queries
             chunks.append((c0, c1, meets))
     if not meta:
         return chunks
