@@ -12,6 +12,7 @@ import os
 import sys
 
 import torch
+from transformers import TrainerCallback
 
 LEARNING_RATE = 2e-2  # constant: the tests' tolerances take it (tests/tolerances.py)
 
@@ -28,9 +29,10 @@ def probe_ids() -> torch.Tensor:
 
 def train_runs(runs: list) -> list:
     """``[{"base", "output_dir", "deepspeed", "per_device", "steps", "wandb"[, "ep", "expert_adapters",
-    "checkpointing", "record_metrics"]}]`` -> one result per run. ``ep`` > 1: ``parallelize_experts`` after the
-    load; ``expert_adapters``: LoRA on ``experts.w1/w2/w3`` too, drawn per global expert
-    (``prepare_expert_adapters``); ``record_metrics``: the callback's logged rows are returned (rank 0's).
+    "checkpointing", "record_metrics", "record_steps"]}]`` -> one result per run. ``ep`` > 1:
+    ``parallelize_experts`` after the load; ``expert_adapters``: LoRA on ``experts.w1/w2/w3`` too, drawn per global
+    expert (``prepare_expert_adapters``); ``record_metrics``: the callback's logged rows are returned (rank 0's);
+    ``record_steps``: each step's routing and the whole adapter after it (``_StepRecord``).
     ``{"refuse_wandb": dir, "base"}``: ``report_to="wandb"`` run from ``dir`` (see ``_refuse_wandb``)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # accelerate checks it; the group is already up
     os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"]
@@ -122,6 +124,7 @@ def _train(
     expert_adapters: bool = False,
     checkpointing: bool = False,
     record_metrics: bool = False,
+    record_steps: bool = False,
 ) -> dict:
     import warnings
 
@@ -171,6 +174,7 @@ def _train(
         prepare_expert_adapters(model, seed=0)
     rows = _Rows() if record_metrics else None
     callback = MoEMetricsCallback(wandb=wandb, logger=rows)
+    steps_record = _StepRecord(model) if record_steps else None
     from moe_plugin.training.metrics.routing import moe_layers
 
     router_calls = [0]
@@ -185,7 +189,7 @@ def _train(
             args=args,
             train_dataset=CausalLMDataset(arithmetic_examples(400, 0, "-")),
             data_collator=collate_causal_lm,
-            callbacks=[callback],
+            callbacks=[callback] + ([steps_record] if steps_record else []),
         )
         trainer.train()
         for hook in hooks:
@@ -215,7 +219,40 @@ def _train(
         "recompute_modes": modes,
         "deprecations": _deprecations(caught),
         "metric_rows": rows.rows if rows is not None else None,
+        "step_routes": steps_record.routes if steps_record else None,
+        "step_adapters": steps_record.adapters if steps_record else None,
     }
+
+
+class _StepRecord(TrainerCallback):
+    """A ``TrainerCallback`` keeping, per optimizer step, the experts each MoE layer's training forward chose for
+    each of this rank's tokens (``[N, k]`` sorted, one tensor a router call) and the whole adapter after the step
+    (``adapter_state``: gathered over ZeRO-3 and the expert-parallel group). A routing choice is discrete: two
+    layouts whose logits differ by rounding choose differently where two experts' scores nearly tie, and from
+    there their trajectories part by more than rounding; the tests compare the steps before that."""
+
+    def __init__(self, model):
+        from moe_plugin.training.metrics.routing import moe_layers
+
+        self.routes, self.adapters, self._calls = [], [], []
+        for layer in moe_layers(model):
+            layer.route_tokens = self._recording(layer.route_tokens)
+
+    def _recording(self, route_tokens):
+        def route(x_flat):
+            weights, indices, scores = route_tokens(x_flat)
+            if torch.is_grad_enabled():  # the training forward, not the probe's
+                self._calls.append(indices.detach().sort(-1).values.clone())
+            return weights, indices, scores
+
+        return route
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        from moe_plugin.parallel.hf_expert_parallel import adapter_state
+
+        self.routes.append(self._calls)
+        self._calls = []
+        self.adapters.append(adapter_state(model))  # collective: every rank
 
 
 def _wandb_dirs(output_dir: str) -> list:

@@ -1,13 +1,14 @@
 """The Hugging Face Trainer path (moe_plugin/hf_trainer.py, docs/hf-trainer.md): ``transformers.Trainer`` with
 ``TrainingArguments(deepspeed=ds_configs/hf_trainer/zero3_lora.json, use_cpu=True)`` trains the model with peft
 LoRA on 2 gloo processes (ZeRO-3 data parallel); its first step equals one process's within fp32 rounding and its
-adapter the one process's within AdamW's propagation of it, the loss falls, the adapter loads back with plain
-``AutoPeftModelForCausalLM`` from another directory with the same outputs, no deprecation warning is raised, and
-the callback's offline W&B run holds the MoE keys, as many with 4x the experts; ``report_to="wandb"`` is refused
-before a W&B run starts. The same launch trains at expert parallelism 2 x ZeRO-3 (``parallelize_experts``, expert
-adapters included): each rank holds half the experts, the steps equal one process, the per-rank load metric is
-the EP ranks', and ``MoETrainer`` saves the whole adapter, which plain peft loads on one process
-(tests/hf_trainer_workers.py); and with ``gradient_checkpointing=True``, equal to the run without it."""
+adapter the one process's within AdamW's propagation of it through the steps both routed alike, the loss falls,
+the adapter loads back with plain ``AutoPeftModelForCausalLM`` from another directory with the same outputs, no
+deprecation warning is raised, and the callback's offline W&B run holds the MoE keys, as many with 4x the
+experts; ``report_to="wandb"`` is refused before a W&B run starts. The same launch trains at expert parallelism
+2 x ZeRO-3 (``parallelize_experts``, expert adapters included): each rank holds half the experts, the steps equal
+one process, the per-rank load metric is the EP ranks', and ``MoETrainer`` saves the whole adapter, which plain
+peft loads on one process (tests/hf_trainer_workers.py); and with ``gradient_checkpointing=True``, equal to the
+run without it."""
 
 from __future__ import annotations
 
@@ -49,8 +50,23 @@ def runs(tmp_path_factory):
         timeout_s=1200,
         runs=[
             # the base by a path relative to the working directory, as the docs' example names it
-            dict(run, base=os.path.relpath(base8), output_dir=str(tmp / "two"), deepspeed=DS_CONFIG, per_device=4),
-            dict(experts, output_dir=str(tmp / "ep2"), deepspeed=DS_CONFIG, per_device=4, ep=2, record_metrics=True),
+            dict(
+                run,
+                base=os.path.relpath(base8),
+                output_dir=str(tmp / "two"),
+                deepspeed=DS_CONFIG,
+                per_device=4,
+                record_steps=True,
+            ),
+            dict(
+                experts,
+                output_dir=str(tmp / "ep2"),
+                deepspeed=DS_CONFIG,
+                per_device=4,
+                ep=2,
+                record_metrics=True,
+                record_steps=True,
+            ),
             dict(
                 run,
                 output_dir=str(tmp / "two_checkpointed"),
@@ -66,9 +82,9 @@ def runs(tmp_path_factory):
         world_size=1,
         timeout_s=1200,
         runs=[
-            dict(run, output_dir=str(tmp / "one"), deepspeed=None, per_device=8),
+            dict(run, output_dir=str(tmp / "one"), deepspeed=None, per_device=8, record_steps=True),
             dict(run, base=base32, output_dir=str(tmp / "one32"), deepspeed=None, per_device=8, steps=2),
-            dict(experts, output_dir=str(tmp / "one_experts"), deepspeed=None, per_device=8),
+            dict(experts, output_dir=str(tmp / "one_experts"), deepspeed=None, per_device=8, record_steps=True),
             dict(refuse_wandb=str(tmp / "wandb_refusal"), base=base8),  # last: before the fix it left a W&B run
         ],
     )
@@ -121,17 +137,46 @@ def _same_steps_as_one_process(got: dict, one: dict, adapter_sizes: dict) -> lis
     return out
 
 
+def _steps_routed_alike(ranks: list, one: dict) -> int:
+    """How many steps, from the first, every MoE layer's training forward chose the same experts for every token
+    in ``ranks`` (each rank's ``step_routes``; rank r holds rows [4 r, 4 r + 4) of the step's 8) as in ``one``."""
+    for step, calls in enumerate(one["step_routes"]):
+        ours = [torch.cat(parts) for parts in zip(*(rank["step_routes"][step] for rank in ranks))]
+        if len(ours) != len(calls) or not all(torch.equal(a, b) for a, b in zip(ours, calls)):
+            return step
+    return len(one["step_routes"])
+
+
+def _adapters_equal_one_process(ranks: list, one: dict) -> list:
+    """The whole adapter after the last step both layouts routed alike within AdamW's propagation of rounding
+    over those steps (``check_final_adapters``), and rank 0's saved adapter equal to what it held after the
+    last step. Why not always the last step: a routing choice is discrete, and where two experts' scores
+    nearly tie, logits that differ by rounding choose differently (tests/hf_trainer_workers.py, _StepRecord);
+    the trajectories then part by more than rounding, which no fp32 bound describes."""
+    alike = _steps_routed_alike(ranks, one)
+    print(f"routed alike for {alike} of {len(one['step_routes'])} steps")
+    if alike == 0:  # from the same parameters, step 1's logits differ by rounding alone
+        return ["step 1: the layouts chose different experts"]
+    reference, got = one["step_adapters"][alike - 1], ranks[0]["step_adapters"][alike - 1]
+    out = check_final_adapters(reference, got, steps=alike, lr=LEARNING_RATE)
+    last = {name.replace(".default.", "."): value for name, value in ranks[0]["step_adapters"][-1].items()}
+    saved = _adapter(ranks[0]["adapter"])
+    if sorted(saved) != sorted(last) or not all(torch.equal(saved[k], last[k]) for k in saved):
+        out.append("the saved adapter is not the one held after the last step")
+    return out
+
+
 @pytest.mark.distributed
 def test_two_processes_equal_one_process_and_the_loss_falls(runs):
-    """2 ranks of 4 rows against one process of 8: the first step within fp32 rounding, the adapter after 8 steps
-    within AdamW's worst case of 8 steps elementwise (all but 1 % within a hundredth of a step)."""
+    """2 ranks of 4 rows against one process of 8: the first step within fp32 rounding, the adapter after each
+    step both routed alike within AdamW's worst case of those steps elementwise (all but 1 % within a hundredth
+    of a step; ``_adapters_equal_one_process``)."""
     one = runs["one"]
     assert len(one["losses"]) == STEPS and not one["deepspeed"]
-    reference = _adapter(one["adapter"])
-    sizes = {k: v.numel() for k, v in reference.items()}
+    sizes = {k: v.numel() for k, v in _adapter(one["adapter"]).items()}
     for result in runs["two"]:
         assert _same_steps_as_one_process(result[0], one, sizes) == []
-    assert check_final_adapters(reference, _adapter(runs["two"][0][0]["adapter"]), steps=STEPS, lr=LEARNING_RATE) == []
+    assert _adapters_equal_one_process([result[0] for result in runs["two"]], one) == []
     losses = one["losses"]
     assert sum(losses[-2:]) / 2 < losses[0] - 0.05, losses
 
@@ -300,9 +345,9 @@ def test_expert_parallel_adapter_is_whole_and_loads_in_plain_peft(runs):
     assert len(expert_keys) == 2 * 3 * 3  # lora_A and lora_B of w1, w2, w3 in the 3 MoE layers
     for key, value in saved.items():
         assert value.shape == reference[key].shape, key  # lora_A [r * 8, in]: every expert, not rank 0's 4
-    # the Trainer records no step gradients: each element within the worst case of STEPS AdamW steps, all but a
-    # few within a hundredth of a step (tests/tolerances.py, check_final_adapters)
-    assert check_final_adapters(reference, saved, steps=STEPS, lr=LEARNING_RATE) == []
+    # the Trainer records no step gradients: each element within the worst case of the AdamW steps routed alike,
+    # all but a few within a hundredth of a step (tests/tolerances.py, check_final_adapters)
+    assert _adapters_equal_one_process(runs["ep2"], runs["one_experts"]) == []
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(runs["base8"]), runs["ep2"][0]["adapter"])
     model.eval()
     with torch.no_grad():
