@@ -9,16 +9,19 @@ included), and the row's images are encoded on every rank, this slice's placehol
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..layers.moe import balancing
 from ..ops.context import ContextSlice
+from ..ops.losses import balance_terms, training_loss
 from ..ops.moe import document_weights
 from ..ops.offsets import offsets_tensor
 
-__all__ = ["RowSlice", "slice_row", "slice_documents"]
+__all__ = ["RowSlice", "slice_row", "slice_documents", "row_loss"]
 
 
 @dataclass
@@ -29,8 +32,8 @@ class RowSlice:
     labels: ``[1, T]`` the whole row's; cu_seqlens: ``[D + 1]`` the row's document offsets (global);
     local_cu_seqlens: ``[n + 1]`` the documents inside the slice, local (a document cut by a slice boundary
     counts in each); longest: the longest of those (host int); context: the slice, None without context
-    parallelism; image_tokens: which of the row's image tokens this slice's placeholders take (None: all, or
-    no context)."""
+    parallelism; images: the model's image arguments on the device (``{}`` without images), with
+    ``image_tokens`` under a context: which of the row's image tokens this slice's placeholders take."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -38,28 +41,65 @@ class RowSlice:
     local_cu_seqlens: torch.Tensor
     longest: int
     context: Optional[ContextSlice]
-    image_tokens: Optional[slice]
+    images: Dict[str, object]
 
 
 def slice_row(micro_batch, layout, device, image_token_id: Optional[int]) -> RowSlice:
-    """``micro_batch`` (``training.data.pipeline`` batch: ``input_ids``, ``labels`` ``[1, T]``, ``cu_seqlens``)
-    cut for this rank of ``layout`` (a started ``ParallelLayout``: its context group, if any); nothing is read
-    from the device."""
+    """``micro_batch`` (``training.data.pipeline`` batch: ``input_ids``, ``labels`` ``[1, T]``, ``cu_seqlens``,
+    its images) cut for this rank of ``layout`` (a started ``ParallelLayout``: its context group, if any); nothing
+    is read from the device."""
     offsets = micro_batch.cu_seqlens.tolist()  # host ints from the data pipeline
     context = layout.context_slice(micro_batch.input_ids.shape[1], offsets)
     cu = offsets_tensor(offsets, device)  # carries its host copy: the layers read nothing
     ids, labels = micro_batch.input_ids.to(device), micro_batch.labels.to(device)
+    images = micro_batch.image_inputs(device)
     if context is None:
         longest = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
-        return RowSlice(ids, labels, cu, cu, longest, None, None)
+        return RowSlice(ids, labels, cu, cu, longest, None, images)
     mine = context.local_offsets()
-    image_tokens = None
-    if micro_batch.pixel_patches is not None and image_token_id is not None:
+    if images and image_token_id is not None:
         placeholders = (micro_batch.input_ids[0] == image_token_id).tolist()  # host
         before = sum(placeholders[: context.start])
-        image_tokens = slice(before, before + sum(placeholders[context.start : context.end]))
+        images["image_tokens"] = slice(before, before + sum(placeholders[context.start : context.end]))
     longest = max(b - a for a, b in zip(mine[:-1], mine[1:]))
-    return RowSlice(context.take(ids), labels, cu, offsets_tensor(mine, device), longest, context, image_tokens)
+    return RowSlice(context.take(ids), labels, cu, offsets_tensor(mine, device), longest, context, images)
+
+
+def row_loss(
+    row: RowSlice,
+    forward: Callable[[], Tuple[torch.Tensor, Optional[torch.Tensor]]],
+    moe_layers: List,
+    num_items: float,
+    balance_coeff: float,
+    indexer_coeff: float,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The training loss of one row slice as both backends compose it (``ops.losses.training_loss``) and its
+    metrics: ``forward()`` runs the model on the slice and returns ``(logits [1, L, V], indexer KL or None)``;
+    with ``balance_coeff`` above 0 the MoE layers record their per-document balance terms meanwhile
+    (``layers.moe.balancing``, from ``slice_documents``)."""
+    balance = (
+        balancing(moe_layers, *slice_documents(row, num_items)) if balance_coeff > 0 else contextlib.nullcontext([])
+    )
+    with balance as layers:
+        logits, indexer_kl = forward()
+    terms = balance_terms([layer.pop_balance() for layer in layers])
+    loss = training_loss(
+        logits,
+        row.labels,
+        row.cu_seqlens,
+        num_items,
+        indexer_kl,
+        indexer_coeff,
+        terms,
+        balance_coeff,
+        context=row.context,
+    )
+    metrics = {}
+    if indexer_kl is not None:
+        metrics["indexer_kl"] = indexer_kl.detach()
+    if terms is not None:
+        metrics["aux_loss"] = balance_coeff * terms.detach()
+    return loss, metrics
 
 
 def slice_documents(

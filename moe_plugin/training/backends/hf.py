@@ -12,17 +12,14 @@ expert adapters are then tagged for ZeRO-3, or their marks removed without exper
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Dict, List, Tuple
 
 import torch
 from torch import nn
 
-from ...layers.moe import balancing
 from ...layers.recompute import set_recompute
 from ...lora import add_lora, init_expert_adapters
-from ...ops.losses import balance_terms, training_loss
 from ...parallel.zero3_gather import gathered
 from ...precision import apply_precision
 from ..metrics.routing import moe_layers
@@ -30,7 +27,7 @@ from ...parallel.expert_parallel import apply_expert_parallel
 from ...parallel.layout import ParallelLayout
 from .base import Backend
 from ...weights.base_loading import load_base
-from ..context_rows import slice_documents, slice_row
+from ..context_rows import row_loss, slice_row
 from ..ds_config import partition_while_building, zero_init, zero_stage
 
 __all__ = ["HFBackend"]
@@ -109,34 +106,15 @@ class HFBackend(Backend):
 
     def _context_loss(self, module: nn.Module, micro_batch, num_items: float):
         row = slice_row(micro_batch, self.layout, self.device, self.model_config.image_token_id)
-        images = micro_batch.image_inputs(self.device)
-        if images:
-            images["image_tokens"] = row.image_tokens
         inner = module.module if hasattr(module, "module") else module
         coeff = self.recipe.router_aux_loss_coeff() if inner.training else 0.0
-        balance = (
-            balancing(self.moe_layers(module), *slice_documents(row, num_items))
-            if coeff > 0
-            else contextlib.nullcontext([])
-        )
-        with balance as layers:
-            out = module(input_ids=row.input_ids, context=row.context, **images)
-        terms = balance_terms([layer.pop_balance() for layer in layers])
-        loss = training_loss(  # the model computed the indexer loss where it learns (its forward's rule)
-            out.logits,
-            row.labels,
-            row.cu_seqlens,
-            num_items,
-            out.indexer_loss,
-            float(getattr(self.resolved.hf_config, "indexer_loss_coeff", 0.0)),
-            terms,
-            coeff,
-            context=row.context,
-        )
-        metrics = {} if out.indexer_loss is None else {"indexer_kl": out.indexer_loss.detach()}
-        if terms is not None:
-            metrics["aux_loss"] = coeff * terms.detach()
-        return loss, metrics
+
+        def forward():  # the model computes the indexer loss where it learns (its forward's rule)
+            out = module(input_ids=row.input_ids, context=row.context, **row.images)
+            return out.logits, out.indexer_loss
+
+        indexer_coeff = float(getattr(self.resolved.hf_config, "indexer_loss_coeff", 0.0))
+        return row_loss(row, forward, self.moe_layers(module), num_items, coeff, indexer_coeff)
 
     def moe_layers(self, module: nn.Module) -> List[nn.Module]:
         return moe_layers(module)

@@ -19,16 +19,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ...layers.moe import balancing
 from ...layers.recompute import set_recompute
 from ...lora import add_lora, init_expert_adapters
-from ...ops.losses import balance_terms, training_loss
 from ...parallel.expert_parallel import apply_expert_parallel
 from ...parallel.layout import ParallelLayout
 from ...parallel.zero3_gather import gathered
 from ...precision import apply_precision
 from .base import Backend
-from ..context_rows import slice_documents, slice_row
+from ..context_rows import row_loss, slice_row
 from ...weights.base_loading import load_base
 from ..ds_config import partition_while_building, zero_init, zero_stage
 
@@ -90,36 +88,14 @@ class MegatronBackend(Backend):
             max_seqlen_kv=row.longest,
             context=row.context,
         )
-        coeff = self.recipe.router_aux_loss_coeff() if inner.training else 0.0
         # the packed row is [1, T]: megatron routes its [T, 1] tokens in the same order
-        balance = (
-            balancing(self.moe_layers(inner), *slice_documents(row, num_items))
-            if coeff > 0
-            else contextlib.nullcontext([])
-        )
-        images = micro_batch.image_inputs(self.device)
-        if images and row.image_tokens is not None:
-            images["image_tokens"] = row.image_tokens
-        with balance as layers:
-            logits = module(row.input_ids, None, None, packed_seq_params=params, **images)
-        indexer_kl, terms = indexer_loss_of(inner), balance_terms([layer.pop_balance() for layer in layers])
-        loss = training_loss(
-            logits,
-            row.labels,
-            row.cu_seqlens,
-            num_items,
-            indexer_kl,
-            self._indexer_loss_coeff(),
-            terms,
-            coeff,
-            context=row.context,
-        )
-        metrics = {}
-        if indexer_kl is not None:
-            metrics["indexer_kl"] = indexer_kl.detach()
-        if terms is not None:
-            metrics["aux_loss"] = coeff * terms.detach()
-        return loss, metrics
+        coeff = self.recipe.router_aux_loss_coeff() if inner.training else 0.0
+
+        def forward():
+            logits = module(row.input_ids, None, None, packed_seq_params=params, **row.images)
+            return logits, indexer_loss_of(inner)
+
+        return row_loss(row, forward, self.moe_layers(inner), num_items, coeff, self._indexer_loss_coeff())
 
     def _indexer_loss_coeff(self) -> float:
         """The base config's ``indexer_loss_coeff`` (0 = the indexer is not trained)."""
