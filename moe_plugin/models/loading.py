@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
 from ..config import K3_TEXT_MODEL_TYPE, K3_VL_MODEL_TYPE
 from ..weights.checks import config_dtype, read_config_file
@@ -196,6 +197,9 @@ def load_k3_layout(cls: type, path: Any, strict: bool = True, **kwargs: Any):
     model = cls(config)
     text_only = not any(n.startswith(("vision_tower.", "mm_projector.")) for n, _ in model.named_parameters())
     stats = load_k3_weights(model, path, dtype, strict=strict, ignore_vision=text_only, ignore_mtp=True)
+    if os.path.isfile(os.path.join(path, "generation_config.json")) and model.can_generate():
+        # as transformers' from_pretrained does: the release's stop ids (eos <|end_of_msg|>) and defaults
+        model.generation_config = GenerationConfig.from_pretrained(path)  # generation_config.json
     if not want_info:
         return model
     info = {"missing_keys": list(stats.fresh), "unexpected_keys": list(stats.unknown), "mismatched_keys": []}

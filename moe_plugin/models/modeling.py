@@ -88,16 +88,25 @@ class MoEPluginPreTrainedModel(PreTrainedModel):
         if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
             path = os.path.abspath(path)
         if is_k3_layout(path):
-            return load_k3_layout(cls, path, strict=strict, **kwargs)
-        args = (path, *args[1:])
-        if not strict:
-            return super().from_pretrained(*args, **kwargs)
-        want_info = kwargs.pop("output_loading_info", False)
-        ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
-        # load with mismatches allowed so that transformers reports them all, then decide here
-        model, info = super().from_pretrained(*args, ignore_mismatched_sizes=True, output_loading_info=True, **kwargs)
-        check_loading_info(info, list(model.state_dict()), ignore_mismatched)
-        return (model, info) if want_info else model
+            loaded = load_k3_layout(cls, path, strict=strict, **kwargs)
+        elif not strict:
+            loaded = super().from_pretrained(path, *args[1:], **kwargs)
+        else:
+            want_info = kwargs.pop("output_loading_info", False)
+            ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
+            # load with mismatches allowed so that transformers reports them all, then decide here
+            model, info = super().from_pretrained(
+                path, *args[1:], ignore_mismatched_sizes=True, output_loading_info=True, **kwargs
+            )
+            check_loading_info(info, list(model.state_dict()), ignore_mismatched)
+            loaded = (model, info) if want_info else model
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        model.generation_rules()  # the checkpoint's generation_config.json replaced the one __init__ made
+        return loaded
+
+    def generation_rules(self) -> None:
+        """What generation must obey whatever ``generation_config.json`` says (the image+text model: never emit an
+        image placeholder); nothing for the text model."""
 
     def _apply(self, fn, recurse=True):
         # model.to(bfloat16) / .half() follow the precision policy: its fp32 tensors keep their exact values

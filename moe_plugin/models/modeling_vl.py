@@ -78,9 +78,12 @@ class MoEPluginForConditionalGeneration(MoEPluginPreTrainedModel, GenerationMixi
         self.language_model = MoEPluginForCausalLM(config)
         self.vision_tower, self.patch_merger, self.mm_projector = build_image_encoder(vision)
         self.post_init()
+        self.generation_rules()
+
+    def generation_rules(self) -> None:
+        # A generated placeholder would be an image slot without an image on the next step: never emit one.
         if self.generation_config is not None:
-            # A generated placeholder would be an image slot without an image on the next step: never emit one.
-            suppressed = set(self.generation_config.suppress_tokens or ()) | {config.image_token_id}
+            suppressed = set(self.generation_config.suppress_tokens or ()) | {self.config.image_token_id}
             self.generation_config.suppress_tokens = sorted(suppressed)
 
     def get_input_embeddings(self):

@@ -54,3 +54,37 @@ def test_bf16_generate_with_the_fp32_families_follows_the_fp32_model(base):
     clear = (top2[:, 0] - top2[:, 1]) > 0.2 * full.std(dim=-1)  # well above bf16 rounding (rel ~2.5 %)
     assert clear.any(), (top2[:, 0] - top2[:, 1]) / full.std(dim=-1)
     assert torch.equal(new[clear], full.argmax(-1)[clear]), (new, full.argmax(-1))
+
+
+def test_the_release_generation_config_is_read_and_placeholders_stay_suppressed(base, tmp_path):
+    """Loaded as downloaded, the model generates with the checkpoint's ``generation_config.json`` (its stop ids
+    and sampling defaults, here two stop ids and a temperature that config.json does not carry), as
+    transformers' from_pretrained reads it for any checkpoint; the image+text model also never emits the media
+    placeholder, also after a save and reload (the file written then replaces the config the model's
+    ``__init__`` made)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
+
+    release = tmp_path / "release"
+    shutil.copytree(base, release)
+    generation = json.loads((release / "generation_config.json").read_text())
+    tokens = json.loads((release / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    second_stop = next(int(i) for i, t in tokens.items() if t["content"] == "[EOS]")
+    stop = [generation["eos_token_id"], second_stop]
+    generation.update(eos_token_id=stop, do_sample=True, temperature=0.6)
+    (release / "generation_config.json").write_text(json.dumps(generation))
+    placeholder = json.loads((release / "config.json").read_text())["media_placeholder_token_id"]
+    text = AutoModelForCausalLM.from_pretrained(release)
+    assert (text.generation_config.eos_token_id, text.generation_config.temperature) == (stop, 0.6)
+    image_text = AutoModelForImageTextToText.from_pretrained(release)
+    assert (image_text.generation_config.eos_token_id, image_text.generation_config.temperature) == (stop, 0.6)
+    assert placeholder in image_text.generation_config.suppress_tokens
+    image_text.save_pretrained(tmp_path / "saved")
+    saved = GenerationConfig.from_pretrained(tmp_path / "saved")
+    saved.suppress_tokens = None  # a file without the rule, as an export that copies the base's writes it
+    saved.save_pretrained(tmp_path / "saved")
+    again = AutoModelForImageTextToText.from_pretrained(tmp_path / "saved")
+    assert again.generation_config.eos_token_id == stop
+    assert placeholder in again.generation_config.suppress_tokens
