@@ -364,3 +364,49 @@ def check() -> None:
         "the wrapped torch optimizer and its flat partitions (adam_states, stepped_tensors)",
     )
     resolve("deepspeed", _DIST, TESTED_DEEPSPEED, "deepspeed.comm.comm")
+    resolve("deepspeed", _DIST, TESTED_DEEPSPEED, "deepspeed.runtime.zero.linear", "zero3_linear_wrap")
+    require_in_source(
+        "deepspeed",
+        _DIST,
+        TESTED_DEEPSPEED,
+        resolve("deepspeed", _DIST, TESTED_DEEPSPEED, *_LINEAR_PATCHER),
+        ".".join(_LINEAR_PATCHER),
+        ("linear_bk",),
+        "where zero.Init keeps torch's linear while its own replaces it",
+    )
+
+
+# zero.Init's patcher: it keeps torch's F.linear as ``linear_bk`` the first time it puts zero3_linear_wrap in place
+_LINEAR_PATCHER = ("deepspeed.runtime.zero.partition_parameters", "InsertPostInitMethodToModuleSubClasses")
+
+
+def restore_torch_linear() -> None:
+    """``torch.nn.functional.linear`` back to torch's own, as a fresh process has it. A base built under
+    ``deepspeed.zero.Init`` with ``memory_efficient_linear`` (on by default) leaves DeepSpeed's linear in place for
+    the rest of the process, by design; a later run in the same process (a notebook, a test worker) whose base is
+    not built so would train with it all the same. Each run calls this first: the run's own build decides."""
+    import torch.nn.functional as F
+
+    torch_linear = getattr(resolve("deepspeed", _DIST, TESTED_DEEPSPEED, *_LINEAR_PATCHER), "linear_bk", None)
+    if torch_linear is not None:
+        F.linear = torch_linear
+
+
+@contextlib.contextmanager
+def linear_as_trained(zero3_linear: bool) -> Iterator[None]:
+    """``torch.nn.functional.linear`` as a ZeRO-3 run trains with it, within the block: a model built under
+    ``deepspeed.zero.Init`` with ``zero_optimization.memory_efficient_linear`` (on by default) leaves DeepSpeed's
+    ``zero3_linear_wrap`` in its place for the rest of the process, whose autograd function saves its input also
+    for a frozen weight (torch's linear saves only the weight then). The planner's meta runs take it so
+    (``plan.layout_activations``)."""
+    if not zero3_linear:
+        yield
+        return
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    before, F.linear = F.linear, zero3_linear_wrap
+    try:
+        yield
+    finally:
+        F.linear = before

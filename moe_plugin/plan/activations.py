@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ..compat.deepspeed import linear_as_trained
 from ..ops.backend import planning_for
 from .routing import BalancedDispatch, kernels_device, plan_routing
 from .saved_bytes import _inputs, _LiveBytes, _run
@@ -260,6 +261,7 @@ def plan_activations(
     documents: Optional[Sequence[int]] = None,
     kernels: str = "cpu",
     context: int = 1,
+    linear: str = "torch",
 ) -> ActivationPlan:
     """The ``ActivationPlan`` of ``mc`` (a ``ModelConfig``) for ``batch`` rows of ``seq_len`` tokens on a rank
     holding ``local_experts`` experts, with the recipe's ``lora_section`` (None: no adapters) in ``dtype``.
@@ -267,15 +269,17 @@ def plan_activations(
     document and pad it to whole chunks, so short documents cost more); None: one document per row.
     kernels: ``"cpu"`` (the torch paths, as the CPU runs them) or ``"gpu"`` (the KDA kernel CUDA picks,
     ``ops.backend.META_KERNELS``). context: the context-parallel size; ``seq_len`` is then one rank's slice of each
-    row, and the gated-MLA layers run as the row's last rank (``plan/context_parallel.py``)."""
+    row, and the gated-MLA layers run as the row's last rank (``plan/context_parallel.py``). linear: ``"zero3"``
+    runs the layers with DeepSpeed's ``F.linear`` as a ZeRO-3 run trains them (``compat.deepspeed.linear_as_trained``),
+    ``"torch"`` with torch's."""
     cache = {} if cache is None else cache
     documents = tuple(documents) if documents else None
     if batch * seq_len <= 2 * RUN_TOKENS:
         return _plan_activations(
-            mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache, documents, kernels, context
+            mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache, documents, kernels, context, linear
         )
     t1 = linear_run_tokens(mc)
-    args = (local_experts, capacity, dtype, cache, documents, kernels, context)
+    args = (local_experts, capacity, dtype, cache, documents, kernels, context, linear)
     # under CP the MLA layers' gathered keys are CP x the slice: linear in the slice at a fixed CP too
     a = _plan_activations(mc, lora_section, 1, t1, *args)
     b = _plan_activations(mc, lora_section, 1, 2 * t1, *args)
@@ -296,7 +300,18 @@ def plan_activations(
 
 
 def _plan_activations(
-    mc, lora_section, batch, seq_len, local_experts, capacity, dtype, cache, documents, kernels, context=1
+    mc,
+    lora_section,
+    batch,
+    seq_len,
+    local_experts,
+    capacity,
+    dtype,
+    cache,
+    documents,
+    kernels,
+    context=1,
+    linear="torch",
 ) -> ActivationPlan:
     cu = packed_boundaries(batch, seq_len, documents)
     shape = (1, batch * seq_len, mc.hidden_size)
@@ -306,14 +321,14 @@ def _plan_activations(
     work_of: Dict[Tuple[str, bool], int] = {}
     config = _built_from(mc)
     routing = BalancedDispatch(local_experts, capacity)
-    with planning_for(kernels_device(kernels)):
+    with planning_for(kernels_device(kernels)), linear_as_trained(linear == "zero3"):
         for kind in dict.fromkeys(kinds):
             index = kinds.index(kind)
             # a dense-MLP layer is the same at any EP, capacity or expert format: keyed without them; the rows'
             # split (batch, seq_len) places the documents' cuts
             routed = (config, local_experts, capacity) if kind[1] else _built_from(mc, routed=False)
             cp = context if kind[0] == "mla" and context > 1 else 1  # only MLA layers see the whole row
-            key = ("layer", kind, routed, batch, seq_len, dtype, repr(lora_section), documents, kernels, cp)
+            key = ("layer", kind, routed, batch, seq_len, dtype, repr(lora_section), documents, kernels, cp, linear)
             if key not in cache:
                 # the layer's own mixing is measured apart (it depends on the layer's place in the stream)
                 cands = len(_state_shape(index, mc))
@@ -333,7 +348,7 @@ def _plan_activations(
                 if key not in cache:
                     cache[key] = _mixing_bytes(mc, shape, dtype, c)
                 mixing[c] = cache[key]
-        key = ("head", shape, dtype, config, repr(lora_section))
+        key = ("head", shape, dtype, config, repr(lora_section), linear)
         if key not in cache:
             cache[key] = _head_bytes(mc, shape, dtype, lora_section)
         head, head_working = cache[key]

@@ -27,6 +27,7 @@ from .activations import (
     linear_run_tokens,
     packed_boundaries,
 )
+from ..compat.deepspeed import linear_as_trained
 from ..ops.backend import planning_for
 from .routing import BalancedDispatch, kernels_device
 
@@ -59,13 +60,14 @@ def plan_checkpointed(
     kernels: str,
     mode: str,
     context: int = 1,
+    linear: str = "torch",
 ) -> CheckpointedPlan:
     """The ``CheckpointedPlan`` of ``mc`` in ``mode`` ("selective", "full" or "full_routing"); the other arguments as
     ``activations.plan_activations`` (long micro-batches extended linearly from two runs, as there; ``context``:
-    the context-parallel size, ``seq_len`` one rank's slice)."""
+    the context-parallel size, ``seq_len`` one rank's slice; ``linear``: as ``plan_activations``)."""
     cache = {} if cache is None else cache
     documents = tuple(documents) if documents else None
-    args = (mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode, context)
+    args = (mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode, context, linear)
     if batch * seq_len <= 2 * RUN_TOKENS:
         return _measure(*args, batch, seq_len)
     t1 = linear_run_tokens(mc)
@@ -81,19 +83,19 @@ def plan_checkpointed(
 
 
 def _measure(
-    mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode, context, batch, seq_len
+    mc, lora_section, local_experts, capacity, dtype, cache, documents, kernels, mode, context, linear, batch, seq_len
 ) -> CheckpointedPlan:
     cu = packed_boundaries(batch, seq_len, documents)
     shape = (1, batch * seq_len, mc.hidden_size)
     kinds = layer_kinds(mc)
     per_kind: Dict[Tuple[str, bool], Tuple[float, float]] = {}
-    with planning_for(kernels_device(kernels)):
+    with planning_for(kernels_device(kernels)), linear_as_trained(linear == "zero3"):
         for kind in dict.fromkeys(kinds):
             index = kinds.index(kind)
             routed = (_built_from(mc), local_experts, capacity) if kind[1] else _built_from(mc, routed=False)
             cp = context if kind[0] == "mla" and context > 1 else 1  # only MLA layers see the whole row
             key = ("checkpointed", mode, kind, routed, batch, seq_len, dtype, repr(lora_section), documents, kernels)
-            key += (cp,)
+            key += (cp, linear)
             if key not in cache:
                 cands = len(_state_shape(index, mc))
                 run = dict(cu_seqlens=cu, mode=mode, routing=BalancedDispatch(local_experts, capacity))

@@ -41,6 +41,7 @@ def activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]]
             documents_key,
             layout.checkpointing,
             layout.context,
+            _linear(layout),
         )
         if shape not in cache:
             cache[shape] = _activations(layout)
@@ -64,6 +65,7 @@ def activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]]
             documents,
             kernels,
             cp,
+            _linear(layout),
         )
         if layout.checkpointing != "off":  # what the mode keeps, from the layers' own rule (plan/checkpointing.py)
             act = replace(
@@ -81,6 +83,7 @@ def activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]]
                     kernels,
                     layout.checkpointing,
                     cp,
+                    _linear(layout),
                 ),
             )
         act = with_kda_exchange(act, mc, cp, layout.precision_bytes)
@@ -93,3 +96,11 @@ def activations_of(mc, lora_section, cache: dict, documents: Optional[List[int]]
         return replace(act, by_segment={**act.by_segment, "vision": saved}, vision_working=working)
 
     return of
+
+
+def _linear(layout: Layout) -> str:
+    """Which ``F.linear`` the layout's run trains with: ``"zero3"``, DeepSpeed's, which saves every input
+    (``compat.deepspeed.linear_as_trained``), under ZeRO-3 with ``memory_efficient_linear`` on (DeepSpeed's
+    default): ``zero.Init`` puts it in place, both around a checkpoint's build and when the engine partitions a
+    preset built whole; else ``"torch"``."""
+    return "zero3" if layout.zero3 and layout.zero.get("memory_efficient_linear", True) else "torch"

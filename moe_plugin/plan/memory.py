@@ -25,6 +25,8 @@ ZERO3_DEFAULTS = {
     "reduce_bucket_size": 500_000_000,
     "stage3_param_persistence_threshold": 100_000,
     "contiguous_gradients": True,
+    # F.linear replaced by DeepSpeed's for the process (compat.deepspeed.linear_as_trained): saves every input
+    "memory_efficient_linear": True,
 }
 
 

@@ -52,11 +52,12 @@ def start_processes(device: torch.device) -> bool:
             init_distributed(device=device.type)
         import deepspeed
 
-        from ..compat.deepspeed import use_current_collectives
+        from ..compat.deepspeed import restore_torch_linear, use_current_collectives
 
         # DeepSpeed's communication layer wraps the process group that is already up
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         use_current_collectives()  # ZeRO-3's collectives without torch's deprecation warnings in the progress bar
+        restore_torch_linear()  # the run's own build decides which linear it trains with
     except BaseException:
         if started and dist.is_initialized():
             dist.destroy_process_group()
