@@ -121,12 +121,17 @@ def runs(tmp_path_factory):
     accumulation = {"name": "accumulation", "recipe": _recipe(tmp / "accumulation-w1", 1, 1)}
     accumulation["recipe"]["schedule"].update(micro_batch_size=1, gradient_accumulation_steps=4)
     accumulation_fsdp2 = {"name": "accumulation_fsdp2", "recipe": _fsdp2(accumulation["recipe"], tmp / "acc-fsdp2")}
+    planted = {
+        "name": "planted",
+        "recipe": _fsdp2(accumulation["recipe"], tmp / "planted-fsdp2"),
+        "plant": "adapter_after_sharding",
+    }
     one = run_distributed(
         WORKER,
         world_size=1,
         timeout_s=900,
         recipes=[],
-        scenarios=_scenarios(tmp, 1, 1, bases) + [accumulation, accumulation_fsdp2],
+        scenarios=_scenarios(tmp, 1, 1, bases) + [accumulation, accumulation_fsdp2, planted],
     )
     recipes, resume = _resume_recipes(tmp, 4, 2)
     fsdp2 = {"name": FSDP2, "recipe": _fsdp2(_recipe(tmp, 4, 2), tmp / "fsdp2-w4")}
@@ -183,6 +188,14 @@ def test_fsdp2_at_ep2_on_4_processes_equals_one_process(runs):
     assert got["engine"].startswith("FSDP2") and ref["engine"] == "ZeRO stage 0"
     failures = check_run(ref, got, tokens=TOKENS, chain=CHAIN, lr=LR, max_norm=MAX_NORM)
     assert not failures, failures[:8]
+
+
+def test_an_adapter_attached_after_fsdp2_sharded_the_model_stops_the_step(runs):
+    """The planted bug of transformers #48792 (an adapter put on after ``fully_shard``: a plain tensor each rank
+    trains on its own, rank 0's saved): the FSDP2 engine's step refuses it by name before any update."""
+    error = runs[0]["scenarios"]["planted"]["error"]
+    assert error is not None
+    assert "lora_planted" in error and "outside FSDP2's shards" in error, error
 
 
 def test_the_balance_term_is_the_same_in_every_layout_and_on_both_backends(runs):

@@ -167,6 +167,9 @@ def run_scenarios(scenarios: list) -> dict:
     results = {}
     for scenario in scenarios:
         recipe = recipe_from_dict(copy.deepcopy(scenario["recipe"]))
+        if scenario.get("plant") == "adapter_after_sharding":
+            results[scenario["name"]] = _adapter_after_sharding(recipe)
+            continue
         with Trainer(recipe) as trainer:
             _force_routing(trainer, scenario.get("routing", "free"))
             result = steps_with_gradients(trainer)
@@ -178,6 +181,21 @@ def run_scenarios(scenarios: list) -> dict:
         results[scenario["name"]] = result
         dist.barrier()
     return results
+
+
+def _adapter_after_sharding(recipe) -> dict:
+    """The planted bug of transformers #48792: an adapter attached after the engine sharded the model (a plain
+    tensor each rank would train on its own); what the next step says."""
+    from moe_plugin.training.loop import Trainer
+
+    with Trainer(recipe) as trainer:
+        layer = next(m for n, m in trainer.engine.module.named_modules() if n.endswith("layers.0"))
+        layer.register_parameter("lora_planted", torch.nn.Parameter(torch.zeros(4)))
+        try:
+            trainer.train_step()
+        except ValueError as e:
+            return {"error": str(e)}
+    return {"error": None}
 
 
 def run_recipes(recipes: list) -> list:

@@ -90,8 +90,10 @@ class FSDP2Engine(Engine):
         fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=set(experts))
         mark_sharded_owners(model)
         self.module = self.forward = model
+        self.kept = kept
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.expert_trainable = [p for p in self.trainable if id(p) in kept]
+        self._check_sharded()
         self.optimizer, self.lr_scheduler = adamw(self.trainable, recipe.schedule)
         self._steps = 0
 
@@ -124,6 +126,23 @@ class FSDP2Engine(Engine):
                 dist.all_reduce(p.grad, group=layout.expert_data_group)
             p.grad.div_(layout.gradient_ranks)
 
+    def _check_sharded(self) -> None:
+        """Every trainable parameter is FSDP2's (a sharded ``DTensor``) or a routed expert's kept whole, and the
+        optimizer holds each: an adapter attached after ``fully_shard`` would be a plain tensor each rank trained
+        on its own (and, added after the optimizer was made, never stepped), with rank 0's saved."""
+        from torch.distributed.tensor import DTensor
+
+        stepped = {id(p) for p in self.trainable}
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if (id(p) not in self.kept and not isinstance(p, DTensor)) or id(p) not in stepped:
+                raise ValueError(
+                    f"{name}: a trainable parameter outside FSDP2's shards and the optimizer (added after the engine "
+                    "sharded the model?); every rank would train its own copy of it. Put adapters on the model "
+                    "before the engine is made (the backend's build adds them before fully_shard)"
+                )
+
     @torch.no_grad()
     def global_grad_norm(self) -> float:
         """The norm of every trainable gradient of the model across all ranks (module docstring), fp64."""
@@ -150,6 +169,7 @@ class FSDP2Engine(Engine):
     def step(self, last: bool) -> Optional[float]:
         if not last:
             return None
+        self._check_sharded()
         norm = self.global_grad_norm()
         if self.max_norm is not None:
             coefficient = self.max_norm / (norm + EPS)
