@@ -183,9 +183,13 @@ def tensor_peak(events, names=()) -> Dict[str, float]:
     return out
 
 
-def measure_worker(recipes: List[dict], threads: int = 1) -> List[Dict[str, float]]:
+def measure_worker(recipes: List[dict], threads: int = 1, count_attention: bool = False) -> List[Dict[str, float]]:
     """Run each recipe's ``Trainer`` for its steps in this process under ``torch.profiler``; per recipe the
-    peak of tensor bytes over the run (``peak_bytes``) and per phase (``phases``: build, step 1, ...)."""
+    peak of tensor bytes over the run (``peak_bytes``) and per phase (``phases``: build, step 1, ...).
+    ``count_attention``: then one more step, outside the measured run, under torch's FLOP counter, whose gated
+    MLA layers' FLOPs (forward and backward: the layer's whole work on this rank) are ``attention_flops``."""
+    import contextlib
+
     import deepspeed  # noqa: F401  imported before the baseline: imports are not the model
     import megatron.core  # noqa: F401
     import torch
@@ -199,19 +203,35 @@ def measure_worker(recipes: List[dict], threads: int = 1) -> List[Dict[str, floa
     for values in recipes:
         _settle()
         phases = ["build"] + [f"step {i + 1}" for i in range(values["schedule"]["steps"])]
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with record_function(phases[0]):
-                trainer = Trainer(recipe_from_dict(values))
-            with trainer:
+        with contextlib.ExitStack() as stack:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                with record_function(phases[0]):
+                    trainer = Trainer(recipe_from_dict(values))
+                stack.enter_context(trainer)
                 for phase in phases[1:]:
                     with record_function(phase):
                         trainer.train_step()
                 losses = [float(x) for x in trainer.result.losses]
+            flops = _attention_flops(trainer) if count_attention else None
         peaks = tensor_peak(prof.profiler.kineto_results.events(), phases)
         out.append({"peak_bytes": peaks.pop("all"), "phases": peaks, "loss": losses[-1], "losses": losses})
+        if flops is not None:
+            out[-1]["attention_flops"] = flops
         del prof
         _settle()
     return out
+
+
+def _attention_flops(trainer) -> float:
+    """The FLOPs (``torch.utils.flop_counter``) of one training step's gated MLA layers on this rank."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        trainer.train_step()
+    mla = [i for i, kind in enumerate(trainer.model_config.layer_types) if kind == "mla"]
+    ends = tuple(f"layers.{i}.self_attention" for i in mla)
+    return float(sum(sum(ops.values()) for name, ops in counter.get_flop_counts().items() if name.endswith(ends)))
 
 
 def measure_phases_worker(phases: List[dict]) -> List[Optional[List[Dict[str, float]]]]:
@@ -242,7 +262,9 @@ def measure_phases_worker(phases: List[dict]) -> List[Optional[List[Dict[str, fl
             )
             init_distributed("cpu")  # one group a phase, as run_distributed starts one for a launch of its size
             try:
-                out.append(measure_worker(phase["recipes"], phase.get("threads", 1)))
+                out.append(
+                    measure_worker(phase["recipes"], phase.get("threads", 1), phase.get("count_attention", False))
+                )
             finally:
                 destroy_distributed()
     finally:

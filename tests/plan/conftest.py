@@ -14,7 +14,7 @@ import pytest
 from moe_plugin.testing.launch import run_distributed
 from moe_plugin.testing.plan_measure import CALIBRATION, layout_recipe, layout_recipes, measured_ds_config, planned_peak
 
-CP_WORLD, CP, CP_TOKENS = 4, 4, 32768
+CP_WORLD, CP, CP_TOKENS = 4, 4, 65536
 
 
 def _cp_recipe(directory: str, name: str, shape: dict, seq_len: int, ds_config: str, steps: int) -> dict:
@@ -30,7 +30,8 @@ def _cp_recipe(directory: str, name: str, shape: dict, seq_len: int, ds_config: 
 def measured_plans():
     """``{name: (planned peaks, per-rank measurements)}`` for ``"world 1"``, ``"world 2"``, ``"world 4"`` (the
     calibration first, then ``plan_measure.measured_layouts(world)``) and ``"context parallel"`` (its
-    calibration, then the 32 k-token row at CP 4); the planned peaks exclude the framework's overhead."""
+    calibration, then the 64 k-token row at CP 4, its gated MLA layers' FLOPs counted on each rank); the planned
+    peaks exclude the framework's overhead."""
     with tempfile.TemporaryDirectory() as tmp:
         for world in (1, 2, 4):
             os.makedirs(f"{tmp}/w{world}")
@@ -44,6 +45,7 @@ def measured_plans():
                     _cp_recipe(tmp, "long", {}, CP_TOKENS, cp_ds, steps=3),  # the tiny preset as it ships
                 ],
                 threads=1,
+                count_attention=True,
             ),
             "world 2": dict(world=2, recipes=layout_recipes(f"{tmp}/w2", 2), threads=1),
             "world 1": dict(world=1, recipes=layout_recipes(f"{tmp}/w1", 1), threads=2),
