@@ -186,8 +186,8 @@ def tensor_peak(events, names=()) -> Dict[str, float]:
 def measure_worker(recipes: List[dict], threads: int = 1, count_attention: bool = False) -> List[Dict[str, float]]:
     """Run each recipe's ``Trainer`` for its steps in this process under ``torch.profiler``; per recipe the
     peak of tensor bytes over the run (``peak_bytes``) and per phase (``phases``: build, step 1, ...).
-    ``count_attention``: then one more step, outside the measured run, under torch's FLOP counter, whose gated
-    MLA layers' FLOPs (forward and backward: the layer's whole work on this rank) are ``attention_flops``."""
+    ``count_attention``: then one more step, outside the measured run, whose gated MLA layers' forward FLOPs on
+    this rank are ``attention_flops`` (``_attention_flops``)."""
     import contextlib
 
     import deepspeed  # noqa: F401  imported before the baseline: imports are not the model
@@ -223,15 +223,36 @@ def measure_worker(recipes: List[dict], threads: int = 1, count_attention: bool 
 
 
 def _attention_flops(trainer) -> float:
-    """The FLOPs (``torch.utils.flop_counter``) of one training step's gated MLA layers on this rank."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """The FLOPs of one training step's gated MLA forwards on this rank: every op with a formula in
+    ``torch.utils.flop_counter`` (the products) run while one of them is on the stack. Forward only (their
+    backward repeats the same work): torch's ``FlopCounterMode`` tracks modules by hooks on their outputs' grad
+    functions, which the chunked attention's autograd function has none of inside."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
 
-    counter = FlopCounterMode(display=False)
-    with counter:
-        trainer.train_step()
+    module = trainer.engine.module
     mla = [i for i, kind in enumerate(trainer.model_config.layer_types) if kind == "mla"]
     ends = tuple(f"layers.{i}.self_attention" for i in mla)
-    return float(sum(sum(ops.values()) for name, ops in counter.get_flop_counts().items() if name.endswith(ends)))
+    layers = [m for name, m in module.named_modules() if name.endswith(ends)]
+    inside, total = [0], [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            formula = flop_registry.get(func._overloadpacket)
+            if inside[0] and formula is not None:
+                total[0] += formula(*args, **(kwargs or {}), out_val=out)
+            return out
+
+    hooks = [m.register_forward_pre_hook(lambda *_: inside.__setitem__(0, inside[0] + 1)) for m in layers]
+    hooks += [m.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] - 1)) for m in layers]
+    try:
+        with Count():
+            trainer.train_step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return float(total[0])
 
 
 def measure_phases_worker(phases: List[dict]) -> List[Optional[List[Dict[str, float]]]]:
