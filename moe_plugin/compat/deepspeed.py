@@ -32,6 +32,7 @@ whose FutureWarning every rank printed into the progress bar. No warning is filt
 from __future__ import annotations
 
 import contextlib
+import sys
 import os
 import pickle
 import zipfile
@@ -403,6 +404,12 @@ def linear_as_trained(zero3_linear: bool) -> Iterator[None]:
         yield
         return
     import torch.nn.functional as F
+
+    if "deepspeed" not in sys.modules:
+        # the planner's first import of DeepSpeed: its logger, made now, writes to stderr (the plan's --json owns
+        # stdout; DeepSpeed announces the accelerator it picked when imported)
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed  # noqa: F401
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
     before, F.linear = F.linear, zero3_linear_wrap

@@ -28,11 +28,16 @@ def format_plan(plan) -> str:
         f"layout: {L.devices} devices, EP {L.ep} (expert-data-parallel {L.devices // L.ep}), "
         + (
             f"context parallel {L.context} ({L.seq_len // L.context:,} tokens a rank; data-parallel "
-            f"{L.devices // L.context}, ZeRO-3 over data x context), "
+            f"{L.devices // L.context}, sharded over data x context), "
             if L.context > 1
             else ""
         )
-        + f"ZeRO-3 {'on' if L.zero3 else 'off'}, micro-batch {L.micro_batch} x {L.seq_len} tokens, "
+        + (
+            f"FSDP2 (reshard after forward {str(L.reshard_after_forward).lower()}), "
+            if L.sharding == "fsdp2"
+            else f"ZeRO-3 {'on' if L.zero3 else 'off'}, "
+        )
+        + f"micro-batch {L.micro_batch} x {L.seq_len} tokens, "
         f"accumulation {L.grad_accum}, activation checkpointing {L.checkpointing}, "
         f"{'bf16' if L.precision_bytes == 2 else 'fp32'}, capacity factor {L.capacity}"
         + (f", {L.images} pictures of {L.image_size} px per micro-batch" if L.images else "")
@@ -135,6 +140,11 @@ def _plan(argv: List[str]) -> int:
         help="ranks splitting each row (default: the recipe's parallel.context_parallel_size), or 'auto': the "
         "smallest power of two dividing --devices and the row at which the plan fits --device-memory",
     )
+    p.add_argument(
+        "--sharding",
+        choices=["zero3", "fsdp2"],
+        help="the engine that shards the model (default: the recipe's parallel.sharding)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     require(
@@ -183,6 +193,7 @@ def _plan(argv: List[str]) -> int:
         kernels=args.kernels,
         from_checkpoint=args.from_checkpoint,
         context_parallel=cp,
+        sharding=args.sharding,
     )
     plan.recipe = args.recipe
     print(json.dumps(plan.to_dict(), indent=1, default=str) if args.json else format_plan(plan))

@@ -57,6 +57,11 @@ class Layout:
     # the expert-parallel dispatch's overlapped chunks (parallel.moe_overlap_chunks): at most one chunk's
     # dispatch and one chunk's return are in flight at once, each a send and a receive buffer of rows / N
     overlap_chunks: int = 1
+    # parallel.sharding: "zero3" (DeepSpeed, ``zero3`` says whether it partitions) or "fsdp2" (torch's
+    # fully_shard per decoder layer and the root over every rank, the routed experts whole on their EP rank;
+    # ``reshard_after_forward``: a layer's gathered parameters freed after its forward, else kept to its backward)
+    sharding: str = "zero3"
+    reshard_after_forward: bool = True
 
 
 @dataclass
@@ -74,6 +79,7 @@ class MemoryPlan:
     step_peak: float
     peak: float
     context: Dict[str, float] = field(default_factory=dict)
+    sharding: str = "zero3"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,13 +90,20 @@ class MemoryPlan:
         return {
             **{f"frozen base: {kind}": v for kind, v in self.base.items()},
             **{f"adapters: {kind}": v for kind, v in self.adapters.items()},
-            "ZeRO-3 gathered parameters (live + prefetch)": self.gathered,
+            GATHERED_TERM[self.sharding]: self.gathered,
             "gradient reduce bucket": self.buckets,
             **{f"activations: {segment}": v for segment, v in self.activations_by_segment.items()},
             "working tensors at the peak (forward / logits)": self.transient,
             "expert all-to-all buffers": self.dispatch,
             "framework overhead (constant)": self.overhead,
         }
+
+
+# the gathered-parameters line of the plan's table, by engine
+GATHERED_TERM = {
+    "zero3": "ZeRO-3 gathered parameters (live + prefetch)",
+    "fsdp2": "FSDP2 gathered parameters (root + layers in flight)",
+}
 
 
 def _local_full_numel(counts: ModelCounts, ep: int) -> float:
@@ -117,18 +130,27 @@ def plan_memory(
     world, ep = L.devices, L.ep
     edp = world // ep
     z = L.zero
-    share = rank_share(counts, world, ep, L.zero3)
+    fsdp2 = L.sharding == "fsdp2"
+    share = rank_share(counts, world, ep, L.zero3 or fsdp2)
+    if fsdp2:  # the routed experts are FSDP2's ignored_params: whole on their EP rank (training/engines/fsdp2.py)
+        share["experts"] = counts.kinds["experts"].nbytes / ep
     base = {kind: share[kind] for kind in ("experts", "dense", "embeddings", "vision")}
     dense_ad = counts.adapter_numel - counts.expert_adapter_numel
-    ad_local = (
-        (dense_ad / world + counts.expert_adapter_numel / ep / edp)
-        if L.zero3
-        else (dense_ad + counts.expert_adapter_numel / ep)
-    )
-    master = 4 if pb == 2 else 0  # an fp32 master copy beside bf16 weights
-    adapters = {"weights": ad_local * pb, "gradients": ad_local * 4, "optimizer": ad_local * (8 + master)}
+    if fsdp2:
+        ad_local = dense_ad / world + counts.expert_adapter_numel / ep
+    elif L.zero3:
+        ad_local = dense_ad / world + counts.expert_adapter_numel / ep / edp
+    else:
+        ad_local = dense_ad + counts.expert_adapter_numel / ep
+    # an fp32 master copy beside bf16 weights (DeepSpeed's); FSDP2 stores the trainable shards fp32 and
+    # gathers them in bf16 for compute (MixedPrecisionPolicy)
+    master = 4 if pb == 2 and not fsdp2 else 0
+    weights = ad_local * (4 if fsdp2 else pb)
+    adapters = {"weights": weights, "gradients": ad_local * 4, "optimizer": ad_local * (8 + master)}
     full_local = _local_full_numel(counts, ep)
-    if L.zero3:
+    if fsdp2:
+        gathered, buckets = _fsdp2_gathered(counts, L)
+    elif L.zero3:
         layer_max = max([n - e + e / ep for n, e in zip(counts.layer_numel, counts.layer_expert_numel)] or [0])
         if full_local <= z["stage3_max_reuse_distance"]:
             live = full_local  # every parameter is reused within the distance: all stay gathered after step 1
@@ -184,7 +206,7 @@ def plan_memory(
         "edp": edp,
         "context_parallel": L.context,
         "data_parallel": world // L.context,
-        "zero3_shards": world if L.zero3 else 1,  # data x context
+        "zero3_shards": world if L.zero3 or fsdp2 else 1,  # data x context (FSDP2's dense mesh too)
     }
     return MemoryPlan(
         base=base,
@@ -200,7 +222,25 @@ def plan_memory(
         step_peak=step_peak,
         peak=peak,
         context=context,
+        sharding=L.sharding,
     )
+
+
+def _fsdp2_gathered(counts: ModelCounts, L: Layout) -> tuple:
+    """FSDP2's parameters gathered at once and its reduce-scatter input, bytes: the root's own (embedding, final
+    norm, output layer, vision tower: gathered from forward to backward) and, per decoder layer without its routed
+    experts, the largest in use and the next one gathered ahead of it (``reshard_after_forward``), or every
+    layer (kept from its forward to its backward otherwise), in the compute dtype; the largest layer's trainable
+    gradient unsharded in fp32 before its reduce-scatter."""
+    pb = L.precision_bytes
+    layers = [n - e for n, e in zip(counts.layer_numel, counts.layer_expert_numel)]
+    root = counts.total_numel - sum(counts.layer_numel)
+    in_flight = (2 * max(layers or [0])) if L.reshard_after_forward else sum(layers)
+    dense_trainable = counts.adapter_numel - counts.expert_adapter_numel
+    if dense_trainable == 0:  # full training: every dense parameter
+        dense_trainable = counts.total_numel - sum(counts.layer_expert_numel)
+    per_layer = dense_trainable / max(1, len(layers))
+    return (root + in_flight) * pb, per_layer * 4
 
 
 def _checkpointed(act: ActivationPlan, mode: str):
@@ -243,11 +283,12 @@ def devices_from_ds_config(ds: Optional[dict], micro_batch: int, accum: int) -> 
     return None
 
 
-def zero3_at(ds_config: Optional[dict], devices: int) -> bool:
-    """Whether the trainer partitions with ZeRO-3 at ``devices`` ranks: the DeepSpeed config asks for stage 3, or
-    there is more than one rank (``training.ds_config``: the default config is ZeRO-3 then, and a given one
-    must be). The one rule for every device count the planner plans."""
-    return zero_stage(ds_config) == 3 or devices > 1
+def zero3_at(ds_config: Optional[dict], devices: int, sharding: str = "zero3") -> bool:
+    """Whether the trainer partitions with ZeRO-3 at ``devices`` ranks: the engine is DeepSpeed's
+    (``parallel.sharding`` "zero3") and its config asks for stage 3, or there is more than one rank
+    (``training.ds_config``: the default config is ZeRO-3 then, and a given one must be). The one rule for every
+    device count the planner plans."""
+    return sharding == "zero3" and (zero_stage(ds_config) == 3 or devices > 1)
 
 
 def zero_settings(ds_config: Optional[dict]) -> Dict[str, int]:
@@ -269,6 +310,7 @@ def min_devices(
     micro-batch kept, each planned as ``plan_recipe`` plans that count (``zero3_at``)."""
     step = math.lcm(layout.ep, layout.context)
     for d in range(step, limit + 1, step):
-        if plan_memory(counts, mc, act, replace(layout, devices=d, zero3=zero3_at(ds, d))).peak <= device_memory:
+        at = replace(layout, devices=d, zero3=zero3_at(ds, d, layout.sharding))
+        if plan_memory(counts, mc, act, at).peak <= device_memory:
             return d
     return None

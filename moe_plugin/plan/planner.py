@@ -96,6 +96,7 @@ def plan_recipe(
     from_checkpoint: Optional[bool] = None,
     context_parallel=None,
     summaries: bool = True,
+    sharding: Optional[str] = None,
 ) -> Plan:
     """Plan ``recipe`` (a validated ``Recipe``) at a layout; arguments left ``None`` come from the recipe and
     its DeepSpeed config (``devices`` from its ``train_batch_size``; ``images``, pictures per micro-batch
@@ -113,7 +114,9 @@ def plan_recipe(
     which the plan fits ``device_memory``, planned at it, the search in ``Plan.context_search``).
     ``cache`` keeps counts and meta-measured activation models between calls (keyed by the model's
     structure). ``summaries``: also plan one 1 M-token row and every checkpointing mode (``Plan.million_context``,
-    ``Plan.modes``); False plans the layout alone, the same peak in a fraction of the time."""
+    ``Plan.modes``); False plans the layout alone, the same peak in a fraction of the time. ``sharding``: the
+    engine, ``"zero3"`` or ``"fsdp2"`` (by default the recipe's ``parallel.sharding``; FSDP2 reads nothing of the
+    DeepSpeed config but its ``train_batch_size``)."""
     return _plan(
         recipe,
         devices,
@@ -132,6 +135,7 @@ def plan_recipe(
         from_checkpoint,
         context=summaries,
         context_parallel=context_parallel,
+        sharding=sharding,
     )
 
 
@@ -153,6 +157,7 @@ def _plan(
     from_checkpoint,
     context: bool,
     context_parallel=None,
+    sharding=None,
 ) -> Plan:
     """``plan_recipe``; ``context=False`` leaves out the 1M-token context (``million_context`` empty), which
     costs two meta forwards of every layer kind at 8k and 16k tokens, for a plan read only for its peak."""
@@ -216,7 +221,9 @@ def _plan(
         "parallel.expert_parallel_size",
         f"{ep} does not divide the model's {mc.moe.num_experts} experts",
     )
-    zero3 = zero3_at(ds, devices)
+    sharding = recipe.parallel.sharding if sharding is None else sharding
+    require(sharding in ("zero3", "fsdp2"), "--sharding", f"must be 'zero3' or 'fsdp2', got {sharding!r}")
+    zero3 = zero3_at(ds, devices, sharding)
     pb = 2 if s.precision == "bf16" else 4
     if images is None:
         images = micro_batch if wants_images(recipe, mc) else 0
@@ -267,6 +274,8 @@ def _plan(
         kernels=kernels,
         context=1 if auto else cp,
         overlap_chunks=recipe.parallel.moe_overlap_chunks,
+        sharding=sharding,
+        reshard_after_forward=recipe.parallel.reshard_after_forward,
     )
     search: Dict[str, object] = {}
     if auto:
@@ -329,7 +338,7 @@ def _plan(
 
 
 def _at_devices(layout: Layout, devices: int, cp: int, ds) -> Layout:
-    return replace(layout, devices=devices, context=cp, zero3=zero3_at(ds, devices))
+    return replace(layout, devices=devices, context=cp, zero3=zero3_at(ds, devices, layout.sharding))
 
 
 def _exchange(mc, layout: Layout) -> Dict[str, float]:
@@ -380,7 +389,7 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
         if ep >= 1 and e % ep == 0 and layout.devices % ep == 0 and ep != layout.ep:
             variants[f"EP {ep}"] = replace(layout, ep=ep)
     variants[f"{layout.devices * 2} devices"] = replace(
-        layout, devices=layout.devices * 2, zero3=zero3_at(ds, layout.devices * 2)
+        layout, devices=layout.devices * 2, zero3=zero3_at(ds, layout.devices * 2, layout.sharding)
     )
     for name, variant in variants.items():
         out[name] = base - plan_memory(counts, mc, act, variant).peak
@@ -403,6 +412,7 @@ def _knobs(recipe, plan, counts, mc, act, cache, capacity, checkpointing, expert
         not layout.preset_build,
         context=False,
         context_parallel=layout.context,
+        sharding=layout.sharding,
     )
     out[f"experts {other}"] = base - alt.memory.peak
     return out

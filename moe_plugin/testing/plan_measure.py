@@ -109,6 +109,7 @@ def layout_recipe(
     steps: int = 2,
     ds_config: Optional[str] = SHIPPED_DS_CONFIG,
     checkpointing: str = "off",
+    sharding: str = "zero3",
 ) -> dict:
     """A LoRA recipe on the seed's targets (one micro-batch of 2 rows per rank), fp32 as the CPU trains. Two
     steps: DeepSpeed records its module trace in the first and runs the second in the steady state (the
@@ -116,11 +117,11 @@ def layout_recipe(
     return {
         "output_dir": output_dir,
         "seed": 0,
-        "deepspeed": ds_config if world > 1 else None,
+        "deepspeed": ds_config if world > 1 and sharding == "zero3" else None,
         "model": {"preset": "tiny", "overrides": dict(shape, expert_format=expert_format)},
         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "gate"]},
         "data": {"kind": "arithmetic", "num_documents": 400, "seq_len": seq_len, "eval_fraction": 0.0},
-        "parallel": {"backend": "megatron", "expert_parallel_size": ep},
+        "parallel": {"backend": "megatron", "expert_parallel_size": ep, "sharding": sharding},
         "schedule": {
             "steps": steps,
             "micro_batch_size": 2,
@@ -131,6 +132,18 @@ def layout_recipe(
         "checkpoint": {"every": 0},
         "logging": {"every": 1000, "progress_bar": False, "wandb": {"mode": "disabled"}},
     }
+
+
+# FSDP2 (parallel.sharding "fsdp2"): measured on 4 processes after their own calibration
+FSDP2_LAYOUTS = [(4, 2, 512, "dense"), (4, 2, 1024, "mxfp4"), (4, 1, 512, "dense")]
+
+
+def fsdp2_recipes(directory: str) -> List[dict]:
+    """The FSDP2 calibration recipe, then those of ``FSDP2_LAYOUTS``, with outputs in ``directory``."""
+    return [layout_recipe(f"{directory}/calibration", 4, 1, 256, shape=CALIBRATION, sharding="fsdp2")] + [
+        layout_recipe(f"{directory}/l{i}", w, ep, seq, fmt, sharding="fsdp2")
+        for i, (w, ep, seq, fmt) in enumerate(FSDP2_LAYOUTS)
+    ]
 
 
 def measured_layouts(world: int) -> List[tuple]:

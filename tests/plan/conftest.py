@@ -12,7 +12,14 @@ import tempfile
 import pytest
 
 from moe_plugin.testing.launch import run_distributed
-from moe_plugin.testing.plan_measure import CALIBRATION, layout_recipe, layout_recipes, measured_ds_config, planned_peak
+from moe_plugin.testing.plan_measure import (
+    CALIBRATION,
+    fsdp2_recipes,
+    layout_recipe,
+    layout_recipes,
+    measured_ds_config,
+    planned_peak,
+)
 
 CP_WORLD, CP, CP_TOKENS = 4, 4, 65536
 
@@ -29,12 +36,13 @@ def _cp_recipe(directory: str, name: str, shape: dict, seq_len: int, ds_config: 
 @pytest.fixture(scope="session")
 def measured_plans():
     """``{name: (planned peaks, per-rank measurements)}`` for ``"world 1"``, ``"world 2"``, ``"world 4"`` (the
-    calibration first, then ``plan_measure.measured_layouts(world)``) and ``"context parallel"`` (its
-    calibration, then the 64 k-token row at CP 4, its gated MLA layers' FLOPs counted on each rank); the planned
-    peaks exclude the framework's overhead."""
+    calibration first, then ``plan_measure.measured_layouts(world)``), ``"fsdp2"`` (its calibration, then
+    ``plan_measure.FSDP2_LAYOUTS``) and ``"context parallel"`` (its calibration, then the 64 k-token row at CP 4,
+    its gated MLA layers' FLOPs counted on each rank); the planned peaks exclude the framework's overhead."""
     with tempfile.TemporaryDirectory() as tmp:
         for world in (1, 2, 4):
             os.makedirs(f"{tmp}/w{world}")
+        os.makedirs(f"{tmp}/fsdp2")
         cp_ds = measured_ds_config(tmp)
         phases = {
             "world 4": dict(world=4, recipes=layout_recipes(f"{tmp}/w4", 4), threads=1),
@@ -47,6 +55,7 @@ def measured_plans():
                 threads=1,
                 count_attention=True,
             ),
+            "fsdp2": dict(world=4, recipes=fsdp2_recipes(f"{tmp}/fsdp2"), threads=1),
             "world 2": dict(world=2, recipes=layout_recipes(f"{tmp}/w2", 2), threads=1),
             "world 1": dict(world=1, recipes=layout_recipes(f"{tmp}/w1", 1), threads=2),
         }
