@@ -32,9 +32,9 @@ whose FutureWarning every rank printed into the progress bar. No warning is filt
 from __future__ import annotations
 
 import contextlib
-import sys
 import os
 import pickle
+import sys
 import zipfile
 from typing import Any, Iterator, List, Tuple
 
@@ -384,8 +384,9 @@ _LINEAR_PATCHER = ("deepspeed.runtime.zero.partition_parameters", "InsertPostIni
 def restore_torch_linear() -> None:
     """``torch.nn.functional.linear`` back to torch's own, as a fresh process has it. A base built under
     ``deepspeed.zero.Init`` with ``memory_efficient_linear`` (on by default) leaves DeepSpeed's linear in place for
-    the rest of the process, by design; a later run in the same process (a notebook, a test worker) whose base is
-    not built so would train with it all the same. Each run calls this first: the run's own build decides."""
+    the rest of the process, by design (as does the engine's conversion of a model built whole); a later run in the
+    same process (a notebook, a test worker) whose config turns it off, or one under FSDP2, would train with it all
+    the same. Each run calls this first: the run's own engine and config decide."""
     import torch.nn.functional as F
 
     torch_linear = getattr(resolve("deepspeed", _DIST, TESTED_DEEPSPEED, *_LINEAR_PATCHER), "linear_bk", None)

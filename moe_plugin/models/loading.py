@@ -199,7 +199,7 @@ def load_k3_layout(cls: type, path: Any, strict: bool = True, **kwargs: Any):
     stats = load_k3_weights(model, path, dtype, strict=strict, ignore_vision=text_only, ignore_mtp=True)
     if os.path.isfile(os.path.join(path, "generation_config.json")) and model.can_generate():
         # as transformers' from_pretrained does: the release's stop ids (eos <|end_of_msg|>) and defaults
-        model.generation_config = GenerationConfig.from_pretrained(path)  # generation_config.json
+        model.generation_config = GenerationConfig.from_pretrained(path)
     if not want_info:
         return model
     info = {"missing_keys": list(stats.fresh), "unexpected_keys": list(stats.unknown), "mismatched_keys": []}
